@@ -1,0 +1,11 @@
+"""rematd's client: attach it to a model and it applies checkpoint plans between steps.
+
+    from rematd import client
+    h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
+"""
+
+from rematd.client.discovery import BlockDiscoveryError, find_blocks
+from rematd.client.handle import Handle, attach
+from rematd.planner import Plan
+
+__all__ = ["BlockDiscoveryError", "Handle", "Plan", "attach", "find_blocks"]

@@ -1,0 +1,54 @@
+"""Where plans come from: the planner in this process, or a service over gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from rematd.planner import Plan, PlannerSession
+from rematd.records import Hello, OomReport, StepStats, observation, open_planner
+
+PlanCallback = Callable[[Plan], None]
+
+
+class Backend(Protocol):
+    """What a handle needs from a source of plans. No method may block on the network."""
+
+    def open(self, hello: Hello) -> None: ...
+    def send_stats(self, stats: StepStats) -> None: ...
+    def send_oom(self, oom: OomReport) -> None: ...
+    def flush(self, timeout: float) -> bool: ...
+    def close(self, timeout: float) -> None: ...
+
+
+class EmbeddedBackend:
+    """Runs the planner in-process, on the training thread (it takes microseconds)."""
+
+    def __init__(self, on_plan: PlanCallback) -> None:
+        self._on_plan = on_plan
+        self._hello: Hello | None = None
+        self._session: PlannerSession | None = None
+
+    def open(self, hello: Hello) -> None:
+        self._hello = hello
+        self._session = open_planner(hello)
+        self._on_plan(self._session.plan)
+
+    def send_stats(self, stats: StepStats) -> None:
+        if self._session is None or self._hello is None:
+            return
+        plan = self._session.observe(observation(self._hello, stats))
+        if plan is not None:
+            self._on_plan(plan)
+
+    def send_oom(self, oom: OomReport) -> None:
+        if self._session is not None:
+            plan = self._session.report_oom()
+            if plan is not None:
+                self._on_plan(plan)
+
+    def flush(self, timeout: float) -> bool:
+        return True
+
+    def close(self, timeout: float) -> None:
+        self._session = None

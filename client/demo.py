@@ -1,0 +1,159 @@
+"""``rematd demo``: a small GPT trains on the CPU while its sequence length changes.
+
+The client streams to a rematd service (in-process unless ``--server`` names
+one) and a line per step shows the plan tighten as sequences grow and loosen
+when they shrink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rematd.client.handle import Handle, attach
+from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+
+MiB = 2**20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoConfig:
+    """The demo's workload."""
+
+    steps: int = 240
+    """Training steps in all."""
+    short_seq: int = 64
+    """Sequence length at the start and the end."""
+    long_seq: int = 256
+    """Sequence length in the middle third."""
+    batch: int = 8
+    """Sequences per batch."""
+    budget_mib: float = 40.0
+    """Cap on activation memory (bytes saved for backward), MiB."""
+    n_layer: int = 8
+    """Decoder blocks."""
+    d_model: int = 128
+    """Model width."""
+    seed: int = 0
+    """Seed for the model and the data."""
+
+    def seq_at(self, step: int) -> int:
+        third = max(1, self.steps // 3)
+        return self.long_seq if third <= step < 2 * third else self.short_seq
+
+
+def corpus() -> torch.Tensor:
+    """Bytes of this package's own source: real text to learn, shipped with rematd."""
+    here = Path(__file__).resolve().parent
+    text = b"".join(p.read_bytes() for p in sorted(here.glob("*.py")))
+    return torch.tensor(list(text), dtype=torch.long)
+
+
+def batches(cfg: DemoConfig) -> Iterator[tuple[int, torch.Tensor]]:
+    data = corpus()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for step in range(cfg.steps):
+        seq = cfg.seq_at(step)
+        starts = torch.randint(0, len(data) - seq - 1, (cfg.batch,), generator=gen)
+        yield step, torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:7.1f}"
+
+
+def train(
+    cfg: DemoConfig,
+    *,
+    server: str | None,
+    job: str,
+    sync: bool = False,
+    out: Callable[[str], None] = print,
+) -> Handle:
+    """Run the demo's training loop; returns the (closed) handle."""
+    torch.manual_seed(cfg.seed)
+    model = TinyGPT(GPTConfig(n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=4, max_seq_len=cfg.long_seq))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    h = attach(model, server=server, job=job, budget_bytes=int(cfg.budget_mib * MiB), optimizer=opt)
+    out(f"{'step':>5} {'seq':>5} {'plan':>10} {'ckpt':>5} {'pred MiB':>8} {'peak MiB':>8} {'budget':>7} {'sec':>6} loss")
+    try:
+        for step, batch in batches(cfg):
+            t0 = time.perf_counter()
+            loss = lm_loss(model, batch)
+            plan = h.plan  # the plan is swapped in at the forward's start, so read it after
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if sync:
+                h.flush(10.0)
+            stats = h.last_stats
+            peak = stats.saved_peak_bytes if stats else 0
+            every = {0: "none" if not plan.blocks else "custom", 1: "all"}.get(plan.checkpoint_every)
+            label = every or f"every {plan.checkpoint_every}"
+            out(
+                f"{step:5d} {batch.shape[1] - 1:5d} {label:>10} {len(plan.blocks):2d}/{cfg.n_layer:<2d}"
+                f" {_mib(plan.predicted_peak_bytes):>8} {_mib(peak):>8} {_mib(h.budget_bytes or 0):>7}"
+                f" {time.perf_counter() - t0:6.3f} {loss.item():.3f}"
+            )
+    finally:
+        h.close()
+    return h
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rematd demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--server", help="host:port of a running rematd service (default: start one in-process)")
+    parser.add_argument("--no-serve", action="store_true", help="exit when training ends instead of serving")
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--budget-mib", type=float, default=40.0, help="activation budget, MiB (default 40)")
+    parser.add_argument("--http-port", type=int, default=8080, help="dashboard port of the in-process service")
+    parser.add_argument("--db", help="SQLite file of the in-process service (default: a temporary one)")
+    parser.add_argument("--job", default="demo")
+    args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error("--steps must be at least 3")
+    if args.budget_mib <= 0:
+        parser.error("--budget-mib must be positive")
+    cfg = DemoConfig(steps=args.steps, budget_mib=args.budget_mib)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    if args.server:
+        train(cfg, server=args.server, job=args.job)
+        return 0
+
+    from rematd.server.app import ServeConfig, ServiceThread
+
+    tmp = tempfile.TemporaryDirectory(prefix="rematd-demo-")
+    db = args.db or str(Path(tmp.name) / "rematd.db")
+    try:
+        service = ServiceThread(ServeConfig(grpc_port=0, http_port=args.http_port, db=db))
+        bound = service.start()
+    except OSError:
+        service = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=db))
+        bound = service.start()
+    print(f"rematd service: gRPC {bound.grpc}, dashboard {bound.dashboard}, record {bound.db}")
+    try:
+        train(cfg, server=bound.grpc, job=args.job)
+        print(f"\ndashboard: {bound.dashboard}   plans: http://{bound.http}/api/v1/jobs/{args.job}/plans")
+        if not args.no_serve:
+            print("serving until Ctrl-C")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
+    finally:
+        service.stop()
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""``attach(model)``: the handle a training loop holds."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from rematd import __version__
+from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.backends import Backend, EmbeddedBackend
+from rematd.client.discovery import find_blocks
+from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
+from rematd.client.stream import StreamBackend
+from rematd.client.switch import SwitchableBlock
+from rematd.planner import Plan, Shape
+from rematd.records import BlockRecord, Hello, OomReport, StepStats
+
+log = logging.getLogger("rematd.client")
+
+NO_PLAN = Plan(
+    version=0,
+    blocks=(),
+    checkpoint_every=0,
+    predicted_peak_bytes=0,
+    predicted_overhead_ratio=0.0,
+    target_bytes=0,
+    reason="profiling: the first step runs without checkpointing",
+)
+
+
+def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape:
+    """The shape signature of a model call: batch and sequence length of its first tensor."""
+    for t in tensors_in([args, kwargs]):
+        if t.dim() == 0:
+            continue
+        batch = int(t.shape[0])
+        seq = int(t.shape[1]) if t.dim() >= 2 else 1
+        return Shape(batch=batch, seq_len=seq, tokens=batch * seq)
+    return Shape()
+
+
+def model_fingerprint(blocks: Sequence[tuple[str, nn.Module]]) -> str:
+    h = hashlib.sha256()
+    for name, module in blocks:
+        h.update(f"{name}:{type(module).__qualname__}".encode())
+        for pname, p in module.named_parameters():
+            h.update(f"{pname}{tuple(p.shape)}{p.dtype}".encode())
+    return h.hexdigest()[:16]
+
+
+class Handle:
+    """rematd attached to one model. Create it with :func:`attach`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        server: str | None,
+        job: str | None,
+        budget_bytes: int | None,
+        blocks: Sequence[nn.Module] | None,
+        optimizer: torch.optim.Optimizer | None,
+        rank: int,
+        world_size: int,
+        margin_ratio: float,
+    ) -> None:
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or int(budget_bytes) <= 0):
+            raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
+        if not 0.0 <= margin_ratio < 1.0:
+            raise ValueError(f"margin_ratio must be in [0, 1), got {margin_ratio!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.model = model
+        self.job = job or f"job-{uuid.uuid4().hex[:8]}"
+        self.rank = rank
+        self.world_size = world_size
+        self.margin_ratio = margin_ratio
+        self._budget_bytes = int(budget_bytes) if budget_bytes is not None else None
+        found = find_blocks(model, blocks)
+        self._fingerprint = model_fingerprint(found)
+        self._accounting = SavedTensorAccounting()
+        self._blocks = [SwitchableBlock(i, name, m, self._accounting) for i, (name, m) in enumerate(found)]
+        self._lock = threading.Lock()
+        self._plan = NO_PLAN
+        self._pending: Plan | None = None
+        self.history: list[Plan] = []
+        """Every plan applied, in order."""
+        self.last_stats: StepStats | None = None
+        self._step = 0
+        self._boundary = True
+        self._forward_seen = False
+        self._profiled = False
+        self._step_started: float | None = None
+        self._shape = Shape()
+        self._static = 0
+        self._memory: CudaMemory | SavedTensorMemory | None = None
+        self._closed = False
+        self._errors = 0
+        self._backend: Backend = (
+            StreamBackend(server, self._receive_plan) if server else EmbeddedBackend(self._receive_plan)
+        )
+        self.server = server
+        self._hooks = [
+            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            model.register_forward_hook(self._post_forward, always_call=True),
+        ]
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.step()))
+
+    # -- public -----------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force: version, checkpointed block indices, frequency."""
+        return self._plan
+
+    @property
+    def blocks(self) -> list[str]:
+        """Qualified names of the checkpointable blocks, in order."""
+        return [b.name for b in self._blocks]
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self._budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or int(value) <= 0:
+            raise ValueError(f"budget_bytes must be a positive number of bytes, got {value!r}")
+        self._budget_bytes = int(value)
+
+    def step(self) -> None:
+        """Mark the end of a training step (after ``optimizer.step()``). Never raises."""
+        if self._closed or not self._forward_seen:
+            return
+        try:
+            self._end_step()
+        except Exception:
+            self._errors += 1
+            log.exception("rematd: step bookkeeping failed; training goes on with the plan in force")
+        finally:
+            self._forward_seen = False
+            self._boundary = True
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the planner has answered every step so far (for tests and shutdown)."""
+        return self._backend.flush(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the session, remove hooks and restore the blocks' own forward."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        for b in self._blocks:
+            b.restore()
+        try:
+            self._backend.close(timeout)
+        except Exception:
+            log.exception("rematd: closing the session failed")
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- hooks --------------------------------------------------------------
+
+    def _receive_plan(self, plan: Plan) -> None:
+        with self._lock:
+            if plan.version > (self._pending or self._plan).version:
+                self._pending = plan
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            plan, self._pending = self._pending, None
+        if plan is None:
+            return
+        n = len(self._blocks)
+        bad = [i for i in plan.blocks if i >= n]
+        if bad:
+            log.warning("rematd: plan %d names blocks %s beyond the model's %d; ignoring them", plan.version, bad, n)
+        chosen = set(plan.blocks)
+        for b in self._blocks:
+            b.checkpointed = b.index in chosen
+        self._plan = plan
+        self.history.append(plan)
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._closed or not torch.is_grad_enabled():
+            return
+        try:
+            if self._boundary:
+                self._begin_step(args, kwargs)
+            if self._accounting_on():
+                self._hooks_cm = self._accounting.hooks()
+                self._hooks_cm.__enter__()
+                self._accounting.active = True
+        except Exception:
+            self._errors += 1
+            log.exception("rematd: pre-forward bookkeeping failed")
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._accounting.active:
+            self._accounting.active = False
+            self._hooks_cm.__exit__(None, None, None)
+
+    def _accounting_on(self) -> bool:
+        return isinstance(self._memory, SavedTensorMemory)
+
+    def _begin_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._boundary = False
+        self._forward_seen = True
+        if self._memory is None:
+            self._memory = self._memory_source(args, kwargs)
+            self._accounting.exclude_module_state(self.model)
+        if not self._profiled:
+            for b in self._blocks:
+                b.profiling = True
+        else:
+            self._apply_pending()
+        self._shape = shape_of(args, kwargs)
+        self._static = self._memory.static_bytes()
+        self._step_started = time.perf_counter()
+
+    def _memory_source(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CudaMemory | SavedTensorMemory:
+        for t in tensors_in([args, kwargs]):
+            if t.is_cuda:
+                return CudaMemory(t.device)
+        for p in self.model.parameters():
+            if p.is_cuda:
+                return CudaMemory(p.device)
+            break
+        return SavedTensorMemory(self._accounting)
+
+    def _default_budget(self, sample: MemorySample) -> int:
+        assert self._memory is not None
+        return max(1, int(sample.total_bytes or self._memory.total_bytes or 2**40))
+
+    def _end_step(self) -> None:
+        assert self._memory is not None
+        sample = self._memory.sample()
+        if self._budget_bytes is None:
+            self._budget_bytes = self._default_budget(sample)
+        elapsed = time.perf_counter() - self._step_started if self._step_started else 0.0
+        if not self._profiled:
+            self._profiled = True
+            self._backend.open(self._hello())
+        stats = StepStats(
+            step=self._step,
+            peak_allocated_bytes=sample.peak_allocated_bytes,
+            peak_reserved_bytes=sample.peak_reserved_bytes,
+            allocated_bytes=sample.allocated_bytes,
+            reserved_bytes=sample.reserved_bytes,
+            alloc_retries=sample.alloc_retries,
+            oom_count=sample.oom_count,
+            free_bytes=sample.free_bytes,
+            total_bytes=sample.total_bytes,
+            step_seconds=elapsed,
+            plan_version=self._plan.version,
+            shape=self._shape,
+            saved_peak_bytes=sample.saved_peak_bytes,
+            budget_bytes=self._budget_bytes,
+            static_bytes=self._static,
+        )
+        self.last_stats = stats
+        self._step += 1
+        self._backend.send_stats(stats)
+
+    def _hello(self) -> Hello:
+        assert self._memory is not None and self._budget_bytes is not None
+        records = []
+        for b in self._blocks:
+            m = b.measure
+            records.append(
+                BlockRecord(
+                    index=b.index,
+                    name=b.name,
+                    saved_bytes=m.saved_bytes if m else 0,
+                    input_bytes=m.input_bytes if m else 0,
+                    forward_seconds=m.forward_seconds if m else 0.0,
+                )
+            )
+            b.profiling = False
+        return Hello(
+            job_id=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            device_name=self._memory.name,
+            device_total_bytes=self._memory.total_bytes,
+            model_fingerprint=self._fingerprint,
+            blocks=tuple(records),
+            profile_shape=self._shape,
+            budget_bytes=self._budget_bytes,
+            static_bytes=self._static,
+            memory_source=self._memory.kind,
+            margin_ratio=self.margin_ratio,
+            client_version=__version__,
+        )
+
+    def report_oom(self, message: str = "") -> None:
+        """Tell the planner the last step ran out of memory; a tighter plan follows."""
+        self._backend.send_oom(
+            OomReport(step=self._step, shape=self._shape, plan_version=self._plan.version, message=message)
+        )
+
+
+def _dist_rank() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def attach(
+    model: nn.Module,
+    *,
+    server: str | None = None,
+    job: str | None = None,
+    budget_bytes: int | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    margin_ratio: float = 0.1,
+) -> Handle:
+    """Attach rematd to ``model`` and return the handle that applies its plans.
+
+    Args:
+        model: the model being trained.
+        server: ``"host:port"`` of a rematd service; ``None`` plans in-process.
+        job: the job's name on the service (default: a random one).
+        budget_bytes: the memory budget. On CUDA, the device memory the job
+            may use (default: the device's capacity); on the CPU, the cap on
+            bytes saved for backward during a step (default: host memory).
+        blocks: the modules to checkpoint (default: the longest
+            ``nn.ModuleList`` of same-class modules).
+        optimizer: when given, the handle's :meth:`Handle.step` runs after
+            each ``optimizer.step()`` by itself.
+        margin_ratio: the fraction of the budget the planner keeps free.
+    """
+    rank, world = _dist_rank()
+    return Handle(
+        model,
+        server=server,
+        job=job,
+        budget_bytes=budget_bytes,
+        blocks=blocks,
+        optimizer=optimizer,
+        rank=rank,
+        world_size=world,
+        margin_ratio=margin_ratio,
+    )

@@ -1,0 +1,83 @@
+"""Where a step's memory figures come from: the CUDA allocator, or saved-tensor accounting on the CPU."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from rematd.client.accounting import SavedTensorAccounting
+from rematd.records import MEMORY_CUDA, MEMORY_SAVED
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemorySample:
+    """Memory figures for one step."""
+
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    alloc_retries: int = 0
+    oom_count: int = 0
+    free_bytes: int = 0
+    total_bytes: int = 0
+    saved_peak_bytes: int = 0
+
+
+class CudaMemory:
+    """The caching allocator's statistics for one device, peaks reset every step."""
+
+    kind = MEMORY_CUDA
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.name = torch.cuda.get_device_name(device)
+        _, self.total_bytes = torch.cuda.mem_get_info(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def static_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def sample(self) -> MemorySample:
+        stats = torch.cuda.memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return MemorySample(
+            peak_allocated_bytes=int(stats.get("allocated_bytes.all.peak", 0)),
+            peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)),
+            allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
+            reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
+            alloc_retries=int(stats.get("num_alloc_retries", 0)),
+            oom_count=int(stats.get("num_ooms", 0)),
+            free_bytes=int(free),
+            total_bytes=int(total),
+        )
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class SavedTensorMemory:
+    """On the CPU the budget caps bytes saved for backward, counted by saved-tensor hooks."""
+
+    kind = MEMORY_SAVED
+
+    def __init__(self, accounting: SavedTensorAccounting) -> None:
+        self.accounting = accounting
+        self.name = "cpu"
+        self.total_bytes = _host_memory_bytes()
+
+    def static_bytes(self) -> int:
+        return 0
+
+    def sample(self) -> MemorySample:
+        return MemorySample(
+            saved_peak_bytes=self.accounting.take_peak(),
+            total_bytes=self.total_bytes,
+        )

@@ -1,0 +1,39 @@
+"""rematd's planner: cost model, solvers and the adaptive controller.
+
+Pure Python with no third-party imports, so that the service, the client and
+any tool can run the same planner anywhere.
+"""
+
+from rematd.planner.controller import Controller, ControllerConfig
+from rematd.planner.cost import predict_overhead_ratio, predict_peak_bytes
+from rematd.planner.model import BlockCost, Plan, Profile, Shape, StepObservation
+from rematd.planner.session import PlannerSession
+from rematd.planner.solvers import (
+    Choice,
+    every_k_blocks,
+    frequency_of,
+    solve_every,
+    solve_full,
+    solve_min_recompute,
+    solve_none,
+)
+
+__all__ = [
+    "BlockCost",
+    "Choice",
+    "Controller",
+    "ControllerConfig",
+    "Plan",
+    "PlannerSession",
+    "Profile",
+    "Shape",
+    "StepObservation",
+    "every_k_blocks",
+    "frequency_of",
+    "predict_overhead_ratio",
+    "predict_peak_bytes",
+    "solve_every",
+    "solve_full",
+    "solve_min_recompute",
+    "solve_none",
+]

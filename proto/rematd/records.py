@@ -1,0 +1,193 @@
+"""Transport-neutral records of what a training rank tells the service.
+
+The client builds them, the gRPC layer converts them to and from the wire,
+and both the embedded planner and the service turn them into planner input
+through the same functions, so the two modes plan alike.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from rematd.planner import BlockCost, ControllerConfig, PlannerSession, Profile, Shape, StepObservation
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_BLOCKS = 4096
+
+MEMORY_CUDA = "cuda_allocator"
+MEMORY_SAVED = "saved_tensors"
+MEMORY_SOURCES = (MEMORY_CUDA, MEMORY_SAVED)
+
+
+class InvalidMessage(ValueError):
+    """A message from a client that cannot be accepted; names the bad field."""
+
+    def __init__(self, field_name: str, problem: str) -> None:
+        super().__init__(f"{field_name}: {problem}")
+        self.field = field_name
+
+
+def _uint(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidMessage(name, f"must be a non-negative integer, got {value!r}")
+
+
+def _seconds(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise InvalidMessage(name, f"must be a finite, non-negative number, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockRecord:
+    """One block's profile as the client measured it."""
+
+    index: int
+    name: str
+    saved_bytes: int
+    input_bytes: int
+    forward_seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """The first message of a rank's session."""
+
+    job_id: str
+    rank: int = 0
+    world_size: int = 1
+    device_name: str = "cpu"
+    device_total_bytes: int = 0
+    model_fingerprint: str = ""
+    blocks: tuple[BlockRecord, ...] = ()
+    profile_shape: Shape = field(default_factory=Shape)
+    budget_bytes: int = 0
+    static_bytes: int = 0
+    memory_source: str = MEMORY_SAVED
+    margin_ratio: float = 0.0
+    client_version: str = ""
+    plan_version: int = 0
+
+    def validate(self) -> None:
+        if not JOB_ID_RE.match(self.job_id):
+            raise InvalidMessage(
+                "hello.job_id",
+                f"{self.job_id!r} is not a safe name (1-128 of letters, digits, '.', '_', '-', starting alphanumeric)",
+            )
+        _uint("hello.rank", self.rank)
+        _uint("hello.world_size", self.world_size)
+        if self.world_size < 1 or self.rank >= self.world_size:
+            raise InvalidMessage("hello.rank", f"rank {self.rank} is outside world_size {self.world_size}")
+        if not self.blocks:
+            raise InvalidMessage("hello.blocks", "the profile has no blocks")
+        if len(self.blocks) > MAX_BLOCKS:
+            raise InvalidMessage("hello.blocks", f"{len(self.blocks)} blocks is more than {MAX_BLOCKS}")
+        for i, b in enumerate(self.blocks):
+            if b.index != i:
+                raise InvalidMessage(f"hello.blocks[{i}].index", f"expected {i}, got {b.index}")
+            _uint(f"hello.blocks[{i}].saved_bytes", b.saved_bytes)
+            _uint(f"hello.blocks[{i}].input_bytes", b.input_bytes)
+            _seconds(f"hello.blocks[{i}].forward_seconds", b.forward_seconds)
+        _uint("hello.budget_bytes", self.budget_bytes)
+        if self.budget_bytes == 0:
+            raise InvalidMessage("hello.budget_bytes", "must be positive")
+        _uint("hello.static_bytes", self.static_bytes)
+        if self.memory_source not in MEMORY_SOURCES:
+            raise InvalidMessage("hello.memory_source", f"must be one of {MEMORY_SOURCES}, got {self.memory_source!r}")
+        if not (isinstance(self.margin_ratio, (int, float)) and 0.0 <= self.margin_ratio < 1.0):
+            raise InvalidMessage("hello.margin_ratio", f"must be in [0, 1), got {self.margin_ratio!r}")
+
+    def profile(self) -> Profile:
+        return Profile(
+            blocks=tuple(
+                BlockCost(saved_bytes=b.saved_bytes, input_bytes=b.input_bytes, forward_seconds=b.forward_seconds)
+                for b in self.blocks
+            ),
+            shape=self.profile_shape,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepStats:
+    """What a rank measured over one training step."""
+
+    step: int
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    alloc_retries: int = 0
+    oom_count: int = 0
+    free_bytes: int = 0
+    total_bytes: int = 0
+    step_seconds: float = 0.0
+    plan_version: int = 0
+    shape: Shape = field(default_factory=Shape)
+    saved_peak_bytes: int = 0
+    budget_bytes: int = 0
+    static_bytes: int = 0
+
+    def validate(self) -> None:
+        for name in (
+            "step",
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "allocated_bytes",
+            "reserved_bytes",
+            "alloc_retries",
+            "oom_count",
+            "free_bytes",
+            "total_bytes",
+            "plan_version",
+            "saved_peak_bytes",
+            "budget_bytes",
+            "static_bytes",
+        ):
+            _uint(f"stats.{name}", getattr(self, name))
+        _seconds("stats.step_seconds", self.step_seconds)
+        if self.budget_bytes == 0:
+            raise InvalidMessage("stats.budget_bytes", "must be positive")
+
+    def peak_bytes(self, memory_source: str) -> int:
+        """The peak of the quantity the budget caps."""
+        return self.peak_allocated_bytes if memory_source == MEMORY_CUDA else self.saved_peak_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OomReport:
+    """A step that ran out of memory."""
+
+    step: int
+    shape: Shape = field(default_factory=Shape)
+    plan_version: int = 0
+    message: str = ""
+
+    def validate(self) -> None:
+        _uint("oom.step", self.step)
+        _uint("oom.plan_version", self.plan_version)
+
+
+def open_planner(hello: Hello, config: ControllerConfig | None = None) -> PlannerSession:
+    """The planner for a rank, from its hello (validated first)."""
+    hello.validate()
+    if hello.margin_ratio and config is None:
+        config = ControllerConfig(margin_ratio=hello.margin_ratio)
+    return PlannerSession(
+        hello.profile(), budget_bytes=hello.budget_bytes, static_bytes=hello.static_bytes, config=config
+    )
+
+
+def observation(hello: Hello, stats: StepStats) -> StepObservation:
+    """Planner input for one step (stats validated first)."""
+    stats.validate()
+    return StepObservation(
+        step=stats.step,
+        peak_bytes=stats.peak_bytes(hello.memory_source),
+        budget_bytes=stats.budget_bytes,
+        static_bytes=stats.static_bytes,
+        plan_version=stats.plan_version,
+        shape=stats.shape,
+        alloc_retries=stats.alloc_retries,
+        oom_count=stats.oom_count,
+    )

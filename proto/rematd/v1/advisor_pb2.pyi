@@ -1,0 +1,171 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemorySource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_SOURCE_UNSPECIFIED: _ClassVar[MemorySource]
+    MEMORY_SOURCE_CUDA_ALLOCATOR: _ClassVar[MemorySource]
+    MEMORY_SOURCE_SAVED_TENSORS: _ClassVar[MemorySource]
+MEMORY_SOURCE_UNSPECIFIED: MemorySource
+MEMORY_SOURCE_CUDA_ALLOCATOR: MemorySource
+MEMORY_SOURCE_SAVED_TENSORS: MemorySource
+
+class Shape(_message.Message):
+    __slots__ = ("batch", "seq_len", "tokens")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    seq_len: int
+    tokens: int
+    def __init__(self, batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class BlockProfile(_message.Message):
+    __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    saved_bytes: int
+    input_bytes: int
+    forward_seconds: float
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATIC_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_RATIO_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    world_size: int
+    device_name: str
+    device_total_bytes: int
+    model_fingerprint: str
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockProfile]
+    profile_shape: Shape
+    budget_bytes: int
+    static_bytes: int
+    memory_source: MemorySource
+    margin_ratio: float
+    client_version: str
+    plan_version: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ...) -> None: ...
+
+class StepStats(_message.Message):
+    __slots__ = ("step", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes", "reserved_bytes", "alloc_retries", "oom_count", "free_bytes", "total_bytes", "step_seconds", "plan_version", "shape", "saved_peak_bytes", "budget_bytes", "static_bytes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PEAK_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    OOM_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SAVED_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATIC_BYTES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    alloc_retries: int
+    oom_count: int
+    free_bytes: int
+    total_bytes: int
+    step_seconds: float
+    plan_version: int
+    shape: Shape
+    saved_peak_bytes: int
+    budget_bytes: int
+    static_bytes: int
+    def __init__(self, step: _Optional[int] = ..., peak_allocated_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., oom_count: _Optional[int] = ..., free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., saved_peak_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ...) -> None: ...
+
+class OomEvent(_message.Message):
+    __slots__ = ("step", "shape", "plan_version", "message")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    shape: Shape
+    plan_version: int
+    message: str
+    def __init__(self, step: _Optional[int] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., plan_version: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ClientMessage(_message.Message):
+    __slots__ = ("hello", "stats", "oom", "goodbye")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    OOM_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    stats: StepStats
+    oom: OomEvent
+    goodbye: Goodbye
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ..., oom: _Optional[_Union[OomEvent, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("version", "checkpoint_every", "checkpoint_blocks", "predicted_peak_bytes", "predicted_overhead_ratio", "reason", "target_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OVERHEAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    checkpoint_every: int
+    checkpoint_blocks: _containers.RepeatedScalarFieldContainer[int]
+    predicted_peak_bytes: int
+    predicted_overhead_ratio: float
+    reason: str
+    target_bytes: int
+    def __init__(self, version: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., predicted_peak_bytes: _Optional[int] = ..., predicted_overhead_ratio: _Optional[float] = ..., reason: _Optional[str] = ..., target_bytes: _Optional[int] = ...) -> None: ...
+
+class StepAck(_message.Message):
+    __slots__ = ("step", "plan_version")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    plan_version: int
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("plan", "ack")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    plan: Plan
+    ack: StepAck
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., ack: _Optional[_Union[StepAck, _Mapping]] = ...) -> None: ...

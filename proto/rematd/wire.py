@@ -1,0 +1,142 @@
+"""Conversions between rematd's records and the v1 protobuf messages.
+
+The only module besides the gRPC adapters that touches protobuf, so that
+protobuf never leaks into the public API.
+"""
+
+from __future__ import annotations
+
+from rematd.planner import Plan, Shape
+from rematd.records import MEMORY_CUDA, MEMORY_SAVED, BlockRecord, Hello, OomReport, StepStats
+from rematd.v1 import advisor_pb2 as pb
+
+_SOURCE_TO_PB = {
+    MEMORY_CUDA: pb.MEMORY_SOURCE_CUDA_ALLOCATOR,
+    MEMORY_SAVED: pb.MEMORY_SOURCE_SAVED_TENSORS,
+}
+_SOURCE_FROM_PB = {v: k for k, v in _SOURCE_TO_PB.items()}
+
+_STATS_FIELDS = (
+    "step",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "alloc_retries",
+    "oom_count",
+    "free_bytes",
+    "total_bytes",
+    "step_seconds",
+    "plan_version",
+    "saved_peak_bytes",
+    "budget_bytes",
+    "static_bytes",
+)
+
+
+def shape_to_pb(shape: Shape) -> pb.Shape:
+    return pb.Shape(batch=shape.batch, seq_len=shape.seq_len, tokens=shape.tokens)
+
+
+def shape_from_pb(msg: pb.Shape) -> Shape:
+    return Shape(batch=msg.batch, seq_len=msg.seq_len, tokens=msg.tokens)
+
+
+def hello_to_pb(hello: Hello) -> pb.Hello:
+    return pb.Hello(
+        job_id=hello.job_id,
+        rank=hello.rank,
+        world_size=hello.world_size,
+        device_name=hello.device_name,
+        device_total_bytes=hello.device_total_bytes,
+        model_fingerprint=hello.model_fingerprint,
+        blocks=[
+            pb.BlockProfile(
+                index=b.index,
+                name=b.name,
+                saved_bytes=b.saved_bytes,
+                input_bytes=b.input_bytes,
+                forward_seconds=b.forward_seconds,
+            )
+            for b in hello.blocks
+        ],
+        profile_shape=shape_to_pb(hello.profile_shape),
+        budget_bytes=hello.budget_bytes,
+        static_bytes=hello.static_bytes,
+        memory_source=_SOURCE_TO_PB[hello.memory_source],
+        margin_ratio=hello.margin_ratio,
+        client_version=hello.client_version,
+        plan_version=hello.plan_version,
+    )
+
+
+def hello_from_pb(msg: pb.Hello) -> Hello:
+    return Hello(
+        job_id=msg.job_id,
+        rank=msg.rank,
+        world_size=msg.world_size,
+        device_name=msg.device_name,
+        device_total_bytes=msg.device_total_bytes,
+        model_fingerprint=msg.model_fingerprint,
+        blocks=tuple(
+            BlockRecord(
+                index=b.index,
+                name=b.name,
+                saved_bytes=b.saved_bytes,
+                input_bytes=b.input_bytes,
+                forward_seconds=b.forward_seconds,
+            )
+            for b in msg.blocks
+        ),
+        profile_shape=shape_from_pb(msg.profile_shape),
+        budget_bytes=msg.budget_bytes,
+        static_bytes=msg.static_bytes,
+        memory_source=_SOURCE_FROM_PB.get(msg.memory_source, "unspecified"),
+        margin_ratio=msg.margin_ratio,
+        client_version=msg.client_version,
+        plan_version=msg.plan_version,
+    )
+
+
+def stats_to_pb(stats: StepStats) -> pb.StepStats:
+    msg = pb.StepStats(shape=shape_to_pb(stats.shape))
+    for name in _STATS_FIELDS:
+        setattr(msg, name, getattr(stats, name))
+    return msg
+
+
+def stats_from_pb(msg: pb.StepStats) -> StepStats:
+    values = {name: getattr(msg, name) for name in _STATS_FIELDS}
+    return StepStats(shape=shape_from_pb(msg.shape), **values)
+
+
+def oom_to_pb(oom: OomReport) -> pb.OomEvent:
+    return pb.OomEvent(step=oom.step, shape=shape_to_pb(oom.shape), plan_version=oom.plan_version, message=oom.message)
+
+
+def oom_from_pb(msg: pb.OomEvent) -> OomReport:
+    return OomReport(step=msg.step, shape=shape_from_pb(msg.shape), plan_version=msg.plan_version, message=msg.message)
+
+
+def plan_to_pb(plan: Plan) -> pb.Plan:
+    return pb.Plan(
+        version=plan.version,
+        checkpoint_every=plan.checkpoint_every,
+        checkpoint_blocks=list(plan.blocks),
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        predicted_overhead_ratio=plan.predicted_overhead_ratio,
+        reason=plan.reason,
+        target_bytes=plan.target_bytes,
+    )
+
+
+def plan_from_pb(msg: pb.Plan) -> Plan:
+    return Plan(
+        version=msg.version,
+        blocks=tuple(sorted(set(msg.checkpoint_blocks))),
+        checkpoint_every=msg.checkpoint_every,
+        predicted_peak_bytes=msg.predicted_peak_bytes,
+        predicted_overhead_ratio=msg.predicted_overhead_ratio,
+        target_bytes=msg.target_bytes,
+        reason=msg.reason,
+    )

@@ -1,0 +1,11 @@
+"""rematd's service: one transport-neutral core behind gRPC and HTTP adapters.
+
+Imports no torch: the service runs on machines without it.
+"""
+
+from rematd.server.app import Bound, ServeConfig, Service, ServiceThread
+from rematd.server.core import AdvisorCore, JobNotFound
+from rematd.server.metrics import Metrics
+from rematd.server.store import Store
+
+__all__ = ["AdvisorCore", "Bound", "JobNotFound", "Metrics", "ServeConfig", "Service", "ServiceThread", "Store"]
