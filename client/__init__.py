@@ -1,7 +1,7 @@
 """rematd's client: attach it to a model and it applies checkpoint plans between steps.
 
-    from rematd import client
-    h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
+from rematd import client
+h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
 """
 
 from rematd.client.discovery import BlockDiscoveryError, find_blocks

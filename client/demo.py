@@ -82,7 +82,9 @@ def train(
     model = TinyGPT(GPTConfig(n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=4, max_seq_len=cfg.long_seq))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     h = attach(model, server=server, job=job, budget_bytes=int(cfg.budget_mib * MiB), optimizer=opt)
-    out(f"{'step':>5} {'seq':>5} {'plan':>10} {'ckpt':>5} {'pred MiB':>8} {'peak MiB':>8} {'budget':>7} {'sec':>6} loss")
+    out(
+        f"{'step':>5} {'seq':>5} {'plan':>10} {'ckpt':>5} {'pred MiB':>8} {'peak MiB':>8} {'budget':>7} {'sec':>6} loss"
+    )
     try:
         for step, batch in batches(cfg):
             t0 = time.perf_counter()

@@ -12,6 +12,7 @@ import queue
 import random
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -77,7 +78,7 @@ class StreamBackend:
         self._stopping = threading.Event()
         self._hello: Hello | None = None
         self._plan_version = 0
-        self._call: grpc.Future | None = None
+        self._call: Any = None
         self.sent_step = -1
         self.acked_step = -1
         self.dropped = 0

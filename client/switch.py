@@ -31,7 +31,7 @@ def _attach_to_graph(output: Any, keep: list[Any]) -> None:
     """Keep ``keep`` alive exactly as long as the autograd graph of ``output``."""
     for t in tensors_in([output]):
         if t.grad_fn is not None:
-            t.grad_fn.metadata["rematd_held"] = keep
+            t.grad_fn.metadata["rematd_held"] = keep  # type: ignore[index]
             return
 
 

@@ -80,7 +80,9 @@ class Controller:
         return Decision(
             choice=choice,
             target_bytes=target,
-            reason=f"initial plan from profile: predicted {_mib(choice.predicted_peak_bytes)} {fit} target {_mib(target)}",
+            reason=(
+                f"initial plan from profile: predicted {_mib(choice.predicted_peak_bytes)} {fit} target {_mib(target)}"
+            ),
         )
 
     def observe(self, obs: StepObservation, current: tuple[int, ...]) -> Decision | None:
@@ -110,7 +112,9 @@ class Controller:
                 if measured_over
                 else f"predicted peak {_mib(predicted_now * self.correction)} over target {_mib(target)}"
             )
-            return Decision(choice=candidate, target_bytes=target, reason=f"tighten: {cause} at seq {obs.shape.seq_len}")
+            return Decision(
+                choice=candidate, target_bytes=target, reason=f"tighten: {cause} at seq {obs.shape.seq_len}"
+            )
 
         if len(candidate.blocks) >= len(current):
             self._headroom_steps = 0

@@ -1,7 +1,7 @@
 """Regenerate (or, with --check, verify) the committed protobuf code.
 
-    python scripts/gen_proto.py          # write proto/rematd/v1/*_pb2*.py(i)
-    python scripts/gen_proto.py --check  # exit 1 when the committed code drifts
+python scripts/gen_proto.py          # write proto/rematd/v1/*_pb2*.py(i)
+python scripts/gen_proto.py --check  # exit 1 when the committed code drifts
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def main() -> int:
                 shutil.copyfile(path, target)
         if args.check:
             expected = {p.name for p in generated}
-            drift += [p.relative_to(ROOT) for p in PACKAGE.iterdir() if p.name.endswith(SUFFIXES) and p.name not in expected]
+            drift += [
+                p.relative_to(ROOT) for p in PACKAGE.iterdir() if p.name.endswith(SUFFIXES) and p.name not in expected
+            ]
             if drift:
                 print("generated protobuf code is out of date; run: python scripts/gen_proto.py", file=sys.stderr)
                 for d in drift:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +67,14 @@ class Bound:
         return f"http://{self.http}/"
 
 
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the service's loop owns shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 class Service:
     """The running service. ``await run(stop)`` serves until ``stop`` is set."""
 
@@ -91,10 +101,7 @@ class Service:
             sock.close()
             raise OSError(f"cannot bind HTTP to {cfg.http_host}:{cfg.http_port}: {err}") from err
         http_port = sock.getsockname()[1]
-        web = uvicorn.Server(
-            uvicorn.Config(create_app(self.core), log_level="warning", lifespan="off", access_log=False)
-        )
-        web.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        web = _QuietServer(uvicorn.Config(create_app(self.core), log_level="warning", lifespan="off", access_log=False))
         await server.start()
         web_task = asyncio.create_task(web.serve(sockets=[sock]))
         while not web.started and not web_task.done():
@@ -152,8 +159,6 @@ class ServiceThread:
     def stop(self, timeout: float = 15.0) -> None:
         if self._stop is not None and not self._loop.is_closed():
             stop = self._stop
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(stop.set)
-            except RuntimeError:
-                pass
         self._thread.join(timeout)

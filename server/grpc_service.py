@@ -22,8 +22,10 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
     def __init__(self, core: AdvisorCore) -> None:
         self.core = core
 
-    async def Session(  # noqa: N802 - the RPC's name
-        self, request_iterator: AsyncIterator[pb.ClientMessage], context: grpc.aio.ServicerContext
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[pb.ClientMessage],
+        context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage],
     ) -> AsyncIterator[pb.ServerMessage]:
         session: RankSession | None = None
         ended = False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
@@ -12,32 +14,38 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.peak_bytes = Gauge(
-            "rematd_peak_bytes", "Largest measured peak of the budgeted memory over a job's ranks, last step.",
-            ["job"], registry=r,
+            "rematd_peak_bytes",
+            "Largest measured peak of the budgeted memory over a job's ranks, last step.",
+            ["job"],
+            registry=r,
         )
         self.budget_bytes = Gauge("rematd_budget_bytes", "Memory budget of a job.", ["job"], registry=r)
         self.predicted_peak_bytes = Gauge(
-            "rematd_predicted_peak_bytes", "Predicted peak of the plan in force (largest over ranks).", ["job"],
+            "rematd_predicted_peak_bytes",
+            "Predicted peak of the plan in force (largest over ranks).",
+            ["job"],
             registry=r,
         )
         self.headroom_ratio = Gauge(
             "rematd_headroom_ratio", "(budget - measured peak) / budget for a job, last step.", ["job"], registry=r
         )
         self.checkpointed_blocks = Gauge(
-            "rematd_checkpointed_blocks", "Blocks recomputed by the plan in force (largest over ranks).", ["job"],
+            "rematd_checkpointed_blocks",
+            "Blocks recomputed by the plan in force (largest over ranks).",
+            ["job"],
             registry=r,
         )
         self.predicted_overhead_ratio = Gauge(
-            "rematd_predicted_recompute_overhead_ratio", "Predicted recompute overhead of the plan in force.",
-            ["job"], registry=r,
+            "rematd_predicted_recompute_overhead_ratio",
+            "Predicted recompute overhead of the plan in force.",
+            ["job"],
+            registry=r,
         )
         self.plans_issued = Counter("rematd_plans_issued", "Plans sent to training ranks.", ["job"], registry=r)
         self.oom_events = Counter("rematd_oom_events", "Out-of-memory events reported.", ["job"], registry=r)
         self.steps = Counter("rematd_steps", "Step statistics received.", ["job"], registry=r)
         self.active_streams = Gauge("rematd_active_streams", "Training ranks connected now.", registry=r)
-        self.invalid_messages = Counter(
-            "rematd_invalid_messages", "Messages refused as invalid.", registry=r
-        )
+        self.invalid_messages = Counter("rematd_invalid_messages", "Messages refused as invalid.", registry=r)
         self._per_job = (
             self.peak_bytes,
             self.budget_bytes,
@@ -52,7 +60,5 @@ class Metrics:
 
     def forget_job(self, job: str) -> None:
         for metric in self._per_job:
-            try:
+            with contextlib.suppress(KeyError):
                 metric.remove(job)
-            except KeyError:
-                pass

@@ -1,0 +1,40 @@
+# rematd: `make demo` sets up and runs the demo; `make test` runs every check CI runs.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The CPU build of torch on CPU machines: never pull a multi-GB CUDA build here.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo serve test lint typecheck proto proto-check bench clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC='$(TORCH_SPEC)' bash scripts/setup.sh
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/rematd demo
+
+serve: setup
+	$(BIN)/rematd serve
+
+proto: setup
+	$(BIN)/python scripts/gen_proto.py
+
+proto-check: setup
+	$(BIN)/python scripts/gen_proto.py --check
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/python scripts/typecheck.py
+
+test: proto-check lint typecheck
+	$(BIN)/python -m pytest -n 2 -q
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

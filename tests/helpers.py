@@ -1,0 +1,89 @@
+"""Shared pieces of the tests: a tiny model, a training step, a live service."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+
+
+def tiny_model(n_layer: int = 4, d_model: int = 32, dropout: float = 0.0, seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(GPTConfig(n_layer=n_layer, d_model=d_model, n_head=2, max_seq_len=256, dropout=dropout))
+
+
+def batch(seq: int, *, size: int = 2, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (size, seq + 1), generator=gen)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seq: int, seed: int = 0) -> float:
+    loss = lm_loss(model, batch(seq, seed=seed))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.item())
+
+
+@dataclass
+class LiveServer:
+    grpc: str
+    http: str
+    db: Path
+    proc: subprocess.Popen[str]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http}"
+
+
+@contextmanager
+def live_server(tmp: Path, timeout: float = 60.0) -> Iterator[LiveServer]:
+    """A real ``rematd serve`` process on loopback, on ports it picks itself."""
+    db = tmp / "rematd.db"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    grpc_addr = http_addr = None
+    deadline = time.monotonic() + timeout
+    lines = []
+    try:
+        assert proc.stdout is not None
+        while time.monotonic() < deadline and (grpc_addr is None or http_addr is None):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if m := re.search(r"serving gRPC on (\S+)", line):
+                grpc_addr = m.group(1)
+            if m := re.search(r"REST on http://([^/\s]+)/", line):
+                http_addr = m.group(1)
+        if grpc_addr is None or http_addr is None:
+            raise RuntimeError("rematd serve did not start:\n" + "".join(lines))
+        yield LiveServer(grpc=grpc_addr, http=http_addr, db=db, proc=proc)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+
+def rematd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rematd.server.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_demo_runs_and_the_plan_moves(tmp_path: object) -> None:
+    out = rematd("demo", "--no-serve", "--steps", "24", "--http-port", "0")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
+    assert len(rows) == 24
+    seqs = [int(r[1]) for r in rows]
+    assert max(seqs) > min(seqs), "the sequence length changes mid-run"
+    ckpt = [int(r[-6].split("/")[0]) if "/" in r[-6] else None for r in rows]
+    assert any(c for c in ckpt), "the long sequences are checkpointed"
+    assert "dashboard: http://127.0.0.1:" in out.stdout
+
+
+def test_usage_errors() -> None:
+    out = rematd("frobnicate")
+    assert out.returncode == 2 and "unknown command" in out.stderr
+    out = rematd("serve", "--grpc-port", "70000")
+    assert out.returncode == 2 and "grpc-port" in out.stderr
+    out = rematd("demo", "--budget-mib", "-1")
+    assert out.returncode == 2 and "budget-mib" in out.stderr
+    assert rematd("--help").returncode == 0
