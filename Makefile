@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup demo serve test lint typecheck proto proto-check bench clean
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/system-packages.txt
 	PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC='$(TORCH_SPEC)' bash scripts/setup.sh
 	touch $@
 

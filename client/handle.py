@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from torch import nn
 
 from rematd import __version__
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.applier import PlanApplier
 from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.discovery import find_blocks
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
@@ -24,16 +24,6 @@ from rematd.planner import Plan, Shape
 from rematd.records import BlockRecord, Hello, OomReport, StepStats
 
 log = logging.getLogger("rematd.client")
-
-NO_PLAN = Plan(
-    version=0,
-    blocks=(),
-    checkpoint_every=0,
-    predicted_peak_bytes=0,
-    predicted_overhead_ratio=0.0,
-    target_bytes=0,
-    reason="profiling: the first step runs without checkpointing",
-)
 
 
 def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape:
@@ -88,11 +78,7 @@ class Handle:
         self._fingerprint = model_fingerprint(found)
         self._accounting = SavedTensorAccounting()
         self._blocks = [SwitchableBlock(i, name, m, self._accounting) for i, (name, m) in enumerate(found)]
-        self._lock = threading.Lock()
-        self._plan = NO_PLAN
-        self._pending: Plan | None = None
-        self.history: list[Plan] = []
-        """Every plan applied, in order."""
+        self._applier = PlanApplier(self._blocks)
         self.last_stats: StepStats | None = None
         self._step = 0
         self._boundary = True
@@ -105,7 +91,7 @@ class Handle:
         self._closed = False
         self._errors = 0
         self._backend: Backend = (
-            StreamBackend(server, self._receive_plan) if server else EmbeddedBackend(self._receive_plan)
+            StreamBackend(server, self._applier.receive) if server else EmbeddedBackend(self._applier.receive)
         )
         self.server = server
         self._hooks = [
@@ -120,7 +106,12 @@ class Handle:
     @property
     def plan(self) -> Plan:
         """The plan in force: version, checkpointed block indices, frequency."""
-        return self._plan
+        return self._applier.plan
+
+    @property
+    def history(self) -> list[Plan]:
+        """Every plan applied, in order."""
+        return self._applier.history
 
     @property
     def blocks(self) -> list[str]:
@@ -180,26 +171,6 @@ class Handle:
 
     # -- hooks --------------------------------------------------------------
 
-    def _receive_plan(self, plan: Plan) -> None:
-        with self._lock:
-            if plan.version > (self._pending or self._plan).version:
-                self._pending = plan
-
-    def _apply_pending(self) -> None:
-        with self._lock:
-            plan, self._pending = self._pending, None
-        if plan is None:
-            return
-        n = len(self._blocks)
-        bad = [i for i in plan.blocks if i >= n]
-        if bad:
-            log.warning("rematd: plan %d names blocks %s beyond the model's %d; ignoring them", plan.version, bad, n)
-        chosen = set(plan.blocks)
-        for b in self._blocks:
-            b.checkpointed = b.index in chosen
-        self._plan = plan
-        self.history.append(plan)
-
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._closed or not torch.is_grad_enabled():
             return
@@ -232,7 +203,7 @@ class Handle:
             for b in self._blocks:
                 b.profiling = True
         else:
-            self._apply_pending()
+            self._applier.apply_pending()
         self._shape = shape_of(args, kwargs)
         self._static = self._memory.static_bytes()
         self._step_started = time.perf_counter()
@@ -271,7 +242,7 @@ class Handle:
             free_bytes=sample.free_bytes,
             total_bytes=sample.total_bytes,
             step_seconds=elapsed,
-            plan_version=self._plan.version,
+            plan_version=self._applier.plan.version,
             shape=self._shape,
             saved_peak_bytes=sample.saved_peak_bytes,
             budget_bytes=self._budget_bytes,
@@ -315,7 +286,7 @@ class Handle:
     def report_oom(self, message: str = "") -> None:
         """Tell the planner the last step ran out of memory; a tighter plan follows."""
         self._backend.send_oom(
-            OomReport(step=self._step, shape=self._shape, plan_version=self._plan.version, message=message)
+            OomReport(step=self._step, shape=self._shape, plan_version=self._applier.plan.version, message=message)
         )
 
 

@@ -7,6 +7,7 @@ any tool can run the same planner anywhere.
 from rematd.planner.controller import Controller, ControllerConfig
 from rematd.planner.cost import predict_overhead_ratio, predict_peak_bytes
 from rematd.planner.model import BlockCost, Plan, Profile, Shape, StepObservation
+from rematd.planner.risk import oom_risk
 from rematd.planner.session import PlannerSession
 from rematd.planner.solvers import (
     Choice,
@@ -30,6 +31,7 @@ __all__ = [
     "StepObservation",
     "every_k_blocks",
     "frequency_of",
+    "oom_risk",
     "predict_overhead_ratio",
     "predict_peak_bytes",
     "solve_every",

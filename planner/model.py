@@ -133,6 +133,10 @@ class StepObservation:
     """Allocator retries during the step (CUDA)."""
     oom_count: int = 0
     """Cumulative out-of-memory count (CUDA)."""
+    allocated_bytes: int = 0
+    """Allocated bytes at the end of the step (CUDA)."""
+    reserved_bytes: int = 0
+    """Bytes the allocator holds at the end of the step (CUDA)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:

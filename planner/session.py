@@ -5,6 +5,7 @@ from __future__ import annotations
 from rematd.planner.controller import Controller, ControllerConfig, Decision
 from rematd.planner.cost import predict_overhead_ratio
 from rematd.planner.model import Plan, Profile, StepObservation
+from rematd.planner.risk import oom_risk
 from rematd.planner.solvers import frequency_of
 
 
@@ -25,6 +26,9 @@ class PlannerSession:
         self.controller = Controller(profile, config)
         self.budget_bytes = budget_bytes
         self.static_bytes = static_bytes
+        self.oom_risk = 0.0
+        """The rank's out-of-memory risk after the last observation, 0-1."""
+        self._last_peak = 0
         self._plan = self._make(self.controller.initial(budget_bytes=budget_bytes, static_bytes=static_bytes), 1)
 
     @property
@@ -53,10 +57,20 @@ class PlannerSession:
         """Feed one step's measurements; returns the new plan when it changes."""
         self.budget_bytes = obs.budget_bytes
         self.static_bytes = obs.static_bytes
-        return self._adopt(self.controller.observe(obs, self._plan.blocks))
+        plan = self._adopt(self.controller.observe(obs, self._plan.blocks))
+        self.oom_risk = oom_risk(
+            obs,
+            predicted_next_bytes=int(self._plan.predicted_peak_bytes * self.controller.correction),
+            capacity_bytes=obs.budget_bytes,
+            margin_ratio=self.controller.config.margin_ratio,
+            previous_peak_bytes=self._last_peak,
+        )
+        self._last_peak = obs.peak_bytes
+        return plan
 
     def report_oom(self) -> Plan | None:
         """An out-of-memory event on this rank; returns the tighter plan."""
+        self.oom_risk = 1.0
         return self._adopt(
             self.controller.after_oom(
                 budget_bytes=self.budget_bytes, static_bytes=self.static_bytes, current=self._plan.blocks

@@ -5,6 +5,19 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 
+# Debian packages some tests need (promtool, a browser): installed when we can, as root.
+packages=$(grep -v '^\s*#' scripts/system-packages.txt | tr -s ' \n' ' ' || true)
+if [ -n "${packages// /}" ] && command -v apt-get >/dev/null 2>&1; then
+    missing=$(for p in $packages; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+    if [ -n "$missing" ]; then
+        if [ "$(id -u)" = 0 ]; then
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+        else
+            echo "setup: missing Debian packages (tests that need them will fail): $missing" >&2
+        fi
+    fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi

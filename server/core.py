@@ -105,6 +105,8 @@ class AdvisorCore:
             self.store.upsert_rank(job=hello.job_id, rank=hello.rank, device=hello.device_name, state=CONNECTED)
             self.metrics.active_streams.inc()
             self.metrics.budget_bytes.labels(hello.job_id).set(hello.budget_bytes)
+            self.metrics.world_size.labels(hello.job_id).set(hello.world_size)
+            self._count_connected(hello.job_id)
             plan = session.planner.plan
             if not resumed:
                 self._record_plan(session, plan, now)
@@ -192,6 +194,12 @@ class AdvisorCore:
                 for s in ranks:
                     del self._sessions[s.key]
                 self.metrics.forget_job(job)
+            else:
+                self._count_connected(job)
+
+    def _count_connected(self, job: str) -> None:
+        live = sum(1 for s in self._sessions.values() if s.hello.job_id == job and s.streams > 0)
+        self.metrics.connected_ranks.labels(job).set(live)
 
     def _record_plan(self, session: RankSession, plan: Plan, now: float) -> None:
         job = session.hello.job_id
@@ -212,6 +220,7 @@ class AdvisorCore:
         m.predicted_peak_bytes.labels(job).set(max(p.predicted_peak_bytes for p in plans))
         m.checkpointed_blocks.labels(job).set(max(len(p.blocks) for p in plans))
         m.predicted_overhead_ratio.labels(job).set(max(p.predicted_overhead_ratio for p in plans))
+        m.oom_risk.labels(job).set(max(s.planner.oom_risk for s in ranks))
 
     # -- the operator side ----------------------------------------------------
 

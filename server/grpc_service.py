@@ -48,7 +48,11 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         if new is not None:
                             yield pb.ServerMessage(plan=wire.plan_to_pb(new))
                         yield pb.ServerMessage(
-                            ack=pb.StepAck(step=stats.step, plan_version=session.planner.plan.version)
+                            ack=pb.StepAck(
+                                step=stats.step,
+                                plan_version=session.planner.plan.version,
+                                oom_risk=session.planner.oom_risk,
+                            )
                         )
                     elif kind == "oom":
                         new = self.core.on_oom(session, wire.oom_from_pb(msg.oom))

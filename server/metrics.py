@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 
 
 class Metrics:
@@ -13,6 +13,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # process_open_fds / process_max_fds and friends, for the file-descriptor alert.
+        ProcessCollector(registry=r)
         self.peak_bytes = Gauge(
             "rematd_peak_bytes",
             "Largest measured peak of the budgeted memory over a job's ranks, last step.",
@@ -41,6 +43,13 @@ class Metrics:
             ["job"],
             registry=r,
         )
+        self.oom_risk = Gauge(
+            "rematd_oom_risk_ratio", "Out-of-memory risk of a job, 0-1 (largest over ranks).", ["job"], registry=r
+        )
+        self.connected_ranks = Gauge(
+            "rematd_job_connected_ranks", "Ranks of a job with a live stream.", ["job"], registry=r
+        )
+        self.world_size = Gauge("rematd_job_world_size", "Ranks a job trains with.", ["job"], registry=r)
         self.plans_issued = Counter("rematd_plans_issued", "Plans sent to training ranks.", ["job"], registry=r)
         self.oom_events = Counter("rematd_oom_events", "Out-of-memory events reported.", ["job"], registry=r)
         self.steps = Counter("rematd_steps", "Step statistics received.", ["job"], registry=r)
@@ -53,6 +62,9 @@ class Metrics:
             self.headroom_ratio,
             self.checkpointed_blocks,
             self.predicted_overhead_ratio,
+            self.oom_risk,
+            self.connected_ranks,
+            self.world_size,
             self.plans_issued,
             self.oom_events,
             self.steps,

@@ -190,4 +190,6 @@ def observation(hello: Hello, stats: StepStats) -> StepObservation:
         shape=stats.shape,
         alloc_retries=stats.alloc_retries,
         oom_count=stats.oom_count,
+        allocated_bytes=stats.allocated_bytes,
+        reserved_bytes=stats.reserved_bytes,
     )

@@ -7,11 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    MODE_STORE: _ClassVar[Mode]
+    MODE_SELECTIVE: _ClassVar[Mode]
+    MODE_RECOMPUTE: _ClassVar[Mode]
+    MODE_OFFLOAD: _ClassVar[Mode]
+
 class MemorySource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MEMORY_SOURCE_UNSPECIFIED: _ClassVar[MemorySource]
     MEMORY_SOURCE_CUDA_ALLOCATOR: _ClassVar[MemorySource]
     MEMORY_SOURCE_SAVED_TENSORS: _ClassVar[MemorySource]
+MODE_UNSPECIFIED: Mode
+MODE_STORE: Mode
+MODE_SELECTIVE: Mode
+MODE_RECOMPUTE: Mode
+MODE_OFFLOAD: Mode
 MEMORY_SOURCE_UNSPECIFIED: MemorySource
 MEMORY_SOURCE_CUDA_ALLOCATOR: MemorySource
 MEMORY_SOURCE_SAVED_TENSORS: MemorySource
@@ -26,19 +39,43 @@ class Shape(_message.Message):
     tokens: int
     def __init__(self, batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
+class SizeTerm(_message.Message):
+    __slots__ = ("bytes", "batch_exp", "seq_exp")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_EXP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_EXP_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    batch_exp: int
+    seq_exp: int
+    def __init__(self, bytes: _Optional[int] = ..., batch_exp: _Optional[int] = ..., seq_exp: _Optional[int] = ...) -> None: ...
+
+class ModeCost(_message.Message):
+    __slots__ = ("mode", "kept", "transient", "extra_seconds")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    mode: Mode
+    kept: _containers.RepeatedCompositeFieldContainer[SizeTerm]
+    transient: _containers.RepeatedCompositeFieldContainer[SizeTerm]
+    extra_seconds: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., kept: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., transient: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., extra_seconds: _Optional[float] = ...) -> None: ...
+
 class BlockProfile(_message.Message):
-    __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds")
+    __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds", "modes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     INPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODES_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     saved_bytes: int
     input_bytes: int
     forward_seconds: float
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    modes: _containers.RepeatedCompositeFieldContainer[ModeCost]
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., modes: _Optional[_Iterable[_Union[ModeCost, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version")
@@ -137,7 +174,7 @@ class ClientMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ..., oom: _Optional[_Union[OomEvent, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("version", "checkpoint_every", "checkpoint_blocks", "predicted_peak_bytes", "predicted_overhead_ratio", "reason", "target_bytes")
+    __slots__ = ("version", "checkpoint_every", "checkpoint_blocks", "predicted_peak_bytes", "predicted_overhead_ratio", "reason", "target_bytes", "block_modes", "shape_plans")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +182,8 @@ class Plan(_message.Message):
     PREDICTED_OVERHEAD_RATIO_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_MODES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_PLANS_FIELD_NUMBER: _ClassVar[int]
     version: int
     checkpoint_every: int
     checkpoint_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -152,15 +191,33 @@ class Plan(_message.Message):
     predicted_overhead_ratio: float
     reason: str
     target_bytes: int
-    def __init__(self, version: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., predicted_peak_bytes: _Optional[int] = ..., predicted_overhead_ratio: _Optional[float] = ..., reason: _Optional[str] = ..., target_bytes: _Optional[int] = ...) -> None: ...
+    block_modes: _containers.RepeatedScalarFieldContainer[Mode]
+    shape_plans: _containers.RepeatedCompositeFieldContainer[ShapePlan]
+    def __init__(self, version: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_blocks: _Optional[_Iterable[int]] = ..., predicted_peak_bytes: _Optional[int] = ..., predicted_overhead_ratio: _Optional[float] = ..., reason: _Optional[str] = ..., target_bytes: _Optional[int] = ..., block_modes: _Optional[_Iterable[_Union[Mode, str]]] = ..., shape_plans: _Optional[_Iterable[_Union[ShapePlan, _Mapping]]] = ...) -> None: ...
+
+class ShapePlan(_message.Message):
+    __slots__ = ("max_seq_len", "max_tokens", "block_modes", "predicted_peak_bytes", "predicted_overhead_ratio")
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_MODES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OVERHEAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    max_seq_len: int
+    max_tokens: int
+    block_modes: _containers.RepeatedScalarFieldContainer[Mode]
+    predicted_peak_bytes: int
+    predicted_overhead_ratio: float
+    def __init__(self, max_seq_len: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_modes: _Optional[_Iterable[_Union[Mode, str]]] = ..., predicted_peak_bytes: _Optional[int] = ..., predicted_overhead_ratio: _Optional[float] = ...) -> None: ...
 
 class StepAck(_message.Message):
-    __slots__ = ("step", "plan_version")
+    __slots__ = ("step", "plan_version", "oom_risk")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OOM_RISK_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ...) -> None: ...
+    oom_risk: float
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., oom_risk: _Optional[float] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("plan", "ack")

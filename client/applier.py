@@ -1,0 +1,55 @@
+"""Plans in, block modes out: the plan in force and the one waiting for the next step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from rematd.client.switch import SwitchableBlock
+from rematd.planner import Plan
+
+log = logging.getLogger("rematd.client")
+
+NO_PLAN = Plan(
+    version=0,
+    blocks=(),
+    checkpoint_every=0,
+    predicted_peak_bytes=0,
+    predicted_overhead_ratio=0.0,
+    target_bytes=0,
+    reason="profiling: the first step runs without checkpointing",
+)
+
+
+class PlanApplier:
+    """Receives plans from any thread; applies the newest at a step boundary only."""
+
+    def __init__(self, blocks: list[SwitchableBlock]) -> None:
+        self.blocks = blocks
+        self._lock = threading.Lock()
+        self.plan = NO_PLAN
+        self._pending: Plan | None = None
+        self.history: list[Plan] = []
+
+    def receive(self, plan: Plan) -> None:
+        """Called by the planner's side (any thread): keep the newest plan for the next step."""
+        with self._lock:
+            if plan.version > (self._pending or self.plan).version:
+                self._pending = plan
+
+    def apply_pending(self) -> Plan | None:
+        """Called by the training thread at a step boundary: switch the blocks."""
+        with self._lock:
+            plan, self._pending = self._pending, None
+        if plan is None:
+            return None
+        n = len(self.blocks)
+        bad = [i for i in plan.blocks if i >= n]
+        if bad:
+            log.warning("rematd: plan %d names blocks %s beyond the model's %d; ignoring them", plan.version, bad, n)
+        chosen = set(plan.blocks)
+        for b in self.blocks:
+            b.checkpointed = b.index in chosen
+        self.plan = plan
+        self.history.append(plan)
+        return plan
