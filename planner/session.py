@@ -19,6 +19,7 @@ class PlannerSession:
         budget_bytes: int,
         static_bytes: int = 0,
         config: ControllerConfig | None = None,
+        first_version: int = 1,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}")
@@ -29,7 +30,9 @@ class PlannerSession:
         self.oom_risk = 0.0
         """The rank's out-of-memory risk after the last observation, 0-1."""
         self._last_peak = 0
-        self._plan = self._make(self.controller.initial(budget_bytes=budget_bytes, static_bytes=static_bytes), 1)
+        self._plan = self._make(
+            self.controller.initial(budget_bytes=budget_bytes, static_bytes=static_bytes), first_version
+        )
 
     @property
     def plan(self) -> Plan:

@@ -90,6 +90,10 @@ class AdvisorCore:
                 session = existing
                 session.hello = hello
             else:
+                if hello.plan_version > 0:
+                    # A rank that outlived a restart of the service: continue its plan history.
+                    last = self.store.last_plan_version(hello.job_id, hello.rank)
+                    planner = open_planner(hello, first_version=max(last, hello.plan_version) + 1)
                 session = RankSession(hello=hello, planner=planner)
                 self._sessions[session.key] = session
             session.streams += 1

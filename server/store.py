@@ -222,6 +222,10 @@ class Store:
             out.append(d)
         return out
 
+    def last_plan_version(self, job: str, rank: int) -> int:
+        rows = self._read("SELECT MAX(version) AS v FROM plans WHERE job=? AND rank=?", (job, rank))
+        return int(rows[0]["v"] or 0)
+
     def ooms(self, job: str) -> list[dict[str, Any]]:
         out = []
         for r in self._read("SELECT * FROM oom_events WHERE job=? ORDER BY id", (job,)):

@@ -163,3 +163,17 @@ def test_rest_reads_and_errors(tmp_path: Path) -> None:
     assert http.get("/api/v1/jobs/rest-job/stats", params={"limit": 0}).status_code == 422
     assert http.get("/api/v1/jobs/rest-job/ooms").json()["ooms"] == []
     assert http.get("/openapi.json").json()["info"]["title"] == "rematd"
+
+
+def test_rank_outliving_a_restart_continues_its_history(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    core = AdvisorCore(Store(db), Metrics())
+    s, _ = core.open_session(hello())
+    core.on_stats(s, stats(0, 9500, seq=128))
+    core.close_session(s, ended=False)
+    core.store.close()
+    restarted = AdvisorCore(Store(db), Metrics())
+    s2, plan = restarted.open_session(Hello(**{**_fields(hello()), "plan_version": 2}))
+    assert plan.version == 3
+    assert [p["version"] for p in restarted.job_plans("job-a")] == [1, 2, 3]
+    restarted.on_stats(s2, stats(1, 100))
