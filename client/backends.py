@@ -43,7 +43,7 @@ class EmbeddedBackend:
 
     def send_oom(self, oom: OomReport) -> None:
         if self._session is not None:
-            plan = self._session.report_oom()
+            plan = self._session.report_oom(oom.shape)
             if plan is not None:
                 self._on_plan(plan)
 

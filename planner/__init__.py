@@ -5,14 +5,28 @@ any tool can run the same planner anywhere.
 """
 
 from rematd.planner.controller import Controller, ControllerConfig
-from rematd.planner.cost import predict_overhead_ratio, predict_peak_bytes
-from rematd.planner.model import BlockCost, Plan, Profile, Shape, StepObservation
+from rematd.planner.cost import peak_of, predict_overhead_ratio, predict_peak_bytes
+from rematd.planner.model import (
+    BlockCost,
+    Mode,
+    ModeCost,
+    Option,
+    Plan,
+    Profile,
+    Shape,
+    ShapePlan,
+    Size,
+    StepObservation,
+    Term,
+    blocks_of,
+)
 from rematd.planner.risk import oom_risk
 from rematd.planner.session import PlannerSession
 from rematd.planner.solvers import (
     Choice,
     every_k_blocks,
     frequency_of,
+    solve,
     solve_every,
     solve_full,
     solve_min_recompute,
@@ -24,16 +38,25 @@ __all__ = [
     "Choice",
     "Controller",
     "ControllerConfig",
+    "Mode",
+    "ModeCost",
+    "Option",
     "Plan",
     "PlannerSession",
     "Profile",
     "Shape",
+    "ShapePlan",
+    "Size",
     "StepObservation",
+    "Term",
+    "blocks_of",
     "every_k_blocks",
     "frequency_of",
     "oom_risk",
+    "peak_of",
     "predict_overhead_ratio",
     "predict_peak_bytes",
+    "solve",
     "solve_every",
     "solve_full",
     "solve_min_recompute",

@@ -1,12 +1,21 @@
-"""The adaptive controller: tighten at once, loosen only after sustained headroom."""
+"""The adaptive controller: a plan table keyed by sequence length that tightens
+at once and loosens only after sustained headroom.
+
+Each table entry is the cheapest plan that fits the target at the top of its
+sequence-length bucket, so a step of a new length gets a plan before it runs.
+Measured peaks correct the cost model per bucket; the correction ignores a
+single outlier unless that outlier crossed the target.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, field
 
-from rematd.planner.cost import predict_peak_bytes
-from rematd.planner.model import Profile, StepObservation
-from rematd.planner.solvers import Choice, solve_min_recompute
+from rematd.planner.cost import choose, overhead_of, peak_of
+from rematd.planner.model import Mode, Option, Profile, Shape, ShapePlan, StepObservation
+from rematd.planner.solvers import Choice, solve
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -17,24 +26,38 @@ class ControllerConfig:
     """Fraction of the budget kept free: target = budget x (1 - margin_ratio)."""
     loosen_after_steps: int = 5
     """Consecutive steps with room for a looser plan before the plan loosens."""
+    max_loosen_after_steps: int = 80
+    """Upper bound of the dwell, which doubles each time a loosening is undone soon after."""
     max_correction: float = 4.0
     """Upper bound of the learned measured/predicted correction factor."""
-    correction_decay: float = 0.2
-    """How fast the correction falls back towards 1 when measurements drop (0-1)."""
+    correction_window: int = 8
+    """Recent measured/predicted ratios kept per sequence-length bucket."""
     oom_correction_step: float = 1.25
-    """Factor by which an out-of-memory event raises the correction."""
+    """Factor by which an out-of-memory event raises the correction of its bucket."""
+    bucket_ratio: float = math.sqrt(2)
+    """Ratio between the sequence lengths of neighbouring table entries."""
+    max_entries: int = 16
+    """Most entries of the plan table."""
+    allowed_modes: frozenset[Mode] | None = None
+    """Modes the planner may choose besides STORE (None: every mode the profile offers)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin_ratio < 1.0:
             raise ValueError(f"margin_ratio must be in [0, 1), got {self.margin_ratio!r}")
         if self.loosen_after_steps < 1:
             raise ValueError(f"loosen_after_steps must be >= 1, got {self.loosen_after_steps!r}")
+        if self.max_loosen_after_steps < self.loosen_after_steps:
+            raise ValueError("max_loosen_after_steps must be >= loosen_after_steps")
         if self.max_correction < 1.0:
             raise ValueError(f"max_correction must be >= 1, got {self.max_correction!r}")
-        if not 0.0 < self.correction_decay <= 1.0:
-            raise ValueError(f"correction_decay must be in (0, 1], got {self.correction_decay!r}")
+        if self.correction_window < 1:
+            raise ValueError(f"correction_window must be >= 1, got {self.correction_window!r}")
         if self.oom_correction_step <= 1.0:
             raise ValueError(f"oom_correction_step must be > 1, got {self.oom_correction_step!r}")
+        if self.bucket_ratio <= 1.0:
+            raise ValueError(f"bucket_ratio must be > 1, got {self.bucket_ratio!r}")
+        if self.max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {self.max_entries!r}")
 
     def target_bytes(self, budget_bytes: int) -> int:
         return int(budget_bytes * (1.0 - self.margin_ratio))
@@ -44,102 +67,336 @@ class ControllerConfig:
 class Decision:
     """A change of plan the controller asks for."""
 
-    choice: Choice
+    modes: tuple[Mode, ...]
+    """Modes for the shape just observed (or the profile's shape)."""
+    table: tuple[ShapePlan, ...]
+    """The plan table."""
+    predicted_peak_bytes: int
+    predicted_overhead_ratio: float
     target_bytes: int
     reason: str
 
 
-def _mib(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
 
 
-class Controller:
-    """Turns a stream of step observations into plan changes.
+@dataclass(slots=True)
+class _Bucket:
+    ratios: deque[float]
+    boost: float = 1.0
+    ceiling: int | None = None
+    """Predicted activation bytes of a plan that ran out of memory here: later plans stay below."""
 
-    The correction factor learns how far measured peaks run above the cost
-    model (never below 1: a smaller measurement is not trusted to loosen).
-    """
+
+@dataclass(slots=True)
+class _State:
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+    headroom_steps: int = 0
+    dwell: int = 0
+    last_loosen_step: int = -(10**9)
+
+
+class Controller:
+    """Turns a stream of step observations into plan-table changes."""
 
     def __init__(self, profile: Profile, config: ControllerConfig | None = None) -> None:
         self.profile = profile
         self.config = config or ControllerConfig()
-        self.correction = 1.0
-        self._headroom_steps = 0
+        self._state = _State(dwell=self.config.loosen_after_steps)
+        self._cache: dict[tuple[int, int, int, int, int, int | None], Choice] = {}
+        ref = profile.shape
+        self._batch = ref.batch or 1
+        self._seqs: set[int] = {ref.seq_len} if ref.seq_len else set()
+        self.table: tuple[ShapePlan, ...] = ()
+        self._opts: dict[tuple[Shape, bool], list[list[Option]]] = {}
+        self._fwd: dict[Shape, float] = {}
+        self._entries: dict[tuple[Choice, int, int, int], ShapePlan] = {}
 
-    def _solve(self, profile: Profile, target: int, static: int) -> Choice:
-        effective = int(target / self.correction)
-        return solve_min_recompute(profile, effective, static_bytes=int(static / self.correction))
+    # -- buckets --------------------------------------------------------------
+
+    def bucket_of(self, seq: int) -> int:
+        """The top of the bucket ``seq`` falls in: a rung of a geometric ladder."""
+        if seq <= 8:
+            return 8
+        rung = math.ceil(math.log(seq / 8, self.config.bucket_ratio) - 1e-9)
+        return max(seq, round(8 * self.config.bucket_ratio**rung))
+
+    def _ladder(self) -> list[int]:
+        if not self._seqs:
+            return []
+        lo, hi = self.bucket_of(min(self._seqs)), self.bucket_of(2 * max(self._seqs))
+        rungs = [lo]
+        while rungs[-1] < hi and len(rungs) < self.config.max_entries:
+            rungs.append(self.bucket_of(rungs[-1] + 1))
+        return rungs
+
+    def correction(self, seq: int) -> float:
+        """Measured/predicted for a bucket: its second-largest recent ratio, at least 1.
+
+        Buckets never measured borrow the largest correction of any bucket.
+        """
+        st = self._state
+        bucket = st.buckets.get(self.bucket_of(seq))
+        if bucket is None or not bucket.ratios:
+            known = [self.correction(b) for b, v in st.buckets.items() if v.ratios]
+            return max(known, default=1.0) * (bucket.boost if bucket else 1.0)
+        ordered = sorted(bucket.ratios, reverse=True)
+        robust = ordered[1] if len(ordered) > 1 else ordered[0]
+        return min(self.config.max_correction, max(1.0, robust) * bucket.boost)
+
+    # -- planning -------------------------------------------------------------
+
+    def _options(self, shape: Shape | None, *, restricted: bool = False) -> list[list[Option]]:
+        """Options at ``shape`` for every block, memoised: the controller asks for few shapes, often.
+
+        ``restricted`` limits them to the configured modes (what the solver may pick); unrestricted
+        lists price any plan, including one made under other settings.
+        """
+        key = (shape or self.profile.shape, restricted)
+        hit = self._opts.get(key)
+        if hit is None:
+            if len(self._opts) > 128:
+                self._opts.clear()
+            allowed = self.config.allowed_modes if restricted else None
+            hit = self._opts[key] = self.profile.options_at(shape, allowed)
+        return hit
+
+    def _forward_seconds(self, shape: Shape) -> float:
+        hit = self._fwd.get(shape)
+        if hit is None:
+            if len(self._fwd) > 128:
+                self._fwd.clear()
+            hit = self._fwd[shape] = self.profile.forward_seconds_at(shape)
+        return hit
+
+    def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
+        corr = self.correction(shape.seq_len) if shape.seq_len else 1.0
+        bucket_state = self._state.buckets.get(self.bucket_of(shape.seq_len)) if shape.seq_len else None
+        ceiling = bucket_state.ceiling if bucket_state is not None else None
+        key = (shape.batch, shape.seq_len, round(target, -3), round(corr * 100), static, ceiling)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        options = self._options(shape if shape.seq_len else None, restricted=True)
+        # The correction scales activations, not the static memory.
+        effective = static + int(max(0, target - static) / corr)
+        bucket = self._state.buckets.get(self.bucket_of(shape.seq_len)) if shape.seq_len else None
+        if bucket is not None and bucket.ceiling is not None:
+            effective = min(effective, static + bucket.ceiling - 1)
+        choice = solve(options, effective, static_bytes=static)
+        if len(self._cache) > 256:
+            self._cache.clear()
+        self._cache[key] = choice
+        return choice
+
+    def _entry(self, seq: int, choice: Choice, static: int) -> ShapePlan:
+        key = (choice, seq, self._batch, static)
+        hit = self._entries.get(key)
+        if hit is not None:
+            return hit
+        shape = Shape(batch=self._batch, seq_len=seq, tokens=self._batch * seq)
+        chosen = choose(self._options(shape), choice.modes)
+        entry = ShapePlan(
+            max_seq_len=seq,
+            max_tokens=shape.tokens,
+            modes=choice.modes,
+            predicted_peak_bytes=peak_of(chosen, static),
+            predicted_overhead_ratio=overhead_of(chosen, self._forward_seconds(shape)),
+        )
+        if len(self._entries) > 512:
+            self._entries.clear()
+        self._entries[key] = entry
+        return entry
+
+    def _desired(self, target: int, static: int) -> list[tuple[ShapePlan, Choice]]:
+        out = []
+        for seq in self._ladder():
+            shape = Shape(batch=self._batch, seq_len=seq, tokens=self._batch * seq)
+            choice = self._solve_at(shape, target, static)
+            out.append((self._entry(seq, choice, static), choice))
+        return out
+
+    def _extra(self, modes: tuple[Mode, ...], seq: int) -> float:
+        shape = Shape(batch=self._batch, seq_len=seq, tokens=self._batch * seq)
+        return sum(o.seconds for o in choose(self._options(shape), modes))
+
+    def _decision(self, table: list[ShapePlan], shape: Shape, target: int, static: int, reason: str) -> Decision:
+        entry = _lookup(table, shape)
+        options = self._options(shape if shape.seq_len else None)
+        chosen = choose(options, entry.modes) if entry else choose(options, [Mode.STORE] * len(options))
+        return Decision(
+            modes=tuple(o.mode for o in chosen),
+            table=tuple(table),
+            predicted_peak_bytes=peak_of(chosen, static),
+            predicted_overhead_ratio=overhead_of(chosen, self._forward_seconds(shape)),
+            target_bytes=target,
+            reason=reason,
+        )
 
     def initial(self, *, budget_bytes: int, static_bytes: int = 0) -> Decision:
         target = self.config.target_bytes(budget_bytes)
-        choice = self._solve(self.profile, target, static_bytes)
-        fit = "fits" if choice.fits else "does not fit even with full recomputation"
-        return Decision(
-            choice=choice,
-            target_bytes=target,
-            reason=(
-                f"initial plan from profile: predicted {_mib(choice.predicted_peak_bytes)} {fit} target {_mib(target)}"
-            ),
-        )
-
-    def observe(self, obs: StepObservation, current: tuple[int, ...]) -> Decision | None:
-        cfg = self.config
-        target = cfg.target_bytes(obs.budget_bytes)
-        profile = self.profile.scaled_to(obs.shape)
-        predicted_now = predict_peak_bytes(profile, frozenset(current), static_bytes=obs.static_bytes)
-        if predicted_now > 0 and obs.peak_bytes > 0:
-            ratio = min(obs.peak_bytes / predicted_now, cfg.max_correction)
-            if ratio >= self.correction:
-                self.correction = ratio
-            else:
-                self.correction = max(1.0, self.correction + cfg.correction_decay * (ratio - self.correction))
-
-        candidate = self._solve(profile, target, obs.static_bytes)
-        measured_over = obs.peak_bytes > target
-        predicted_over = predicted_now * self.correction > target
-        if measured_over or predicted_over:
-            self._headroom_steps = 0
-            if candidate.blocks == current:
-                return None
-            if len(candidate.blocks) < len(current):
-                # The looser plan only looks better because the estimate lags; stay put.
-                return None
-            cause = (
-                f"measured peak {_mib(obs.peak_bytes)} over target {_mib(target)}"
-                if measured_over
-                else f"predicted peak {_mib(predicted_now * self.correction)} over target {_mib(target)}"
-            )
+        ref = self.profile.shape
+        if not ref.seq_len:
+            choice = self._solve_at(ref, target, static_bytes)
+            self.table = ()
             return Decision(
-                choice=candidate, target_bytes=target, reason=f"tighten: {cause} at seq {obs.shape.seq_len}"
+                modes=choice.modes,
+                table=(),
+                predicted_peak_bytes=choice.predicted_peak_bytes,
+                predicted_overhead_ratio=overhead_of(
+                    choose(self.profile.options_at(), choice.modes), self.profile.forward_seconds_at()
+                ),
+                target_bytes=target,
+                reason=_initial_reason(choice, target),
             )
+        desired = self._desired(target, static_bytes)
+        self.table = tuple(e for e, _ in desired)
+        choice = self._solve_at(ref, target, static_bytes)
+        return self._decision(list(self.table), ref, target, static_bytes, _initial_reason(choice, target))
 
-        if len(candidate.blocks) >= len(current):
-            self._headroom_steps = 0
-            return None
-        self._headroom_steps += 1
-        if self._headroom_steps < cfg.loosen_after_steps:
-            return None
-        self._headroom_steps = 0
-        return Decision(
-            choice=candidate,
-            target_bytes=target,
-            reason=(
-                f"loosen: headroom for {cfg.loosen_after_steps} steps "
-                f"(measured {_mib(obs.peak_bytes)} of target {_mib(target)})"
-            ),
+    def observe(self, obs: StepObservation, measured_modes: tuple[Mode, ...] | None) -> Decision | None:
+        """One step's measurements, taken under ``measured_modes``; a decision when the table changes."""
+        cfg = self.config
+        st = self._state
+        target = cfg.target_bytes(obs.budget_bytes)
+        shape = obs.shape
+        if shape.batch:
+            self._batch = shape.batch
+        if shape.seq_len:
+            self._seqs.add(shape.seq_len)
+            if len(self._seqs) > 64:
+                self._seqs = {min(self._seqs), max(self._seqs)}
+        options = self._options(shape if shape.seq_len else None)
+        modes = measured_modes or tuple(Mode.STORE for _ in options)
+        predicted = peak_of(choose(options, modes), 0)
+        measured_over = obs.peak_bytes > target
+        if predicted > 0 and obs.peak_bytes > 0 and shape.seq_len:
+            activations = max(0, obs.peak_bytes - obs.static_bytes)
+            bucket = st.buckets.setdefault(self.bucket_of(shape.seq_len), _Bucket(deque(maxlen=cfg.correction_window)))
+            ratio = min(cfg.max_correction, activations / predicted)
+            bucket.ratios.append(ratio)
+            if measured_over:
+                # A crossing is evidence, not an outlier: make it count twice.
+                bucket.ratios.append(ratio)
+
+        current = {e.max_seq_len: e for e in self.table}
+        desired = self._desired(target, obs.static_bytes)
+        tighter, looser = [], []
+        for entry, _choice in desired:
+            old = current.get(entry.max_seq_len)
+            if old is None:
+                continue
+            if old.modes == entry.modes:
+                continue
+            old_shape = Shape(batch=self._batch, seq_len=entry.max_seq_len, tokens=entry.max_tokens)
+            old_fits = self._fits(old.modes, old_shape, target, obs.static_bytes)
+            if not old_fits or self._extra(entry.modes, entry.max_seq_len) > self._extra(old.modes, entry.max_seq_len):
+                tighter.append(entry.max_seq_len)
+            else:
+                looser.append(entry.max_seq_len)
+        new_rungs = [e.max_seq_len for e, _ in desired if e.max_seq_len not in current]
+        by_seq = {e.max_seq_len: e for e, _ in desired}
+
+        if tighter:
+            st.headroom_steps = 0
+            if obs.step - st.last_loosen_step <= 2 * st.dwell:
+                # The last loosening was undone quickly: wait longer before the next.
+                st.dwell = min(cfg.max_loosen_after_steps, st.dwell * 2)
+            table = [by_seq[s] if s in tighter or s in new_rungs else current.get(s, by_seq[s]) for s in by_seq]
+            cause = (
+                f"measured peak {human_bytes(obs.peak_bytes)} over target {human_bytes(target)}"
+                if measured_over
+                else f"predicted peak over target {human_bytes(target)}"
+            )
+            self.table = tuple(table)
+            return self._decision(table, shape, target, obs.static_bytes, f"tighten: {cause} at seq {shape.seq_len}")
+
+        if looser:
+            st.headroom_steps += 1
+            if st.headroom_steps >= st.dwell:
+                st.headroom_steps = 0
+                st.last_loosen_step = obs.step
+                self.table = tuple(by_seq.values())
+                return self._decision(
+                    list(self.table),
+                    shape,
+                    target,
+                    obs.static_bytes,
+                    f"loosen: headroom for {st.dwell} steps "
+                    f"(measured {human_bytes(obs.peak_bytes)} of target {human_bytes(target)})",
+                )
+        else:
+            st.headroom_steps = 0
+
+        if new_rungs:
+            self.table = tuple(by_seq[s] if s in new_rungs else current.get(s, by_seq[s]) for s in by_seq)
+            return self._decision(
+                list(self.table), shape, target, obs.static_bytes, f"extend the plan table to seq {max(by_seq)}"
+            )
+        return None
+
+    def _fits(self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int) -> bool:
+        chosen = choose(self._options(shape), modes)
+        activations = peak_of(chosen, 0) * self.correction(shape.seq_len)
+        return static + activations <= target
+
+    def after_oom(self, *, shape: Shape, budget_bytes: int, static_bytes: int) -> Decision:
+        """An out-of-memory event: distrust the model at that shape and tighten at once."""
+        cfg = self.config
+        st = self._state
+        seq = shape.seq_len or self.profile.shape.seq_len
+        bucket = st.buckets.setdefault(self.bucket_of(seq), _Bucket(deque(maxlen=cfg.correction_window)))
+        st.headroom_steps = 0
+        st.dwell = min(cfg.max_loosen_after_steps, st.dwell * 2)
+        target = cfg.target_bytes(budget_bytes)
+        if seq:
+            self._seqs.add(seq)
+        current = {e.max_seq_len: e for e in self.table}
+        at = self.bucket_of(seq) if seq else None
+        before = current.get(at) if at is not None else None
+        # Whatever the model says, the plan that just failed must recompute more.
+        for _ in range(12):
+            bucket.boost = min(cfg.max_correction, bucket.boost * cfg.oom_correction_step)
+            desired = self._desired(target, static_bytes)
+            now = next((e for e, _ in desired if e.max_seq_len == at), None)
+            if before is None or now is None or now.modes != before.modes:
+                break
+            if bucket.boost >= cfg.max_correction:
+                failed = Shape(batch=self._batch, seq_len=before.max_seq_len, tokens=before.max_tokens)
+                bucket.ceiling = peak_of(choose(self.profile.options_at(failed), before.modes), 0)
+                desired = self._desired(target, static_bytes)
+                break
+        table = []
+        for entry, _ in desired:
+            old = current.get(entry.max_seq_len)
+            keep_old = old is not None and self._extra(old.modes, entry.max_seq_len) > self._extra(
+                entry.modes, entry.max_seq_len
+            )
+            table.append(old if keep_old and old is not None else entry)
+        self.table = tuple(table)
+        return self._decision(
+            table, shape, target, static_bytes, f"tighten: out-of-memory reported at seq {shape.seq_len}"
         )
 
-    def after_oom(self, *, budget_bytes: int, static_bytes: int, current: tuple[int, ...]) -> Decision:
-        """An out-of-memory event: distrust the model more and tighten at once."""
-        cfg = self.config
-        self.correction = min(cfg.max_correction, self.correction * cfg.oom_correction_step)
-        self._headroom_steps = 0
-        target = cfg.target_bytes(budget_bytes)
-        choice = self._solve(self.profile, target, static_bytes)
-        if len(choice.blocks) <= len(current) and len(current) < self.profile.num_blocks:
-            # Whatever the model says, the plan in force just failed: recompute more.
-            choice = solve_min_recompute(self.profile, 0, static_bytes=0)
-        return Decision(choice=choice, target_bytes=target, reason="tighten: out-of-memory reported")
+
+def _lookup(table: list[ShapePlan], shape: Shape) -> ShapePlan | None:
+    if not table:
+        return None
+    if not shape.seq_len:
+        return table[-1]
+    for entry in table:
+        if entry.covers(shape):
+            return entry
+    return table[-1]
+
+
+def _initial_reason(choice: Choice, target: int) -> str:
+    fit = "fits" if choice.fits else "does not fit even with full recomputation"
+    return (
+        f"initial plan from profile: predicted {human_bytes(choice.predicted_peak_bytes)} "
+        f"{fit} target {human_bytes(target)}"
+    )

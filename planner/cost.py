@@ -2,32 +2,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
-from rematd.planner.model import Profile
+from rematd.planner.model import Mode, Option, Profile, Shape
 
 # Backward costs about twice the forward, so a step is about three forwards.
-_STEP_FORWARDS = 3.0
+STEP_FORWARDS = 3.0
 
 
-def predict_peak_bytes(profile: Profile, recompute: Collection[int], *, static_bytes: int = 0) -> int:
-    """Predicted peak: static memory, stored activations, kept inputs, and the
-    largest block materialised again while it is recomputed in backward."""
-    stored = 0
-    transient = 0
-    for i, block in enumerate(profile.blocks):
-        if i in recompute:
-            stored += block.input_bytes
-            transient = max(transient, block.saved_bytes)
-        else:
-            stored += block.saved_bytes
-    return static_bytes + stored + transient
+def peak_of(chosen: Sequence[Option], static_bytes: int = 0) -> int:
+    """Static memory + what every block keeps + the largest rematerialisation in backward."""
+    return static_bytes + sum(o.kept for o in chosen) + max((o.transient for o in chosen), default=0)
 
 
-def predict_overhead_ratio(profile: Profile, recompute: Collection[int]) -> float:
-    """Extra step time from recomputation, as a fraction of a step without it."""
-    total = sum(b.forward_seconds for b in profile.blocks)
-    if total <= 0:
-        return len(recompute) / (_STEP_FORWARDS * profile.num_blocks)
-    extra = sum(profile.blocks[i].forward_seconds for i in recompute)
-    return extra / (_STEP_FORWARDS * total)
+def overhead_of(chosen: Sequence[Option], forward_seconds: float) -> float:
+    """Extra step time as a fraction of a step without recomputation."""
+    extra = sum(o.seconds for o in chosen)
+    if forward_seconds <= 0:
+        return extra
+    return extra / (STEP_FORWARDS * forward_seconds)
+
+
+def choose(options: list[list[Option]], modes: Sequence[Mode]) -> list[Option]:
+    """The options that ``modes`` pick, one per block."""
+    out = []
+    for i, (opts, mode) in enumerate(zip(options, modes, strict=True)):
+        found = next((o for o in opts if o.mode == mode), None)
+        if found is None:
+            raise ValueError(f"block {i} has no {mode.name} option")
+        out.append(found)
+    return out
+
+
+def predict_peak_bytes(
+    profile: Profile, recompute: Collection[int], *, static_bytes: int = 0, shape: Shape | None = None
+) -> int:
+    """Predicted peak when ``recompute`` blocks recompute and the others store."""
+    modes = [Mode.RECOMPUTE if i in recompute else Mode.STORE for i in range(profile.num_blocks)]
+    return peak_of(choose(profile.options_at(shape), modes), static_bytes)
+
+
+def predict_overhead_ratio(profile: Profile, recompute: Collection[int], *, shape: Shape | None = None) -> float:
+    """Extra step time when ``recompute`` blocks recompute, as a fraction of the step."""
+    modes = [Mode.RECOMPUTE if i in recompute else Mode.STORE for i in range(profile.num_blocks)]
+    return overhead_of(choose(profile.options_at(shape), modes), profile.forward_seconds_at(shape))

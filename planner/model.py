@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -14,6 +15,19 @@ def _check_bytes(name: str, value: int) -> None:
 def _check_seconds(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite, non-negative number of seconds, got {value!r}")
+
+
+class Mode(enum.IntEnum):
+    """How a block keeps what its backward needs. Values match the wire enum."""
+
+    STORE = 1
+    """Keep every saved activation."""
+    SELECTIVE = 2
+    """Keep matmul and attention outputs; recompute pointwise ops in backward."""
+    RECOMPUTE = 3
+    """Keep only the block's input; run its forward again in backward."""
+    OFFLOAD = 4
+    """Copy the saved activations to host memory until backward."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +48,66 @@ class Shape:
                 raise ValueError(f"shape.{name} must be a non-negative integer, got {value!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Term:
+    """Bytes at the reference shape that scale as batch^batch_exp x seq_len^seq_exp."""
+
+    bytes: int
+    batch_exp: int = 1
+    seq_exp: int = 1
+
+    def __post_init__(self) -> None:
+        _check_bytes("term.bytes", self.bytes)
+        if not (0 <= self.batch_exp <= 2 and 0 <= self.seq_exp <= 3):
+            raise ValueError(f"term exponents out of range: batch^{self.batch_exp} seq^{self.seq_exp}")
+
+
+def _ratio(new: int, ref: int) -> float:
+    return new / ref if new > 0 and ref > 0 else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    """A byte count as a function of the input shape, measured at a reference shape."""
+
+    terms: tuple[Term, ...] = ()
+
+    @staticmethod
+    def linear(n: int) -> Size:
+        """``n`` bytes that grow with tokens (batch x sequence length)."""
+        return Size((Term(n, 1, 1),)) if n else Size()
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    def at(self, ref: Shape, shape: Shape) -> int:
+        if not self.terms:
+            return 0
+        if not (ref.batch and ref.seq_len and shape.batch and shape.seq_len):
+            # Only tokens are known: scale everything with them.
+            return int(self.bytes * _ratio(shape.tokens, ref.tokens))
+        rb, rs = _ratio(shape.batch, ref.batch), _ratio(shape.seq_len, ref.seq_len)
+        return int(sum(t.bytes * rb**t.batch_exp * rs**t.seq_exp for t in self.terms))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModeCost:
+    """What a block costs in one mode, at the profile's shape."""
+
+    mode: Mode
+    """The mode."""
+    kept: Size
+    """Device bytes held from the block's forward until its backward."""
+    transient: Size = field(default_factory=Size)
+    """Extra device bytes while the block's backward runs (rematerialised activations)."""
+    extra_seconds: float = 0.0
+    """Step seconds the mode adds over storing, at the profile's shape."""
+
+    def __post_init__(self) -> None:
+        _check_seconds(f"{self.mode.name.lower()}.extra_seconds", self.extra_seconds)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockCost:
     """What one block costs, measured at the profile's shape."""
@@ -44,11 +118,41 @@ class BlockCost:
     """Bytes a checkpoint keeps for the block: its input."""
     forward_seconds: float
     """Seconds one forward of the block takes; the price of recomputing it."""
+    modes: tuple[ModeCost, ...] = ()
+    """Measured per-mode costs; when empty, store and recompute follow from the fields above."""
 
     def __post_init__(self) -> None:
         _check_bytes("saved_bytes", self.saved_bytes)
         _check_bytes("input_bytes", self.input_bytes)
         _check_seconds("forward_seconds", self.forward_seconds)
+        seen = [m.mode for m in self.modes]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"a block lists a mode twice: {[m.name for m in seen]}")
+        if self.modes and Mode.STORE not in seen:
+            raise ValueError("a block's modes must include STORE")
+
+    def mode_costs(self) -> tuple[ModeCost, ...]:
+        if self.modes:
+            return self.modes
+        return (
+            ModeCost(mode=Mode.STORE, kept=Size.linear(self.saved_bytes)),
+            ModeCost(
+                mode=Mode.RECOMPUTE,
+                kept=Size.linear(self.input_bytes),
+                transient=Size.linear(self.saved_bytes),
+                extra_seconds=self.forward_seconds,
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One mode of one block at a concrete shape: what the solvers choose among."""
+
+    mode: Mode
+    kept: int
+    transient: int
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,34 +172,106 @@ class Profile:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def scaled_to(self, shape: Shape) -> Profile:
-        """Costs at another shape, assuming activation bytes and time grow with tokens."""
-        if not self.shape.tokens or not shape.tokens or shape.tokens == self.shape.tokens:
-            return self
-        ratio = shape.tokens / self.shape.tokens
-        return Profile(
-            blocks=tuple(
-                BlockCost(
-                    saved_bytes=int(b.saved_bytes * ratio),
-                    input_bytes=int(b.input_bytes * ratio),
-                    forward_seconds=b.forward_seconds * ratio,
+    def time_ratio(self, shape: Shape) -> float:
+        """How step time scales to ``shape``: like the stored activations do."""
+        ref = sum(b.saved_bytes for b in self.blocks)
+        now = sum(self.options_at(shape)[i][0].kept for i in range(self.num_blocks))
+        return now / ref if ref and now else _ratio(shape.tokens, self.shape.tokens)
+
+    def options_at(self, shape: Shape | None = None, allowed: frozenset[Mode] | None = None) -> list[list[Option]]:
+        """Every block's options at ``shape`` (the profile's own when None), STORE first."""
+        target = shape or self.shape
+        out = []
+        for b in self.blocks:
+            opts = []
+            store_ref = 0
+            for m in b.mode_costs():
+                if allowed is not None and m.mode not in allowed and m.mode != Mode.STORE:
+                    continue
+                kept = m.kept.at(self.shape, target)
+                if m.mode == Mode.STORE:
+                    store_ref = m.kept.bytes
+                opts.append((m, kept))
+            scale = (opts[0][1] / store_ref) if store_ref else _ratio(target.tokens, self.shape.tokens)
+            out.append(
+                sorted(
+                    (
+                        Option(m.mode, kept, m.transient.at(self.shape, target), m.extra_seconds * scale)
+                        for m, kept in opts
+                    ),
+                    key=lambda o: (o.mode != Mode.STORE, o.mode),
                 )
-                for b in self.blocks
-            ),
-            shape=shape,
-        )
+            )
+        return out
+
+    def forward_seconds_at(self, shape: Shape | None = None) -> float:
+        total = sum(b.forward_seconds for b in self.blocks)
+        return total * (self.time_ratio(shape) if shape else 1.0)
+
+    def scaled_to(self, shape: Shape) -> Profile:
+        """The same costs re-expressed with ``shape`` as their reference."""
+        if shape == self.shape:
+            return self
+        opts = self.options_at(shape)
+        ratio = self.time_ratio(shape)
+        blocks = []
+        for b, o in zip(self.blocks, opts, strict=True):
+            by_mode = {x.mode: x for x in o}
+            store = by_mode[Mode.STORE]
+            rec = by_mode.get(Mode.RECOMPUTE)
+            blocks.append(
+                BlockCost(
+                    saved_bytes=store.kept,
+                    input_bytes=rec.kept if rec else b.input_bytes,
+                    forward_seconds=b.forward_seconds * ratio,
+                    modes=tuple(
+                        ModeCost(
+                            mode=x.mode,
+                            kept=Size.linear(x.kept),
+                            transient=Size.linear(x.transient),
+                            extra_seconds=x.seconds,
+                        )
+                        for x in o
+                    ),
+                )
+            )
+        return Profile(blocks=tuple(blocks), shape=shape)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShapePlan:
+    """The modes for steps whose shape is within the bounds."""
+
+    max_seq_len: int
+    """Largest sequence length the entry covers."""
+    max_tokens: int
+    """Largest tokens per batch the entry covers."""
+    modes: tuple[Mode, ...]
+    """One mode per block."""
+    predicted_peak_bytes: int
+    """Predicted peak at the entry's bounds."""
+    predicted_overhead_ratio: float
+    """Predicted recompute overhead at the entry's bounds."""
+
+    def covers(self, shape: Shape) -> bool:
+        return shape.seq_len <= self.max_seq_len and shape.tokens <= self.max_tokens
+
+
+def blocks_of(modes: tuple[Mode, ...]) -> tuple[int, ...]:
+    """The blocks that do not simply store: those a plan checkpoints in some way."""
+    return tuple(i for i, m in enumerate(modes) if m != Mode.STORE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
-    """A checkpoint plan: which blocks recompute their activations in backward."""
+    """A checkpoint plan: how each block keeps what its backward needs."""
 
     version: int
     """Increases by one each time the plan for a (job, rank) changes."""
     blocks: tuple[int, ...]
-    """Indices of the blocks that recompute, ascending."""
+    """Indices of the blocks that do not store everything, ascending."""
     checkpoint_every: int
-    """k when the plan is "every k-th block" (indices divisible by k); 0 for none or an irregular set."""
+    """k when the plan is "every k-th block recomputes" (indices divisible by k); 0 otherwise."""
     predicted_peak_bytes: int
     """Predicted peak for the shape the plan was made for."""
     predicted_overhead_ratio: float
@@ -104,13 +280,30 @@ class Plan:
     """The memory target the plan was made to fit."""
     reason: str
     """Why the planner chose this plan, for people."""
+    modes: tuple[Mode, ...] = ()
+    """One mode per block; empty means ``blocks`` recompute and the rest store."""
+    shape_plans: tuple[ShapePlan, ...] = ()
+    """Plans for other input shapes, ascending; see :meth:`modes_for`."""
 
     @property
     def checkpointed(self) -> frozenset[int]:
         return frozenset(self.blocks)
 
-    def same_choice(self, other: Plan | None) -> bool:
-        return other is not None and other.blocks == self.blocks
+    def block_modes(self, num_blocks: int) -> tuple[Mode, ...]:
+        if self.modes:
+            return self.modes
+        chosen = set(self.blocks)
+        return tuple(Mode.RECOMPUTE if i in chosen else Mode.STORE for i in range(num_blocks))
+
+    def modes_for(self, shape: Shape, num_blocks: int) -> tuple[Mode, ...]:
+        """The modes a step of ``shape`` runs with: the first table entry that
+        covers it, the largest entry when none does, the plan's own without a table."""
+        if not self.shape_plans or not shape.seq_len:
+            return self.block_modes(num_blocks)
+        for entry in self.shape_plans:
+            if entry.covers(shape):
+                return entry.modes
+        return self.shape_plans[-1].modes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from rematd.planner.controller import Controller, ControllerConfig, Decision
-from rematd.planner.cost import predict_overhead_ratio
-from rematd.planner.model import Plan, Profile, StepObservation
+from rematd.planner.model import Mode, Plan, Profile, Shape, StepObservation, blocks_of
 from rematd.planner.risk import oom_risk
 from rematd.planner.solvers import frequency_of
 
@@ -30,6 +31,7 @@ class PlannerSession:
         self.oom_risk = 0.0
         """The rank's out-of-memory risk after the last observation, 0-1."""
         self._last_peak = 0
+        self._recent: OrderedDict[int, Plan] = OrderedDict()
         self._plan = self._make(
             self.controller.initial(budget_bytes=budget_bytes, static_bytes=static_bytes), first_version
         )
@@ -39,19 +41,28 @@ class PlannerSession:
         return self._plan
 
     def _make(self, decision: Decision, version: int) -> Plan:
-        blocks = decision.choice.blocks
-        return Plan(
+        blocks = blocks_of(decision.modes)
+        uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in decision.modes)
+        plan = Plan(
             version=version,
             blocks=blocks,
-            checkpoint_every=frequency_of(self.profile.num_blocks, blocks),
-            predicted_peak_bytes=decision.choice.predicted_peak_bytes,
-            predicted_overhead_ratio=predict_overhead_ratio(self.profile, blocks),
+            checkpoint_every=frequency_of(self.profile.num_blocks, blocks) if uniform else 0,
+            predicted_peak_bytes=decision.predicted_peak_bytes,
+            predicted_overhead_ratio=decision.predicted_overhead_ratio,
             target_bytes=decision.target_bytes,
             reason=decision.reason,
+            modes=decision.modes,
+            shape_plans=decision.table,
         )
+        self._recent[version] = plan
+        while len(self._recent) > 8:
+            self._recent.popitem(last=False)
+        return plan
 
     def _adopt(self, decision: Decision | None) -> Plan | None:
-        if decision is None or decision.choice.blocks == self._plan.blocks:
+        if decision is None:
+            return None
+        if decision.modes == self._plan.modes and decision.table == self._plan.shape_plans:
             return None
         self._plan = self._make(decision, self._plan.version + 1)
         return self._plan
@@ -60,10 +71,13 @@ class PlannerSession:
         """Feed one step's measurements; returns the new plan when it changes."""
         self.budget_bytes = obs.budget_bytes
         self.static_bytes = obs.static_bytes
-        plan = self._adopt(self.controller.observe(obs, self._plan.blocks))
+        n = self.profile.num_blocks
+        ran = self._recent.get(obs.plan_version)
+        measured_modes = ran.modes_for(obs.shape, n) if ran is not None else tuple(Mode.STORE for _ in range(n))
+        plan = self._adopt(self.controller.observe(obs, measured_modes))
         self.oom_risk = oom_risk(
             obs,
-            predicted_next_bytes=int(self._plan.predicted_peak_bytes * self.controller.correction),
+            predicted_next_bytes=int(self._plan.predicted_peak_bytes * self.controller.correction(obs.shape.seq_len)),
             capacity_bytes=obs.budget_bytes,
             margin_ratio=self.controller.config.margin_ratio,
             previous_peak_bytes=self._last_peak,
@@ -71,11 +85,11 @@ class PlannerSession:
         self._last_peak = obs.peak_bytes
         return plan
 
-    def report_oom(self) -> Plan | None:
-        """An out-of-memory event on this rank; returns the tighter plan."""
+    def report_oom(self, shape: Shape | None = None) -> Plan | None:
+        """An out-of-memory event on this rank at ``shape``; returns the tighter plan."""
         self.oom_risk = 1.0
         return self._adopt(
             self.controller.after_oom(
-                budget_bytes=self.budget_bytes, static_bytes=self.static_bytes, current=self._plan.blocks
+                shape=shape or self.profile.shape, budget_bytes=self.budget_bytes, static_bytes=self.static_bytes
             )
         )

@@ -177,7 +177,7 @@ class AdvisorCore:
                 },
             )
             self.metrics.oom_events.labels(job).inc()
-            plan = session.planner.report_oom()
+            plan = session.planner.report_oom(oom.shape)
             if plan is not None:
                 self._record_plan(session, plan, now)
                 self._update_job_metrics(job, session.planner.budget_bytes)

@@ -11,7 +11,16 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from rematd.planner import BlockCost, ControllerConfig, PlannerSession, Profile, Shape, StepObservation
+from rematd.planner import (
+    BlockCost,
+    ControllerConfig,
+    Mode,
+    ModeCost,
+    PlannerSession,
+    Profile,
+    Shape,
+    StepObservation,
+)
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_BLOCKS = 4096
@@ -39,6 +48,26 @@ def _seconds(name: str, value: float) -> None:
         raise InvalidMessage(name, f"must be a finite, non-negative number, got {value!r}")
 
 
+MAX_TERMS = 16
+
+
+def _check_modes(name: str, modes: tuple[ModeCost, ...]) -> None:
+    seen = set()
+    for j, m in enumerate(modes):
+        where = f"{name}[{j}]"
+        if not isinstance(m.mode, Mode):
+            raise InvalidMessage(f"{where}.mode", f"unknown mode {m.mode!r}")
+        if m.mode in seen:
+            raise InvalidMessage(f"{where}.mode", f"{m.mode.name} listed twice")
+        seen.add(m.mode)
+        _seconds(f"{where}.extra_seconds", m.extra_seconds)
+        for part in ("kept", "transient"):
+            if len(getattr(m, part).terms) > MAX_TERMS:
+                raise InvalidMessage(f"{where}.{part}", f"more than {MAX_TERMS} terms")
+    if modes and Mode.STORE not in seen:
+        raise InvalidMessage(name, "must include MODE_STORE")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockRecord:
     """One block's profile as the client measured it."""
@@ -48,6 +77,7 @@ class BlockRecord:
     saved_bytes: int
     input_bytes: int
     forward_seconds: float
+    modes: tuple[ModeCost, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +119,7 @@ class Hello:
             _uint(f"hello.blocks[{i}].saved_bytes", b.saved_bytes)
             _uint(f"hello.blocks[{i}].input_bytes", b.input_bytes)
             _seconds(f"hello.blocks[{i}].forward_seconds", b.forward_seconds)
+            _check_modes(f"hello.blocks[{i}].modes", b.modes)
         _uint("hello.budget_bytes", self.budget_bytes)
         if self.budget_bytes == 0:
             raise InvalidMessage("hello.budget_bytes", "must be positive")
@@ -101,7 +132,12 @@ class Hello:
     def profile(self) -> Profile:
         return Profile(
             blocks=tuple(
-                BlockCost(saved_bytes=b.saved_bytes, input_bytes=b.input_bytes, forward_seconds=b.forward_seconds)
+                BlockCost(
+                    saved_bytes=b.saved_bytes,
+                    input_bytes=b.input_bytes,
+                    forward_seconds=b.forward_seconds,
+                    modes=b.modes,
+                )
                 for b in self.blocks
             ),
             shape=self.profile_shape,

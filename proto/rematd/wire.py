@@ -6,8 +6,11 @@ protobuf never leaks into the public API.
 
 from __future__ import annotations
 
-from rematd.planner import Plan, Shape
-from rematd.records import MEMORY_CUDA, MEMORY_SAVED, BlockRecord, Hello, OomReport, StepStats
+from collections.abc import Sequence
+from typing import Any, cast
+
+from rematd.planner import Mode, ModeCost, Plan, Shape, ShapePlan, Size, Term
+from rematd.records import MEMORY_CUDA, MEMORY_SAVED, BlockRecord, Hello, InvalidMessage, OomReport, StepStats
 from rematd.v1 import advisor_pb2 as pb
 
 _SOURCE_TO_PB = {
@@ -42,6 +45,56 @@ def shape_from_pb(msg: pb.Shape) -> Shape:
     return Shape(batch=msg.batch, seq_len=msg.seq_len, tokens=msg.tokens)
 
 
+def _size_to_pb(size: Size) -> list[pb.SizeTerm]:
+    return [pb.SizeTerm(bytes=t.bytes, batch_exp=t.batch_exp, seq_exp=t.seq_exp) for t in size.terms]
+
+
+def _size_from_pb(field: str, terms: Sequence[pb.SizeTerm]) -> Size:
+    try:
+        return Size(tuple(Term(t.bytes, t.batch_exp, t.seq_exp) for t in terms))
+    except ValueError as err:
+        raise InvalidMessage(field, str(err)) from err
+
+
+def _mode_from_pb(field: str, value: int) -> Mode:
+    try:
+        return Mode(value)
+    except ValueError:
+        raise InvalidMessage(field, f"unknown mode {value}") from None
+
+
+def _modes_to_pb(modes: tuple[ModeCost, ...]) -> list[pb.ModeCost]:
+    return [
+        pb.ModeCost(
+            mode=cast(Any, int(m.mode)),
+            kept=_size_to_pb(m.kept),
+            transient=_size_to_pb(m.transient),
+            extra_seconds=m.extra_seconds,
+        )
+        for m in modes
+    ]
+
+
+def _modes_from_pb(field: str, modes: Sequence[pb.ModeCost]) -> tuple[ModeCost, ...]:
+    out = []
+    for j, m in enumerate(modes):
+        where = f"{field}[{j}]"
+        try:
+            out.append(
+                ModeCost(
+                    mode=_mode_from_pb(f"{where}.mode", m.mode),
+                    kept=_size_from_pb(f"{where}.kept", m.kept),
+                    transient=_size_from_pb(f"{where}.transient", m.transient),
+                    extra_seconds=m.extra_seconds,
+                )
+            )
+        except ValueError as err:
+            if isinstance(err, InvalidMessage):
+                raise
+            raise InvalidMessage(where, str(err)) from err
+    return tuple(out)
+
+
 def hello_to_pb(hello: Hello) -> pb.Hello:
     return pb.Hello(
         job_id=hello.job_id,
@@ -57,6 +110,7 @@ def hello_to_pb(hello: Hello) -> pb.Hello:
                 saved_bytes=b.saved_bytes,
                 input_bytes=b.input_bytes,
                 forward_seconds=b.forward_seconds,
+                modes=_modes_to_pb(b.modes),
             )
             for b in hello.blocks
         ],
@@ -85,8 +139,9 @@ def hello_from_pb(msg: pb.Hello) -> Hello:
                 saved_bytes=b.saved_bytes,
                 input_bytes=b.input_bytes,
                 forward_seconds=b.forward_seconds,
+                modes=_modes_from_pb(f"hello.blocks[{i}].modes", b.modes),
             )
-            for b in msg.blocks
+            for i, b in enumerate(msg.blocks)
         ),
         profile_shape=shape_from_pb(msg.profile_shape),
         budget_bytes=msg.budget_bytes,
@@ -127,6 +182,17 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         predicted_overhead_ratio=plan.predicted_overhead_ratio,
         reason=plan.reason,
         target_bytes=plan.target_bytes,
+        block_modes=cast(Any, [int(m) for m in plan.modes]),
+        shape_plans=[
+            pb.ShapePlan(
+                max_seq_len=e.max_seq_len,
+                max_tokens=e.max_tokens,
+                block_modes=cast(Any, [int(m) for m in e.modes]),
+                predicted_peak_bytes=e.predicted_peak_bytes,
+                predicted_overhead_ratio=e.predicted_overhead_ratio,
+            )
+            for e in plan.shape_plans
+        ],
     )
 
 
@@ -139,4 +205,15 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         predicted_overhead_ratio=msg.predicted_overhead_ratio,
         target_bytes=msg.target_bytes,
         reason=msg.reason,
+        modes=tuple(_mode_from_pb("plan.block_modes", m) for m in msg.block_modes),
+        shape_plans=tuple(
+            ShapePlan(
+                max_seq_len=e.max_seq_len,
+                max_tokens=e.max_tokens,
+                modes=tuple(_mode_from_pb("plan.shape_plans.block_modes", m) for m in e.block_modes),
+                predicted_peak_bytes=e.predicted_peak_bytes,
+                predicted_overhead_ratio=e.predicted_overhead_ratio,
+            )
+            for e in msg.shape_plans
+        ),
     )
