@@ -9,7 +9,7 @@ backward and its peak is the step's activation peak.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -73,6 +73,10 @@ class SavedTensorAccounting:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.excluded: frozenset[tuple[str, int]] = frozenset()
+        self._held: list[list[_Held]] = []
+        self._open: list[Callable[[object], None]] = []
+        self._transient = 0
+        self._transient_owner: object | None = None
         self.active = False
         """True while the model's forward runs under this accounting's hooks."""
 
@@ -109,9 +113,57 @@ class SavedTensorAccounting:
                 del self._refs[key]
                 self.live_bytes -= ref[1]
 
-    def hold(self, tensors: Iterable[torch.Tensor]) -> list[_Held]:
-        """Count tensors that a checkpoint keeps outside autograd's saved variables."""
-        return [h for h in (self.pack(t) for t in tensors) if isinstance(h, _Held)]
+    def hold(self, tensors: Iterable[torch.Tensor], until_grad_of: Iterable[torch.Tensor] = ()) -> None:
+        """Count tensors that a checkpoint keeps outside autograd's saved variables, until
+        backward has computed the gradient of any of ``until_grad_of`` (the block is done)
+        or, failing that, until :meth:`release_held` at the end of the step."""
+        held = [h for h in (self.pack(t) for t in tensors) if isinstance(h, _Held)]
+        if not held:
+            return
+        self._held.append(held)
+        watch = [t for t in until_grad_of if t.requires_grad]
+        if watch:
+            torch.autograd.graph.register_multi_grad_hook(watch, lambda _grads: held.clear(), mode="any")
+
+    def rematerialise(
+        self, nbytes: int, between: Iterable[torch.Tensor], until_grad_of: Iterable[torch.Tensor]
+    ) -> None:
+        """Count ``nbytes`` that a checkpointed block brings back in backward: from when the
+        gradient of its output (``between``) arrives until that of its input does. The
+        checkpoint recomputes under hooks of its own, so the size comes from the profile."""
+        outs = [t for t in between if t.requires_grad]
+        ins = [t for t in until_grad_of if t.requires_grad]
+        if nbytes <= 0 or not outs:
+            return
+        token = object()
+
+        def start(_grads: object) -> None:
+            # Backward runs blocks one after another: the previous block's rematerialised
+            # activations are gone once the next one starts (its end hook may fire after this).
+            with self._lock:
+                self.live_bytes += nbytes - self._transient
+                self._transient, self._transient_owner = nbytes, token
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+        def end(_grads: object) -> None:
+            with self._lock:
+                if self._transient_owner is token:
+                    self.live_bytes -= self._transient
+                    self._transient, self._transient_owner = 0, None
+
+        torch.autograd.graph.register_multi_grad_hook(outs, start, mode="any")
+        if ins:
+            torch.autograd.graph.register_multi_grad_hook(ins, end, mode="any")
+        self._open.append(end)
+
+    def release_held(self) -> None:
+        """Give back every count :meth:`hold` and :meth:`rematerialise` still keep (the step is over)."""
+        for held in self._held:
+            held.clear()
+        self._held.clear()
+        for end in self._open:
+            end(None)
+        self._open.clear()
 
     def take_peak(self) -> int:
         """The peak since the last call; the next period starts from the live total."""

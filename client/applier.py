@@ -6,7 +6,7 @@ import logging
 import threading
 
 from rematd.client.switch import SwitchableBlock
-from rematd.planner import Plan
+from rematd.planner import Plan, Shape
 
 log = logging.getLogger("rematd.client")
 
@@ -37,19 +37,25 @@ class PlanApplier:
             if plan.version > (self._pending or self.plan).version:
                 self._pending = plan
 
-    def apply_pending(self) -> Plan | None:
-        """Called by the training thread at a step boundary: switch the blocks."""
+    def apply_pending(self, shape: Shape | None = None) -> Plan | None:
+        """Called by the training thread at a step boundary: take the newest plan and set
+        each block's mode for this step's ``shape`` from the plan's table."""
         with self._lock:
             plan, self._pending = self._pending, None
-        if plan is None:
-            return None
         n = len(self.blocks)
-        bad = [i for i in plan.blocks if i >= n]
-        if bad:
-            log.warning("rematd: plan %d names blocks %s beyond the model's %d; ignoring them", plan.version, bad, n)
-        chosen = set(plan.blocks)
-        for b in self.blocks:
-            b.checkpointed = b.index in chosen
-        self.plan = plan
-        self.history.append(plan)
+        if plan is not None:
+            bad = [i for i in plan.blocks if i >= n]
+            if bad:
+                log.warning(
+                    "rematd: plan %d names blocks %s beyond the model's %d; ignoring them", plan.version, bad, n
+                )
+            if plan.modes and len(plan.modes) != n:
+                log.warning("rematd: plan %d has %d modes for %d blocks; ignoring it", plan.version, len(plan.modes), n)
+                plan = None
+        if plan is not None:
+            self.plan = plan
+            self.history.append(plan)
+        modes = self.plan.modes_for(shape or Shape(), n)
+        for b, mode in zip(self.blocks, modes, strict=False):
+            b.mode = mode
         return plan

@@ -19,6 +19,7 @@ import torch
 
 from rematd.client.handle import Handle, attach
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+from rematd.planner import Mode
 
 MiB = 2**20
 
@@ -32,10 +33,10 @@ class DemoConfig:
     short_seq: int = 64
     """Sequence length at the start and the end."""
     long_seq: int = 256
-    """Sequence length in the middle third."""
+    """Sequence length in the third quarter (the second runs halfway between)."""
     batch: int = 8
     """Sequences per batch."""
-    budget_mib: float = 40.0
+    budget_mib: float = 48.0
     """Cap on activation memory (bytes saved for backward), MiB."""
     n_layer: int = 8
     """Decoder blocks."""
@@ -45,8 +46,10 @@ class DemoConfig:
     """Seed for the model and the data."""
 
     def seq_at(self, step: int) -> int:
-        third = max(1, self.steps // 3)
-        return self.long_seq if third <= step < 2 * third else self.short_seq
+        """Short, then twice as long, then long, then short again: a quarter of the run each."""
+        quarter = max(1, self.steps // 4)
+        phase = min(3, step // quarter)
+        return (self.short_seq, (self.short_seq + self.long_seq) // 2, self.long_seq, self.short_seq)[phase]
 
 
 def corpus() -> torch.Tensor:
@@ -63,6 +66,14 @@ def batches(cfg: DemoConfig) -> Iterator[tuple[int, torch.Tensor]]:
         seq = cfg.seq_at(step)
         starts = torch.randint(0, len(data) - seq - 1, (cfg.batch,), generator=gen)
         yield step, torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+
+
+LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
+
+
+def mode_letters(h: Handle) -> str:
+    """The modes in force, one letter a block."""
+    return "".join(LETTERS[m] for m in h.modes)
 
 
 def _mib(n: int) -> str:
@@ -82,14 +93,17 @@ def train(
     model = TinyGPT(GPTConfig(n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=4, max_seq_len=cfg.long_seq))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     h = attach(model, server=server, job=job, budget_bytes=int(cfg.budget_mib * MiB), optimizer=opt)
+    out("modes per block: . store, s selective (recompute pointwise ops), R recompute, O offload to host")
     out(
-        f"{'step':>5} {'seq':>5} {'plan':>10} {'ckpt':>5} {'pred MiB':>8} {'peak MiB':>8} {'budget':>7} {'sec':>6} loss"
+        f"{'step':>5} {'seq':>5} {'modes':>{max(8, cfg.n_layer)}} {'plan':4} {'pred MiB':>8} {'peak MiB':>8}"
+        f" {'budget':>7} {'sec':>6} loss"
     )
     try:
         for step, batch in batches(cfg):
             t0 = time.perf_counter()
             loss = lm_loss(model, batch)
             plan = h.plan  # the plan is swapped in at the forward's start, so read it after
+            modes = mode_letters(h)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -97,11 +111,11 @@ def train(
                 h.flush(10.0)
             stats = h.last_stats
             peak = stats.saved_peak_bytes if stats else 0
-            every = {0: "none" if not plan.blocks else "custom", 1: "all"}.get(plan.checkpoint_every)
-            label = every or f"every {plan.checkpoint_every}"
+            predicted = next((e.predicted_peak_bytes for e in plan.shape_plans if e.covers(h.last_shape)), None)
             out(
-                f"{step:5d} {batch.shape[1] - 1:5d} {label:>10} {len(plan.blocks):2d}/{cfg.n_layer:<2d}"
-                f" {_mib(plan.predicted_peak_bytes):>8} {_mib(peak):>8} {_mib(h.budget_bytes or 0):>7}"
+                f"{step:5d} {batch.shape[1] - 1:5d} {modes:>{max(8, cfg.n_layer)}} v{plan.version:<3d}"
+                f" {_mib(predicted if predicted is not None else plan.predicted_peak_bytes):>8}"
+                f" {_mib(peak):>8} {_mib(h.budget_bytes or 0):>7}"
                 f" {time.perf_counter() - t0:6.3f} {loss.item():.3f}"
             )
     finally:
@@ -114,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", help="host:port of a running rematd service (default: start one in-process)")
     parser.add_argument("--no-serve", action="store_true", help="exit when training ends instead of serving")
     parser.add_argument("--steps", type=int, default=240)
-    parser.add_argument("--budget-mib", type=float, default=40.0, help="activation budget, MiB (default 40)")
+    parser.add_argument("--budget-mib", type=float, default=48.0, help="activation budget, MiB (default 48)")
     parser.add_argument("--http-port", type=int, default=8080, help="dashboard port of the in-process service")
     parser.add_argument("--db", help="SQLite file of the in-process service (default: a temporary one)")
     parser.add_argument("--job", default="demo")

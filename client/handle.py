@@ -18,9 +18,10 @@ from rematd.client.applier import PlanApplier
 from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.discovery import find_blocks
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
+from rematd.client.profiling import host_bandwidth
 from rematd.client.stream import StreamBackend
 from rematd.client.switch import SwitchableBlock
-from rematd.planner import Plan, Shape
+from rematd.planner import Mode, Plan, Shape, Size
 from rematd.records import BlockRecord, Hello, OomReport, StepStats
 
 log = logging.getLogger("rematd.client")
@@ -61,6 +62,7 @@ class Handle:
         rank: int,
         world_size: int,
         margin_ratio: float,
+        modes: Sequence[str] | None = None,
     ) -> None:
         if budget_bytes is not None and (isinstance(budget_bytes, bool) or int(budget_bytes) <= 0):
             raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
@@ -68,6 +70,7 @@ class Handle:
             raise ValueError(f"margin_ratio must be in [0, 1), got {margin_ratio!r}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self._modes = parse_modes(modes)
         self.model = model
         self.job = job or f"job-{uuid.uuid4().hex[:8]}"
         self.rank = rank
@@ -112,6 +115,16 @@ class Handle:
     def history(self) -> list[Plan]:
         """Every plan applied, in order."""
         return self._applier.history
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        """The mode of each block in force for the current (or last) step."""
+        return tuple(b.mode for b in self._blocks)
+
+    @property
+    def last_shape(self) -> Shape:
+        """The shape signature of the current (or last) step's input."""
+        return self._shape
 
     @property
     def blocks(self) -> list[str]:
@@ -199,14 +212,30 @@ class Handle:
         if self._memory is None:
             self._memory = self._memory_source(args, kwargs)
             self._accounting.exclude_module_state(self.model)
+            self._offer_modes()
+        self._shape = shape_of(args, kwargs)
         if not self._profiled:
             for b in self._blocks:
                 b.profiling = True
+                b.profile_shape = self._shape
         else:
-            self._applier.apply_pending()
-        self._shape = shape_of(args, kwargs)
+            self._applier.apply_pending(self._shape)
+            for b in self._blocks:
+                b.step_shape = self._shape
         self._static = self._memory.static_bytes()
         self._step_started = time.perf_counter()
+
+    def _offer_modes(self) -> None:
+        """Offload needs a host link worth using: offered on CUDA only, with its measured bandwidth."""
+        offer = set(self._modes)
+        bandwidth = None
+        if isinstance(self._memory, CudaMemory) and Mode.OFFLOAD in offer:
+            bandwidth = host_bandwidth(self._memory.device)
+        else:
+            offer.discard(Mode.OFFLOAD)
+        for b in self._blocks:
+            b.offer = frozenset(offer)
+            b.host_bandwidth = bandwidth
 
     def _memory_source(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CudaMemory | SavedTensorMemory:
         for t in tensors_in([args, kwargs]):
@@ -230,7 +259,7 @@ class Handle:
         elapsed = time.perf_counter() - self._step_started if self._step_started else 0.0
         if not self._profiled:
             self._profiled = True
-            self._backend.open(self._hello())
+            self._backend.open(self._hello(sample))
         stats = StepStats(
             step=self._step,
             peak_allocated_bytes=sample.peak_allocated_bytes,
@@ -252,7 +281,7 @@ class Handle:
         self._step += 1
         self._backend.send_stats(stats)
 
-    def _hello(self) -> Hello:
+    def _hello(self, sample: MemorySample) -> Hello:
         assert self._memory is not None and self._budget_bytes is not None
         records = []
         for b in self._blocks:
@@ -264,6 +293,7 @@ class Handle:
                     saved_bytes=m.saved_bytes if m else 0,
                     input_bytes=m.input_bytes if m else 0,
                     forward_seconds=m.forward_seconds if m else 0.0,
+                    modes=m.modes if m else (),
                 )
             )
             b.profiling = False
@@ -281,6 +311,9 @@ class Handle:
             memory_source=self._memory.kind,
             margin_ratio=self.margin_ratio,
             client_version=__version__,
+            # On the CPU the profiling step's peak less the blocks' own share is what the rest of
+            # the model saves; on CUDA the allocator's peak covers it and the correction learns it.
+            other_activations=Size.linear(max(0, sample.saved_peak_bytes - sum(r.saved_bytes for r in records))),
         )
 
     def report_oom(self, message: str = "") -> None:
@@ -288,6 +321,21 @@ class Handle:
         self._backend.send_oom(
             OomReport(step=self._step, shape=self._shape, plan_version=self._applier.plan.version, message=message)
         )
+
+
+MODE_NAMES = {m.name.lower(): m for m in Mode}
+
+
+def parse_modes(names: Sequence[str] | None) -> frozenset[Mode]:
+    """The modes a plan may use; STORE is always allowed."""
+    if names is None:
+        return frozenset(Mode)
+    if isinstance(names, str):
+        raise ValueError(f"modes must be a sequence of mode names, got the string {names!r}")
+    bad = [n for n in names if n not in MODE_NAMES]
+    if bad:
+        raise ValueError(f"unknown modes {bad}; choose from {sorted(MODE_NAMES)}")
+    return frozenset({Mode.STORE, *(MODE_NAMES[n] for n in names)})
 
 
 def _dist_rank() -> tuple[int, int]:
@@ -305,6 +353,7 @@ def attach(
     blocks: Sequence[nn.Module] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     margin_ratio: float = 0.1,
+    modes: Sequence[str] | None = None,
 ) -> Handle:
     """Attach rematd to ``model`` and return the handle that applies its plans.
 
@@ -320,6 +369,11 @@ def attach(
         optimizer: when given, the handle's :meth:`Handle.step` runs after
             each ``optimizer.step()`` by itself.
         margin_ratio: the fraction of the budget the planner keeps free.
+        modes: the ways a block may keep activations, from ``"store"``,
+            ``"selective"`` (keep matmul and attention outputs, recompute
+            pointwise ops), ``"recompute"`` (keep only the block's input) and
+            ``"offload"`` (saved activations to host memory; CUDA only).
+            Default: all of them.
     """
     rank, world = _dist_rank()
     return Handle(
@@ -332,4 +386,5 @@ def attach(
         rank=rank,
         world_size=world,
         margin_ratio=margin_ratio,
+        modes=modes,
     )

@@ -77,6 +77,7 @@ class SavedTensorMemory:
         return 0
 
     def sample(self) -> MemorySample:
+        self.accounting.release_held()
         return MemorySample(
             saved_peak_bytes=self.accounting.take_peak(),
             total_bytes=self.total_bytes,

@@ -1,4 +1,4 @@
-"""Blocks whose activation checkpointing can be switched between steps.
+"""Blocks whose way of keeping activations can be switched between steps.
 
 The block's ``forward`` is replaced on the instance, so parameter names,
 ``state_dict`` keys and hooks stay exactly as the user defined them.
@@ -8,47 +8,46 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematd.client.accounting import SavedTensorAccounting, storage_key, tensors_in, unique_bytes
-
-
-@dataclass(slots=True)
-class BlockMeasure:
-    """One block's profile, measured on a forward without checkpointing."""
-
-    saved_bytes: int = 0
-    input_bytes: int = 0
-    forward_seconds: float = 0.0
-
-
-def _attach_to_graph(output: Any, keep: list[Any]) -> None:
-    """Keep ``keep`` alive exactly as long as the autograd graph of ``output``."""
-    for t in tensors_in([output]):
-        if t.grad_fn is not None:
-            t.grad_fn.metadata["rematd_held"] = keep  # type: ignore[index]
-            return
+from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.profiling import BlockMeasure, Profiler
+from rematd.client.selective import selective_context
+from rematd.planner import Mode, Shape
 
 
 class SwitchableBlock:
-    """Wraps one block's forward; ``checkpointed`` decides how the next forward runs."""
+    """Wraps one block's forward; ``mode`` decides how the next forward runs."""
 
     def __init__(self, index: int, name: str, module: nn.Module, accounting: SavedTensorAccounting | None) -> None:
         self.index = index
         self.name = name
         self.module = module
-        self.checkpointed = False
+        self.mode = Mode.STORE
         self.profiling = False
+        self.profile_shape = Shape()
+        self.offer: frozenset[Mode] = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE})
+        self.host_bandwidth: float | None = None
         self.measure: BlockMeasure | None = None
+        self.step_shape = Shape()
+        """The shape of the step being run, set by the handle at each step's start."""
         self._accounting = accounting
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = self._forward
+
+    @property
+    def checkpointed(self) -> bool:
+        """Whether the block keeps less than everything (any mode but STORE)."""
+        return self.mode != Mode.STORE
+
+    @checkpointed.setter
+    def checkpointed(self, on: bool) -> None:
+        self.mode = Mode.RECOMPUTE if on else Mode.STORE
 
     def restore(self) -> None:
         if self._had_instance_forward:
@@ -56,46 +55,63 @@ class SwitchableBlock:
         else:
             self.module.__dict__.pop("forward", None)
 
+    def _counting(self) -> SavedTensorAccounting | None:
+        acct = self._accounting
+        return acct if acct is not None and acct.active else None
+
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._original(*args, **kwargs)
         if self.profiling:
             return self._profiled(*args, **kwargs)
-        if not self.checkpointed:
+        mode = self.mode
+        if mode == Mode.STORE:
             return self._original(*args, **kwargs)
-        output = checkpoint(self._original, *args, use_reentrant=False, **kwargs)
-        acct = self._accounting
-        if acct is not None and acct.active:
-            _attach_to_graph(output, acct.hold(tensors_in([args, kwargs])))
+        if mode == Mode.OFFLOAD:
+            pin = any(t.is_cuda for t in tensors_in([args, kwargs]))
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return self._original(*args, **kwargs)
+        acct = self._counting()
+        kept: list[torch.Tensor] | None = [] if acct is not None and mode == Mode.SELECTIVE else None
+        if mode == Mode.SELECTIVE:
+            output = checkpoint(
+                self._original, *args, use_reentrant=False, context_fn=selective_context(kept), **kwargs
+            )
+        else:
+            output = checkpoint(self._original, *args, use_reentrant=False, **kwargs)
+        if acct is not None:
+            # What the checkpoint keeps lives outside autograd's saved variables: count it by hand.
+            inputs = tensors_in([args, kwargs])
+            acct.hold([*inputs, *(kept or [])], until_grad_of=inputs)
+            acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), inputs)
         return output
+
+    def _transient_bytes(self, mode: Mode) -> int:
+        if self.measure is None:
+            return 0
+        cost = next((m for m in self.measure.modes if m.mode == mode), None)
+        return cost.transient.at(self.profile_shape, self.step_shape) if cost is not None else 0
 
     def _profiled(self, *args: Any, **kwargs: Any) -> Any:
         acct = self._accounting
         excluded = acct.excluded if acct is not None else frozenset()
-        saved: dict[tuple[str, int], int] = {}
-
-        def pack(t: torch.Tensor) -> Any:
-            key = storage_key(t)
-            if key not in excluded:
-                saved[key] = unique_bytes([t])
-            return acct.pack(t) if acct is not None and acct.active else t
-
-        def unpack(held: Any) -> torch.Tensor:
-            return SavedTensorAccounting.unpack(held)
-
         inputs = tensors_in([args, kwargs])
         cuda = any(t.is_cuda for t in inputs)
+        features = frozenset(d for p in self.module.parameters() for d in p.shape)
+        profiler = Profiler(self.profile_shape, excluded, cuda, features)
+        counting = self._counting()
+
+        def pack(t: torch.Tensor) -> Any:
+            profiler.record(t)
+            return counting.pack(t) if counting is not None else t
+
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, SavedTensorAccounting.unpack), profiler.timer:
             output = self._original(*args, **kwargs)
         if cuda:
             torch.cuda.synchronize()
-        self.measure = BlockMeasure(
-            saved_bytes=sum(saved.values()),
-            input_bytes=unique_bytes(inputs, excluded),
-            forward_seconds=time.perf_counter() - start,
-        )
+        self.measure = profiler.result(inputs, time.perf_counter() - start, self.offer, self.host_bandwidth)
         self.profiling = False
         return output

@@ -9,6 +9,7 @@ single outlier unless that outlier crossed the target.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +17,11 @@ from dataclasses import dataclass, field
 from rematd.planner.cost import choose, overhead_of, peak_of
 from rematd.planner.model import Mode, Option, Profile, Shape, ShapePlan, StepObservation
 from rematd.planner.solvers import Choice, solve
+
+# A looser plan must fit this fraction of the target under the worst recent correction.
+LOOSEN_SLACK = 0.97
+# Steps over which the memory of a target crossing fades by half.
+CROSSING_HALF_LIFE_STEPS = 256
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +94,9 @@ def human_bytes(n: float) -> str:
 class _Bucket:
     ratios: deque[float]
     boost: float = 1.0
+    crossing: float = 1.0
+    """The largest ratio measured on a step that crossed the target; it fades slowly."""
+    crossing_step: int = 0
     ceiling: int | None = None
     """Predicted activation bytes of a plan that ran out of memory here: later plans stay below."""
 
@@ -128,24 +137,27 @@ class Controller:
     def _ladder(self) -> list[int]:
         if not self._seqs:
             return []
-        lo, hi = self.bucket_of(min(self._seqs)), self.bucket_of(2 * max(self._seqs))
+        lo, hi = self.bucket_of(min(self._seqs)), self.bucket_of(4 * max(self._seqs))
         rungs = [lo]
         while rungs[-1] < hi and len(rungs) < self.config.max_entries:
             rungs.append(self.bucket_of(rungs[-1] + 1))
         return rungs
 
-    def correction(self, seq: int) -> float:
-        """Measured/predicted for a bucket: its second-largest recent ratio, at least 1.
-
-        Buckets never measured borrow the largest correction of any bucket.
+    def correction(self, seq: int, *, pessimistic: bool = False) -> float:
+        """Measured/predicted for a bucket: its second-largest recent ratio (the largest when
+        ``pessimistic``), at least 1. Buckets never measured borrow the largest of any bucket.
         """
         st = self._state
         bucket = st.buckets.get(self.bucket_of(seq))
         if bucket is None or not bucket.ratios:
-            known = [self.correction(b) for b, v in st.buckets.items() if v.ratios]
+            known = [self.correction(b, pessimistic=pessimistic) for b, v in st.buckets.items() if v.ratios]
             return max(known, default=1.0) * (bucket.boost if bucket else 1.0)
         ordered = sorted(bucket.ratios, reverse=True)
-        robust = ordered[1] if len(ordered) > 1 else ordered[0]
+        robust = ordered[0] if pessimistic or len(ordered) == 1 else ordered[1]
+        if pessimistic:
+            # A crossing of the target is remembered far longer than the window: loosening
+            # back into a plan that crossed it needs the memory to have faded.
+            robust = max(robust, bucket.crossing)
         return min(self.config.max_correction, max(1.0, robust) * bucket.boost)
 
     # -- planning -------------------------------------------------------------
@@ -183,11 +195,18 @@ class Controller:
             return hit
         options = self._options(shape if shape.seq_len else None, restricted=True)
         # The correction scales activations, not the static memory.
-        effective = static + int(max(0, target - static) / corr)
+        other = self.profile.other_at(shape if shape.seq_len else None)
+        effective = static + int(max(0, target - static) / corr) - other
         bucket = self._state.buckets.get(self.bucket_of(shape.seq_len)) if shape.seq_len else None
         if bucket is not None and bucket.ceiling is not None:
             effective = min(effective, static + bucket.ceiling - 1)
         choice = solve(options, effective, static_bytes=static)
+        if other:
+            choice = dataclasses.replace(
+                choice,
+                predicted_peak_bytes=choice.predicted_peak_bytes + other,
+                fits=choice.predicted_peak_bytes + other <= target,
+            )
         if len(self._cache) > 256:
             self._cache.clear()
         self._cache[key] = choice
@@ -204,7 +223,7 @@ class Controller:
             max_seq_len=seq,
             max_tokens=shape.tokens,
             modes=choice.modes,
-            predicted_peak_bytes=peak_of(chosen, static),
+            predicted_peak_bytes=peak_of(chosen, static + self.profile.other_at(shape)),
             predicted_overhead_ratio=overhead_of(chosen, self._forward_seconds(shape)),
         )
         if len(self._entries) > 512:
@@ -231,7 +250,7 @@ class Controller:
         return Decision(
             modes=tuple(o.mode for o in chosen),
             table=tuple(table),
-            predicted_peak_bytes=peak_of(chosen, static),
+            predicted_peak_bytes=peak_of(chosen, static + self.profile.other_at(shape if shape.seq_len else None)),
             predicted_overhead_ratio=overhead_of(chosen, self._forward_seconds(shape)),
             target_bytes=target,
             reason=reason,
@@ -272,7 +291,7 @@ class Controller:
                 self._seqs = {min(self._seqs), max(self._seqs)}
         options = self._options(shape if shape.seq_len else None)
         modes = measured_modes or tuple(Mode.STORE for _ in options)
-        predicted = peak_of(choose(options, modes), 0)
+        predicted = peak_of(choose(options, modes), self.profile.other_at(shape if shape.seq_len else None))
         measured_over = obs.peak_bytes > target
         if predicted > 0 and obs.peak_bytes > 0 and shape.seq_len:
             activations = max(0, obs.peak_bytes - obs.static_bytes)
@@ -282,6 +301,11 @@ class Controller:
             if measured_over:
                 # A crossing is evidence, not an outlier: make it count twice.
                 bucket.ratios.append(ratio)
+                bucket.crossing, bucket.crossing_step = max(bucket.crossing, ratio), obs.step
+            elif bucket.crossing > 1.0:
+                age = obs.step - bucket.crossing_step
+                bucket.crossing = 1.0 + (bucket.crossing - 1.0) * 0.5 ** (age / CROSSING_HALF_LIFE_STEPS)
+                bucket.crossing_step = obs.step
 
         current = {e.max_seq_len: e for e in self.table}
         desired = self._desired(target, obs.static_bytes)
@@ -296,7 +320,9 @@ class Controller:
             old_fits = self._fits(old.modes, old_shape, target, obs.static_bytes)
             if not old_fits or self._extra(entry.modes, entry.max_seq_len) > self._extra(old.modes, entry.max_seq_len):
                 tighter.append(entry.max_seq_len)
-            else:
+            elif self._fits(entry.modes, old_shape, int(target * LOOSEN_SLACK), obs.static_bytes, pessimistic=True):
+                # Loosen only to what fits under the worst recent measurement, with slack:
+                # a plan whose own measurements would undo it is never adopted.
                 looser.append(entry.max_seq_len)
         new_rungs = [e.max_seq_len for e, _ in desired if e.max_seq_len not in current]
         by_seq = {e.max_seq_len: e for e, _ in desired}
@@ -320,7 +346,7 @@ class Controller:
             if st.headroom_steps >= st.dwell:
                 st.headroom_steps = 0
                 st.last_loosen_step = obs.step
-                self.table = tuple(by_seq.values())
+                self.table = tuple(by_seq[s] if s in looser or s in new_rungs else current[s] for s in by_seq)
                 return self._decision(
                     list(self.table),
                     shape,
@@ -339,9 +365,12 @@ class Controller:
             )
         return None
 
-    def _fits(self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int) -> bool:
+    def _fits(
+        self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False
+    ) -> bool:
         chosen = choose(self._options(shape), modes)
-        activations = peak_of(chosen, 0) * self.correction(shape.seq_len)
+        correction = self.correction(shape.seq_len, pessimistic=pessimistic)
+        activations = peak_of(chosen, self.profile.other_at(shape)) * correction
         return static + activations <= target
 
     def after_oom(self, *, shape: Shape, budget_bytes: int, static_bytes: int) -> Decision:

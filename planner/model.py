@@ -163,10 +163,15 @@ class Profile:
     """One entry per checkpointable block, in execution order."""
     shape: Shape = field(default_factory=Shape)
     """The input shape the costs were measured at."""
+    other: Size = field(default_factory=Size)
+    """Activations saved outside the blocks (embeddings, head, loss): always stored."""
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("a profile needs at least one block")
+
+    def other_at(self, shape: Shape | None = None) -> int:
+        return self.other.at(self.shape, shape or self.shape)
 
     @property
     def num_blocks(self) -> int:
@@ -235,7 +240,7 @@ class Profile:
                     ),
                 )
             )
-        return Profile(blocks=tuple(blocks), shape=shape)
+        return Profile(blocks=tuple(blocks), shape=shape, other=Size.linear(self.other_at(shape)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

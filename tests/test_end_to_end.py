@@ -18,19 +18,22 @@ from .helpers import live_server, tiny_model, train_step
 SCHEDULE = [32] * 4 + [128] * 8 + [32] * 10
 
 
-def run(server: str | None, job: str, budget: int) -> tuple[list[Plan], list[int], client.Handle]:
+def run(server: str | None, job: str, budget: int) -> tuple[list[Plan], list[int], client.Handle, list[str]]:
     model = tiny_model(n_layer=4, d_model=32, seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    h = client.attach(model, server=server, job=job, budget_bytes=budget, optimizer=opt)
-    peaks = []
+    # Store or recompute only: which of two equally cheap modes wins can hang on timing noise,
+    # and this test compares two runs plan for plan.
+    h = client.attach(model, server=server, job=job, budget_bytes=budget, optimizer=opt, modes=["recompute"])
+    peaks, modes = [], []
     for step, seq in enumerate(SCHEDULE):
         train_step(model, opt, seq, seed=step)
         # Wait for the planner's answer so both modes apply each plan at the same step.
         assert h.flush(20.0), "the service did not answer in time"
         assert h.last_stats is not None
         peaks.append(h.last_stats.saved_peak_bytes)
+        modes.append("".join(m.name[0] for m in h.modes))
     h.close()
-    return h.history, peaks, h
+    return h.history, peaks, h, modes
 
 
 def budget_for_run() -> int:
@@ -64,15 +67,16 @@ def key(plans: list[Plan]) -> list[tuple[int, tuple[int, ...], int, int]]:
 
 def test_served_loop_plans_rest_metrics_and_embedded_parity(tmp_path: Path, budget: int) -> None:
     with live_server(tmp_path) as srv:
-        served, peaks, h = run(srv.grpc, "e2e-job", budget)
+        served, peaks, h, modes = run(srv.grpc, "e2e-job", budget)
 
-        # A plan change reached the client and was applied.
-        assert len(served) >= 3, f"expected tighten and loosen, got {key(served)}"
-        assert any(p.blocks for p in served), "the long sequences must be checkpointed"
-        assert served[-1].blocks != max((p.blocks for p in served), key=len)
-        assert h.plan == served[-1]
+        # Plans reached the client and were applied, each step with the modes for its length.
+        assert len(served) >= 2 and h.plan == served[-1], key(served)
         long_steps = [i for i, s in enumerate(SCHEDULE) if s == 128]
-        assert min(peaks[i] for i in long_steps[2:]) < max(peaks), "checkpointing lowered the measured peak"
+        short_after = [i for i, s in enumerate(SCHEDULE) if s == 32 and i > long_steps[-1]]
+        assert all("R" in modes[i] for i in long_steps[1:]), f"the long sequences are checkpointed: {modes}"
+        assert all(modes[i] == "SSSS" for i in short_after), f"short ones store again: {modes}"
+        assert all(peaks[i] <= budget for i in long_steps[1:]), "every planned long step fits the budget"
+        assert max(peaks[i] for i in long_steps[1:]) < peaks[long_steps[0]] or peaks[long_steps[0]] <= budget
 
         with httpx.Client(base_url=srv.url, timeout=10) as http:
             assert http.get("/healthz").json()["status"] == "ok"
@@ -102,9 +106,10 @@ def test_served_loop_plans_rest_metrics_and_embedded_parity(tmp_path: Path, budg
             assert ("rematd_plans_issued_total", "e2e-job") not in samples, "an ended job's series are removed"
             assert samples[("rematd_active_streams", "")] == 0
 
-    embedded, embedded_peaks, _ = run(None, "e2e-job", budget)
+    embedded, embedded_peaks, _, embedded_modes = run(None, "e2e-job", budget)
     assert key(embedded) == key(served)
     assert embedded_peaks == peaks
+    assert embedded_modes == modes
 
 
 def test_metrics_while_running(tmp_path: Path, budget: int) -> None:

@@ -19,6 +19,7 @@ from rematd.planner import (
     PlannerSession,
     Profile,
     Shape,
+    Size,
     StepObservation,
 )
 
@@ -98,6 +99,7 @@ class Hello:
     margin_ratio: float = 0.0
     client_version: str = ""
     plan_version: int = 0
+    other_activations: Size = field(default_factory=Size)
 
     def validate(self) -> None:
         if not JOB_ID_RE.match(self.job_id):
@@ -126,6 +128,8 @@ class Hello:
         _uint("hello.static_bytes", self.static_bytes)
         if self.memory_source not in MEMORY_SOURCES:
             raise InvalidMessage("hello.memory_source", f"must be one of {MEMORY_SOURCES}, got {self.memory_source!r}")
+        if len(self.other_activations.terms) > MAX_TERMS:
+            raise InvalidMessage("hello.other_activations", f"more than {MAX_TERMS} terms")
         if not (isinstance(self.margin_ratio, (int, float)) and 0.0 <= self.margin_ratio < 1.0):
             raise InvalidMessage("hello.margin_ratio", f"must be in [0, 1), got {self.margin_ratio!r}")
 
@@ -141,6 +145,7 @@ class Hello:
                 for b in self.blocks
             ),
             shape=self.profile_shape,
+            other=self.other_activations,
         )
 
 

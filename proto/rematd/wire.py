@@ -121,6 +121,7 @@ def hello_to_pb(hello: Hello) -> pb.Hello:
         margin_ratio=hello.margin_ratio,
         client_version=hello.client_version,
         plan_version=hello.plan_version,
+        other_activations=_size_to_pb(hello.other_activations),
     )
 
 
@@ -150,6 +151,7 @@ def hello_from_pb(msg: pb.Hello) -> Hello:
         margin_ratio=msg.margin_ratio,
         client_version=msg.client_version,
         plan_version=msg.plan_version,
+        other_activations=_size_from_pb("hello.other_activations", msg.other_activations),
     )
 
 

@@ -78,7 +78,7 @@ class BlockProfile(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., modes: _Optional[_Iterable[_Union[ModeCost, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version")
+    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version", "other_activations")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Hello(_message.Message):
     MARGIN_RATIO_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OTHER_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -107,7 +108,8 @@ class Hello(_message.Message):
     margin_ratio: float
     client_version: str
     plan_version: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ...) -> None: ...
+    other_activations: _containers.RepeatedCompositeFieldContainer[SizeTerm]
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ..., other_activations: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("step", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes", "reserved_bytes", "alloc_retries", "oom_count", "free_bytes", "total_bytes", "step_seconds", "plan_version", "shape", "saved_peak_bytes", "budget_bytes", "static_bytes")

@@ -1,0 +1,167 @@
+"""Measuring what each mode of a block costs, on one forward without checkpointing.
+
+Every tensor saved for backward is classified by how its size scales with the
+input: a dimension equal to the batch, to the sequence length, or to both
+multiplied. Attention scores ([batch, heads, seq, seq]) scale with seq^2,
+most activations with batch x seq, masks with seq^2 alone. One profile so
+predicts every input shape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rematd.client.accounting import storage_bytes, storage_key
+from rematd.client.selective import SAVE_OPS, outputs_of
+from rematd.planner import Mode, ModeCost, Shape, Size, Term
+
+Key = tuple[str, int]
+
+
+def exponents(t: torch.Tensor, shape: Shape, feature_dims: frozenset[int] = frozenset()) -> tuple[int, int]:
+    """(batch exponent, sequence exponent) of a tensor's size.
+
+    The batch is a dimension equal to it, or a leading one it divides (batch
+    and heads folded together); the sequence exponent counts dimensions equal
+    to the sequence length. When the sequence length equals a feature width
+    of the block's parameters, a trailing dimension of that size is taken as
+    features: a guess that the measured-peak correction repairs if wrong.
+    """
+    b, s = shape.batch, shape.seq_len
+    dims = list(t.shape)
+    eb = es = 0
+    if b > 1 and s > 1 and b * s in dims:
+        dims.remove(b * s)
+        eb, es = 1, 1
+    elif b > 1 and b in dims and b != s:
+        dims.remove(b)
+        eb = 1
+    elif b > 1 and dims and dims[0] % b == 0 and dims[0] != s:
+        dims.pop(0)
+        eb = 1
+    if s > 1:
+        if s in feature_dims and dims and dims[-1] == s:
+            dims.pop()
+        es += sum(1 for d in dims if d == s)
+    return min(eb, 2), min(es, 3)
+
+
+def _size(entries: dict[Key, tuple[int, int, int]], exclude: set[Key] | None = None) -> Size:
+    by_exp: dict[tuple[int, int], int] = defaultdict(int)
+    for key, (nbytes, eb, es) in entries.items():
+        if exclude is None or key not in exclude:
+            by_exp[(eb, es)] += nbytes
+    return Size(tuple(Term(n, eb, es) for (eb, es), n in sorted(by_exp.items()) if n))
+
+
+class _Timed(TorchDispatchMode):
+    """Records matmul-class outputs and the time spent outside them."""
+
+    def __init__(self, cuda: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.cuda = cuda
+        self.kept: list[torch.Tensor] = []
+        self.other_seconds = 0.0
+        self.total_seconds = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if self.cuda:
+            torch.cuda.synchronize()
+        spent = time.perf_counter() - start
+        self.total_seconds += spent
+        if func in SAVE_OPS:
+            self.kept.extend(outputs_of(out))
+        else:
+            self.other_seconds += spent
+        return out
+
+
+@dataclass(slots=True)
+class BlockMeasure:
+    """One block's profile, measured on a forward without checkpointing."""
+
+    saved_bytes: int = 0
+    input_bytes: int = 0
+    forward_seconds: float = 0.0
+    modes: tuple[ModeCost, ...] = ()
+
+
+class Profiler:
+    """Measures one block forward; ``pack`` is its saved-tensor hook."""
+
+    def __init__(self, shape: Shape, excluded: frozenset[Key], cuda: bool, feature_dims: frozenset[int]) -> None:
+        self.shape = shape
+        self.feature_dims = feature_dims
+        self.excluded = excluded
+        self.cuda = cuda
+        self.saved: dict[Key, tuple[int, int, int]] = {}
+        self.timer = _Timed(cuda)
+
+    def record(self, t: torch.Tensor) -> None:
+        key = storage_key(t)
+        if key not in self.excluded and key not in self.saved:
+            self.saved[key] = (storage_bytes(t), *exponents(t, self.shape, self.feature_dims))
+
+    def _entries(self, tensors: list[torch.Tensor]) -> dict[Key, tuple[int, int, int]]:
+        return {
+            storage_key(t): (storage_bytes(t), *exponents(t, self.shape, self.feature_dims))
+            for t in tensors
+            if storage_key(t) not in self.excluded
+        }
+
+    def result(
+        self, inputs: list[torch.Tensor], seconds: float, offer: frozenset[Mode], host_bandwidth: float | None
+    ) -> BlockMeasure:
+        inp = self._entries(inputs)
+        kept_mm = self._entries(self.timer.kept)
+        store = _size(self.saved)
+        inp_size = _size(inp)
+        modes = [ModeCost(mode=Mode.STORE, kept=store)]
+        if Mode.SELECTIVE in offer:
+            kept = {**inp, **kept_mm}
+            share = self.timer.other_seconds / self.timer.total_seconds if self.timer.total_seconds else 1.0
+            modes.append(
+                ModeCost(
+                    mode=Mode.SELECTIVE,
+                    kept=_size(kept),
+                    transient=_size(self.saved, exclude=set(kept)),
+                    extra_seconds=seconds * share,
+                )
+            )
+        if Mode.RECOMPUTE in offer:
+            modes.append(ModeCost(mode=Mode.RECOMPUTE, kept=inp_size, transient=store, extra_seconds=seconds))
+        if Mode.OFFLOAD in offer and host_bandwidth:
+            modes.append(
+                ModeCost(
+                    mode=Mode.OFFLOAD,
+                    kept=Size(),
+                    transient=store,
+                    extra_seconds=2 * store.bytes / host_bandwidth,
+                )
+            )
+        return BlockMeasure(
+            saved_bytes=store.bytes, input_bytes=inp_size.bytes, forward_seconds=seconds, modes=tuple(modes)
+        )
+
+
+def host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float | None:
+    """Bytes per second of a device-to-host copy into pinned memory; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 3 * nbytes / (time.perf_counter() - start)

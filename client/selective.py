@@ -1,0 +1,88 @@
+"""Selective recomputation: keep what matmuls and attention produce, recompute the rest.
+
+Matmul-class outputs are expensive to recompute and cheap to keep relative to
+their cost; norms, activations, dropout and softmax are the opposite. The
+same op list decides what the profile predicts a selective block keeps and
+what ``torch.utils.checkpoint`` keeps when the block runs selectively.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+aten = torch.ops.aten
+
+
+def _ops(*names: str) -> frozenset[Any]:
+    found: set[Any] = set()
+    for name in names:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            found.update(getattr(packet, o) for o in packet.overloads())
+    return frozenset(found)
+
+
+SAVE_OPS = _ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def outputs_of(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (list, tuple)):
+        return [t for t in result if isinstance(t, torch.Tensor)]
+    return []
+
+
+class _Collect(TorchDispatchMode):
+    """Collects the outputs of matmul-class ops (what a selective checkpoint keeps)."""
+
+    def __init__(self, sink: list[torch.Tensor]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.sink = sink
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SAVE_OPS:
+            self.sink.extend(outputs_of(out))
+        return out
+
+
+def selective_context(kept: list[torch.Tensor] | None) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``checkpoint``; with ``kept``, the kept outputs are also collected
+    there so that saved-tensor accounting can count them."""
+
+    def make() -> tuple[Any, Any]:
+        fwd, recompute = create_selective_checkpoint_contexts(_policy)
+        if kept is None:
+            return fwd, recompute
+
+        @contextlib.contextmanager
+        def both() -> Iterator[None]:
+            with fwd, _Collect(kept):
+                yield
+
+        return both(), recompute
+
+    return make
