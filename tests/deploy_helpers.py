@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rematd.server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -57,3 +61,16 @@ def stop(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
 
 def alert_names() -> list[str]:
     return [r["alert"] for path in RULES for g in load_yaml(path)["groups"] for r in g["rules"] if "alert" in r]
+
+
+def exported_names() -> set[str]:
+    """Every sample name rematd's registry exposes, read from a real exposition."""
+    metrics = Metrics(CollectorRegistry())
+    for metric in metrics._per_job:
+        metric.labels("x")
+    text = generate_latest(metrics.registry).decode()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def recorded_names() -> set[str]:
+    return {r["record"] for path in RULES for g in load_yaml(path)["groups"] for r in g["rules"] if "record" in r}

@@ -6,23 +6,10 @@ import re
 import subprocess
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from rematd.server.metrics import Metrics
-
-from .deploy_helpers import DEPLOY, RULE_TESTS, RULES, binary, load_yaml
+from .deploy_helpers import DEPLOY, RULE_TESTS, RULES, binary, exported_names, load_yaml
 
 README = DEPLOY / "README.md"
-
-
-def exported_names() -> set[str]:
-    """Every sample name rematd's registry exposes, read from a real exposition."""
-    metrics = Metrics(CollectorRegistry())
-    for metric in metrics._per_job:
-        metric.labels("x")
-    text = generate_latest(metrics.registry).decode()
-    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def github_anchors(markdown: str) -> set[str]:
