@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from .deploy_helpers import DEPLOY, RULE_TESTS, RULES, binary, exported_names, load_yaml
+from .deploy_helpers import DEPLOY, RULE_TESTS, RULES, binary, exported_names, load_yaml, recorded_names
 
 README = DEPLOY / "README.md"
 
@@ -81,3 +81,10 @@ def test_rules_use_only_metrics_rematd_exports() -> None:
         expr = str(rule["expr"])
         names = set(re.findall(r"\b(rematd_\w+|process_\w+)", expr))
         assert names <= exported, f"{rule.get('alert') or rule.get('record')}: unknown {names - exported}"
+
+
+def test_readme_documents_every_metric_and_recorded_series() -> None:
+    readme = README.read_text(encoding="utf-8")
+    names = {n for n in exported_names() if not n.endswith("_created")} | recorded_names()
+    missing = sorted(n for n in names if f"`{n}`" not in readme)
+    assert not missing, f"deploy/README.md does not document {missing}"
