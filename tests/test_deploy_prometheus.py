@@ -31,6 +31,7 @@ JOB = "prom-oom-risk"
 # block of the tiny model keeps, so the measured peak passes the budget and the risk is 1.
 BUDGET_BYTES = 64 * 1024
 DEADLINE_S = 45.0
+STEPS = 4
 T = TypeVar("T")
 
 
@@ -134,26 +135,26 @@ def test_prometheus_scrapes_rematd_and_the_oom_risk_alert_goes_pending(tmp_path:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         h = client.attach(model, server=srv.grpc, job=JOB, budget_bytes=BUDGET_BYTES, optimizer=opt)
         try:
-            for step in range(4):
+            for step in range(STEPS):
                 train_step(model, opt, 64, seed=step)
                 assert h.flush(20.0), "the service did not answer in time"
             assert h.plan.blocks, "under this budget the planner recomputes blocks"
             risk = scraped_risk(srv.http)
             assert risk > 0.8, f"the budget is far below the peak, yet the service rates the risk {risk}"
 
-            # The job's series, as Prometheus stored them: the target's job label, the training job's name.
-            series = wait_for(
-                "the job's risk series in Prometheus",
-                lambda: query(prom, f'rematd_oom_risk_ratio{{exported_job="{JOB}"}}'),
-                deadline,
-            )
-            assert series[0]["metric"]["job"] == "rematd"
+            # The job's series, as Prometheus stored them (once a scrape after the last step landed):
+            # the target's job label, and the training job's name as exported_job.
+            def scraped_all_steps() -> list[dict[str, Any]]:
+                got = query(prom, f'rematd_steps_total{{exported_job="{JOB}"}}')
+                return got if got and float(got[0]["value"][1]) == STEPS else []
+
+            wait_for("every step in Prometheus", scraped_all_steps, deadline)
+            series = query(prom, f'rematd_oom_risk_ratio{{exported_job="{JOB}"}}')
+            assert len(series) == 1 and series[0]["metric"]["job"] == "rematd"
             assert float(series[0]["value"][1]) == pytest.approx(risk)
             for name, expected in [("rematd_job_world_size", 1), ("rematd_job_connected_ranks", 1)]:
                 got = query(prom, f'{name}{{exported_job="{JOB}"}}')
                 assert [float(s["value"][1]) for s in got] == [expected], (name, got)
-            steps = query(prom, f'rematd_steps_total{{exported_job="{JOB}"}}')
-            assert float(steps[0]["value"][1]) == 4
             budget = query(prom, f'rematd_budget_bytes{{exported_job="{JOB}"}}')
             assert float(budget[0]["value"][1]) == BUDGET_BYTES
             assert [float(s["value"][1]) for s in query(prom, 'up{job="rematd"}')] == [1]
