@@ -6,7 +6,7 @@ import logging
 import threading
 
 from rematd.client.switch import SwitchableBlock
-from rematd.planner import Plan, Shape
+from rematd.planner import Mode, Plan, Shape
 
 log = logging.getLogger("rematd.client")
 
@@ -30,6 +30,8 @@ class PlanApplier:
         self.plan = NO_PLAN
         self._pending: Plan | None = None
         self.history: list[Plan] = []
+        self.pinned: tuple[Mode, ...] | None = None
+        """Modes fixed by hand (benchmarks, experiments); they win over any plan."""
 
     def receive(self, plan: Plan) -> None:
         """Called by the planner's side (any thread): keep the newest plan for the next step."""
@@ -55,7 +57,7 @@ class PlanApplier:
         if plan is not None:
             self.plan = plan
             self.history.append(plan)
-        modes = self.plan.modes_for(shape or Shape(), n)
+        modes = self.pinned if self.pinned is not None else self.plan.modes_for(shape or Shape(), n)
         for b, mode in zip(self.blocks, modes, strict=False):
             b.mode = mode
         return plan

@@ -145,6 +145,12 @@ class Handle:
             raise ValueError(f"budget_bytes must be a positive number of bytes, got {value!r}")
         self._budget_bytes = int(value)
 
+    def pin_modes(self, modes: Sequence[Mode] | None) -> None:
+        """Fix every block's mode from the next step on, whatever the planner says (None: follow it again)."""
+        if modes is not None and len(modes) != len(self._blocks):
+            raise ValueError(f"pin_modes needs {len(self._blocks)} modes, one per block, got {len(modes)}")
+        self._applier.pinned = tuple(Mode(m) for m in modes) if modes is not None else None
+
     def step(self) -> None:
         """Mark the end of a training step (after ``optimizer.step()``). Never raises."""
         if self._closed or not self._forward_seen:

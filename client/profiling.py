@@ -24,14 +24,15 @@ from rematd.planner import Mode, ModeCost, Shape, Size, Term
 Key = tuple[str, int]
 
 
-def exponents(t: torch.Tensor, shape: Shape, feature_dims: frozenset[int] = frozenset()) -> tuple[int, int]:
+def exponents(t: torch.Tensor, shape: Shape) -> tuple[int, int]:
     """(batch exponent, sequence exponent) of a tensor's size.
 
     The batch is a dimension equal to it, or a leading one it divides (batch
     and heads folded together); the sequence exponent counts dimensions equal
     to the sequence length. When the sequence length equals a feature width
-    of the block's parameters, a trailing dimension of that size is taken as
-    features: a guess that the measured-peak correction repairs if wrong.
+    of the block, a dimension of that size could be either: it is counted as
+    sequence, which over-predicts long sequences rather than under-predicting
+    them (safe, if wasteful; profile at a length no feature width equals to avoid it).
     """
     b, s = shape.batch, shape.seq_len
     dims = list(t.shape)
@@ -46,8 +47,6 @@ def exponents(t: torch.Tensor, shape: Shape, feature_dims: frozenset[int] = froz
         dims.pop(0)
         eb = 1
     if s > 1:
-        if s in feature_dims and dims and dims[-1] == s:
-            dims.pop()
         es += sum(1 for d in dims if d == s)
     return min(eb, 2), min(es, 3)
 
@@ -97,9 +96,8 @@ class BlockMeasure:
 class Profiler:
     """Measures one block forward; ``pack`` is its saved-tensor hook."""
 
-    def __init__(self, shape: Shape, excluded: frozenset[Key], cuda: bool, feature_dims: frozenset[int]) -> None:
+    def __init__(self, shape: Shape, excluded: frozenset[Key], cuda: bool) -> None:
         self.shape = shape
-        self.feature_dims = feature_dims
         self.excluded = excluded
         self.cuda = cuda
         self.saved: dict[Key, tuple[int, int, int]] = {}
@@ -108,11 +106,11 @@ class Profiler:
     def record(self, t: torch.Tensor) -> None:
         key = storage_key(t)
         if key not in self.excluded and key not in self.saved:
-            self.saved[key] = (storage_bytes(t), *exponents(t, self.shape, self.feature_dims))
+            self.saved[key] = (storage_bytes(t), *exponents(t, self.shape))
 
     def _entries(self, tensors: list[torch.Tensor]) -> dict[Key, tuple[int, int, int]]:
         return {
-            storage_key(t): (storage_bytes(t), *exponents(t, self.shape, self.feature_dims))
+            storage_key(t): (storage_bytes(t), *exponents(t, self.shape))
             for t in tensors
             if storage_key(t) not in self.excluded
         }

@@ -97,8 +97,7 @@ class SwitchableBlock:
         excluded = acct.excluded if acct is not None else frozenset()
         inputs = tensors_in([args, kwargs])
         cuda = any(t.is_cuda for t in inputs)
-        features = frozenset(d for p in self.module.parameters() for d in p.shape)
-        profiler = Profiler(self.profile_shape, excluded, cuda, features)
+        profiler = Profiler(self.profile_shape, excluded, cuda)
         counting = self._counting()
 
         def pack(t: torch.Tensor) -> Any:
