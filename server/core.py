@@ -235,6 +235,7 @@ class AdvisorCore:
                     "seq_len": stats.shape.seq_len,
                     "batch": stats.shape.batch,
                     "step_seconds": stats.step_seconds,
+                    "oom_risk": session.planner.oom_risk,
                 },
             )
             self._update_job_metrics(job, stats.budget_bytes)
@@ -353,7 +354,7 @@ class AdvisorCore:
         warm = self.store.warm_plan(
             fingerprint=h.model_fingerprint, device=h.device_name, bucket=shape_bucket(h.profile_shape.tokens)
         )
-        if warm is None or warm["num_blocks"] != len(h.blocks):
+        if warm is None or warm["num_blocks"] != len(h.blocks) or warm["job"] == h.job_id:
             return None
         blocks = tuple(int(b) for b in warm["blocks"])
         if blocks == session.planner.plan.blocks:
@@ -556,6 +557,7 @@ class AdvisorCore:
         rank_views = []
         for r in ranks:
             s = live.get(r["rank"])
+            last = r["last_stats"] or {}
             rank_views.append(
                 {
                     "rank": r["rank"],
@@ -563,9 +565,9 @@ class AdvisorCore:
                     "state": r["state"],
                     "device": r["device"],
                     "last_stats": r["last_stats"],
-                    "plan_version": s.sent.version if s else None,
+                    "plan_version": s.sent.version if s else last.get("plan_version"),
                     "checkpointed_blocks": list(s.sent.blocks) if s else None,
-                    "oom_risk": s.planner.oom_risk if s else None,
+                    "oom_risk": s.planner.oom_risk if s else last.get("oom_risk"),
                 }
             )
         peaks = [r["last_stats"]["peak_bytes"] for r in ranks if r["last_stats"]]
