@@ -180,6 +180,8 @@ class AdvisorCore:
             self.metrics.active_streams.inc()
             self.metrics.budget_bytes.labels(job).set(hello.budget_bytes)
             self.metrics.world_size.labels(job).set(hello.world_size)
+            # Present from the start at 0, so that increase() sees the first OOM.
+            self.metrics.oom_events.labels(job)
             self._count_connected(job)
             if not resumed:
                 self._record_plan(session, session.sent, now)
