@@ -31,7 +31,7 @@ from rematd.planner import (
 )
 from rematd.records import JOB_ID_RE, Hello, InvalidMessage, OomReport, StepStats, observation, open_planner
 from rematd.server.errors import JobNotFound, SessionError
-from rematd.server.metrics import Metrics
+from rematd.server.metrics import Metrics, RankSample
 from rematd.server.store import Store
 
 __all__ = ["AdvisorCore", "CoreConfig", "JobNotFound", "RankSession", "SessionError"]
@@ -105,6 +105,7 @@ class RankSession:
     steps_on_plan: int = 0
     oom_on_plan: bool = False
     remembered: int = 0
+    has_stats: bool = False
     opened_at: float = field(default_factory=time.time)
 
     @property
@@ -124,6 +125,7 @@ class AdvisorCore:
         self._by_job: dict[str, dict[int, RankSession]] = {}
         self._controls: dict[str, Controls] = {}
         self._controls_revision = 0
+        self.metrics.snapshot = self.rank_samples
         self.refresh_controls()
 
     # -- the training side ----------------------------------------------------
@@ -178,11 +180,9 @@ class AdvisorCore:
             )
             self.store.upsert_rank(job=job, rank=hello.rank, device=hello.device_name, state=CONNECTED)
             self.metrics.active_streams.inc()
-            self.metrics.budget_bytes.labels(job).set(hello.budget_bytes)
-            self.metrics.world_size.labels(job).set(hello.world_size)
             # Present from the start at 0, so that increase() sees the first OOM.
             self.metrics.oom_events.labels(job)
-            self._count_connected(job)
+            self.metrics.steps.labels(job)
             if not resumed:
                 self._record_plan(session, session.sent, now)
             log.info("rank %s of job %s %s", hello.rank, job, "resumed" if resumed else "connected")
@@ -240,10 +240,8 @@ class AdvisorCore:
                     "oom_risk": session.planner.oom_risk,
                 },
             )
-            self._update_job_metrics(job, stats.budget_bytes)
-            if self.metrics.per_rank:
-                self.metrics.rank_peak_bytes.labels(job, str(session.hello.rank)).set(obs.peak_bytes)
-                self.metrics.rank_oom_risk.labels(job, str(session.hello.rank)).set(session.planner.oom_risk)
+            session.has_stats = True
+            self.metrics.steps.labels(job).inc()
         return plan
 
     def on_oom(self, session: RankSession, oom: OomReport) -> Plan | None:
@@ -276,7 +274,6 @@ class AdvisorCore:
             if plan is not None:
                 session.sent = plan
                 self._record_plan(session, plan, now)
-                self._update_job_metrics(job, session.planner.budget_bytes)
         return plan
 
     def ack_version(self, session: RankSession) -> int:
@@ -302,8 +299,6 @@ class AdvisorCore:
             ranks = list(self._by_job.get(job, {}).values())
             if ended and all(s.ended for s in ranks):
                 self._drop_job(job)
-            else:
-                self._count_connected(job)
 
     def _drop_job(self, job: str) -> None:
         for s in self._by_job.pop(job, {}).values():
@@ -395,29 +390,31 @@ class AdvisorCore:
 
     # -- metrics --------------------------------------------------------------
 
-    def _count_connected(self, job: str) -> None:
-        live = sum(1 for s in self._by_job.get(job, {}).values() if s.streams > 0)
-        self.metrics.connected_ranks.labels(job).set(live)
+    def rank_samples(self) -> list[RankSample]:
+        """The live ranks, for the gauges Prometheus scrapes."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return [
+            RankSample(
+                job=s.hello.job_id,
+                rank=s.hello.rank,
+                connected=s.streams > 0,
+                world_size=s.hello.world_size,
+                budget_bytes=s.planner.budget_bytes,
+                peak_bytes=s.last_peak,
+                has_stats=s.has_stats,
+                predicted_peak_bytes=s.sent.predicted_peak_bytes,
+                checkpointed_blocks=len(s.sent.blocks),
+                predicted_overhead_ratio=s.sent.predicted_overhead_ratio,
+                oom_risk=s.planner.oom_risk,
+            )
+            for s in sessions
+        ]
 
     def _record_plan(self, session: RankSession, plan: Plan, now: float) -> None:
         job = session.hello.job_id
         self.store.add_plan(job=job, rank=session.hello.rank, plan=plan_row(plan), now=now)
         self.metrics.plans_issued.labels(job).inc()
-
-    def _update_job_metrics(self, job: str, budget: int) -> None:
-        ranks = list(self._by_job.get(job, {}).values())
-        if not ranks:
-            return
-        peak = max(s.last_peak for s in ranks)
-        m = self.metrics
-        m.steps.labels(job).inc()
-        m.peak_bytes.labels(job).set(peak)
-        m.budget_bytes.labels(job).set(budget)
-        m.headroom_ratio.labels(job).set((budget - peak) / budget if budget else 0.0)
-        m.predicted_peak_bytes.labels(job).set(max(s.sent.predicted_peak_bytes for s in ranks))
-        m.checkpointed_blocks.labels(job).set(max(len(s.sent.blocks) for s in ranks))
-        m.predicted_overhead_ratio.labels(job).set(max(s.sent.predicted_overhead_ratio for s in ranks))
-        m.oom_risk.labels(job).set(max(s.planner.oom_risk for s in ranks))
 
     # -- the operator side: controls ------------------------------------------
 

@@ -202,6 +202,8 @@ class Store:
         self._pending: list[dict[str, Any]] = []
         self._pending_last: dict[tuple[str, int], dict[str, Any]] = {}
         self._flush_lock = threading.Lock()
+        # The buffer has its own lock: the event loop appends to it and must never wait on a database write.
+        self._buf_lock = threading.Lock()
         self._closed = threading.Event()
         self.migrate()
         self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
@@ -313,7 +315,7 @@ class Store:
     def flush(self) -> None:
         """Write buffered statistics in one transaction."""
         with self._flush_lock:
-            with self._lock:
+            with self._buf_lock:
                 rows, self._pending = self._pending, []
                 last, self._pending_last = self._pending_last, {}
             if not rows and not last:
@@ -340,7 +342,7 @@ class Store:
                         text("UPDATE jobs SET updated_at=:t, budget_bytes=:b WHERE job=:job"), list(jobs.values())
                     )
             except Exception:
-                with self._lock:
+                with self._buf_lock:
                     # Keep what failed for the next round, oldest first, within the buffer's bound.
                     self._pending = (rows + self._pending)[-self.config.max_buffered * 4 :]
                     for key, r in last.items():
@@ -412,7 +414,7 @@ class Store:
     def add_stats(self, *, job: str, rank: int, row: dict[str, Any]) -> None:
         """Buffer one step's statistics; written within ``flush_seconds``."""
         full = {**row, "job": job, "rank": rank}
-        with self._lock:
+        with self._buf_lock:
             self._pending.append({c: full[c] for c in _STATS_COLUMNS})
             self._pending_last[(job, rank)] = row
             over = len(self._pending) >= self.config.max_buffered
