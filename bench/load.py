@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 RANKS_PER_CHANNEL = 100
+SERVER_OUTPUT: list[Any] = []
 BLOCKS = 24
 
 
@@ -68,7 +70,9 @@ def _hello(job: str, rank: int, world: int) -> Any:
             device_name="NVIDIA H100",
             model_fingerprint="bench-model",
             blocks=[
-                pb.BlockProfile(index=i, name=f"h.{i}", saved_bytes=64 << 20, input_bytes=8 << 20, forward_seconds=0.002)
+                pb.BlockProfile(
+                    index=i, name=f"h.{i}", saved_bytes=64 << 20, input_bytes=8 << 20, forward_seconds=0.002
+                )
                 for i in range(BLOCKS)
             ],
             profile_shape=pb.Shape(batch=8, seq_len=2048, tokens=16384),
@@ -79,21 +83,26 @@ def _hello(job: str, rank: int, world: int) -> Any:
     )
 
 
-async def _rank(stub: Any, job: str, rank: int, world: int, state: dict[str, Any]) -> None:
+_PLAN_TAG = 0x0A  # ServerMessage field 1 (plan), length-delimited: the generator reads only this byte of a reply
+
+
+async def _rank(session: Any, job: str, rank: int, world: int, state: dict[str, Any]) -> None:
     from rematd.v1 import advisor_pb2 as pb
 
-    call = stub.Session()
+    # Bytes in, bytes out: the generator must cost less than the service it measures.
+    call = session()
     try:
-        await call.write(_hello(job, rank, world))
-        plan = await call.read()
-        version = plan.plan.version
+        await call.write(_hello(job, rank, world).SerializeToString())
+        first = pb.ServerMessage.FromString(await call.read())
+        version = first.plan.version
         state["connected"] += 1
         step = 0
         # Ranks tick at 1 Hz with random phases, like jobs that started at different times.
-        await asyncio.sleep(random.random())
+        interval = state["interval"]
+        await asyncio.sleep(random.random() * interval)
         next_at = time.monotonic()
         while not state["stop"]:
-            next_at += 1.0
+            next_at += interval
             msg = pb.StepStats(
                 step=step,
                 peak_allocated_bytes=(60 << 30) + random.randrange(1 << 20),
@@ -104,15 +113,16 @@ async def _rank(stub: Any, job: str, rank: int, world: int, state: dict[str, Any
                 plan_version=version,
                 shape=pb.Shape(batch=8, seq_len=2048, tokens=16384),
             )
+            data = pb.ClientMessage(stats=msg).SerializeToString()
             t = time.perf_counter()
-            await call.write(pb.ClientMessage(stats=msg))
+            await call.write(data)
             state["sent"] += 1
             while True:
                 reply = await call.read()
-                if reply is None or reply is grpc_eof():
+                if not isinstance(reply, bytes):
                     raise RuntimeError("stream ended")
-                if reply.WhichOneof("kind") == "plan":
-                    version = reply.plan.version
+                if reply[:1] == bytes([_PLAN_TAG]):
+                    version = pb.ServerMessage.FromString(reply).plan.version
                     continue
                 break
             if state["measuring"]:
@@ -127,20 +137,12 @@ async def _rank(stub: Any, job: str, rank: int, world: int, state: dict[str, Any
             state["error_samples"].append(repr(err)[:200])
 
 
-def grpc_eof() -> Any:
+async def _client_main(target: str, conn: Any, index: int, interval: float) -> None:
     import grpc
-
-    return grpc.aio.EOF
-
-
-async def _client_main(target: str, conn: Any, index: int) -> None:
-    import grpc
-
-    from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
     state: dict[str, Any] = {
         "stop": False, "measuring": False, "lat": [], "sent": 0, "acked": 0, "errors": 0, "connected": 0,
-        "error_samples": [],
+        "error_samples": [], "interval": interval,
     }  # fmt: skip
     channels: list[Any] = []
     tasks: list[asyncio.Task[None]] = []
@@ -152,11 +154,13 @@ async def _client_main(target: str, conn: Any, index: int) -> None:
             while len(tasks) < want:
                 if len(tasks) % RANKS_PER_CHANNEL == 0:
                     channels.append(grpc.aio.insecure_channel(target))
-                stub = pb_grpc.AdvisorStub(channels[-1])
+                session = channels[-1].stream_stream(
+                    "/rematd.v1.Advisor/Session", request_serializer=None, response_deserializer=None
+                )
                 n = len(tasks)
                 # A job of 8 ranks per 8 tasks, so jobs look like real ones.
                 job = f"bench-{index}-{n // 8}"
-                tasks.append(asyncio.create_task(_rank(stub, job, n % 8, 8, state)))
+                tasks.append(asyncio.create_task(_rank(session, job, n % 8, 8, state)))
                 if n % 200 == 199:
                     await asyncio.sleep(0.05)  # a ramp, not a thundering herd of hellos
             deadline = time.monotonic() + 60
@@ -179,13 +183,13 @@ async def _client_main(target: str, conn: Any, index: int) -> None:
             return
 
 
-def _client_process(target: str, conn: Any, index: int) -> None:
+def _client_process(target: str, conn: Any, index: int, interval: float) -> None:
     import gc
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The generator's own collector pauses would show up as service latency.
     gc.set_threshold(100_000, 50, 1000)
-    asyncio.run(_client_main(target, conn, index))
+    asyncio.run(_client_main(target, conn, index, interval))
 
 
 # -- the server side ------------------------------------------------------------------------------------
@@ -248,7 +252,14 @@ def _start_server(db: Path, workers: int) -> tuple[subprocess.Popen[str], str]:
             raise RuntimeError("rematd serve exited at start")
         if "serving gRPC on" in line:
             break
-    # Workers print nothing; give them a moment to bind.
+    # Keep the server's output flowing (a full pipe would stall it) and at hand if it dies.
+    import collections
+    import threading
+
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    SERVER_OUTPUT.append(tail)
+    threading.Thread(target=lambda: tail.extend(iter(proc.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+    # The other workers print nothing; give them a moment to bind.
     time.sleep(2.0 if workers > 1 else 0.2)
     return proc, f"127.0.0.1:{port}"
 
@@ -267,8 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=5.0, help="seconds at a level before measuring")
     p.add_argument("--workers", type=int, default=2, help="server worker processes (--workers of rematd serve)")
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between a rank's reports (1: every step at 1 Hz; more models a service that asks "
+        "stable ranks to report less often)",
+    )
     p.add_argument("--p99-ms", type=float, default=50.0, help="the p99 latency a level must stay under")
-    p.add_argument("--out", default="bench/load.json")
+    p.add_argument("--out", default="artifacts/load.json")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.ranks.split(",")]
     if any(n < 1 for n in levels) or levels != sorted(levels):
@@ -283,14 +301,20 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Level] = []
     try:
         time.sleep(0.5)
+        if server.poll() is not None:
+            raise RuntimeError("rematd serve exited at start:\n" + "".join(SERVER_OUTPUT[-1]))
         base_rss = _rss_bytes(_proc_tree(server.pid))
         for i in range(args.clients):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_client_process, args=(target, child, i), daemon=True)
+            proc = ctx.Process(target=_client_process, args=(target, child, i, args.interval), daemon=True)
             proc.start()
             pipes.append(parent)
             procs.append(proc)
-        print(f"server {target}, {args.workers} worker(s), base RSS {base_rss / 2**20:.0f} MiB", flush=True)
+        print(
+            f"server {target}, {args.workers} worker(s), base RSS {base_rss / 2**20:.0f} MiB, "
+            f"each rank reports every {args.interval:g} s",
+            flush=True,
+        )
         header = (
             f"{'ranks':>7} {'msg/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>7} "
             f"{'cpu cores':>9} {'RSS MiB':>8} {'KiB/rank':>9}  ok"
@@ -317,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             acked = sum(g["acked"] for g in got)
             rate = acked / args.seconds
             p99 = _pct(lat, 0.99)
-            ok = errors == 0 and p99 < args.p99_ms and rate >= 0.95 * n
+            ok = errors == 0 and p99 < args.p99_ms and rate >= 0.95 * n / args.interval
             level = Level(
                 ranks=n, seconds=args.seconds, sent=sent, acked=acked, errors=errors, rate_per_s=round(rate, 1),
                 p50_ms=round(_pct(lat, 0.5), 2), p99_ms=round(p99, 2), max_ms=round(max(lat) * 1000 if lat else 0, 1),
@@ -334,14 +358,12 @@ def main(argv: list[str] | None = None) -> int:
                 for e in g["error_samples"][:2]:
                     print(f"    error: {e}", flush=True)
             if server.poll() is not None:
-                print("the server exited", flush=True)
+                print("the server exited:\n" + "".join(SERVER_OUTPUT[-1]), flush=True)
                 break
     finally:
         for conn in pipes:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("stop", None))
-            except OSError:
-                pass
         for proc in procs:
             proc.join(15)
             if proc.is_alive():
@@ -357,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "workers": args.workers,
         "clients": args.clients,
+        "interval_seconds": args.interval,
         "p99_target_ms": args.p99_ms,
         "levels": [asdict(r) for r in results],
         "highest_passing_ranks": max(passing) if passing else 0,

@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rematd.planner import (
     ControllerConfig,
@@ -29,7 +29,7 @@ from rematd.planner import (
     predict_overhead_ratio,
     predict_peak_bytes,
 )
-from rematd.records import JOB_ID_RE, Hello, InvalidMessage, OomReport, StepStats, observation, open_planner
+from rematd.records import JOB_ID_RE, Hello, InvalidMessage, OomReport, StepStats, observation
 from rematd.server.errors import JobNotFound, SessionError
 from rematd.server.metrics import Metrics, RankSample
 from rematd.server.store import Store
@@ -37,6 +37,7 @@ from rematd.server.store import Store
 __all__ = ["AdvisorCore", "CoreConfig", "JobNotFound", "RankSession", "SessionError"]
 
 log = logging.getLogger("rematd.server")
+_T = TypeVar("_T")
 
 CONNECTED = "connected"
 DISCONNECTED = "disconnected"
@@ -125,6 +126,7 @@ class AdvisorCore:
         self._by_job: dict[str, dict[int, RankSession]] = {}
         self._controls: dict[str, Controls] = {}
         self._controls_revision = 0
+        self._interned: dict[Any, Any] = {}
         self.metrics.snapshot = self.rank_samples
         self.refresh_controls()
 
@@ -133,10 +135,11 @@ class AdvisorCore:
     def open_session(self, hello: Hello) -> tuple[RankSession, Plan]:
         """Start or resume a rank's session; returns it and the plan to apply."""
         try:
-            planner = open_planner(hello)
+            planner = self._planner(hello)
         except InvalidMessage:
             self.metrics.invalid_messages.inc()
             raise
+        hello = dataclasses.replace(hello, blocks=self._shared(hello.blocks))
         now = time.time()
         job = hello.job_id
         with self._lock:
@@ -159,7 +162,7 @@ class AdvisorCore:
                 if hello.plan_version > 0:
                     # A rank that outlived a restart of the service: continue its plan history.
                     last = self.store.last_plan_version(job, hello.rank)
-                    planner = open_planner(hello, first_version=max(last, hello.plan_version) + 1)
+                    planner = self._planner(hello, first_version=max(last, hello.plan_version) + 1)
                 self._apply_tuning(planner, controls)
                 session = RankSession(hello=hello, planner=planner, sent=planner.plan, base=planner.plan)
                 if hello.plan_version == 0 and self.config.warm_start:
@@ -304,6 +307,28 @@ class AdvisorCore:
         for s in self._by_job.pop(job, {}).values():
             self._sessions.pop(s.key, None)
         self.metrics.forget_job(job)
+
+    def _shared(self, value: _T) -> _T:
+        """One copy of a profile (or its blocks) for every rank that sends the same one.
+
+        The ranks of a job, and the jobs of one model, send the same profile: sharing it is most of
+        a session's memory at thousands of ranks. Bounded, since a key lives as long as the table.
+        """
+        if len(self._interned) > 4096:
+            self._interned.clear()
+        return self._interned.setdefault(value, value)  # type: ignore[no-any-return]
+
+    def _planner(self, hello: Hello, first_version: int = 1) -> PlannerSession:
+        """The planner for a rank, as records.open_planner makes it, over a shared profile."""
+        hello.validate()
+        config = ControllerConfig(margin_ratio=hello.margin_ratio) if hello.margin_ratio else None
+        return PlannerSession(
+            self._shared(hello.profile()),
+            budget_bytes=hello.budget_bytes,
+            static_bytes=hello.static_bytes,
+            config=config,
+            first_version=first_version,
+        )
 
     # -- what a rank is sent --------------------------------------------------
 

@@ -12,40 +12,36 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import signal
+import socket
 import sys
 import time
 from typing import Any
 
-from rematd.server.app import ServeConfig, Service
+from rematd.server.app import ServeConfig
 
 
-def _worker(config: ServeConfig, index: int, ready: Any) -> None:
+def _worker(config: ServeConfig, index: int) -> None:
     from rematd.server.cli import _run_one
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ready.put(index)
-    sys.exit(_run_one(config, announce=False))
+    # Worker 0 serves HTTP and says where; the others only serve gRPC.
+    sys.exit(_run_one(config, announce=index == 0))
 
 
 def serve_workers(config: ServeConfig, workers: int) -> int:
     """Run ``workers`` processes; returns when all have stopped."""
     if config.grpc_port == 0:
         # Every worker must bind the same port: pick it once, here.
-        probe = Service(dataclasses.replace(config, http=False, reuse_port=True))
-        import socket
-
-        s = socket.socket()
-        s.bind((config.grpc_host, 0))
-        port = s.getsockname()[1]
-        s.close()
-        probe.store.close()
+        family = socket.AF_INET6 if ":" in config.grpc_host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((config.grpc_host, 0))
+            port = s.getsockname()[1]
         config = dataclasses.replace(config, grpc_port=port)
     ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
     procs = []
     for i in range(workers):
         cfg = config if i == 0 else dataclasses.replace(config, http=False)
-        p = ctx.Process(target=_worker, args=(cfg, i, ready), name=f"rematd-worker-{i}", daemon=False)
+        p = ctx.Process(target=_worker, args=(cfg, i), name=f"rematd-worker-{i}", daemon=False)
         p.start()
         procs.append(p)
     stopping = False
@@ -59,7 +55,7 @@ def serve_workers(config: ServeConfig, workers: int) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(f"rematd serving gRPC on {config.grpc_host}:{config.grpc_port} with {workers} workers", flush=True)
+    print(f"rematd: {workers} worker processes share gRPC port {config.grpc_port}", flush=True)
     while any(p.is_alive() for p in procs):
         time.sleep(0.2)
         if not stopping and any(p.exitcode not in (None, 0) for p in procs):
