@@ -9,10 +9,12 @@ write load. Reads flush the buffer first, so a read sees every write before it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,9 +251,26 @@ class Store:
         v = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar()
         return int(v or 0)
 
+    @contextlib.contextmanager
+    def _migration_lock(self) -> Iterator[None]:
+        """Only one process migrates at a time (workers and replicas start together)."""
+        url = self.engine.url
+        if self.dialect == "sqlite" and url.database and url.database != ":memory:":
+            with open(f"{url.database}.migrate-lock", "a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+        else:
+            yield
+
     def migrate(self) -> None:
         """Bring the schema up to date; refuse a record written by a newer rematd."""
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._migration_lock(), self.engine.begin() as conn:
+            if self.dialect == "postgresql":
+                # Held to the end of the transaction: replicas starting together migrate one after another.
+                conn.execute(text("SELECT pg_advisory_xact_lock(7365726d61)"))
             conn.execute(
                 text(
                     self._ddl(

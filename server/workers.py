@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from rematd.server.app import ServeConfig
+from rematd.server.store import Store
 
 
 def _worker(config: ServeConfig, index: int) -> None:
@@ -37,6 +38,8 @@ def serve_workers(config: ServeConfig, workers: int) -> int:
             s.bind((config.grpc_host, 0))
             port = s.getsockname()[1]
         config = dataclasses.replace(config, grpc_port=port)
+    # Migrate once, here, before the workers open the record.
+    Store(config.store_config()).close()
     ctx = mp.get_context("spawn")
     procs = []
     for i in range(workers):

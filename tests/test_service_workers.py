@@ -24,6 +24,18 @@ from .test_service import hello, stats
 TOKEN = "workers-token-0123456789abcdef"
 
 
+def worker_pids(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def test_two_workers_share_the_port_and_the_controls(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "REMATD_TOKEN": TOKEN}
     cmd = [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
@@ -35,15 +47,14 @@ def test_two_workers_share_the_port_and_the_controls(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while (grpc_addr is None or http_addr is None) and time.monotonic() < deadline:
             line = proc.stdout.readline()
+            assert line, "rematd serve --workers 2 exited at start"
             if m := re.search(r"serving gRPC on (\S+)", line):
                 grpc_addr = m.group(1)
             if m := re.search(r"REST on http://([^/\s]+)/", line):
                 http_addr = m.group(1)
         assert grpc_addr and http_addr
         time.sleep(1.0)  # the second worker binds a moment later
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        workers = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        assert len(workers) == 2, "two worker processes"
+        assert len(worker_pids(proc.pid)) == 2, "two worker processes"
 
         # Six ranks, each on its own connection: the kernel spreads them over the workers.
         ranks = []
