@@ -270,7 +270,7 @@ class Store:
         with self._lock, self._migration_lock(), self.engine.begin() as conn:
             if self.dialect == "postgresql":
                 # Held to the end of the transaction: replicas starting together migrate one after another.
-                conn.execute(text("SELECT pg_advisory_xact_lock(7365726d61)"))
+                conn.execute(text("SELECT pg_advisory_xact_lock(736572)"))
             conn.execute(
                 text(
                     self._ddl(
