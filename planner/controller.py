@@ -18,6 +18,10 @@ from rematd.planner.cost import choose, overhead_of, peak_of
 from rematd.planner.model import Mode, Option, Profile, Shape, ShapePlan, StepObservation
 from rematd.planner.solvers import Choice, solve
 
+# Option lists and forward times by (profile, shape): sessions over one shared profile share them.
+_OPTIONS: dict[tuple[int, Shape, frozenset[Mode] | None], tuple[Profile, list[list[Option]]]] = {}
+_FORWARD: dict[tuple[int, Shape], tuple[Profile, float]] = {}
+
 # A looser plan must fit this fraction of the target under the worst recent correction.
 LOOSEN_SLACK = 0.97
 # Steps over which the memory of a target crossing fades by half.
@@ -121,8 +125,6 @@ class Controller:
         self._batch = ref.batch or 1
         self._seqs: set[int] = {ref.seq_len} if ref.seq_len else set()
         self.table: tuple[ShapePlan, ...] = ()
-        self._opts: dict[tuple[Shape, bool], list[list[Option]]] = {}
-        self._fwd: dict[Shape, float] = {}
         self._entries: dict[tuple[Choice, int, int, int], ShapePlan] = {}
 
     # -- buckets --------------------------------------------------------------
@@ -168,22 +170,24 @@ class Controller:
         ``restricted`` limits them to the configured modes (what the solver may pick); unrestricted
         lists price any plan, including one made under other settings.
         """
-        key = (shape or self.profile.shape, restricted)
-        hit = self._opts.get(key)
-        if hit is None:
-            if len(self._opts) > 128:
-                self._opts.clear()
-            allowed = self.config.allowed_modes if restricted else None
-            hit = self._opts[key] = self.profile.options_at(shape, allowed)
-        return hit
+        allowed = self.config.allowed_modes if restricted else None
+        key = (id(self.profile), shape or self.profile.shape, allowed)
+        hit = _OPTIONS.get(key)
+        # Shared by every session over the same profile object; the identity check guards id reuse.
+        if hit is None or hit[0] is not self.profile:
+            if len(_OPTIONS) > 4096:
+                _OPTIONS.clear()
+            hit = _OPTIONS[key] = (self.profile, self.profile.options_at(shape, allowed))
+        return hit[1]
 
     def _forward_seconds(self, shape: Shape) -> float:
-        hit = self._fwd.get(shape)
-        if hit is None:
-            if len(self._fwd) > 128:
-                self._fwd.clear()
-            hit = self._fwd[shape] = self.profile.forward_seconds_at(shape)
-        return hit
+        key = (id(self.profile), shape)
+        hit = _FORWARD.get(key)
+        if hit is None or hit[0] is not self.profile:
+            if len(_FORWARD) > 4096:
+                _FORWARD.clear()
+            hit = _FORWARD[key] = (self.profile, self.profile.forward_seconds_at(shape))
+        return hit[1]
 
     def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
         corr = self.correction(shape.seq_len) if shape.seq_len else 1.0
@@ -207,7 +211,7 @@ class Controller:
                 predicted_peak_bytes=choice.predicted_peak_bytes + other,
                 fits=choice.predicted_peak_bytes + other <= target,
             )
-        if len(self._cache) > 256:
+        if len(self._cache) > 64:
             self._cache.clear()
         self._cache[key] = choice
         return choice
@@ -226,7 +230,7 @@ class Controller:
             predicted_peak_bytes=peak_of(chosen, static + self.profile.other_at(shape)),
             predicted_overhead_ratio=overhead_of(chosen, self._forward_seconds(shape)),
         )
-        if len(self._entries) > 512:
+        if len(self._entries) > 64:
             self._entries.clear()
         self._entries[key] = entry
         return entry

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import uvicorn
 
+from rematd.server.auth import TokenAuth
 from rematd.server.core import AdvisorCore
-from rematd.server.grpc_service import AdvisorServicer
+from rematd.server.grpc_service import GrpcOptions, build_server
 from rematd.server.metrics import Metrics
 from rematd.server.rest import create_app
-from rematd.server.store import Store
-from rematd.v1 import advisor_pb2_grpc as pb_grpc
+from rematd.server.store import Store, StoreConfig, database_url
 
 log = logging.getLogger("rematd.server")
 
@@ -30,9 +31,18 @@ def default_db_path() -> Path:
     return Path(base) / "rematd" / "rematd.db"
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
-    """Where the service listens and keeps its record."""
+    """Where the service listens, who may do what, and how it keeps its record."""
 
     grpc_host: str = "127.0.0.1"
     """Address the gRPC service binds to."""
@@ -42,16 +52,76 @@ class ServeConfig:
     """Address of the REST API, dashboard and /metrics."""
     http_port: int = 8080
     """HTTP port; 0 picks a free one."""
+    http: bool = True
+    """Serve HTTP at all (extra workers of a multi-process service serve gRPC only)."""
     db: str = ""
-    """SQLite file of the record (default: under the user's data directory)."""
+    """SQLite file or database URL of the record (default: a SQLite file under the user's data directory)."""
     grace_seconds: float = 5.0
     """How long streams get to finish at shutdown."""
+    drain_seconds: float = 0.0
+    """How long health says NOT_SERVING before the servers stop, so load balancers move away first."""
+    token: str | None = None
+    """Bearer token that writes (and non-loopback reads) need; None: writes are open."""
+    public_reads: bool = False
+    """Serve reads without a token even when HTTP binds a non-loopback address."""
+    tls_cert: str = ""
+    """PEM certificate chain for TLS on gRPC and HTTP (with tls_key)."""
+    tls_key: str = ""
+    """PEM private key for TLS."""
+    retention_days: float = 30.0
+    """Stats and OOM events older than this are deleted, and jobs idle that long."""
+    keep_steps: int = 2000
+    """Per rank, the latest steps kept at full resolution."""
+    bucket_seconds: float = 300.0
+    """Older steps keep one row per rank per bucket of this many seconds."""
+    compact_seconds: float = 600.0
+    """How often old statistics are down-sampled and expired."""
+    controls_poll_seconds: float = 1.0
+    """How often operator controls written by another worker or replica are picked up."""
+    per_rank_metrics: bool = False
+    """Export per-rank series besides the per-job ones."""
+    max_message_bytes: int = 1 << 20
+    """Largest gRPC message a rank may send."""
+    reuse_port: bool = False
+    """Bind gRPC with SO_REUSEPORT so several worker processes share the port."""
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name.replace('_', '-')} must be in 0-65535, got {port}")
+        for name in ("grace_seconds", "drain_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("compact_seconds", "controls_poll_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls-cert and tls-key go together")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name.replace('_', '-')} {path!r} is not a readable file")
+        # These raise ValueError naming the setting.
+        TokenAuth(token=self.token)
+        GrpcOptions(max_message_bytes=self.max_message_bytes)
+        self.store_config()
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            url=database_url(self.db or default_db_path()),
+            keep_steps=self.keep_steps,
+            bucket_seconds=self.bucket_seconds,
+            retention_days=self.retention_days,
+        )
+
+    @property
+    def auth(self) -> TokenAuth:
+        return TokenAuth(token=self.token, open_reads=self.public_reads or is_loopback(self.http_host))
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +131,11 @@ class Bound:
     grpc: str
     http: str
     db: str
+    tls: bool = False
 
     @property
     def dashboard(self) -> str:
-        return f"http://{self.http}/"
+        return f"{'https' if self.tls else 'http'}://{self.http}/"
 
 
 class _QuietServer(uvicorn.Server):
@@ -75,50 +146,114 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
+def _redact(url: str) -> str:
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
 class Service:
     """The running service. ``await run(stop)`` serves until ``stop`` is set."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
+        store_config = config.store_config()
         self.db_path = config.db or str(default_db_path())
-        self.store = Store(self.db_path)
-        self.core = AdvisorCore(self.store, Metrics())
+        self.store = Store(store_config)
+        self.core = AdvisorCore(self.store, Metrics(per_rank=config.per_rank_metrics))
         self.bound: Bound | None = None
+        self.serving = False
+
+    def _bind_grpc(self, server: grpc.aio.Server) -> int:
+        cfg = self.config
+        address = f"{cfg.grpc_host}:{cfg.grpc_port}"
+        if cfg.tls:
+            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind gRPC to {address}")
+        return port
+
+    async def _every(self, seconds: float, work: str) -> None:
+        fn: Callable[[], object] = self.core.refresh_controls if work == "controls" else self.store.compact
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await asyncio.to_thread(fn)
+            except Exception:
+                log.exception("periodic %s failed; trying again in %.0f s", work, seconds)
 
     async def run(self, stop: asyncio.Event, ready: threading.Event | None = None) -> None:
         cfg = self.config
-        server = grpc.aio.server()
-        pb_grpc.add_AdvisorServicer_to_server(AdvisorServicer(self.core), server)
-        grpc_port = server.add_insecure_port(f"{cfg.grpc_host}:{cfg.grpc_port}")
-        if grpc_port == 0:
-            raise OSError(f"cannot bind gRPC to {cfg.grpc_host}:{cfg.grpc_port}")
-        family = socket.AF_INET6 if ":" in cfg.http_host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((cfg.http_host, cfg.http_port))
-        except OSError as err:
-            sock.close()
-            raise OSError(f"cannot bind HTTP to {cfg.http_host}:{cfg.http_port}: {err}") from err
-        http_port = sock.getsockname()[1]
-        web = _QuietServer(uvicorn.Config(create_app(self.core), log_level="warning", lifespan="off", access_log=False))
+        options = GrpcOptions(max_message_bytes=cfg.max_message_bytes, reuse_port=cfg.reuse_port)
+        server, servicer, health = build_server(self.core, auth=cfg.auth, options=options)
+        grpc_port = self._bind_grpc(server)
+        web: _QuietServer | None = None
+        sock: socket.socket | None = None
+        http_port = 0
+        if cfg.http:
+            family = socket.AF_INET6 if ":" in cfg.http_host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((cfg.http_host, cfg.http_port))
+            except OSError as err:
+                sock.close()
+                raise OSError(f"cannot bind HTTP to {cfg.http_host}:{cfg.http_port}: {err}") from err
+            http_port = sock.getsockname()[1]
+            web = _QuietServer(
+                uvicorn.Config(
+                    create_app(self.core, cfg.auth),
+                    log_level="warning",
+                    lifespan="off",
+                    access_log=False,
+                    ssl_certfile=cfg.tls_cert or None,
+                    ssl_keyfile=cfg.tls_key or None,
+                )
+            )
         await server.start()
-        web_task = asyncio.create_task(web.serve(sockets=[sock]))
-        while not web.started and not web_task.done():
-            await asyncio.sleep(0.01)
-        if web_task.done():
-            await web_task
-        self.bound = Bound(grpc=f"{cfg.grpc_host}:{grpc_port}", http=f"{cfg.http_host}:{http_port}", db=self.db_path)
+        await health.set(True)
+        self.serving = True
+        web_task = asyncio.create_task(web.serve(sockets=[sock])) if web is not None and sock is not None else None
+        if web is not None and web_task is not None:
+            while not web.started and not web_task.done():
+                await asyncio.sleep(0.01)
+            if web_task.done():
+                await web_task
+        chores = [
+            asyncio.create_task(self._every(cfg.controls_poll_seconds, "controls")),
+            asyncio.create_task(self._every(cfg.compact_seconds, "compact")),
+        ]
+        self.bound = Bound(
+            grpc=f"{cfg.grpc_host}:{grpc_port}",
+            http=f"{cfg.http_host}:{http_port}",
+            db=_redact(self.store.path if "://" in (cfg.db or "") else self.db_path),
+            tls=cfg.tls,
+        )
         if ready is not None:
             ready.set()
         try:
             await stop.wait()
         finally:
-            web.should_exit = True
+            # Health says NOT_SERVING first, so probes and balancers move away; then streams get their grace.
+            self.serving = False
+            servicer.draining = True
+            await health.set(False)
+            if cfg.drain_seconds:
+                await asyncio.sleep(cfg.drain_seconds)
+            for chore in chores:
+                chore.cancel()
+            if web is not None:
+                web.should_exit = True
             await server.stop(cfg.grace_seconds)
-            await web_task
-            sock.close()
-            self.store.close()
+            if web_task is not None:
+                await web_task
+            if sock is not None:
+                sock.close()
+            await asyncio.to_thread(self.store.close)
 
 
 class ServiceThread:
@@ -156,9 +291,12 @@ class ServiceThread:
         assert self.service.bound is not None
         return self.service.bound
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def begin_stop(self) -> None:
         if self._stop is not None and not self._loop.is_closed():
             stop = self._stop
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(stop.set)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.begin_stop()
         self._thread.join(timeout)

@@ -4,35 +4,92 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from rematd import __version__
 
+if TYPE_CHECKING:
+    from rematd.server.app import ServeConfig
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from rematd.server.app import default_db_path
+
+    p = argparse.ArgumentParser(prog="rematd serve", description="Run the rematd service: gRPC, REST, /metrics.")
+    p.add_argument("--grpc-host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port (default 50051)")
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8080, help="0 picks a free port (default 8080)")
+    p.add_argument(
+        "--db",
+        default=str(default_db_path()),
+        help="SQLite file, or a database URL such as postgresql://user@host/rematd (default %(default)s)",
+    )
+    p.add_argument("--token-file", help="file whose first line is the bearer token writes need (else $REMATD_TOKEN)")
+    p.add_argument("--public-reads", action="store_true", help="serve reads without a token on a non-loopback address")
+    p.add_argument("--tls-cert", default="", help="PEM certificate chain: TLS for gRPC and HTTP")
+    p.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
+    p.add_argument("--retention-days", type=float, default=30.0, help="keep stats and OOM events this long (30)")
+    p.add_argument("--keep-steps", type=int, default=2000, help="latest steps per rank kept at full resolution")
+    p.add_argument("--bucket-seconds", type=float, default=300.0, help="older steps: one row per rank per bucket")
+    p.add_argument("--per-rank-metrics", action="store_true", help="export per-rank series besides per-job ones")
+    p.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message a rank may send")
+    p.add_argument("--grace-seconds", type=float, default=5.0, help="time streams get to finish at shutdown")
+    p.add_argument("--drain-seconds", type=float, default=0.0, help="NOT_SERVING this long before stopping")
+    p.add_argument("--workers", type=int, default=1, help="gRPC worker processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
 
 def _serve(argv: list[str]) -> int:
-    from rematd.server.app import ServeConfig, Service, default_db_path
+    from rematd.server.app import ServeConfig
+    from rematd.server.auth import load_token
 
-    parser = argparse.ArgumentParser(prog="rematd serve", description="Run the rematd service: gRPC, REST, /metrics.")
-    parser.add_argument("--grpc-host", default="127.0.0.1")
-    parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port (default 50051)")
-    parser.add_argument("--http-host", default="127.0.0.1")
-    parser.add_argument("--http-port", type=int, default=8080, help="0 picks a free port (default 8080)")
-    parser.add_argument("--db", default=str(default_db_path()), help="SQLite file (default %(default)s)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser = _serve_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {args.workers}")
+        token = load_token(args.token_file)
         config = ServeConfig(
             grpc_host=args.grpc_host,
             grpc_port=args.grpc_port,
             http_host=args.http_host,
             http_port=args.http_port,
             db=args.db,
+            token=token,
+            public_reads=args.public_reads,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            retention_days=args.retention_days,
+            keep_steps=args.keep_steps,
+            bucket_seconds=args.bucket_seconds,
+            per_rank_metrics=args.per_rank_metrics,
+            max_message_bytes=args.max_message_bytes,
+            grace_seconds=args.grace_seconds,
+            drain_seconds=args.drain_seconds,
+            reuse_port=args.workers > 1,
         )
     except ValueError as err:
         parser.error(str(err))
+    if args.workers > 1:
+        from rematd.server.workers import serve_workers
+
+        return serve_workers(config, args.workers)
+    if not config.auth.open_reads and config.token is None:
+        logging.getLogger("rematd.server").warning(
+            "HTTP binds %s with no token: reads and writes are open to anyone who reaches it", config.http_host
+        )
+    return _run_one(config)
+
+
+def _run_one(config: ServeConfig, *, announce: bool = True) -> int:
+    from rematd.server.app import Service
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -44,15 +101,23 @@ def _serve(argv: list[str]) -> int:
         while service.bound is None and not task.done():
             await asyncio.sleep(0.01)
         if service.bound is not None:
-            b = service.bound
-            print(f"rematd {__version__} serving gRPC on {b.grpc}", flush=True)
-            print(f"dashboard and REST on http://{b.http}/ (metrics at /metrics)", flush=True)
-            print(f"record: {b.db}", flush=True)
+            # Start-up objects live as long as the process: keep the collector's full passes off them.
+            gc.collect()
+            gc.freeze()
+            if announce:
+                b = service.bound
+                print(f"rematd {__version__} serving gRPC on {b.grpc}{' (TLS)' if b.tls else ''}", flush=True)
+                if config.http:
+                    scheme = "https" if b.tls else "http"
+                    print(f"dashboard and REST on {scheme}://{b.http}/ (metrics at /metrics)", flush=True)
+                print(f"record: {b.db}", flush=True)
         await task
 
+    # Fewer, larger young-generation collections: a busy service allocates many short-lived messages.
+    gc.set_threshold(50_000, 20, 100)
     try:
         asyncio.run(main())
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
         print(f"rematd serve: {err}", file=sys.stderr)
         return 1
     return 0

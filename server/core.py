@@ -1,39 +1,48 @@
-"""The transport-neutral core: jobs, ranks, plans and history.
+"""The transport-neutral core: jobs, ranks, plans, operator controls and history.
 
 The gRPC servicer and the HTTP router are thin adapters over this class;
-domain errors are raised here and mapped once per transport.
+domain errors (``rematd.server.errors``) are raised here and mapped once per
+transport.
+
+What a rank is sent is the core's decision, not only the planner's: an
+operator's pin, or a warm start from an earlier job of the same model,
+overrides the planner's plan. Versions of the plans a rank is sent increase by
+one per change, and equal the planner's own when nothing overrides it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from rematd.planner import Plan, PlannerSession
-from rematd.records import Hello, InvalidMessage, OomReport, StepStats, observation, open_planner
-from rematd.server.metrics import Metrics
+from rematd.planner import (
+    ControllerConfig,
+    Plan,
+    PlannerSession,
+    every_k_blocks,
+    frequency_of,
+    predict_overhead_ratio,
+    predict_peak_bytes,
+)
+from rematd.records import JOB_ID_RE, Hello, InvalidMessage, OomReport, StepStats, observation, open_planner
+from rematd.server.errors import JobNotFound, SessionError
+from rematd.server.metrics import Metrics, RankSample
 from rematd.server.store import Store
 
+__all__ = ["AdvisorCore", "CoreConfig", "JobNotFound", "RankSession", "SessionError"]
+
 log = logging.getLogger("rematd.server")
+_T = TypeVar("_T")
 
 CONNECTED = "connected"
 DISCONNECTED = "disconnected"
 ENDED = "ended"
-
-
-class JobNotFound(LookupError):
-    """No job of that name is known."""
-
-    def __init__(self, job: str) -> None:
-        super().__init__(f"no job named {job!r}")
-        self.job = job
-
-
-class SessionError(ValueError):
-    """A message that does not fit the session's state (e.g. stats before hello)."""
+JOB_STATES = ("running", "disconnected", "ended")
 
 
 def plan_row(plan: Plan) -> dict[str, Any]:
@@ -42,16 +51,62 @@ def plan_row(plan: Plan) -> dict[str, Any]:
     return row
 
 
+def shape_bucket(tokens: int) -> int:
+    """Power-of-two bucket of tokens per batch: plans learnt at one size serve sizes within 2x."""
+    return int(tokens).bit_length()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoreConfig:
+    """How the core plans beyond what the planner decides."""
+
+    warm_after_steps: int = 20
+    """Steps a plan must run without an OOM before it is remembered for warm starts."""
+    warm_start: bool = True
+    """Start a new job of a known model from the last plan that held for it."""
+
+    def __post_init__(self) -> None:
+        if self.warm_after_steps < 1:
+            raise ValueError(f"warm_after_steps must be >= 1, got {self.warm_after_steps}")
+
+
+@dataclass(slots=True)
+class Controls:
+    """An operator's overrides for one job (persisted; shared by every worker through the record)."""
+
+    pin_blocks: tuple[int, ...] | None = None
+    pin_every: int | None = None
+    margin_ratio: float | None = None
+    budget_bytes: int | None = None
+    ended_at: float | None = None
+
+    def as_row(self) -> dict[str, Any]:
+        return {
+            "pin_blocks": list(self.pin_blocks) if self.pin_blocks is not None else None,
+            "pin_every": self.pin_every,
+            "margin_ratio": self.margin_ratio,
+            "budget_bytes": self.budget_bytes,
+            "ended_at": self.ended_at,
+        }
+
+
 @dataclass(slots=True)
 class RankSession:
-    """One connected rank: its hello, planner and last step."""
+    """One connected rank: its hello, planner, the plan it was sent and its last step."""
 
     hello: Hello
     planner: PlannerSession
+    sent: Plan
+    base: Plan
+    """What the rank gets without a pin: the planner's plan, or the warm start until the planner changes it."""
     last_step: int = -1
     last_peak: int = 0
     streams: int = 0
     ended: bool = False
+    steps_on_plan: int = 0
+    oom_on_plan: bool = False
+    remembered: int = 0
+    has_stats: bool = False
     opened_at: float = field(default_factory=time.time)
 
     @property
@@ -62,63 +117,88 @@ class RankSession:
 class AdvisorCore:
     """Per-(job, rank) planning with a durable record and metrics."""
 
-    def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
+    def __init__(self, store: Store, metrics: Metrics | None = None, config: CoreConfig | None = None) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
+        self.config = config or CoreConfig()
         self._lock = threading.RLock()
         self._sessions: dict[tuple[str, int], RankSession] = {}
+        self._by_job: dict[str, dict[int, RankSession]] = {}
+        self._controls: dict[str, Controls] = {}
+        self._controls_revision = 0
+        self._interned: dict[Any, Any] = {}
+        self.metrics.snapshot = self.rank_samples
+        self.refresh_controls()
 
     # -- the training side ----------------------------------------------------
 
     def open_session(self, hello: Hello) -> tuple[RankSession, Plan]:
         """Start or resume a rank's session; returns it and the plan to apply."""
         try:
-            planner = open_planner(hello)
+            planner = self._planner(hello)
         except InvalidMessage:
             self.metrics.invalid_messages.inc()
             raise
+        hello = dataclasses.replace(hello, blocks=self._shared(hello.blocks))
         now = time.time()
+        job = hello.job_id
         with self._lock:
-            existing = self._sessions.get((hello.job_id, hello.rank))
+            existing = self._sessions.get((job, hello.rank))
             resumed = (
                 existing is not None
                 and hello.plan_version > 0
                 and existing.hello.model_fingerprint == hello.model_fingerprint
                 and len(existing.hello.blocks) == len(hello.blocks)
             )
+            controls = self._controls.get(job)
+            if controls is not None and controls.ended_at is not None:
+                # A job an operator ended comes back as a new run under the same name.
+                controls.ended_at = None
+                self.store.set_controls(job, controls.as_row(), now)
             if resumed and existing is not None:
                 session = existing
                 session.hello = hello
             else:
                 if hello.plan_version > 0:
                     # A rank that outlived a restart of the service: continue its plan history.
-                    last = self.store.last_plan_version(hello.job_id, hello.rank)
-                    planner = open_planner(hello, first_version=max(last, hello.plan_version) + 1)
-                session = RankSession(hello=hello, planner=planner)
+                    last = self.store.last_plan_version(job, hello.rank)
+                    planner = self._planner(hello, first_version=max(last, hello.plan_version) + 1)
+                self._apply_tuning(planner, controls)
+                session = RankSession(hello=hello, planner=planner, sent=planner.plan, base=planner.plan)
+                if hello.plan_version == 0 and self.config.warm_start:
+                    session.base = self._warm_start(session) or session.base
+                session.sent = self._pinned(session) or session.base
                 self._sessions[session.key] = session
+                self._by_job.setdefault(job, {})[hello.rank] = session
             session.streams += 1
             session.ended = False
             self.store.upsert_job(
-                job=hello.job_id,
+                job=job,
                 now=now,
                 world_size=hello.world_size,
                 num_blocks=len(hello.blocks),
                 budget_bytes=hello.budget_bytes,
                 fingerprint=hello.model_fingerprint,
+                device=hello.device_name,
             )
-            self.store.upsert_rank(job=hello.job_id, rank=hello.rank, device=hello.device_name, state=CONNECTED)
+            self.store.upsert_rank(job=job, rank=hello.rank, device=hello.device_name, state=CONNECTED)
             self.metrics.active_streams.inc()
-            self.metrics.budget_bytes.labels(hello.job_id).set(hello.budget_bytes)
-            self.metrics.world_size.labels(hello.job_id).set(hello.world_size)
-            self._count_connected(hello.job_id)
-            plan = session.planner.plan
+            # Present from the start at 0, so that increase() sees the first OOM.
+            self.metrics.oom_events.labels(job)
+            self.metrics.steps.labels(job)
             if not resumed:
-                self._record_plan(session, plan, now)
-            log.info("rank %s of job %s %s", hello.rank, hello.job_id, "resumed" if resumed else "connected")
-            return session, plan
+                self._record_plan(session, session.sent, now)
+            log.info("rank %s of job %s %s", hello.rank, job, "resumed" if resumed else "connected")
+            return session, session.sent
 
     def on_stats(self, session: RankSession, stats: StepStats) -> Plan | None:
-        """One step's statistics; returns a new plan when it changes."""
+        """One step's statistics; returns the plan to send when it changes."""
+        job = session.hello.job_id
+        controls = self._controls.get(job)
+        if controls is not None and controls.ended_at is not None:
+            raise SessionError(f"job {job!r} was ended by an operator")
+        if controls is not None and controls.budget_bytes is not None and stats.budget_bytes:
+            stats = dataclasses.replace(stats, budget_bytes=controls.budget_bytes)
         try:
             obs = observation(session.hello, stats)
         except InvalidMessage:
@@ -127,13 +207,26 @@ class AdvisorCore:
         if stats.step <= session.last_step:
             self.metrics.invalid_messages.inc()
             raise InvalidMessage("stats.step", f"step {stats.step} does not follow step {session.last_step}")
-        job = session.hello.job_id
         now = time.time()
         with self._lock:
             session.last_step = stats.step
             session.last_peak = obs.peak_bytes
-            plan = session.planner.observe(obs)
-            current = session.planner.plan
+            started = time.perf_counter()
+            if session.planner.observe(obs) is not None:
+                session.base = session.planner.plan
+            self.metrics.plan_duration.observe(time.perf_counter() - started)
+            plan = self._outgoing(session)
+            if plan is not None:
+                session.sent = plan
+                self._record_plan(session, plan, now)
+            else:
+                session.steps_on_plan += 1
+                if (
+                    session.steps_on_plan >= self.config.warm_after_steps
+                    and not session.oom_on_plan
+                    and session.remembered != session.sent.version
+                ):
+                    self._remember(session, now)
             self.store.add_stats(
                 job=job,
                 rank=session.hello.rank,
@@ -142,16 +235,16 @@ class AdvisorCore:
                     "time": now,
                     "peak_bytes": obs.peak_bytes,
                     "budget_bytes": stats.budget_bytes,
-                    "predicted_peak_bytes": current.predicted_peak_bytes,
+                    "predicted_peak_bytes": session.sent.predicted_peak_bytes,
                     "plan_version": stats.plan_version,
                     "seq_len": stats.shape.seq_len,
                     "batch": stats.shape.batch,
                     "step_seconds": stats.step_seconds,
+                    "oom_risk": session.planner.oom_risk,
                 },
             )
-            if plan is not None:
-                self._record_plan(session, plan, now)
-            self._update_job_metrics(job, stats.budget_bytes)
+            session.has_stats = True
+            self.metrics.steps.labels(job).inc()
         return plan
 
     def on_oom(self, session: RankSession, oom: OomReport) -> Plan | None:
@@ -177,11 +270,17 @@ class AdvisorCore:
                 },
             )
             self.metrics.oom_events.labels(job).inc()
-            plan = session.planner.report_oom(oom.shape)
+            session.oom_on_plan = True
+            if session.planner.report_oom(oom.shape) is not None:
+                session.base = session.planner.plan
+            plan = self._outgoing(session)
             if plan is not None:
+                session.sent = plan
                 self._record_plan(session, plan, now)
-                self._update_job_metrics(job, session.planner.budget_bytes)
         return plan
+
+    def ack_version(self, session: RankSession) -> int:
+        return session.sent.version
 
     def close_session(self, session: RankSession, *, ended: bool) -> None:
         """A rank's stream closed: ``ended`` when it said goodbye, else it was lost."""
@@ -192,90 +291,343 @@ class AdvisorCore:
             if session.streams > 0:
                 return
             session.ended = ended
+            if (
+                ended
+                and not session.oom_on_plan
+                and session.steps_on_plan > 0
+                and session.remembered != session.sent.version
+            ):
+                self._remember(session, time.time())
             self.store.set_rank_state(job=job, rank=session.hello.rank, state=ENDED if ended else DISCONNECTED)
-            ranks = [s for s in self._sessions.values() if s.hello.job_id == job]
+            ranks = list(self._by_job.get(job, {}).values())
             if ended and all(s.ended for s in ranks):
-                for s in ranks:
-                    del self._sessions[s.key]
-                self.metrics.forget_job(job)
-            else:
-                self._count_connected(job)
+                self._drop_job(job)
 
-    def _count_connected(self, job: str) -> None:
-        live = sum(1 for s in self._sessions.values() if s.hello.job_id == job and s.streams > 0)
-        self.metrics.connected_ranks.labels(job).set(live)
+    def _drop_job(self, job: str) -> None:
+        for s in self._by_job.pop(job, {}).values():
+            self._sessions.pop(s.key, None)
+        self.metrics.forget_job(job)
+
+    def _shared(self, value: _T) -> _T:
+        """One copy of a profile (or its blocks) for every rank that sends the same one.
+
+        The ranks of a job, and the jobs of one model, send the same profile: sharing it is most of
+        a session's memory at thousands of ranks. Bounded, since a key lives as long as the table.
+        """
+        if len(self._interned) > 4096:
+            self._interned.clear()
+        return self._interned.setdefault(value, value)  # type: ignore[no-any-return]
+
+    def _planner(self, hello: Hello, first_version: int = 1) -> PlannerSession:
+        """The planner for a rank over a profile shared with every rank that sent the same one."""
+        hello.validate()
+        return open_planner(hello, first_version=first_version, profile=self._shared(hello.profile()))
+
+    # -- what a rank is sent --------------------------------------------------
+
+    def _pinned(self, session: RankSession) -> Plan | None:
+        controls = self._controls.get(session.hello.job_id)
+        if controls is None or (controls.pin_blocks is None and controls.pin_every is None):
+            return None
+        n = len(session.hello.blocks)
+        if controls.pin_every is not None:
+            blocks = every_k_blocks(n, controls.pin_every)
+            reason = f"pinned by an operator: every {controls.pin_every} block(s)" if blocks else "pinned: none"
+        else:
+            blocks = tuple(b for b in controls.pin_blocks or () if b < n)
+            reason = f"pinned by an operator: blocks {list(blocks)}"
+        return self._plan_for(session, blocks, reason)
+
+    def _plan_for(self, session: RankSession, blocks: tuple[int, ...], reason: str) -> Plan:
+        profile = session.planner.profile
+        planned = session.planner.plan
+        return Plan(
+            version=session.sent.version,
+            blocks=blocks,
+            checkpoint_every=frequency_of(profile.num_blocks, blocks),
+            predicted_peak_bytes=predict_peak_bytes(
+                profile, frozenset(blocks), static_bytes=session.planner.static_bytes
+            ),
+            predicted_overhead_ratio=predict_overhead_ratio(profile, blocks),
+            target_bytes=planned.target_bytes,
+            reason=reason,
+        )
+
+    def _outgoing(self, session: RankSession) -> Plan | None:
+        """The plan to send when it differs from what the rank has, versioned after it."""
+        want = self._pinned(session) or session.base
+        if want.blocks == session.sent.blocks:
+            return None
+        session.steps_on_plan = 0
+        session.oom_on_plan = False
+        return dataclasses.replace(want, version=session.sent.version + 1)
+
+    def _warm_start(self, session: RankSession) -> Plan | None:
+        h = session.hello
+        if not h.model_fingerprint:
+            return None
+        warm = self.store.warm_plan(
+            fingerprint=h.model_fingerprint, device=h.device_name, bucket=shape_bucket(h.profile_shape.tokens)
+        )
+        if warm is None or warm["num_blocks"] != len(h.blocks) or warm["job"] == h.job_id:
+            return None
+        blocks = tuple(int(b) for b in warm["blocks"])
+        if blocks == session.planner.plan.blocks:
+            reason = f"warm start from job {warm['job']} (same as planned)"
+        else:
+            # Only when it fits this job's target by the profile it sent: another budget may not hold it.
+            peak = predict_peak_bytes(
+                session.planner.profile, frozenset(blocks), static_bytes=session.planner.static_bytes
+            )
+            if peak > session.planner.plan.target_bytes:
+                return None
+            reason = f"warm start from job {warm['job']}"
+        return self._plan_for(session, blocks, reason)
+
+    def _remember(self, session: RankSession, now: float) -> None:
+        h = session.hello
+        session.remembered = session.sent.version
+        if not h.model_fingerprint:
+            return
+        self.store.remember_warm_plan(
+            fingerprint=h.model_fingerprint,
+            device=h.device_name,
+            bucket=shape_bucket(h.profile_shape.tokens),
+            job=h.job_id,
+            blocks=session.sent.blocks,
+            num_blocks=len(h.blocks),
+            budget_bytes=session.planner.budget_bytes,
+            now=now,
+        )
+
+    def _apply_tuning(self, planner: PlannerSession, controls: Controls | None) -> None:
+        if controls is not None and controls.margin_ratio is not None:
+            planner.controller.config = dataclasses.replace(
+                planner.controller.config, margin_ratio=controls.margin_ratio
+            )
+
+    # -- metrics --------------------------------------------------------------
+
+    def rank_samples(self) -> list[RankSample]:
+        """The live ranks, for the gauges Prometheus scrapes."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return [
+            RankSample(
+                job=s.hello.job_id,
+                rank=s.hello.rank,
+                connected=s.streams > 0,
+                world_size=s.hello.world_size,
+                budget_bytes=s.planner.budget_bytes,
+                peak_bytes=s.last_peak,
+                has_stats=s.has_stats,
+                predicted_peak_bytes=s.sent.predicted_peak_bytes,
+                checkpointed_blocks=len(s.sent.blocks),
+                predicted_overhead_ratio=s.sent.predicted_overhead_ratio,
+                oom_risk=s.planner.oom_risk,
+            )
+            for s in sessions
+        ]
 
     def _record_plan(self, session: RankSession, plan: Plan, now: float) -> None:
         job = session.hello.job_id
         self.store.add_plan(job=job, rank=session.hello.rank, plan=plan_row(plan), now=now)
         self.metrics.plans_issued.labels(job).inc()
 
-    def _update_job_metrics(self, job: str, budget: int) -> None:
-        ranks = [s for s in self._sessions.values() if s.hello.job_id == job]
-        if not ranks:
-            return
-        peak = max(s.last_peak for s in ranks)
-        plans = [s.planner.plan for s in ranks]
-        m = self.metrics
-        m.steps.labels(job).inc()
-        m.peak_bytes.labels(job).set(peak)
-        m.budget_bytes.labels(job).set(budget)
-        m.headroom_ratio.labels(job).set((budget - peak) / budget if budget else 0.0)
-        m.predicted_peak_bytes.labels(job).set(max(p.predicted_peak_bytes for p in plans))
-        m.checkpointed_blocks.labels(job).set(max(len(p.blocks) for p in plans))
-        m.predicted_overhead_ratio.labels(job).set(max(p.predicted_overhead_ratio for p in plans))
-        m.oom_risk.labels(job).set(max(s.planner.oom_risk for s in ranks))
+    # -- the operator side: controls ------------------------------------------
 
-    # -- the operator side ----------------------------------------------------
-
-    def list_jobs(self) -> list[dict[str, Any]]:
-        return [self._job_view(row) for row in self.store.jobs()]
-
-    def get_job(self, job: str) -> dict[str, Any]:
-        row = self.store.job(job)
+    def _require_job(self, job: str) -> dict[str, Any]:
+        row = self.store.job(job) if JOB_ID_RE.match(job) else None
         if row is None:
             raise JobNotFound(job)
-        return self._job_view(row)
+        return row
 
-    def _job_view(self, row: dict[str, Any]) -> dict[str, Any]:
-        job = row["job"]
-        ranks = self.store.ranks(job)
+    def _set_controls(self, job: str, controls: Controls) -> None:
+        rev = self.store.set_controls(job, controls.as_row(), time.time())
+        with self._lock:
+            self._controls[job] = controls
+            self._controls_revision = max(self._controls_revision, rev)
+            self._apply_controls(job, controls)
+
+    def pin(self, job: str, *, checkpoint_every: int | None = None, blocks: list[int] | None = None) -> dict[str, Any]:
+        """Pin a job's plan until unpinned: every k-th block, or an explicit set of blocks."""
+        row = self._require_job(job)
+        n = int(row["num_blocks"])
+        if (checkpoint_every is None) == (blocks is None):
+            raise InvalidMessage("body", "give exactly one of checkpoint_every or blocks")
+        if checkpoint_every is not None and not 0 <= checkpoint_every <= n:
+            raise InvalidMessage(
+                "checkpoint_every", f"must be in 0-{n} for a job of {n} blocks, got {checkpoint_every}"
+            )
+        pinned: tuple[int, ...] | None = None
+        if blocks is not None:
+            bad = [b for b in blocks if not 0 <= b < n]
+            if bad:
+                raise InvalidMessage("blocks", f"indices {bad} are outside 0-{n - 1}")
+            pinned = tuple(sorted(set(blocks)))
+        c = dataclasses.replace(self._controls.get(job) or Controls())
+        c.pin_every, c.pin_blocks = checkpoint_every, pinned
+        self._set_controls(job, c)
+        return self.job_controls(job)
+
+    def unpin(self, job: str) -> dict[str, Any]:
+        self._require_job(job)
+        c = dataclasses.replace(self._controls.get(job) or Controls())
+        c.pin_every, c.pin_blocks = None, None
+        self._set_controls(job, c)
+        return self.job_controls(job)
+
+    def tune(self, job: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """Override a job's margin or budget (a value of None clears the override)."""
+        self._require_job(job)
+        c = dataclasses.replace(self._controls.get(job) or Controls())
+        if "margin_ratio" in changes:
+            m = changes["margin_ratio"]
+            if m is not None and not (isinstance(m, (int, float)) and math.isfinite(m) and 0.0 <= m < 1.0):
+                raise InvalidMessage("margin_ratio", f"must be in [0, 1), got {m!r}")
+            c.margin_ratio = None if m is None else float(m)
+        if "budget_bytes" in changes:
+            b = changes["budget_bytes"]
+            if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+                raise InvalidMessage("budget_bytes", f"must be a positive integer, got {b!r}")
+            c.budget_bytes = b
+        self._set_controls(job, c)
+        return self.job_controls(job)
+
+    def end_job(self, job: str) -> dict[str, Any]:
+        """Mark a job ended: its series go, its live streams are refused at their next message."""
+        self._require_job(job)
+        now = time.time()
+        c = dataclasses.replace(self._controls.get(job) or Controls())
+        c.ended_at = now
+        self.store.end_job(job, now)
+        self.store.set_rank_state(job=job, state=ENDED)
+        self._set_controls(job, c)
+        return self.get_job(job)
+
+    def job_controls(self, job: str) -> dict[str, Any]:
+        c = self._controls.get(job) or Controls()
+        return {"job": job, **c.as_row()}
+
+    def refresh_controls(self) -> None:
+        """Pick up controls another worker or replica wrote to the shared record."""
+        changed = self.store.controls_since(self._controls_revision)
+        if not changed:
+            return
+        with self._lock:
+            for row in changed:
+                job = row["job"]
+                c = Controls(
+                    pin_blocks=tuple(row["pin_blocks"]) if row["pin_blocks"] is not None else None,
+                    pin_every=row["pin_every"],
+                    margin_ratio=row["margin_ratio"],
+                    budget_bytes=row["budget_bytes"],
+                    ended_at=row["ended_at"],
+                )
+                self._controls[job] = c
+                self._controls_revision = max(self._controls_revision, int(row["revision"]))
+                self._apply_controls(job, c)
+
+    def _apply_controls(self, job: str, c: Controls) -> None:
+        for s in self._by_job.get(job, {}).values():
+            margin = (
+                c.margin_ratio
+                if c.margin_ratio is not None
+                else (s.hello.margin_ratio or ControllerConfig().margin_ratio)
+            )
+            if s.planner.controller.config.margin_ratio != margin:
+                s.planner.controller.config = dataclasses.replace(s.planner.controller.config, margin_ratio=margin)
+        if c.ended_at is not None and job in self._by_job:
+            self._drop_job(job)
+
+    # -- the operator side: reads ---------------------------------------------
+
+    def list_jobs(self, state: str | None = None) -> list[dict[str, Any]]:
+        if state is not None and state not in JOB_STATES:
+            raise InvalidMessage("state", f"must be one of {JOB_STATES}, got {state!r}")
+        ranks: dict[str, list[dict[str, Any]]] = {}
+        for r in self.store.all_ranks():
+            ranks.setdefault(r["job"], []).append(r)
+        plans = self.store.latest_plans()
+        ooms = self.store.oom_counts()
+        views = [
+            self._job_view(row, ranks.get(row["job"], []), plans.get(row["job"]), ooms.get(row["job"], 0))
+            for row in self.store.jobs()
+        ]
+        return [v for v in views if state is None or v["state"] == state]
+
+    def get_job(self, job: str) -> dict[str, Any]:
+        row = self._require_job(job)
         plans = self.store.plans(job)
+        return self._job_view(row, self.store.ranks(job), plans[-1] if plans else None, len(self.store.ooms(job)))
+
+    def _job_view(
+        self, row: dict[str, Any], ranks: list[dict[str, Any]], plan: dict[str, Any] | None, ooms: int
+    ) -> dict[str, Any]:
+        job = row["job"]
         states = {r["state"] for r in ranks}
-        state = "running" if CONNECTED in states else ("ended" if states == {ENDED} else "disconnected")
-        return {
-            "job": job,
-            "state": state,
-            "created_at": row["created_at"],
-            "updated_at": row["updated_at"],
-            "world_size": row["world_size"],
-            "num_blocks": row["num_blocks"],
-            "budget_bytes": row["budget_bytes"],
-            "model_fingerprint": row["model_fingerprint"],
-            "ranks": [
+        if row.get("ended_at") is not None or (states and states == {ENDED}):
+            state = "ended"
+        else:
+            state = "running" if CONNECTED in states else "disconnected"
+        live = {s.hello.rank: s for s in self._by_job.get(job, {}).values()}
+        rank_views = []
+        for r in ranks:
+            s = live.get(r["rank"])
+            last = r["last_stats"] or {}
+            rank_views.append(
                 {
                     "rank": r["rank"],
                     "connected": r["state"] == CONNECTED,
                     "state": r["state"],
                     "device": r["device"],
                     "last_stats": r["last_stats"],
+                    "plan_version": s.sent.version if s else last.get("plan_version"),
+                    "checkpointed_blocks": list(s.sent.blocks) if s else None,
+                    "oom_risk": s.planner.oom_risk if s else last.get("oom_risk"),
                 }
-                for r in ranks
-            ],
-            "plan": plans[-1] if plans else None,
+            )
+        peaks = [r["last_stats"]["peak_bytes"] for r in ranks if r["last_stats"]]
+        budget = row["budget_bytes"]
+        risks = [v["oom_risk"] for v in rank_views if v["oom_risk"] is not None]
+        return {
+            "job": job,
+            "state": state,
+            "created_at": row["created_at"],
+            "updated_at": row["updated_at"],
+            "ended_at": row.get("ended_at"),
+            "world_size": row["world_size"],
+            "num_blocks": row["num_blocks"],
+            "budget_bytes": budget,
+            "model_fingerprint": row["model_fingerprint"],
+            "device": row.get("device", ""),
+            "ranks": rank_views,
+            "plan": plan,
+            "peak_bytes": max(peaks) if peaks else None,
+            "headroom_ratio": (budget - max(peaks)) / budget if peaks and budget else None,
+            "oom_risk": max(risks) if risks else None,
+            "oom_events": ooms,
+            "controls": self.job_controls(job),
         }
 
     def job_plans(self, job: str) -> list[dict[str, Any]]:
-        if self.store.job(job) is None:
-            raise JobNotFound(job)
+        self._require_job(job)
         return self.store.plans(job)
 
-    def job_stats(self, job: str, *, limit: int = 2000) -> list[dict[str, Any]]:
-        if self.store.job(job) is None:
-            raise JobNotFound(job)
-        return self.store.stats(job, limit)
+    def job_stats(
+        self,
+        job: str,
+        *,
+        limit: int = 2000,
+        since: float | None = None,
+        until: float | None = None,
+        rank: int | None = None,
+    ) -> list[dict[str, Any]]:
+        self._require_job(job)
+        if since is not None and until is not None and since > until:
+            raise InvalidMessage("since", f"since ({since}) is after until ({until})")
+        return self.store.stats(job, limit, since=since, until=until, rank=rank)
 
     def job_ooms(self, job: str) -> list[dict[str, Any]]:
-        if self.store.job(job) is None:
-            raise JobNotFound(job)
+        self._require_job(job)
         return self.store.ooms(job)

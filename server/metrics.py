@@ -1,76 +1,144 @@
-"""Prometheus metrics: base units in names, one label (job) with series removed when a job ends."""
+"""Prometheus metrics: base units in names, bounded labels, series removed when a job ends.
+
+Per-job gauges are computed when Prometheus scrapes, from the live sessions
+(a snapshot the core hands over), not updated on every message: a job of a
+thousand ranks would otherwise pay for a thousand-rank aggregate per rank per
+step. Counters and histograms are updated as things happen.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Message handling is sub-millisecond when healthy; the top buckets catch a stalled loop or database.
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+MESSAGE_KINDS = ("hello", "stats", "oom", "goodbye")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSample:
+    """What the gauges need from one live rank."""
+
+    job: str
+    rank: int
+    connected: bool
+    world_size: int
+    budget_bytes: int
+    peak_bytes: int
+    has_stats: bool
+    predicted_peak_bytes: int
+    checkpointed_blocks: int
+    predicted_overhead_ratio: float
+    oom_risk: float
+
+
+# name, help, how a job's value comes from its ranks
+_JOB_GAUGES: tuple[tuple[str, str], ...] = (
+    ("rematd_peak_bytes", "Largest measured peak of the budgeted memory over a job's ranks, last step."),
+    ("rematd_budget_bytes", "Memory budget of a job."),
+    ("rematd_predicted_peak_bytes", "Predicted peak of the plan in force (largest over ranks)."),
+    ("rematd_headroom_ratio", "(budget - measured peak) / budget for a job, last step."),
+    ("rematd_checkpointed_blocks", "Blocks recomputed by the plan in force (largest over ranks)."),
+    ("rematd_predicted_recompute_overhead_ratio", "Predicted recompute overhead of the plan in force."),
+    ("rematd_oom_risk_ratio", "Out-of-memory risk of a job, 0-1 (largest over ranks)."),
+    ("rematd_job_connected_ranks", "Ranks of a job with a live stream."),
+    ("rematd_job_world_size", "Ranks a job trains with."),
+)
+
+
+class _LiveCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snapshot = self.metrics.snapshot
+        samples = snapshot() if snapshot is not None else []
+        jobs: dict[str, list[RankSample]] = {}
+        for s in samples:
+            jobs.setdefault(s.job, []).append(s)
+        fams = {name: GaugeMetricFamily(name, doc, labels=["job"]) for name, doc in _JOB_GAUGES}
+        for job, ranks in sorted(jobs.items()):
+            measured = [r for r in ranks if r.has_stats]
+            budget = min(r.budget_bytes for r in ranks)
+            fams["rematd_budget_bytes"].add_metric([job], budget)
+            fams["rematd_job_world_size"].add_metric([job], max(r.world_size for r in ranks))
+            fams["rematd_job_connected_ranks"].add_metric([job], sum(r.connected for r in ranks))
+            fams["rematd_predicted_peak_bytes"].add_metric([job], max(r.predicted_peak_bytes for r in ranks))
+            fams["rematd_checkpointed_blocks"].add_metric([job], max(r.checkpointed_blocks for r in ranks))
+            fams["rematd_predicted_recompute_overhead_ratio"].add_metric(
+                [job], max(r.predicted_overhead_ratio for r in ranks)
+            )
+            if measured:
+                peak = max(r.peak_bytes for r in measured)
+                fams["rematd_peak_bytes"].add_metric([job], peak)
+                fams["rematd_headroom_ratio"].add_metric([job], (budget - peak) / budget if budget else 0.0)
+                fams["rematd_oom_risk_ratio"].add_metric([job], max(r.oom_risk for r in measured))
+        yield from fams.values()
+        if self.metrics.per_rank:
+            peak_fam = GaugeMetricFamily(
+                "rematd_rank_peak_bytes",
+                "Measured peak of one rank, last step (--per-rank-metrics).",
+                labels=["job", "rank"],
+            )
+            risk_fam = GaugeMetricFamily(
+                "rematd_rank_oom_risk_ratio", "Out-of-memory risk of one rank, 0-1 (--per-rank-metrics).",
+                labels=["job", "rank"],
+            )  # fmt: skip
+            for s in samples:
+                if s.has_stats:
+                    peak_fam.add_metric([s.job, str(s.rank)], s.peak_bytes)
+                    risk_fam.add_metric([s.job, str(s.rank)], s.oom_risk)
+            yield peak_fam
+            yield risk_fam
 
 
 class Metrics:
     """All of rematd's series, on a registry of their own."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, per_rank: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
+        self.per_rank = per_rank
+        """Export per-rank series too (labels job and rank): opt-in, a large job has thousands of ranks."""
+        self.snapshot: Callable[[], list[RankSample]] | None = None
+        """Set by the core: the live ranks, read at scrape time."""
         r = self.registry
         # process_open_fds / process_max_fds and friends, for the file-descriptor alert.
         ProcessCollector(registry=r)
-        self.peak_bytes = Gauge(
-            "rematd_peak_bytes",
-            "Largest measured peak of the budgeted memory over a job's ranks, last step.",
-            ["job"],
-            registry=r,
-        )
-        self.budget_bytes = Gauge("rematd_budget_bytes", "Memory budget of a job.", ["job"], registry=r)
-        self.predicted_peak_bytes = Gauge(
-            "rematd_predicted_peak_bytes",
-            "Predicted peak of the plan in force (largest over ranks).",
-            ["job"],
-            registry=r,
-        )
-        self.headroom_ratio = Gauge(
-            "rematd_headroom_ratio", "(budget - measured peak) / budget for a job, last step.", ["job"], registry=r
-        )
-        self.checkpointed_blocks = Gauge(
-            "rematd_checkpointed_blocks",
-            "Blocks recomputed by the plan in force (largest over ranks).",
-            ["job"],
-            registry=r,
-        )
-        self.predicted_overhead_ratio = Gauge(
-            "rematd_predicted_recompute_overhead_ratio",
-            "Predicted recompute overhead of the plan in force.",
-            ["job"],
-            registry=r,
-        )
-        self.oom_risk = Gauge(
-            "rematd_oom_risk_ratio", "Out-of-memory risk of a job, 0-1 (largest over ranks).", ["job"], registry=r
-        )
-        self.connected_ranks = Gauge(
-            "rematd_job_connected_ranks", "Ranks of a job with a live stream.", ["job"], registry=r
-        )
-        self.world_size = Gauge("rematd_job_world_size", "Ranks a job trains with.", ["job"], registry=r)
+        r.register(_LiveCollector(self))
         self.plans_issued = Counter("rematd_plans_issued", "Plans sent to training ranks.", ["job"], registry=r)
         self.oom_events = Counter("rematd_oom_events", "Out-of-memory events reported.", ["job"], registry=r)
         self.steps = Counter("rematd_steps", "Step statistics received.", ["job"], registry=r)
         self.active_streams = Gauge("rematd_active_streams", "Training ranks connected now.", registry=r)
         self.invalid_messages = Counter("rematd_invalid_messages", "Messages refused as invalid.", registry=r)
-        self._per_job = (
-            self.peak_bytes,
-            self.budget_bytes,
-            self.predicted_peak_bytes,
-            self.headroom_ratio,
-            self.checkpointed_blocks,
-            self.predicted_overhead_ratio,
-            self.oom_risk,
-            self.connected_ranks,
-            self.world_size,
-            self.plans_issued,
-            self.oom_events,
-            self.steps,
+        self.message_duration = Histogram(
+            "rematd_message_duration_seconds",
+            "Time to handle one message from a training rank, by kind of message.",
+            ["kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
+        for kind in MESSAGE_KINDS:
+            self.message_duration.labels(kind)
+        self.plan_duration = Histogram(
+            "rematd_plan_duration_seconds",
+            "Time the planner takes to decide on one step's statistics.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.unauthenticated = Counter(
+            "rematd_unauthenticated_requests", "Requests refused for a missing or wrong token.", ["transport"],
+            registry=r,
+        )  # fmt: skip
+        self._per_job = (self.plans_issued, self.oom_events, self.steps)
 
     def forget_job(self, job: str) -> None:
+        """Remove a job's counters; its gauges go with its sessions."""
         for metric in self._per_job:
             with contextlib.suppress(KeyError):
                 metric.remove(job)

@@ -1,29 +1,94 @@
-"""The HTTP adapter: REST reads, the dashboard and /metrics over the core."""
+"""The HTTP adapter: REST reads and writes, the dashboard and /metrics over the core.
+
+Domain errors map here, once: JobNotFound 404, InvalidMessage 422 (with the
+field), Unauthenticated 401, SessionError 409; every body is JSON.
+"""
 
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rematd import __version__
-from rematd.server.core import AdvisorCore, JobNotFound
+from rematd.records import InvalidMessage
+from rematd.server.auth import TokenAuth
+from rematd.server.core import JOB_STATES, AdvisorCore
+from rematd.server.errors import JobNotFound, SessionError, Unauthenticated
+
+_MAX_INT = 2**63 - 1
+_MAX_BLOCKS = 4096
 
 
 def _dashboard() -> str:
     return resources.files("rematd.server").joinpath("static/index.html").read_text(encoding="utf-8")
 
 
-def create_app(core: AdvisorCore) -> FastAPI:
+class PinBody(BaseModel):
+    """A plan to pin: every k-th block, or an explicit set of blocks."""
+
+    model_config = ConfigDict(extra="forbid")
+    checkpoint_every: int | None = Field(None, ge=0, le=_MAX_BLOCKS, description="k for every k-th block; 0 for none")
+    blocks: list[Annotated[int, Field(ge=0, le=_MAX_BLOCKS)]] | None = Field(
+        None, max_length=_MAX_BLOCKS, description="block indices to recompute"
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> PinBody:
+        if (self.checkpoint_every is None) == (self.blocks is None):
+            raise ValueError("give exactly one of checkpoint_every or blocks")
+        return self
+
+
+class TuneBody(BaseModel):
+    """Overrides of a job's planning; null clears an override."""
+
+    model_config = ConfigDict(extra="forbid")
+    margin_ratio: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
+    budget_bytes: int | None = Field(None, gt=0, le=_MAX_INT)
+
+    @model_validator(mode="after")
+    def _some(self) -> TuneBody:
+        if not self.model_fields_set:
+            raise ValueError("give margin_ratio and/or budget_bytes")
+        return self
+
+
+def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
+    auth = auth or TokenAuth()
     app = FastAPI(title="rematd", version=__version__, summary="Activation-checkpointing plans for training jobs")
     page = _dashboard()
 
     @app.exception_handler(JobNotFound)
     async def _not_found(request: Request, exc: JobNotFound) -> JSONResponse:
         return JSONResponse(status_code=404, content={"detail": str(exc), "job": exc.job})
+
+    @app.exception_handler(InvalidMessage)
+    async def _invalid(request: Request, exc: InvalidMessage) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": str(exc), "field": exc.field})
+
+    @app.exception_handler(Unauthenticated)
+    async def _unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
+        core.metrics.unauthenticated.labels("http").inc()
+        return JSONResponse(status_code=401, content={"detail": str(exc)}, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(SessionError)
+    async def _conflict(request: Request, exc: SessionError) -> JSONResponse:
+        return JSONResponse(status_code=409, content={"detail": str(exc)})
+
+    def reader(request: Request) -> None:
+        auth.check_read(request.headers.get("authorization"))
+
+    def writer(request: Request) -> None:
+        auth.check(request.headers.get("authorization"))
+
+    read = [Depends(reader)]
+    write = [Depends(writer)]
+    unauthorized: dict[int | str, dict[str, Any]] = {401: {"description": "missing or wrong bearer token"}}
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> str:
@@ -37,24 +102,51 @@ def create_app(core: AdvisorCore) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/v1/jobs")
-    def jobs() -> dict[str, Any]:
-        return {"jobs": core.list_jobs()}
+    @app.get("/api/v1/jobs", dependencies=read, responses=unauthorized)
+    def jobs(
+        state: Annotated[str | None, Query(description=f"one of {', '.join(JOB_STATES)}")] = None,
+    ) -> dict[str, Any]:
+        return {"jobs": core.list_jobs(state)}
 
-    @app.get("/api/v1/jobs/{job}")
+    @app.get("/api/v1/jobs/{job}", dependencies=read, responses=unauthorized)
     def job(job: str) -> dict[str, Any]:
         return core.get_job(job)
 
-    @app.get("/api/v1/jobs/{job}/plans")
+    @app.get("/api/v1/jobs/{job}/plans", dependencies=read, responses=unauthorized)
     def plans(job: str) -> dict[str, Any]:
         return {"job": job, "plans": core.job_plans(job)}
 
-    @app.get("/api/v1/jobs/{job}/stats")
-    def stats(job: str, limit: int = Query(2000, ge=1, le=100_000)) -> dict[str, Any]:
-        return {"job": job, "stats": core.job_stats(job, limit=limit)}
+    @app.get("/api/v1/jobs/{job}/stats", dependencies=read, responses=unauthorized)
+    def stats(
+        job: str,
+        limit: int = Query(2000, ge=1, le=100_000),
+        since: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
+        until: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
+        rank: int | None = Query(None, ge=0, le=_MAX_INT),
+    ) -> dict[str, Any]:
+        return {"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)}
 
-    @app.get("/api/v1/jobs/{job}/ooms")
+    @app.get("/api/v1/jobs/{job}/ooms", dependencies=read, responses=unauthorized)
     def ooms(job: str) -> dict[str, Any]:
         return {"job": job, "ooms": core.job_ooms(job)}
+
+    @app.post("/api/v1/jobs/{job}/pin", dependencies=write, responses=unauthorized)
+    def pin(job: str, body: PinBody) -> dict[str, Any]:
+        """Pin the job's plan: its ranks are sent this plan from their next step until it is unpinned."""
+        return core.pin(job, checkpoint_every=body.checkpoint_every, blocks=body.blocks)
+
+    @app.delete("/api/v1/jobs/{job}/pin", dependencies=write, responses=unauthorized)
+    def unpin(job: str) -> dict[str, Any]:
+        return core.unpin(job)
+
+    @app.patch("/api/v1/jobs/{job}", dependencies=write, responses=unauthorized)
+    def tune(job: str, body: TuneBody) -> dict[str, Any]:
+        """Override the job's margin or budget; the next plan honours it."""
+        return core.tune(job, {k: getattr(body, k) for k in body.model_fields_set})
+
+    @app.post("/api/v1/jobs/{job}/end", dependencies=write, responses=unauthorized)
+    def end(job: str) -> dict[str, Any]:
+        """Mark the job ended (its metrics go; a live rank's stream is closed at its next message)."""
+        return core.end_job(job)
 
     return app

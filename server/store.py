@@ -1,202 +1,583 @@
-"""The record of jobs, plans, stats and OOM events: one SQLite file."""
+"""The record of jobs, plans, stats and OOM events: SQLite by default, PostgreSQL by URL.
+
+SQLAlchemy Core over hand-written, numbered migrations recorded in a
+``schema_version`` table. Plans, OOM events and operator controls are written
+at once (a restart loses none); step statistics go through a write-behind
+buffer flushed in batches, because one row per rank per second is most of the
+write load. Reads flush the buffer first, so a read sees every write before it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
-import sqlite3
 import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
-    job TEXT PRIMARY KEY,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    world_size INTEGER NOT NULL,
-    num_blocks INTEGER NOT NULL,
-    budget_bytes INTEGER NOT NULL,
-    model_fingerprint TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS ranks (
-    job TEXT NOT NULL REFERENCES jobs(job),
-    rank INTEGER NOT NULL,
-    device TEXT NOT NULL,
-    state TEXT NOT NULL,
-    last_stats TEXT,
-    PRIMARY KEY (job, rank)
-);
-CREATE TABLE IF NOT EXISTS plans (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job TEXT NOT NULL REFERENCES jobs(job),
-    rank INTEGER NOT NULL,
-    version INTEGER NOT NULL,
-    checkpoint_every INTEGER NOT NULL,
-    blocks TEXT NOT NULL,
-    predicted_peak_bytes INTEGER NOT NULL,
-    predicted_overhead_ratio REAL NOT NULL,
-    target_bytes INTEGER NOT NULL,
-    reason TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS plans_by_job ON plans (job, id);
-CREATE TABLE IF NOT EXISTS stats (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job TEXT NOT NULL REFERENCES jobs(job),
-    rank INTEGER NOT NULL,
-    step INTEGER NOT NULL,
-    time REAL NOT NULL,
-    peak_bytes INTEGER NOT NULL,
-    budget_bytes INTEGER NOT NULL,
-    predicted_peak_bytes INTEGER NOT NULL,
-    plan_version INTEGER NOT NULL,
-    seq_len INTEGER NOT NULL,
-    batch INTEGER NOT NULL,
-    step_seconds REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS stats_by_job ON stats (job, id);
-CREATE TABLE IF NOT EXISTS oom_events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job TEXT NOT NULL REFERENCES jobs(job),
-    rank INTEGER NOT NULL,
-    step INTEGER NOT NULL,
-    time REAL NOT NULL,
-    seq_len INTEGER NOT NULL,
-    batch INTEGER NOT NULL,
-    plan_version INTEGER NOT NULL,
-    message TEXT NOT NULL
-);
-"""
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.pool import StaticPool
 
-SCHEMA_VERSION = "1"
+# Placeholders the DDL uses so one migration text fits both dialects.
+_TYPES = {
+    "sqlite": {"ID": "INTEGER PRIMARY KEY AUTOINCREMENT", "FLOAT": "REAL"},
+    "postgresql": {"ID": "BIGSERIAL PRIMARY KEY", "FLOAT": "DOUBLE PRECISION"},
+}
+
+# Each migration is applied once, in order, inside one transaction; never edit one that shipped.
+MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (
+        1,
+        "jobs, ranks, plans, stats, OOM events",
+        (
+            """CREATE TABLE IF NOT EXISTS jobs (
+                job TEXT PRIMARY KEY,
+                created_at {FLOAT} NOT NULL,
+                updated_at {FLOAT} NOT NULL,
+                world_size BIGINT NOT NULL,
+                num_blocks BIGINT NOT NULL,
+                budget_bytes BIGINT NOT NULL,
+                model_fingerprint TEXT NOT NULL)""",
+            """CREATE TABLE IF NOT EXISTS ranks (
+                job TEXT NOT NULL REFERENCES jobs(job),
+                rank BIGINT NOT NULL,
+                device TEXT NOT NULL,
+                state TEXT NOT NULL,
+                last_stats TEXT,
+                PRIMARY KEY (job, rank))""",
+            """CREATE TABLE IF NOT EXISTS plans (
+                id {ID},
+                job TEXT NOT NULL REFERENCES jobs(job),
+                rank BIGINT NOT NULL,
+                version BIGINT NOT NULL,
+                checkpoint_every BIGINT NOT NULL,
+                blocks TEXT NOT NULL,
+                predicted_peak_bytes BIGINT NOT NULL,
+                predicted_overhead_ratio {FLOAT} NOT NULL,
+                target_bytes BIGINT NOT NULL,
+                reason TEXT NOT NULL,
+                created_at {FLOAT} NOT NULL)""",
+            "CREATE INDEX IF NOT EXISTS plans_by_job ON plans (job, id)",
+            """CREATE TABLE IF NOT EXISTS stats (
+                id {ID},
+                job TEXT NOT NULL REFERENCES jobs(job),
+                rank BIGINT NOT NULL,
+                step BIGINT NOT NULL,
+                time {FLOAT} NOT NULL,
+                peak_bytes BIGINT NOT NULL,
+                budget_bytes BIGINT NOT NULL,
+                predicted_peak_bytes BIGINT NOT NULL,
+                plan_version BIGINT NOT NULL,
+                seq_len BIGINT NOT NULL,
+                batch BIGINT NOT NULL,
+                step_seconds {FLOAT} NOT NULL)""",
+            "CREATE INDEX IF NOT EXISTS stats_by_job ON stats (job, id)",
+            """CREATE TABLE IF NOT EXISTS oom_events (
+                id {ID},
+                job TEXT NOT NULL REFERENCES jobs(job),
+                rank BIGINT NOT NULL,
+                step BIGINT NOT NULL,
+                time {FLOAT} NOT NULL,
+                seq_len BIGINT NOT NULL,
+                batch BIGINT NOT NULL,
+                plan_version BIGINT NOT NULL,
+                message TEXT NOT NULL)""",
+        ),
+    ),
+    (
+        2,
+        "operator controls, fleet warm start, time-range and down-sampling indexes",
+        (
+            "ALTER TABLE jobs ADD COLUMN device TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE jobs ADD COLUMN ended_at {FLOAT}",
+            """CREATE TABLE IF NOT EXISTS job_controls (
+                job TEXT PRIMARY KEY,
+                pin_blocks TEXT,
+                pin_every BIGINT,
+                margin_ratio {FLOAT},
+                budget_bytes BIGINT,
+                ended_at {FLOAT},
+                revision BIGINT NOT NULL,
+                updated_at {FLOAT} NOT NULL)""",
+            """CREATE TABLE IF NOT EXISTS warm_plans (
+                model_fingerprint TEXT NOT NULL,
+                device TEXT NOT NULL,
+                shape_bucket BIGINT NOT NULL,
+                job TEXT NOT NULL,
+                blocks TEXT NOT NULL,
+                num_blocks BIGINT NOT NULL,
+                budget_bytes BIGINT NOT NULL,
+                updated_at {FLOAT} NOT NULL,
+                PRIMARY KEY (model_fingerprint, device, shape_bucket))""",
+            "CREATE INDEX IF NOT EXISTS stats_by_rank_step ON stats (job, rank, step)",
+            "CREATE INDEX IF NOT EXISTS stats_by_time ON stats (job, time)",
+            "CREATE INDEX IF NOT EXISTS ooms_by_job ON oom_events (job, id)",
+        ),
+    ),
+)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+_STATS_COLUMNS = (
+    "job",
+    "rank",
+    "step",
+    "time",
+    "peak_bytes",
+    "budget_bytes",
+    "predicted_peak_bytes",
+    "plan_version",
+    "seq_len",
+    "batch",
+    "step_seconds",
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreConfig:
+    """How the record is kept."""
+
+    url: str = "sqlite:///:memory:"
+    """SQLAlchemy URL, or a plain path to a SQLite file."""
+    keep_steps: int = 2000
+    """Per rank, the latest steps kept at full resolution; older ones are down-sampled."""
+    bucket_seconds: float = 300.0
+    """Older steps keep one row (the highest peak) per rank per bucket of this many seconds."""
+    retention_days: float = 30.0
+    """Stats and OOM events older than this are deleted, and so are jobs idle that long."""
+    flush_seconds: float = 0.25
+    """Longest time step statistics wait in the write-behind buffer."""
+    max_buffered: int = 5000
+    """Buffered statistics rows that force a flush before the timer does."""
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise ValueError("db must name a SQLite file or a database URL")
+        if self.keep_steps < 1:
+            raise ValueError(f"keep_steps must be >= 1, got {self.keep_steps}")
+        if not self.bucket_seconds > 0:
+            raise ValueError(f"bucket_seconds must be positive, got {self.bucket_seconds}")
+        if not self.retention_days > 0:
+            raise ValueError(f"retention-days must be positive, got {self.retention_days}")
+        if not self.flush_seconds > 0:
+            raise ValueError(f"flush_seconds must be positive, got {self.flush_seconds}")
+        if self.max_buffered < 1:
+            raise ValueError(f"max_buffered must be >= 1, got {self.max_buffered}")
+
+
+def database_url(db: str | Path) -> str:
+    """A SQLAlchemy URL from ``--db``: a URL stays as it is, anything else is a SQLite path."""
+    s = str(db)
+    if "://" in s:
+        if s.startswith("postgresql://"):
+            # psycopg 3 is the driver the postgres extra installs.
+            return "postgresql+psycopg://" + s[len("postgresql://") :]
+        return s
+    if s == ":memory:":
+        return "sqlite:///:memory:"
+    Path(s).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{Path(s).expanduser()}"
+
+
+def _row(r: Any, drop: Sequence[str] = ("id", "job")) -> dict[str, Any]:
+    d = dict(r)
+    for k in drop:
+        d.pop(k, None)
+    return d
 
 
 class Store:
-    """Thread-safe access to the SQLite record. Every write is one transaction."""
+    """Thread-safe access to the record."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        with self._lock:
-            self._db.executescript(_SCHEMA)
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
-            elif row["value"] != SCHEMA_VERSION:
+    def __init__(self, db: str | Path | StoreConfig) -> None:
+        self.config = db if isinstance(db, StoreConfig) else StoreConfig(url=database_url(db))
+        url = self.config.url if "://" in self.config.url else database_url(self.config.url)
+        self.path = str(db) if not isinstance(db, StoreConfig) else url
+        self.dialect = "postgresql" if url.startswith("postgresql") else "sqlite"
+        self.engine = self._engine(url)
+        # SQLite has one writer; PostgreSQL gets the same serialisation per process, which is cheap
+        # because the write-behind buffer turns many small writes into few transactions.
+        self._lock = threading.RLock()
+        self._pending: list[dict[str, Any]] = []
+        self._pending_last: dict[tuple[str, int], dict[str, Any]] = {}
+        self._flush_lock = threading.Lock()
+        # The buffer has its own lock: the event loop appends to it and must never wait on a database write.
+        self._buf_lock = threading.Lock()
+        self._closed = threading.Event()
+        self.migrate()
+        self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
+        self._flusher.start()
+
+    def _engine(self, url: str) -> Engine:
+        if self.dialect == "sqlite":
+            memory = url.endswith(":memory:")
+            engine = create_engine(
+                url,
+                connect_args={"check_same_thread": False, "timeout": 30},
+                poolclass=StaticPool if memory else None,
+            )
+
+            @event.listens_for(engine, "connect")
+            def _pragmas(dbapi: Any, _record: Any) -> None:
+                cur = dbapi.cursor()
+                if not memory:
+                    cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.close()
+
+            return engine
+        return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=4)
+
+    # -- schema -------------------------------------------------------------------
+
+    def _ddl(self, sql: str) -> str:
+        return sql.format(**_TYPES[self.dialect])
+
+    def schema_version(self) -> int:
+        with self.engine.connect() as conn:
+            return self._version(conn)
+
+    def _version(self, conn: Connection) -> int:
+        has = conn.dialect.has_table(conn, "schema_version")
+        if not has:
+            # A record from before numbered migrations: its tables are migration 1's.
+            if conn.dialect.has_table(conn, "meta"):
+                return 1
+            return 0
+        v = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar()
+        return int(v or 0)
+
+    @contextlib.contextmanager
+    def _migration_lock(self) -> Iterator[None]:
+        """Only one process migrates at a time (workers and replicas start together)."""
+        url = self.engine.url
+        if self.dialect == "sqlite" and url.database and url.database != ":memory:":
+            with open(f"{url.database}.migrate-lock", "a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+        else:
+            yield
+
+    def migrate(self) -> None:
+        """Bring the schema up to date; refuse a record written by a newer rematd."""
+        with self._lock, self._migration_lock(), self.engine.begin() as conn:
+            if self.dialect == "postgresql":
+                # Held to the end of the transaction: replicas starting together migrate one after another.
+                conn.execute(text("SELECT pg_advisory_xact_lock(736572)"))
+            conn.execute(
+                text(
+                    self._ddl(
+                        "CREATE TABLE IF NOT EXISTS schema_version "
+                        "(version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at {FLOAT} NOT NULL)"
+                    )
+                )
+            )
+            legacy = conn.dialect.has_table(conn, "meta")
+            current = int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0)
+            if current == 0 and legacy:
+                conn.execute(
+                    text("INSERT INTO schema_version VALUES (1, :d, :t)"), {"d": MIGRATIONS[0][1], "t": time.time()}
+                )
+                current = 1
+            if current > SCHEMA_VERSION:
                 raise RuntimeError(
-                    f"database {self.path} has schema version {row['value']}, this rematd expects {SCHEMA_VERSION}"
+                    f"database {self.path} has schema version {current}; this rematd knows up to {SCHEMA_VERSION}"
+                )
+            for version, description, statements in MIGRATIONS:
+                if version <= current:
+                    continue
+                for sql in statements:
+                    conn.execute(text(self._ddl(sql)))
+                conn.execute(
+                    text("INSERT INTO schema_version VALUES (:v, :d, :t)"),
+                    {"v": version, "d": description, "t": time.time()},
                 )
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._flusher.join(5)
+        self.flush()
+        self.engine.dispose()
 
-    def _write(self, sql: str, params: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._db.execute(sql, params)
+    # -- plumbing -----------------------------------------------------------------
 
-    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, params).fetchall()
+    def _write(self, sql: str, params: dict[str, Any] | list[dict[str, Any]]) -> None:
+        with self._lock, self.engine.begin() as conn:
+            conn.execute(text(sql), params)
 
-    # -- writes ---------------------------------------------------------------
+    def _read(self, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
+        self.flush()
+        with self.engine.connect() as conn:
+            return list(conn.execute(text(sql), params or {}).mappings().all())
+
+    def _flush_loop(self) -> None:
+        while not self._closed.wait(self.config.flush_seconds):
+            try:
+                self.flush()
+            except Exception:  # the next round tries again; a lost database must not kill the thread
+                import logging
+
+                logging.getLogger("rematd.server").exception("flushing statistics failed")
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Write buffered statistics in one transaction."""
+        with self._flush_lock:
+            with self._buf_lock:
+                rows, self._pending = self._pending, []
+                last, self._pending_last = self._pending_last, {}
+            if not rows and not last:
+                return
+            try:
+                with self._lock, self.engine.begin() as conn:
+                    if rows:
+                        conn.execute(
+                            text(
+                                f"INSERT INTO stats ({', '.join(_STATS_COLUMNS)}) "
+                                f"VALUES ({', '.join(':' + c for c in _STATS_COLUMNS)})"
+                            ),
+                            rows,
+                        )
+                    conn.execute(
+                        text("UPDATE ranks SET last_stats=:s WHERE job=:job AND rank=:rank"),
+                        [{"s": json.dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
+                    )
+                    jobs: dict[str, dict[str, Any]] = {}
+                    for (j, _k), r in last.items():
+                        if j not in jobs or r["time"] > jobs[j]["t"]:
+                            jobs[j] = {"job": j, "t": r["time"], "b": r["budget_bytes"]}
+                    conn.execute(
+                        text("UPDATE jobs SET updated_at=:t, budget_bytes=:b WHERE job=:job"), list(jobs.values())
+                    )
+            except Exception:
+                with self._buf_lock:
+                    # Keep what failed for the next round, oldest first, within the buffer's bound.
+                    self._pending = (rows + self._pending)[-self.config.max_buffered * 4 :]
+                    for key, r in last.items():
+                        self._pending_last.setdefault(key, r)
+                raise
+
+    # -- writes -------------------------------------------------------------------
 
     def upsert_job(
-        self, *, job: str, now: float, world_size: int, num_blocks: int, budget_bytes: int, fingerprint: str
+        self,
+        *,
+        job: str,
+        now: float,
+        world_size: int,
+        num_blocks: int,
+        budget_bytes: int,
+        fingerprint: str,
+        device: str = "",
     ) -> None:
         self._write(
-            """INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?)
+            """INSERT INTO jobs (job, created_at, updated_at, world_size, num_blocks, budget_bytes,
+                   model_fingerprint, device, ended_at)
+               VALUES (:job, :now, :now, :ws, :nb, :b, :fp, :dev, NULL)
                ON CONFLICT(job) DO UPDATE SET updated_at=excluded.updated_at, world_size=excluded.world_size,
                num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
-               model_fingerprint=excluded.model_fingerprint""",
-            (job, now, now, world_size, num_blocks, budget_bytes, fingerprint),
-        )
+               model_fingerprint=excluded.model_fingerprint, device=excluded.device, ended_at=NULL""",
+            {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
+             "dev": device},
+        )  # fmt: skip
 
     def upsert_rank(self, *, job: str, rank: int, device: str, state: str) -> None:
         self._write(
-            """INSERT INTO ranks (job, rank, device, state) VALUES (?, ?, ?, ?)
+            """INSERT INTO ranks (job, rank, device, state) VALUES (:job, :rank, :device, :state)
                ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state""",
-            (job, rank, device, state),
+            {"job": job, "rank": rank, "device": device, "state": state},
         )
 
-    def set_rank_state(self, *, job: str, rank: int, state: str) -> None:
-        self._write("UPDATE ranks SET state=? WHERE job=? AND rank=?", (state, job, rank))
+    def set_rank_state(self, *, job: str, rank: int | None = None, state: str) -> None:
+        if rank is None:
+            self._write("UPDATE ranks SET state=:state WHERE job=:job", {"state": state, "job": job})
+        else:
+            self._write(
+                "UPDATE ranks SET state=:state WHERE job=:job AND rank=:rank",
+                {"state": state, "job": job, "rank": rank},
+            )
+
+    def end_job(self, job: str, now: float) -> None:
+        self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})
 
     def add_plan(self, *, job: str, rank: int, plan: dict[str, Any], now: float) -> None:
         self._write(
             """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
-               predicted_overhead_ratio, target_bytes, reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-            (
-                job,
-                rank,
-                plan["version"],
-                plan["checkpoint_every"],
-                json.dumps(plan["blocks"]),
-                plan["predicted_peak_bytes"],
-                plan["predicted_overhead_ratio"],
-                plan["target_bytes"],
-                plan["reason"],
-                now,
-            ),
+               predicted_overhead_ratio, target_bytes, reason, created_at)
+               VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now)""",
+            {
+                "job": job,
+                "rank": rank,
+                "version": plan["version"],
+                "every": plan["checkpoint_every"],
+                "blocks": json.dumps(list(plan["blocks"])),
+                "peak": plan["predicted_peak_bytes"],
+                "overhead": plan["predicted_overhead_ratio"],
+                "target": plan["target_bytes"],
+                "reason": plan["reason"],
+                "now": now,
+            },
         )
 
     def add_stats(self, *, job: str, rank: int, row: dict[str, Any]) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.execute(
-                    """INSERT INTO stats (job, rank, step, time, peak_bytes, budget_bytes, predicted_peak_bytes,
-                       plan_version, seq_len, batch, step_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                    (
-                        job,
-                        rank,
-                        row["step"],
-                        row["time"],
-                        row["peak_bytes"],
-                        row["budget_bytes"],
-                        row["predicted_peak_bytes"],
-                        row["plan_version"],
-                        row["seq_len"],
-                        row["batch"],
-                        row["step_seconds"],
-                    ),
-                )
-                self._db.execute("UPDATE ranks SET last_stats=? WHERE job=? AND rank=?", (json.dumps(row), job, rank))
-                self._db.execute(
-                    "UPDATE jobs SET updated_at=?, budget_bytes=? WHERE job=?", (row["time"], row["budget_bytes"], job)
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        """Buffer one step's statistics; written within ``flush_seconds``."""
+        full = {**row, "job": job, "rank": rank}
+        with self._buf_lock:
+            self._pending.append({c: full[c] for c in _STATS_COLUMNS})
+            self._pending_last[(job, rank)] = row
+            over = len(self._pending) >= self.config.max_buffered
+        if over:
+            self.flush()
 
     def add_oom(self, *, job: str, rank: int, row: dict[str, Any]) -> None:
         self._write(
             """INSERT INTO oom_events (job, rank, step, time, seq_len, batch, plan_version, message)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-            (job, rank, row["step"], row["time"], row["seq_len"], row["batch"], row["plan_version"], row["message"]),
-        )
+               VALUES (:job, :rank, :step, :time, :seq_len, :batch, :plan_version, :message)""",
+            {**{k: row[k] for k in ("step", "time", "seq_len", "batch", "plan_version", "message")},
+             "job": job, "rank": rank},
+        )  # fmt: skip
 
-    # -- reads ----------------------------------------------------------------
+    def set_controls(self, job: str, controls: dict[str, Any], now: float) -> int:
+        """Replace a job's operator controls; returns their new revision."""
+        with self._lock, self.engine.begin() as conn:
+            rev = int(conn.execute(text("SELECT COALESCE(MAX(revision), 0) FROM job_controls")).scalar() or 0) + 1
+            params = {
+                "job": job,
+                "pb": json.dumps(controls["pin_blocks"]) if controls.get("pin_blocks") is not None else None,
+                "pe": controls.get("pin_every"),
+                "mr": controls.get("margin_ratio"),
+                "bb": controls.get("budget_bytes"),
+                "ea": controls.get("ended_at"),
+                "rev": rev,
+                "now": now,
+            }
+            conn.execute(
+                text(
+                    """INSERT INTO job_controls VALUES (:job, :pb, :pe, :mr, :bb, :ea, :rev, :now)
+                       ON CONFLICT(job) DO UPDATE SET pin_blocks=excluded.pin_blocks, pin_every=excluded.pin_every,
+                       margin_ratio=excluded.margin_ratio, budget_bytes=excluded.budget_bytes,
+                       ended_at=excluded.ended_at, revision=excluded.revision, updated_at=excluded.updated_at"""
+                ),
+                params,
+            )
+            return rev
+
+    def controls_since(self, revision: int) -> list[dict[str, Any]]:
+        """Controls changed after ``revision`` (every worker and replica polls this)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT * FROM job_controls WHERE revision > :r ORDER BY revision"), {"r": revision}
+            ).mappings()
+            out = []
+            for r in rows:
+                d = dict(r)
+                d["pin_blocks"] = json.loads(d["pin_blocks"]) if d["pin_blocks"] is not None else None
+                out.append(d)
+            return out
+
+    def remember_warm_plan(
+        self,
+        *,
+        fingerprint: str,
+        device: str,
+        bucket: int,
+        job: str,
+        blocks: Sequence[int],
+        num_blocks: int,
+        budget_bytes: int,
+        now: float,
+    ) -> None:
+        self._write(
+            """INSERT INTO warm_plans VALUES (:fp, :dev, :bucket, :job, :blocks, :nb, :budget, :now)
+               ON CONFLICT(model_fingerprint, device, shape_bucket) DO UPDATE SET job=excluded.job,
+               blocks=excluded.blocks, num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
+               updated_at=excluded.updated_at""",
+            {"fp": fingerprint, "dev": device, "bucket": bucket, "job": job, "blocks": json.dumps(list(blocks)),
+             "nb": num_blocks, "budget": budget_bytes, "now": now},
+        )  # fmt: skip
+
+    def warm_plan(self, *, fingerprint: str, device: str, bucket: int) -> dict[str, Any] | None:
+        rows = self._read(
+            "SELECT * FROM warm_plans WHERE model_fingerprint=:fp AND device=:dev AND shape_bucket=:bucket",
+            {"fp": fingerprint, "dev": device, "bucket": bucket},
+        )
+        if not rows:
+            return None
+        d = dict(rows[0])
+        d["blocks"] = json.loads(d["blocks"])
+        return d
+
+    # -- housekeeping -------------------------------------------------------------
+
+    def compact(self, now: float | None = None) -> dict[str, int]:
+        """Down-sample old statistics and apply retention; returns rows deleted by kind."""
+        self.flush()
+        now = time.time() if now is None else now
+        cutoff = now - self.config.retention_days * 86400.0
+        with self._lock, self.engine.begin() as conn:
+            # Beyond the latest keep_steps per rank, keep the highest peak of each time bucket.
+            sampled = conn.execute(
+                text(
+                    """DELETE FROM stats WHERE id IN (
+                         SELECT id FROM (
+                           SELECT id,
+                             ROW_NUMBER() OVER (PARTITION BY job, rank ORDER BY step DESC, id DESC) AS age,
+                             ROW_NUMBER() OVER (PARTITION BY job, rank, CAST(time / :bucket AS BIGINT)
+                                                ORDER BY peak_bytes DESC, id) AS pick
+                           FROM stats) t
+                         WHERE t.age > :keep AND t.pick > 1)"""
+                ),
+                {"bucket": self.config.bucket_seconds, "keep": self.config.keep_steps},
+            ).rowcount
+            old_stats = conn.execute(text("DELETE FROM stats WHERE time < :c"), {"c": cutoff}).rowcount
+            old_ooms = conn.execute(text("DELETE FROM oom_events WHERE time < :c"), {"c": cutoff}).rowcount
+            idle = [
+                r[0]
+                for r in conn.execute(
+                    text(
+                        """SELECT job FROM jobs WHERE updated_at < :c AND NOT EXISTS
+                           (SELECT 1 FROM ranks WHERE ranks.job = jobs.job AND ranks.state = 'connected')"""
+                    ),
+                    {"c": cutoff},
+                )
+            ]
+            for job in idle:
+                for table in ("stats", "oom_events", "plans", "ranks", "job_controls", "jobs"):
+                    conn.execute(text(f"DELETE FROM {table} WHERE job=:j"), {"j": job})
+            conn.execute(text("DELETE FROM warm_plans WHERE updated_at < :c"), {"c": cutoff})
+        return {"downsampled": sampled, "expired_stats": old_stats, "expired_ooms": old_ooms, "expired_jobs": len(idle)}
+
+    # -- reads --------------------------------------------------------------------
 
     def jobs(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self._read("SELECT * FROM jobs ORDER BY created_at, job")]
 
     def job(self, job: str) -> dict[str, Any] | None:
-        rows = self._read("SELECT * FROM jobs WHERE job=?", (job,))
+        rows = self._read("SELECT * FROM jobs WHERE job=:job", {"job": job})
         return dict(rows[0]) if rows else None
+
+    def all_ranks(self) -> list[dict[str, Any]]:
+        out = []
+        for r in self._read("SELECT * FROM ranks ORDER BY job, rank"):
+            d = dict(r)
+            d["last_stats"] = json.loads(d["last_stats"]) if d["last_stats"] else None
+            out.append(d)
+        return out
 
     def ranks(self, job: str) -> list[dict[str, Any]]:
         out = []
-        for r in self._read("SELECT * FROM ranks WHERE job=? ORDER BY rank", (job,)):
+        for r in self._read("SELECT * FROM ranks WHERE job=:job ORDER BY rank", {"job": job}):
             d = dict(r)
             d["last_stats"] = json.loads(d["last_stats"]) if d["last_stats"] else None
             out.append(d)
@@ -204,32 +585,74 @@ class Store:
 
     def plans(self, job: str) -> list[dict[str, Any]]:
         out = []
-        for r in self._read("SELECT * FROM plans WHERE job=? ORDER BY id", (job,)):
-            d = dict(r)
+        for r in self._read("SELECT * FROM plans WHERE job=:job ORDER BY id", {"job": job}):
+            d = _row(r)
             d["blocks"] = json.loads(d["blocks"])
-            del d["id"], d["job"]
             out.append(d)
         return out
 
-    def stats(self, job: str, limit: int) -> list[dict[str, Any]]:
-        rows = self._read(
-            "SELECT * FROM (SELECT * FROM stats WHERE job=? ORDER BY id DESC LIMIT ?) ORDER BY id", (job, limit)
-        )
-        out = []
+    def latest_plans(self) -> dict[str, dict[str, Any]]:
+        """Each job's newest plan."""
+        rows = self._read("SELECT * FROM plans WHERE id IN (SELECT MAX(id) FROM plans GROUP BY job)")
+        out = {}
         for r in rows:
-            d = dict(r)
-            del d["id"], d["job"]
-            out.append(d)
+            d = _row(r, ("id",))
+            d["blocks"] = json.loads(d["blocks"])
+            out[d.pop("job")] = d
         return out
+
+    def stats(
+        self,
+        job: str,
+        limit: int,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        rank: int | None = None,
+    ) -> list[dict[str, Any]]:
+        where = ["job=:job"]
+        params: dict[str, Any] = {"job": job, "limit": limit}
+        if since is not None:
+            where.append("time >= :since")
+            params["since"] = since
+        if until is not None:
+            where.append("time <= :until")
+            params["until"] = until
+        if rank is not None:
+            where.append("rank = :rank")
+            params["rank"] = rank
+        rows = self._read(
+            f"SELECT * FROM (SELECT * FROM stats WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT :limit) t "
+            "ORDER BY id",
+            params,
+        )
+        return [_row(r) for r in rows]
+
+    def count_stats(self, job: str | None = None) -> int:
+        if job is None:
+            rows = self._read("SELECT COUNT(*) AS n FROM stats")
+        else:
+            rows = self._read("SELECT COUNT(*) AS n FROM stats WHERE job=:job", {"job": job})
+        return int(rows[0]["n"])
 
     def last_plan_version(self, job: str, rank: int) -> int:
-        rows = self._read("SELECT MAX(version) AS v FROM plans WHERE job=? AND rank=?", (job, rank))
+        rows = self._read(
+            "SELECT MAX(version) AS v FROM plans WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}
+        )
         return int(rows[0]["v"] or 0)
 
+    def last_plan(self, job: str, rank: int) -> dict[str, Any] | None:
+        rows = self._read(
+            "SELECT * FROM plans WHERE job=:job AND rank=:rank ORDER BY id DESC LIMIT 1", {"job": job, "rank": rank}
+        )
+        if not rows:
+            return None
+        d = _row(rows[0])
+        d["blocks"] = json.loads(d["blocks"])
+        return d
+
     def ooms(self, job: str) -> list[dict[str, Any]]:
-        out = []
-        for r in self._read("SELECT * FROM oom_events WHERE job=? ORDER BY id", (job,)):
-            d = dict(r)
-            del d["id"], d["job"]
-            out.append(d)
-        return out
+        return [_row(r) for r in self._read("SELECT * FROM oom_events WHERE job=:job ORDER BY id", {"job": job})]
+
+    def oom_counts(self) -> dict[str, int]:
+        return {r["job"]: int(r["n"]) for r in self._read("SELECT job, COUNT(*) AS n FROM oom_events GROUP BY job")}

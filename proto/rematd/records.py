@@ -209,13 +209,20 @@ class OomReport:
         _uint("oom.plan_version", self.plan_version)
 
 
-def open_planner(hello: Hello, config: ControllerConfig | None = None, *, first_version: int = 1) -> PlannerSession:
-    """The planner for a rank, from its hello (validated first); plan versions start at ``first_version``."""
+def open_planner(
+    hello: Hello,
+    config: ControllerConfig | None = None,
+    *,
+    first_version: int = 1,
+    profile: Profile | None = None,
+) -> PlannerSession:
+    """The planner for a rank, from its hello (validated first); plan versions start at
+    ``first_version``. ``profile``, when given, is ``hello.profile()`` already built (and shared)."""
     hello.validate()
     if hello.margin_ratio and config is None:
         config = ControllerConfig(margin_ratio=hello.margin_ratio)
     return PlannerSession(
-        hello.profile(),
+        profile or hello.profile(),
         budget_bytes=hello.budget_bytes,
         static_bytes=hello.static_bytes,
         config=config,

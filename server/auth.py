@@ -1,0 +1,56 @@
+"""Bearer-token checks shared by both transports."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rematd.server.errors import Unauthenticated
+
+TOKEN_ENV = "REMATD_TOKEN"
+METADATA_KEY = "authorization"
+
+
+def load_token(token_file: str | None) -> str | None:
+    """The token from ``--token-file`` (first line) or else $REMATD_TOKEN; None when neither is set."""
+    if token_file:
+        path = Path(token_file)
+        try:
+            token = path.read_text(encoding="utf-8").strip().splitlines()[0].strip() if path.stat().st_size else ""
+        except OSError as err:
+            raise ValueError(f"token-file {token_file!r} cannot be read: {err.strerror}") from err
+        if not token:
+            raise ValueError(f"token-file {token_file!r} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenAuth:
+    """Who may write, and who may read."""
+
+    token: str | None = None
+    """The bearer token writes need; None lets everyone write (only sensible on loopback)."""
+    open_reads: bool = True
+    """Reads need no token (true when the HTTP side binds loopback, or with --public-reads)."""
+
+    def __post_init__(self) -> None:
+        if self.token is not None and (len(self.token) < 16 or any(c.isspace() for c in self.token)):
+            raise ValueError("token must be at least 16 characters with no whitespace")
+
+    def check(self, header: str | None) -> None:
+        """Raise Unauthenticated unless ``header`` is ``Bearer <token>``."""
+        if self.token is None:
+            return
+        if not header:
+            raise Unauthenticated("this needs 'authorization: Bearer <token>'")
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+            raise Unauthenticated("the bearer token is wrong")
+
+    def check_read(self, header: str | None) -> None:
+        if not self.open_reads:
+            self.check(header)

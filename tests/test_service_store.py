@@ -1,0 +1,218 @@
+"""The record: migrations, down-sampling, retention, restarts, warm starts; SQLite and a real PostgreSQL."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sqlite3
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from rematd import wire
+from rematd.records import BlockRecord, Hello
+from rematd.server.core import AdvisorCore
+from rematd.server.metrics import Metrics
+from rematd.server.store import SCHEMA_VERSION, Store, StoreConfig, database_url
+from rematd.v1 import advisor_pb2 as pb
+from rematd.v1 import advisor_pb2_grpc as pb_grpc
+
+from .helpers import live_server
+from .test_service import _fields, hello, stats
+
+
+def _pg_bin() -> str | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return os.path.dirname(found[-1])
+    initdb = shutil.which("initdb")
+    return os.path.dirname(initdb) if initdb else None
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    """A throw-away PostgreSQL cluster in a temp dir, on a unix socket only (no TCP port at all)."""
+    bindir = _pg_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL binaries are absent (Debian package 'postgresql', see scripts/system-packages.txt)")
+    base = Path(tempfile.mkdtemp(prefix="rematd-pg-"))
+    data, sock = base / "data", base / "sock"
+    sock.mkdir()
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        # PostgreSQL refuses to run as root: run it as the package's own user.
+        shutil.chown(base, "postgres")
+        shutil.chown(sock, "postgres")
+        prefix = ["runuser", "-u", "postgres", "--"]
+    run = lambda *a: subprocess.run([*prefix, *a], check=True, capture_output=True, text=True, timeout=120)  # noqa: E731
+    run(f"{bindir}/initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+    run(
+        f"{bindir}/pg_ctl", "-D", str(data), "-l", str(base / "log"), "-w", "-t", "60",
+        "-o", f"-c listen_addresses='' -k {sock} -c fsync=off", "start",
+    )  # fmt: skip
+    try:
+        run(f"{bindir}/createdb", "-h", str(sock), "-U", "postgres", "rematd")
+        yield f"postgresql://postgres@/rematd?host={sock}"
+    finally:
+        subprocess.run([*prefix, f"{bindir}/pg_ctl", "-D", str(data), "-m", "fast", "stop"], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _exercise(store: Store) -> None:
+    core = AdvisorCore(store, Metrics())
+    s, plan = core.open_session(hello(job="db-job"))
+    assert plan.version == 1
+    new = core.on_stats(s, stats(0, 9500, seq=128))
+    assert new is not None
+    core.on_oom(s, wire.oom_from_pb(pb.OomEvent(step=1, message="CUDA out of memory")))
+    core.pin("db-job", checkpoint_every=1)
+    core.close_session(s, ended=False)
+    assert [p["version"] for p in core.job_plans("db-job")][:2] == [1, 2]
+    assert core.job_ooms("db-job")[0]["message"] == "CUDA out of memory"
+    assert core.job_stats("db-job")[0]["peak_bytes"] == 9500
+    # Controls written by one core (a worker or a replica) reach another through the record.
+    other = AdvisorCore(store, Metrics())
+    assert other.job_controls("db-job")["pin_every"] == 1
+    core.unpin("db-job")
+    other.refresh_controls()
+    assert other.job_controls("db-job")["pin_every"] is None
+
+
+def test_sqlite_record(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.db")
+    assert store.schema_version() == SCHEMA_VERSION
+    _exercise(store)
+    store.close()
+
+
+def test_postgresql_record(postgres_url: str) -> None:
+    store = Store(StoreConfig(url=database_url(postgres_url)))
+    assert store.dialect == "postgresql" and store.schema_version() == SCHEMA_VERSION
+    _exercise(store)
+    assert store.compact(now=time.time() + 10 * 365 * 86400)["expired_jobs"] == 1
+    store.close()
+
+
+def test_a_record_from_before_migrations_is_upgraded(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    con = sqlite3.connect(db)
+    con.executescript(
+        """CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', '1');
+        CREATE TABLE jobs (job TEXT PRIMARY KEY, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+            world_size INTEGER NOT NULL, num_blocks INTEGER NOT NULL, budget_bytes INTEGER NOT NULL,
+            model_fingerprint TEXT NOT NULL);
+        INSERT INTO jobs VALUES ('old-job', 1.0, 2.0, 1, 4, 1000, 'fp');
+        CREATE TABLE ranks (job TEXT, rank INTEGER, device TEXT, state TEXT, last_stats TEXT, PRIMARY KEY (job, rank));
+        CREATE TABLE plans (id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT, rank INTEGER, version INTEGER,
+            checkpoint_every INTEGER, blocks TEXT, predicted_peak_bytes INTEGER, predicted_overhead_ratio REAL,
+            target_bytes INTEGER, reason TEXT, created_at REAL);
+        CREATE TABLE stats (id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT, rank INTEGER, step INTEGER, time REAL,
+            peak_bytes INTEGER, budget_bytes INTEGER, predicted_peak_bytes INTEGER, plan_version INTEGER,
+            seq_len INTEGER, batch INTEGER, step_seconds REAL);
+        CREATE TABLE oom_events (id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT, rank INTEGER, step INTEGER,
+            time REAL, seq_len INTEGER, batch INTEGER, plan_version INTEGER, message TEXT);"""
+    )
+    con.close()
+    store = Store(db)
+    assert store.schema_version() == SCHEMA_VERSION
+    assert store.job("old-job") is not None and store.job("old-job")["ended_at"] is None  # type: ignore[index]
+    store.close()
+    con = sqlite3.connect(db)
+    con.execute("INSERT INTO schema_version VALUES (999, 'from the future', 0)")
+    con.commit()
+    con.close()
+    with pytest.raises(RuntimeError, match="999"):
+        Store(db)
+
+
+def test_a_month_long_job_stays_small(tmp_path: Path) -> None:
+    store = Store(StoreConfig(url=database_url(tmp_path / "r.db"), keep_steps=100, bucket_seconds=3600))
+    core = AdvisorCore(store, Metrics())
+    s, _ = core.open_session(hello(job="long"))
+    core.close_session(s, ended=False)
+    start = time.time() - 30 * 86400
+    # A month of one step a minute, written straight into the record.
+    rows = [
+        {"step": i, "time": start + 60 * i, "peak_bytes": 1000 + (5000 if i == 777 else i % 50), "budget_bytes": 10_000,
+         "predicted_peak_bytes": 900, "plan_version": 1, "seq_len": 64, "batch": 1, "step_seconds": 0.1}
+        for i in range(30 * 24 * 60)
+    ]  # fmt: skip
+    for r in rows:
+        store.add_stats(job="long", rank=0, row=r)
+    before = store.count_stats("long")
+    assert before == len(rows)
+    done = store.compact(now=start + 30 * 86400 + 60)
+    after = store.count_stats("long")
+    assert done["downsampled"] == before - after
+    assert after <= 100 + 30 * 24 + 2, after
+    kept = store.stats("long", 100_000)
+    assert [r["step"] for r in kept[-100:]] == list(range(len(rows) - 100, len(rows))), "the last steps are all kept"
+    assert any(r["peak_bytes"] == 6000 for r in kept), "a bucket keeps its highest peak"
+    # Retention drops what is older than its window.
+    short = Store(StoreConfig(url=database_url(tmp_path / "r.db"), keep_steps=100, retention_days=7))
+    short.compact(now=start + 30 * 86400 + 60)
+    assert min(r["time"] for r in short.stats("long", 100_000)) >= start + 23 * 86400 - 1
+    short.close()
+    store.close()
+
+
+def _big_hello(job: str, *, plan_version: int = 0, budget: int = 6000) -> Hello:
+    return Hello(
+        **{
+            **_fields(hello(job=job, budget=budget, n=8)),
+            "device_name": "NVIDIA H100",
+            "model_fingerprint": "gpt-fp",
+            "plan_version": plan_version,
+            "blocks": tuple(
+                BlockRecord(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
+                for i in range(8)
+            ),
+        }
+    )
+
+
+def test_fleet_warm_start(tmp_path: Path) -> None:
+    core = AdvisorCore(Store(tmp_path / "r.db"), Metrics())
+    s, first = core.open_session(_big_hello("first"))
+    # The plan tightens under pressure, then holds for a while without an OOM.
+    core.on_stats(s, stats(0, 5900, budget=6000, seq=64))
+    held = s.sent
+    for step in range(1, 30):
+        core.on_stats(s, stats(step, 4000, budget=6000, seq=64))
+    core.close_session(s, ended=True)
+    assert held.blocks != first.blocks
+    s2, plan = core.open_session(_big_hello("second"))
+    assert plan.blocks == s.sent.blocks and plan.reason.startswith("warm start from job first"), plan
+    assert core.job_plans("second")[0]["reason"].startswith("warm start from job first")
+    # Another device type, or a rank resuming, starts cold.
+    other = Hello(**{**_fields(_big_hello("third")), "device_name": "NVIDIA A100"})
+    _, cold = core.open_session(other)
+    assert "warm start" not in cold.reason
+    core.close_session(s2, ended=True)
+
+
+def test_restarting_the_process_loses_no_plan_or_event(tmp_path: Path) -> None:
+    with live_server(tmp_path) as srv:
+        msgs = [
+            pb.ClientMessage(hello=wire.hello_to_pb(hello(job="durable"))),
+            pb.ClientMessage(stats=wire.stats_to_pb(stats(0, 9500, seq=128))),
+            pb.ClientMessage(oom=pb.OomEvent(step=1, message="boom")),
+        ]
+        with grpc.insecure_channel(srv.grpc) as ch:
+            call = pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=10)
+            got = list(call)
+        versions = [m.plan.version for m in got if m.WhichOneof("kind") == "plan"]
+        # Stop at once after the stream: nothing is given time to settle.
+    with live_server(tmp_path) as again, httpx.Client(base_url=again.url, timeout=10) as http:
+        plans = http.get("/api/v1/jobs/durable/plans").json()["plans"]
+        assert [p["version"] for p in plans] == versions
+        assert [o["message"] for o in http.get("/api/v1/jobs/durable/ooms").json()["ooms"]] == ["boom"]
+        assert [r["step"] for r in http.get("/api/v1/jobs/durable/stats").json()["stats"]] == [0]
