@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 import socket
 import subprocess
 from pathlib import Path
@@ -12,6 +13,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rematd.records import OomReport
 from rematd.server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,11 +66,21 @@ def alert_names() -> list[str]:
 
 
 def exported_names() -> set[str]:
-    """Every sample name rematd's registry exposes, read from a real exposition."""
-    metrics = Metrics(CollectorRegistry())
-    for metric in metrics._per_job:
-        metric.labels("x")
-    text = generate_latest(metrics.registry).decode()
+    """Every sample name rematd's registry exposes with a job running, read from a real exposition."""
+    from rematd.server.core import AdvisorCore
+    from rematd.server.store import Store
+
+    from .test_service import hello, stats
+
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Metrics(CollectorRegistry())
+        core = AdvisorCore(Store(Path(tmp) / "r.db"), metrics)
+        session, _ = core.open_session(hello())
+        core.on_stats(session, stats(0, 500))
+        core.on_oom(session, OomReport(step=0))
+        text = generate_latest(metrics.registry).decode()
+        core.close_session(session, ended=False)
+        core.store.close()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 
