@@ -193,6 +193,30 @@ def _greedy(options: list[list[Option]], cap: int, budget: int) -> tuple[float, 
     return secs, modes
 
 
+def _respread(options: list[list[Option]], modes: list[Mode]) -> list[Mode]:
+    """The same count of each mode within each class of identical blocks, placed evenly
+    (as "every k-th" where a k gives that count) rather than wherever the search put them."""
+    groups: dict[tuple[tuple[int, int, int], ...], list[int]] = {}
+    for i, opts in enumerate(options):
+        groups.setdefault(tuple((int(o.mode), o.kept, o.transient) for o in opts), []).append(i)
+    out = list(modes)
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        counts: dict[Mode, int] = {}
+        for i in idx:
+            counts[modes[i]] = counts.get(modes[i], 0) + 1
+        remaining = list(idx)
+        # Modes that keep least go first: recompute before selective before store.
+        for mode in sorted(counts, key=lambda m: min(o.kept for o in options[idx[0]] if o.mode == m)):
+            picked = spread(remaining, counts[mode]) if mode != Mode.STORE else list(remaining)
+            for i in picked:
+                out[i] = mode
+            taken = set(picked)
+            remaining = [i for i in remaining if i not in taken]
+    return out
+
+
 def _caps(options: list[list[Option]], exact: bool) -> list[int]:
     caps = sorted({o.transient for opts in options for o in opts})
     if exact or len(caps) <= MAX_CAPS:
@@ -223,7 +247,7 @@ def solve(options: list[list[Option]], target: int, *, static_bytes: int = 0, ex
         if best is None or key[:3] < best[:3]:
             best = key
     if best is not None:
-        return _finish(options, best[3], target, static_bytes)
+        return _finish(options, _respread(options, best[3]), target, static_bytes)
     return smallest_peak(options, target, static_bytes=static_bytes)
 
 

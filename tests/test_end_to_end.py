@@ -44,7 +44,7 @@ def budget_for_run() -> int:
     train_step(model, opt, 32)
     short = h.last_stats.saved_peak_bytes if h.last_stats else 0
     h.close()
-    return int(short * 2.0)
+    return int(short * 3.5)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import glob
 import os
 import shutil
@@ -182,8 +184,8 @@ def _big_hello(job: str, *, plan_version: int = 0, budget: int = 6000) -> Hello:
 def test_fleet_warm_start(tmp_path: Path) -> None:
     core = AdvisorCore(Store(tmp_path / "r.db"), Metrics())
     s, first = core.open_session(_big_hello("first"))
-    # The plan tightens under pressure, then holds for a while without an OOM.
-    core.on_stats(s, stats(0, 5900, budget=6000, seq=64))
+    # The plan tightens under pressure (a peak over the target under the first plan), then holds.
+    core.on_stats(s, dataclasses.replace(stats(0, 5900, budget=6000, seq=64), plan_version=first.version))
     held = s.sent
     for step in range(1, 30):
         core.on_stats(s, stats(step, 4000, budget=6000, seq=64))
