@@ -16,6 +16,7 @@ from rematd import __version__
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.applier import PlanApplier
 from rematd.client.backends import Backend, EmbeddedBackend
+from rematd.client.buffers import protect_running_stats
 from rematd.client.discovery import find_blocks
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
 from rematd.client.stream import StreamBackend
@@ -78,6 +79,7 @@ class Handle:
         self._fingerprint = model_fingerprint(found)
         self._accounting = SavedTensorAccounting()
         self._blocks = [SwitchableBlock(i, name, m, self._accounting) for i, (name, m) in enumerate(found)]
+        self._norm_hooks = protect_running_stats([m for _, m in found])
         self._applier = PlanApplier(self._blocks)
         self.last_stats: StepStats | None = None
         self._step = 0
@@ -154,7 +156,7 @@ class Handle:
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks:
+        for h in (*self._hooks, *self._norm_hooks):
             h.remove()
         for b in self._blocks:
             b.restore()
