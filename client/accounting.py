@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from rematd.client.guard import OutOfMemory
+
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     try:
@@ -75,6 +77,8 @@ class SavedTensorAccounting:
         self.excluded: frozenset[tuple[str, int]] = frozenset()
         self.active = False
         """True while the model's forward runs under this accounting's hooks."""
+        self.hard_limit_bytes: int | None = None
+        """Live bytes a pack may not take the total above: it raises ``OutOfMemory`` instead."""
 
     def exclude_module_state(self, module: torch.nn.Module) -> None:
         self.excluded = frozenset(storage_key(t) for t in (*module.parameters(), *module.buffers()))
@@ -87,6 +91,12 @@ class SavedTensorAccounting:
             ref = self._refs.get(key)
             if ref is None:
                 size = storage_bytes(t)
+                limit = self.hard_limit_bytes
+                if limit is not None and self.live_bytes + size > limit:
+                    raise OutOfMemory(
+                        f"rematd hard limit: saving {size} more bytes for backward would hold "
+                        f"{self.live_bytes + size} bytes, over hard_limit_bytes={limit}"
+                    )
                 self._refs[key] = [1, size]
                 self.live_bytes += size
                 if self.live_bytes > self.peak_bytes:
