@@ -52,6 +52,13 @@ def unique_bytes(tensors: Iterable[torch.Tensor], exclude: frozenset[tuple[str, 
     return sum(seen.values())
 
 
+def _fast_key(t: torch.Tensor) -> tuple[str, int]:
+    try:
+        return (t.device.type, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return storage_key(t)
+
+
 class _Held:
     """A saved tensor as autograd keeps it, giving its bytes back when freed."""
 
@@ -75,22 +82,30 @@ class SavedTensorAccounting:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.excluded: frozenset[tuple[str, int]] = frozenset()
+        self._excluded_fast: frozenset[tuple[str, int]] = frozenset()
         self.active = False
         """True while the model's forward runs under this accounting's hooks."""
         self.hard_limit_bytes: int | None = None
         """Live bytes a pack may not take the total above: it raises ``OutOfMemory`` instead."""
 
     def exclude_module_state(self, module: torch.nn.Module) -> None:
-        self.excluded = frozenset(storage_key(t) for t in (*module.parameters(), *module.buffers()))
+        state = (*module.parameters(), *module.buffers())
+        self.excluded = frozenset(storage_key(t) for t in state)
+        self._excluded_fast = frozenset(_fast_key(t) for t in state)
 
     def pack(self, t: torch.Tensor) -> Any:
-        key = storage_key(t)
-        if key in self.excluded:
+        # The hot path (once per saved tensor): one storage object for both the key and the size.
+        try:
+            st = t.untyped_storage()
+            key = (t.device.type, st.data_ptr())
+            size = int(st.nbytes())
+        except (RuntimeError, NotImplementedError):
+            key, size = storage_key(t), storage_bytes(t)
+        if key in self._excluded_fast:
             return t
         with self._lock:
             ref = self._refs.get(key)
             if ref is None:
-                size = storage_bytes(t)
                 limit = self.hard_limit_bytes
                 if limit is not None and self.live_bytes + size > limit:
                     raise OutOfMemory(
