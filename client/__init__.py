@@ -5,7 +5,19 @@ h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
 """
 
 from rematd.client.discovery import BlockDiscoveryError, find_blocks
-from rematd.client.handle import Handle, attach
+from rematd.client.guard import OutOfMemory, UnsupportedModel
+from rematd.client.handle import Guard, Handle, attach
+from rematd.client.stream import StreamConfig
 from rematd.planner import Plan
 
-__all__ = ["BlockDiscoveryError", "Handle", "Plan", "attach", "find_blocks"]
+__all__ = [
+    "BlockDiscoveryError",
+    "Guard",
+    "Handle",
+    "OutOfMemory",
+    "Plan",
+    "StreamConfig",
+    "UnsupportedModel",
+    "attach",
+    "find_blocks",
+]

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from rematd.client.guard import OutOfMemory
+
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     try:
@@ -50,6 +52,13 @@ def unique_bytes(tensors: Iterable[torch.Tensor], exclude: frozenset[tuple[str, 
     return sum(seen.values())
 
 
+def _fast_key(t: torch.Tensor) -> tuple[str, int]:
+    try:
+        return (t.device.type, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return storage_key(t)
+
+
 class _Held:
     """A saved tensor as autograd keeps it, giving its bytes back when freed."""
 
@@ -77,20 +86,36 @@ class SavedTensorAccounting:
         self._open: list[Callable[[object], None]] = []
         self._transient = 0
         self._transient_owner: object | None = None
+        self._excluded_fast: frozenset[tuple[str, int]] = frozenset()
         self.active = False
         """True while the model's forward runs under this accounting's hooks."""
+        self.hard_limit_bytes: int | None = None
+        """Live bytes a pack may not take the total above: it raises ``OutOfMemory`` instead."""
 
     def exclude_module_state(self, module: torch.nn.Module) -> None:
-        self.excluded = frozenset(storage_key(t) for t in (*module.parameters(), *module.buffers()))
+        state = (*module.parameters(), *module.buffers())
+        self.excluded = frozenset(storage_key(t) for t in state)
+        self._excluded_fast = frozenset(_fast_key(t) for t in state)
 
     def pack(self, t: torch.Tensor) -> Any:
-        key = storage_key(t)
-        if key in self.excluded:
+        # The hot path (once per saved tensor): one storage object for both the key and the size.
+        try:
+            st = t.untyped_storage()
+            key = (t.device.type, st.data_ptr())
+            size = int(st.nbytes())
+        except (RuntimeError, NotImplementedError):
+            key, size = storage_key(t), storage_bytes(t)
+        if key in self._excluded_fast:
             return t
         with self._lock:
             ref = self._refs.get(key)
             if ref is None:
-                size = storage_bytes(t)
+                limit = self.hard_limit_bytes
+                if limit is not None and self.live_bytes + size > limit:
+                    raise OutOfMemory(
+                        f"rematd hard limit: saving {size} more bytes for backward would hold "
+                        f"{self.live_bytes + size} bytes, over hard_limit_bytes={limit}"
+                    )
                 self._refs[key] = [1, size]
                 self.live_bytes += size
                 if self.live_bytes > self.peak_bytes:
@@ -155,6 +180,15 @@ class SavedTensorAccounting:
         if ins:
             torch.autograd.graph.register_multi_grad_hook(ins, end, mode="any")
         self._open.append(end)
+
+    def forget(self) -> None:
+        """Start counting from nothing: after a failed step nothing it saved is needed, whatever
+        still references it (a holder released later then gives back nothing)."""
+        self.release_held()
+        with self._lock:
+            self._refs.clear()
+            self.live_bytes = self.peak_bytes = 0
+            self._transient, self._transient_owner = 0, None
 
     def release_held(self) -> None:
         """Give back every count :meth:`hold` and :meth:`rematerialise` still keep (the step is over)."""

@@ -39,6 +39,10 @@ class PlanApplier:
             if plan.version > (self._pending or self.plan).version:
                 self._pending = plan
 
+    def has_pending(self) -> bool:
+        with self._lock:
+            return self._pending is not None
+
     def apply_pending(self, shape: Shape | None = None) -> Plan | None:
         """Called by the training thread at a step boundary: take the newest plan and set
         each block's mode for this step's ``shape`` from the plan's table."""

@@ -1,8 +1,23 @@
-"""Finding the repeated blocks of a model: the units a plan checkpoints."""
+"""Finding the repeated blocks of a model: the units a plan checkpoints.
+
+A *block list* is an ``nn.ModuleList`` or ``nn.Sequential`` whose children
+(one or more) all share one class. Lists of the same block class are one
+group, wherever they sit: GPT-2's ``transformer.h``, Llama's
+``model.layers``, ``nn.TransformerEncoder.layers``, and a ResNet's four
+stages (``layer1`` .. ``layer4``, each a ``nn.Sequential`` of residual blocks
+of a different width) all make one group; the blocks of a group are taken in
+the model's module order, which is its execution order for these models.
+Lists of bare containers (a ``stages`` list of ``nn.Sequential``) are looked
+through. Lists nested inside a block of another list (a mixture of experts'
+experts, the blocks inside a custom ``Stage`` class) are not candidates: their blocks do not all run on every forward.
+The group with the most blocks wins; block classes with submodules are
+preferred over bare layers (a list of ``nn.Linear`` is a last resort).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -15,47 +30,97 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
 
 
+def _is_leaf(example: nn.Module) -> bool:
+    return not any(True for _ in example.children())
+
+
+@dataclass
+class _Group:
+    cls: type[nn.Module]
+    lists: list[str] = field(default_factory=list)
+    blocks: list[tuple[str, nn.Module]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        where = ", ".join(name or "<root>" for name in self.lists)
+        return f"{len(self.blocks)} x {self.cls.__name__} in {where}"
+
+    def hint(self) -> str:
+        if len(self.lists) == 1:
+            return f"blocks=list(model.{self.lists[0]})" if self.lists[0] else "blocks=list(model)"
+        return "blocks=[" + ", ".join(f"*model.{n}" for n in self.lists) + "]"
+
+
+def _check_given(model: nn.Module, names: dict[int, str], chosen: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    if not chosen:
+        raise BlockDiscoveryError("blocks= is empty; pass the modules to checkpoint, e.g. blocks=model.layers")
+    seen: set[int] = set()
+    for i, block in enumerate(chosen):
+        if not isinstance(block, nn.Module):
+            raise BlockDiscoveryError(f"blocks[{i}] is a {type(block).__name__}, not an nn.Module")
+        if id(block) not in names or block is model:
+            raise BlockDiscoveryError(f"blocks[{i}] ({type(block).__name__}) is not a submodule of the model")
+        if id(block) in seen:
+            raise BlockDiscoveryError(f"blocks[{i}] ({names[id(block)]}) is given twice")
+        seen.add(id(block))
+    found = [(names[id(b)], b) for b in chosen]
+    # A block inside another block would be checkpointed twice over.
+    for name, _ in found:
+        for other, _ in found:
+            if other != name and name.startswith(other + "."):
+                raise BlockDiscoveryError(f"blocks= names {name!r} inside {other!r}; give blocks that do not nest")
+    return found
+
+
 def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> list[tuple[str, nn.Module]]:
     """The blocks to checkpoint, as (qualified name, module), in execution order.
 
-    With ``blocks`` given, each must be a distinct submodule of ``model``.
-    Otherwise the longest ``nn.ModuleList`` whose children share one class.
+    With ``blocks`` given, each must be a distinct submodule of ``model``, none
+    inside another. Otherwise the largest group of same-class block lists
+    (see the module's docstring).
     """
     names = _names(model)
     if blocks is not None:
-        chosen = list(blocks)
-        if not chosen:
-            raise BlockDiscoveryError("blocks= is empty; pass the modules to checkpoint, e.g. blocks=model.layers")
-        seen: set[int] = set()
-        for i, block in enumerate(chosen):
-            if not isinstance(block, nn.Module):
-                raise BlockDiscoveryError(f"blocks[{i}] is a {type(block).__name__}, not an nn.Module")
-            if id(block) not in names or block is model:
-                raise BlockDiscoveryError(f"blocks[{i}] ({type(block).__name__}) is not a submodule of the model")
-            if id(block) in seen:
-                raise BlockDiscoveryError(f"blocks[{i}] ({names[id(block)]}) is given twice")
-            seen.add(id(block))
-        return [(names[id(b)], b) for b in chosen]
+        return _check_given(model, names, list(blocks))
 
-    candidates: list[tuple[str, nn.ModuleList]] = []
+    lists: list[tuple[str, list[nn.Module], type[nn.Module]]] = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2:
-            classes = {type(child) for child in module}
-            if len(classes) == 1:
-                candidates.append((name, module))
-    if not candidates:
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.children())
+            classes = {type(child) for child in children}
+            cls = classes.pop() if len(classes) == 1 else None
+            # A list of plain containers (stages as nn.Sequential) is a way of grouping, not blocks.
+            if cls is not None and cls not in (nn.Sequential, nn.ModuleList):
+                lists.append((name, children, cls))
+    block_names = {f"{n}.{i}" if n else str(i) for n, m, _ in lists for i in range(len(m))}
+
+    def nested(list_name: str) -> bool:
+        parts = list_name.split(".")
+        return any(".".join(parts[:k]) in block_names for k in range(1, len(parts)))
+
+    groups: dict[type[nn.Module], _Group] = {}
+    for name, module, cls in lists:
+        if nested(name):
+            continue
+        g = groups.setdefault(cls, _Group(cls))
+        g.lists.append(name)
+        prefix = f"{name}." if name else ""
+        g.blocks.extend((f"{prefix}{i}", child) for i, child in enumerate(module))
+
+    rich = [g for g in groups.values() if not _is_leaf(g.blocks[0][1]) and len(g.blocks) >= 2]
+    bare = [g for g in groups.values() if _is_leaf(g.blocks[0][1]) and len(g.blocks) >= 2]
+    pool = rich or bare
+    if not pool:
+        seen = "; ".join(g.describe() for g in groups.values()) or "no nn.ModuleList or nn.Sequential of one class"
         raise BlockDiscoveryError(
-            f"found no nn.ModuleList of two or more modules of one class in {type(model).__name__}; "
+            f"found no list of two or more same-class blocks in {type(model).__name__} (saw: {seen}); "
             "pass the blocks to checkpoint explicitly, e.g. attach(model, blocks=list(model.layers))"
         )
-    longest = max(len(m) for _, m in candidates)
-    best = [(n, m) for n, m in candidates if len(m) == longest]
+    most = max(len(g.blocks) for g in pool)
+    best = [g for g in pool if len(g.blocks) == most]
     if len(best) > 1:
-        seen_desc = ", ".join(f"{n or '<root>'} ({len(m)} x {type(m[0]).__name__})" for n, m in best)
+        seen_desc = "; ".join(g.describe() for g in best)
         raise BlockDiscoveryError(
-            f"several block lists are equally long: {seen_desc}; choose one with blocks=, "
-            f"e.g. attach(model, blocks=list(model.{best[0][0]}))"
+            f"several block lists are equally long: {seen_desc}; choose with blocks=, e.g. attach(model, "
+            f"{best[0].hint()}), or both: blocks=[*a, *b] in execution order"
         )
-    name, module_list = best[0]
-    prefix = f"{name}." if name else ""
-    return [(f"{prefix}{i}", child) for i, child in enumerate(module_list)]
+    return best[0].blocks

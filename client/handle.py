@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import os
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -16,15 +19,19 @@ from rematd import __version__
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.applier import PlanApplier
 from rematd.client.backends import Backend, EmbeddedBackend
+from rematd.client.buffers import protect_running_stats
 from rematd.client.discovery import find_blocks
+from rematd.client.guard import UnsupportedModel, free_after_oom, is_oom
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
 from rematd.client.profiling import host_bandwidth
-from rematd.client.stream import StreamBackend
+from rematd.client.stream import StreamBackend, StreamConfig
 from rematd.client.switch import SwitchableBlock
 from rematd.planner import Mode, Plan, Shape, Size
 from rematd.records import BlockRecord, Hello, OomReport, StepStats
 
 log = logging.getLogger("rematd.client")
+
+T = TypeVar("T")
 
 
 def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape:
@@ -63,6 +70,8 @@ class Handle:
         world_size: int,
         margin_ratio: float,
         modes: Sequence[str] | None = None,
+        stream: StreamConfig | None = None,
+        hard_limit_bytes: int | None = None,
     ) -> None:
         if budget_bytes is not None and (isinstance(budget_bytes, bool) or int(budget_bytes) <= 0):
             raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
@@ -71,7 +80,11 @@ class Handle:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self._modes = parse_modes(modes)
+        if hard_limit_bytes is not None and (isinstance(hard_limit_bytes, bool) or int(hard_limit_bytes) <= 0):
+            raise ValueError(f"hard_limit_bytes must be a positive number of bytes, got {hard_limit_bytes!r}")
+        model = _unwrap(model)
         self.model = model
+        self._optimizer = optimizer
         self.job = job or f"job-{uuid.uuid4().hex[:8]}"
         self.rank = rank
         self.world_size = world_size
@@ -80,7 +93,9 @@ class Handle:
         found = find_blocks(model, blocks)
         self._fingerprint = model_fingerprint(found)
         self._accounting = SavedTensorAccounting()
+        self._accounting.hard_limit_bytes = int(hard_limit_bytes) if hard_limit_bytes is not None else None
         self._blocks = [SwitchableBlock(i, name, m, self._accounting) for i, (name, m) in enumerate(found)]
+        self._norm_hooks = protect_running_stats([m for _, m in found])
         self._applier = PlanApplier(self._blocks)
         self.last_stats: StepStats | None = None
         self._step = 0
@@ -93,8 +108,16 @@ class Handle:
         self._memory: CudaMemory | SavedTensorMemory | None = None
         self._closed = False
         self._errors = 0
+        self._safe = False
+        self._safe_retry = False
+        self._oom_streak = 0
+        self._unsent_oom: OomReport | None = None
+        self.oom_count = 0
+        """Out-of-memory errors the handle recovered from (or re-raised)."""
+        self.last_memory: MemorySample | None = None
+        """The memory figures of the last step, including those the wire does not carry."""
         self._backend: Backend = (
-            StreamBackend(server, self._applier.receive) if server else EmbeddedBackend(self._applier.receive)
+            StreamBackend(server, self._applier.receive, stream) if server else EmbeddedBackend(self._applier.receive)
         )
         self.server = server
         self._hooks = [
@@ -151,6 +174,17 @@ class Handle:
             raise ValueError(f"pin_modes needs {len(self._blocks)} modes, one per block, got {len(modes)}")
         self._applier.pinned = tuple(Mode(m) for m in modes) if modes is not None else None
 
+    @property
+    def hard_limit_bytes(self) -> int | None:
+        """On the CPU, the bytes saved for backward a step may not cross (``None``: no limit)."""
+        return self._accounting.hard_limit_bytes
+
+    @hard_limit_bytes.setter
+    def hard_limit_bytes(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or int(value) <= 0):
+            raise ValueError(f"hard_limit_bytes must be a positive number of bytes or None, got {value!r}")
+        self._accounting.hard_limit_bytes = None if value is None else int(value)
+
     def step(self) -> None:
         """Mark the end of a training step (after ``optimizer.step()``). Never raises."""
         if self._closed or not self._forward_seen:
@@ -164,6 +198,52 @@ class Handle:
             self._forward_seen = False
             self._boundary = True
 
+    @property
+    def safe_mode(self) -> bool:
+        """True while every block recomputes after an out-of-memory error, until the planner's next plan."""
+        return self._safe
+
+    @property
+    def stream(self) -> StreamBackend | None:
+        """The stream to the service (its counters: ``connected``, ``dropped``, ``reconnects``), if any."""
+        return self._backend if isinstance(self._backend, StreamBackend) else None
+
+    def run_step(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one training step, ``fn(*args, **kwargs)``, recovering from an out-of-memory error once.
+
+        On an out-of-memory error the step's graph and gradients are freed,
+        the error is reported to the planner (with the step's shape), every
+        block recomputes from then on until the planner's next plan, and
+        ``fn`` runs again. A second error in a row is raised.
+        """
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            self._recover(exc)
+        else:
+            self._oom_streak = 0
+            return result
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            if is_oom(exc):
+                self._recover(exc)
+            raise
+        self._oom_streak = 0
+        return result
+
+    def guard(self) -> Guard:
+        """``with h.guard() as g:`` around a step: an out-of-memory error inside is recovered from.
+
+        The first error is suppressed (``g.oom`` is then True: retry or skip
+        the batch); another one in the next guarded block is raised. Locals of
+        the caller's frame (a ``loss``) keep their graph alive: put the step in
+        a function, or use :meth:`run_step`, to free it all.
+        """
+        return Guard(self)
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until the planner has answered every step so far (for tests and shutdown)."""
         return self._backend.flush(timeout)
@@ -173,7 +253,7 @@ class Handle:
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks:
+        for h in (*self._hooks, *self._norm_hooks):
             h.remove()
         for b in self._blocks:
             b.restore()
@@ -220,14 +300,18 @@ class Handle:
             self._accounting.exclude_module_state(self.model)
             self._offer_modes()
         self._shape = shape_of(args, kwargs)
-        if not self._profiled:
-            for b in self._blocks:
-                b.profiling = True
-                b.profile_shape = self._shape
-        else:
-            self._applier.apply_pending(self._shape)
-            for b in self._blocks:
-                b.step_shape = self._shape
+        if self._safe_retry:
+            self._safe_retry = False  # the retry runs with every block recomputed, whatever is pending
+        elif not self._profiled:
+            if not self._safe:
+                for b in self._blocks:
+                    b.profiling = True
+                    b.profile_shape = self._shape
+        elif (not self._safe or self._applier.has_pending()) and self._applier.apply_pending(self._shape):
+            # In safe mode every block recomputes until the planner answers with a new plan.
+            self._safe = False
+        for b in self._blocks:
+            b.step_shape = self._shape
         self._static = self._memory.static_bytes()
         self._step_started = time.perf_counter()
 
@@ -260,12 +344,16 @@ class Handle:
     def _end_step(self) -> None:
         assert self._memory is not None
         sample = self._memory.sample()
+        self.last_memory = sample
         if self._budget_bytes is None:
             self._budget_bytes = self._default_budget(sample)
         elapsed = time.perf_counter() - self._step_started if self._step_started else 0.0
-        if not self._profiled:
+        if not self._profiled and self._profile_complete():
             self._profiled = True
             self._backend.open(self._hello(sample))
+            if self._unsent_oom is not None:
+                self._backend.send_oom(self._unsent_oom)
+                self._unsent_oom = None
         stats = StepStats(
             step=self._step,
             peak_allocated_bytes=sample.peak_allocated_bytes,
@@ -324,9 +412,103 @@ class Handle:
 
     def report_oom(self, message: str = "") -> None:
         """Tell the planner the last step ran out of memory; a tighter plan follows."""
-        self._backend.send_oom(
-            OomReport(step=self._step, shape=self._shape, plan_version=self._applier.plan.version, message=message)
-        )
+        oom = OomReport(step=self._step, shape=self._shape, plan_version=self._applier.plan.version, message=message)
+        if self._profiled:
+            self._backend.send_oom(oom)
+        else:
+            self._unsent_oom = oom  # no planner yet: it hears of it with the profile
+
+    def _profile_complete(self) -> bool:
+        """Whether every block has a profile; after an error in the profiling step, borrow the largest."""
+        measured = [b.measure for b in self._blocks if b.measure is not None]
+        if len(measured) == len(self._blocks):
+            return True
+        if not measured:
+            return False  # nothing to plan from: every block keeps recomputing
+        largest = max(measured, key=lambda m: m.saved_bytes)
+        for b in self._blocks:
+            if b.measure is None:
+                b.measure = dataclasses.replace(largest)
+        return True
+
+    def _recover(self, exc: BaseException) -> None:
+        """After an out-of-memory error: free, report, recompute every block, let the step run again."""
+        self.oom_count += 1
+        self._oom_streak += 1
+        message = f"{type(exc).__name__}: {str(exc)[:500]}"
+        log.warning("rematd: out of memory at step %d (%s); every block recomputes now", self._step, message)
+        try:
+            free_after_oom(exc, self.model, self._optimizer, cuda=isinstance(self._memory, CudaMemory))
+            if self._accounting.active:
+                self._accounting.active = False
+                self._hooks_cm.__exit__(None, None, None)
+            # Nothing the failed step saved is needed any more.
+            self._accounting.forget()
+            self.report_oom(message)
+            for b in self._blocks:
+                b.profiling = False
+                b.checkpointed = True
+            self._safe = True
+            self._safe_retry = True
+            self._forward_seen = False
+            self._boundary = True
+            if isinstance(self._memory, CudaMemory):
+                self._memory.sample()  # the failed step's peaks are not the retry's
+            else:
+                self._accounting.take_peak()
+        except Exception:
+            self._errors += 1
+            log.exception("rematd: recovering from out of memory failed")
+
+
+class Guard:
+    """The context manager :meth:`Handle.guard` returns."""
+
+    def __init__(self, handle: Handle) -> None:
+        self._handle = handle
+        self.oom = False
+        """True when the guarded block ran out of memory and rematd recovered."""
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        h = self._handle
+        if exc is None:
+            h._oom_streak = 0
+            return False
+        if not isinstance(exc, Exception) or not is_oom(exc):
+            return False
+        h._recover(exc)
+        if h._oom_streak >= 2:
+            return False
+        self.oom = True
+        return True
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module to attach to: DDP's inner module; FSDP and compiled models are refused."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
+    for name, m in model.named_modules():
+        where = f" (at {name!r})" if name else ""
+        kind = type(m).__name__
+        if kind == "OptimizedModule" or hasattr(m, "_orig_mod"):
+            raise UnsupportedModel(
+                f"{kind}{where} is a torch.compile'd module; rematd switches checkpointing between steps, which "
+                "a compiled graph does not see. Attach to the model without torch.compile."
+            )
+        if kind in ("FullyShardedDataParallel", "FSDPModule") or any(
+            c.__name__ == "FSDPModule" for c in type(m).__mro__
+        ):
+            raise UnsupportedModel(
+                f"{kind}{where} is sharded with FSDP, which rematd does not support yet; use "
+                "DistributedDataParallel, or FSDP's own activation checkpointing"
+            )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        inner: nn.Module = model.module
+        return inner
+    return model
 
 
 MODE_NAMES = {m.name.lower(): m for m in Mode}
@@ -360,6 +542,11 @@ def attach(
     optimizer: torch.optim.Optimizer | None = None,
     margin_ratio: float = 0.1,
     modes: Sequence[str] | None = None,
+    token: str | None = None,
+    tls: bool = False,
+    root_certificates: str | os.PathLike[str] | bytes | None = None,
+    fallback_after_s: float | None = 60.0,
+    hard_limit_bytes: int | None = None,
 ) -> Handle:
     """Attach rematd to ``model`` and return the handle that applies its plans.
 
@@ -380,7 +567,22 @@ def attach(
             pointwise ops), ``"recompute"`` (keep only the block's input) and
             ``"offload"`` (saved activations to host memory; CUDA only).
             Default: all of them.
+        token: bearer token for the service (default: ``$REMATD_TOKEN``),
+            sent as ``authorization: Bearer <token>`` metadata.
+        tls: connect with TLS (implied by ``root_certificates``).
+        root_certificates: PEM roots (a path or the bytes) that sign the
+            service's certificate; default: the system's.
+        fallback_after_s: seconds without the service after which plans are
+            made in-process until it returns; ``None`` keeps the plan in force.
+        hard_limit_bytes: on the CPU, a step whose bytes saved for backward
+            would cross this raises :class:`rematd.client.OutOfMemory`
+            (recovered from by :meth:`Handle.run_step` / :meth:`Handle.guard`).
     """
+    stream = (
+        StreamConfig.build(token=token, tls=tls, root_certificates=root_certificates, fallback_after_s=fallback_after_s)
+        if server
+        else None
+    )
     rank, world = _dist_rank()
     return Handle(
         model,
@@ -393,4 +595,6 @@ def attach(
         world_size=world,
         margin_ratio=margin_ratio,
         modes=modes,
+        stream=stream,
+        hard_limit_bytes=hard_limit_bytes,
     )

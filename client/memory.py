@@ -24,6 +24,8 @@ class MemorySample:
     free_bytes: int = 0
     total_bytes: int = 0
     saved_peak_bytes: int = 0
+    inactive_split_bytes: int = 0
+    """Bytes in cached blocks split for a smaller request and not in use: fragmentation."""
 
 
 class CudaMemory:
@@ -51,6 +53,7 @@ class CudaMemory:
             reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
             alloc_retries=int(stats.get("num_alloc_retries", 0)),
             oom_count=int(stats.get("num_ooms", 0)),
+            inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current", 0)),
             free_bytes=int(free),
             total_bytes=int(total),
         )

@@ -107,8 +107,13 @@ class SwitchableBlock:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, SavedTensorAccounting.unpack), profiler.timer:
-            output = self._original(*args, **kwargs)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, SavedTensorAccounting.unpack), profiler.timer:
+                output = self._original(*args, **kwargs)
+        except BaseException:
+            # The outputs it collected hold the failed step's graph: let it go with the error.
+            profiler.timer.kept.clear()
+            raise
         if cuda:
             torch.cuda.synchronize()
         self.measure = profiler.result(inputs, time.perf_counter() - start, self.offer, self.host_bandwidth)

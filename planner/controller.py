@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rematd.planner.cost import choose, overhead_of, peak_of
 from rematd.planner.model import Mode, Option, Profile, Shape, ShapePlan, StepObservation
-from rematd.planner.solvers import Choice, solve
+from rematd.planner.solvers import Choice, smallest_peak, solve
 
 # Option lists and forward times by (profile, shape): sessions over one shared profile share them.
 _OPTIONS: dict[tuple[int, Shape, frozenset[Mode] | None], tuple[Profile, list[list[Option]]]] = {}
@@ -162,6 +162,14 @@ class Controller:
             robust = max(robust, bucket.crossing)
         return min(self.config.max_correction, max(1.0, robust) * bucket.boost)
 
+    def _ceiling(self, seq: int) -> int | None:
+        """The cap an out-of-memory event set at this length or a shorter one, scaled up to this length."""
+        if not seq:
+            return None
+        here = self.bucket_of(seq)
+        caps = [b.ceiling for s, b in self._state.buckets.items() if b.ceiling is not None and s <= here]
+        return min(caps) if caps else None
+
     # -- planning -------------------------------------------------------------
 
     def _options(self, shape: Shape | None, *, restricted: bool = False) -> list[list[Option]]:
@@ -191,8 +199,7 @@ class Controller:
 
     def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
         corr = self.correction(shape.seq_len) if shape.seq_len else 1.0
-        bucket_state = self._state.buckets.get(self.bucket_of(shape.seq_len)) if shape.seq_len else None
-        ceiling = bucket_state.ceiling if bucket_state is not None else None
+        ceiling = self._ceiling(shape.seq_len)
         key = (shape.batch, shape.seq_len, round(target, -3), round(corr * 100), static, ceiling)
         hit = self._cache.get(key)
         if hit is not None:
@@ -201,9 +208,8 @@ class Controller:
         # The correction scales activations, not the static memory.
         other = self.profile.other_at(shape if shape.seq_len else None)
         effective = static + int(max(0, target - static) / corr) - other
-        bucket = self._state.buckets.get(self.bucket_of(shape.seq_len)) if shape.seq_len else None
-        if bucket is not None and bucket.ceiling is not None:
-            effective = min(effective, static + bucket.ceiling - 1)
+        if ceiling is not None:
+            effective = min(effective, static + ceiling - 1)
         choice = solve(options, effective, static_bytes=static)
         if other:
             choice = dataclasses.replace(
@@ -391,18 +397,17 @@ class Controller:
         current = {e.max_seq_len: e for e in self.table}
         at = self.bucket_of(seq) if seq else None
         before = current.get(at) if at is not None else None
-        # Whatever the model says, the plan that just failed must recompute more.
-        for _ in range(12):
-            bucket.boost = min(cfg.max_correction, bucket.boost * cfg.oom_correction_step)
-            desired = self._desired(target, static_bytes)
-            now = next((e for e, _ in desired if e.max_seq_len == at), None)
-            if before is None or now is None or now.modes != before.modes:
-                break
-            if bucket.boost >= cfg.max_correction:
-                failed = Shape(batch=self._batch, seq_len=before.max_seq_len, tokens=before.max_tokens)
-                bucket.ceiling = peak_of(choose(self.profile.options_at(failed), before.modes), 0)
-                desired = self._desired(target, static_bytes)
-                break
+        bucket.boost = min(cfg.max_correction, bucket.boost * cfg.oom_correction_step)
+        if before is not None and at is not None:
+            # The plan that failed was wrong by an unknown amount: cap this length and longer ones
+            # close to the least any plan needs, and remember it (a cap only ever comes down).
+            failed_shape = Shape(batch=self._batch, seq_len=at, tokens=self._batch * at)
+            options = self._options(failed_shape)
+            failed = peak_of(choose(options, before.modes), 0)
+            floor = peak_of(choose(options, smallest_peak(options, 0).modes), 0)
+            cap = floor + max(0, failed - floor) // 10 + 1
+            bucket.ceiling = cap if bucket.ceiling is None else min(bucket.ceiling, cap)
+        desired = self._desired(target, static_bytes)
         table = []
         for entry, _ in desired:
             old = current.get(entry.max_seq_len)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 

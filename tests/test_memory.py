@@ -22,6 +22,7 @@ class FakeCuda:
             "reserved_bytes.all.current": 800,
             "num_alloc_retries": 2,
             "num_ooms": 1,
+            "inactive_split_bytes.all.current": 64,
         }
 
     def reset_peak_memory_stats(self, device: object) -> None:
@@ -46,6 +47,7 @@ def test_cuda_source_reads_and_resets_the_allocator(monkeypatch: pytest.MonkeyPa
     sample = source.sample()
     assert sample.peak_allocated_bytes == 700 and sample.peak_reserved_bytes == 900
     assert (sample.alloc_retries, sample.oom_count, sample.free_bytes, sample.total_bytes) == (2, 1, 1000, 4000)
+    assert sample.inactive_split_bytes == 64
     assert fake.resets == 2, "peaks are reset at start and after every sample"
     assert source.sample().peak_allocated_bytes == 300
 
@@ -57,3 +59,49 @@ def test_cuda_source_on_a_real_gpu() -> None:
     sample = source.sample()
     assert sample.peak_allocated_bytes >= x.numel()
     assert 0 < sample.free_bytes <= sample.total_bytes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes the CUDA boundary; the GPU test covers real CUDA")
+def test_a_cuda_model_reports_allocator_figures_every_step_and_recovers_from_cuda_oom(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handle picks the CUDA source for a model on a CUDA device and samples it once per step."""
+    from rematd import client
+    from rematd.client import handle as handle_mod
+
+    fake = FakeCuda()
+    for name in ("memory_stats", "reset_peak_memory_stats", "mem_get_info"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 123)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    # The model runs on the CPU; only the choice of memory source sees a CUDA device.
+    monkeypatch.setattr(
+        handle_mod.Handle, "_memory_source", lambda self, args, kwargs: CudaMemory(torch.device("cuda", 0))
+    )
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    h = client.attach(model, optimizer=opt, blocks=list(model))
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+        loss = model(torch.randn(2, 4)).sum()
+        fake.peak = 500 + calls  # what the allocator saw during this step
+        loss.backward()
+        if calls == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        opt.step()
+        opt.zero_grad()
+
+    h.run_step(step)
+    assert h.last_stats is not None and h.last_stats.peak_allocated_bytes == 501
+    assert h.last_memory is not None and h.last_memory.inactive_split_bytes == 64
+    assert h.budget_bytes == 4000, "the default budget is the device's capacity"
+    h.run_step(step)  # fails once, is retried with every block recomputed
+    assert calls == 3 and h.oom_count == 1 and emptied, "the cache was emptied after the error"
+    assert h._accounting.active is False, "no saved-tensor hooks on CUDA"
+    h.close()

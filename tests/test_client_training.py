@@ -1,0 +1,105 @@
+"""Training loops as users write them: accumulation, dropout, many plan switches; bitwise against no rematd."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rematd import client
+from rematd.client.models import lm_loss
+
+from .helpers import batch, tiny_model
+
+
+def test_plans_never_switch_between_micro_batches_of_one_step() -> None:
+    model = tiny_model(n_layer=4, d_model=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    h = client.attach(model, optimizer=opt, budget_bytes=10**12)
+    modes: list[tuple[int, int, tuple[bool, ...]]] = []  # (step, micro-batch, checkpointed per block)
+    micro = 0
+
+    def spy(module: torch.nn.Module, args: object) -> None:
+        if module is h._blocks[0].module:
+            modes.append((h.step_count, micro, tuple(b.checkpointed for b in h._blocks)))
+
+    spies = [b.module.register_forward_pre_hook(spy) for b in h._blocks]
+    n = len(h.blocks)
+    for step in range(6):
+        for micro in range(4):
+            # A plan arrives in the middle of the step, as one from the service can.
+            if step >= 1 and micro == 1:
+                blocks = tuple(range(0, n, 1 + step % 2))
+                plan = dataclasses.replace(h.plan, version=h.plan.version + 1, blocks=blocks, modes=(), shape_plans=())
+                h._applier.receive(plan)
+            lm_loss(model, batch(16, seed=micro)).backward()
+        opt.step()  # the hook ends the step
+        opt.zero_grad()
+    for s in range(6):
+        per_step = {m for (st, _, m) in modes if st == s}
+        assert len(per_step) == 1, f"step {s} switched between micro-batches: {per_step}"
+    # Each plan received mid-step was applied at the first forward of the next step.
+    for s in range(2, 6):
+        (m,) = {m for (st, _, m) in modes if st == s}
+        assert m == tuple(i in range(0, n, 1 + (s - 1) % 2) for i in range(n)), (s, m)
+    for sp in spies:
+        sp.remove()
+    h.close()
+
+
+def test_hundred_steps_with_dropout_and_switches_match_a_run_without_rematd_bitwise() -> None:
+    ref = tiny_model(n_layer=4, d_model=16, dropout=0.1, seed=5)
+    model = tiny_model(n_layer=4, d_model=16, dropout=0.1, seed=5)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    h = client.attach(model, optimizer=opt, budget_bytes=10**12)
+    free_peak = 0
+    for step in range(100):
+        seq = 32 if (step // 7) % 2 else 16
+        if step == 1:
+            assert h.last_stats is not None
+            free_peak = h.last_stats.saved_peak_bytes
+        if step >= 1:
+            # Alternate between a budget with room to spare and one that needs recomputation.
+            h.budget_bytes = free_peak * 8 if (step // 15) % 2 else int(free_peak * 0.7)
+        data = batch(seq, seed=step)
+        losses = []
+        for m, o in ((ref, opt_ref), (model, opt)):
+            torch.manual_seed(1000 + step)  # the same dropout masks, if nothing disturbs the generator
+            loss = lm_loss(m, data)
+            loss.backward()
+            losses.append(loss.detach())
+            if step % 10 == 0 or step == 99:
+                grads = [p.grad for p in m.parameters()]
+                if m is ref:
+                    ref_grads = grads
+                else:
+                    for (name, _), a, b in zip(ref.named_parameters(), ref_grads, grads, strict=True):
+                        assert a is not None and b is not None and torch.equal(a, b), (step, name)
+            o.step()
+            o.zero_grad(set_to_none=True)
+        assert torch.equal(losses[0], losses[1]), f"step {step}: {losses[0].item()} != {losses[1].item()}"
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    plans = {p.blocks for p in h.history}
+    assert len(h.history) >= 6 and len(plans) >= 3, [(p.version, p.blocks) for p in h.history]
+    assert any(p.blocks for p in h.history) and any(not p.blocks for p in h.history)
+    h.close()
+
+
+def test_compiled_and_fsdp_models_are_refused_with_what_to_do_instead() -> None:
+    model = tiny_model(n_layer=2, d_model=16)
+    compiled = torch.compile(model)  # wrapping only; nothing compiles until it runs
+    with pytest.raises(client.UnsupportedModel, match=r"torch\.compile"):
+        client.attach(compiled)
+
+    class FSDPModule:  # what fully_shard mixes into a module's class
+        pass
+
+    sharded = tiny_model(n_layer=2, d_model=16)
+    sharded.h[0].__class__ = type("FSDPBlock", (FSDPModule, type(sharded.h[0])), {})
+    with pytest.raises(client.UnsupportedModel, match=r"FSDP.*at 'h\.0'"):
+        client.attach(sharded)
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        client.attach("model")  # type: ignore[arg-type]
