@@ -370,6 +370,7 @@ class Handle:
             saved_peak_bytes=sample.saved_peak_bytes,
             budget_bytes=self._budget_bytes,
             static_bytes=self._static,
+            inactive_split_bytes=sample.inactive_split_bytes,
         )
         self.last_stats = stats
         self._step += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 from rematd.planner.controller import Controller, ControllerConfig, Decision
@@ -58,6 +59,14 @@ class PlannerSession:
         while len(self._recent) > 8:
             self._recent.popitem(last=False)
         return plan
+
+    def renumber_after(self, version: int) -> Plan:
+        """Re-issue the plan in force as ``version + 1`` (a client planned on its own meanwhile
+        and is at ``version``: plans must keep going up for it to take them)."""
+        if version >= self._plan.version:
+            self._plan = dataclasses.replace(self._plan, version=version + 1)
+            self._recent[self._plan.version] = self._plan
+        return self._plan
 
     def _adopt(self, decision: Decision | None) -> Plan | None:
         if decision is None:

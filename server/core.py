@@ -155,9 +155,16 @@ class AdvisorCore:
                 # A job an operator ended comes back as a new run under the same name.
                 controls.ended_at = None
                 self.store.set_controls(job, controls.as_row(), now)
+            jumped = False
             if resumed and existing is not None:
                 session = existing
                 session.hello = hello
+                if hello.plan_version > session.sent.version:
+                    # The rank planned on its own while cut off: continue above its versions.
+                    session.planner.renumber_after(hello.plan_version)
+                    session.base = session.planner.plan
+                    session.sent = self._pinned(session) or session.base
+                    jumped = session.sent.version > hello.plan_version
             else:
                 if hello.plan_version > 0:
                     # A rank that outlived a restart of the service: continue its plan history.
@@ -186,7 +193,7 @@ class AdvisorCore:
             # Present from the start at 0, so that increase() sees the first OOM.
             self.metrics.oom_events.labels(job)
             self.metrics.steps.labels(job)
-            if not resumed:
+            if not resumed or jumped:
                 self._record_plan(session, session.sent, now)
             log.info("rank %s of job %s %s", hello.rank, job, "resumed" if resumed else "connected")
             return session, session.sent

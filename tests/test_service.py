@@ -177,3 +177,13 @@ def test_rank_outliving_a_restart_continues_its_history(tmp_path: Path) -> None:
     assert plan.version == 3
     assert [p["version"] for p in restarted.job_plans("job-a")] == [1, 2, 3]
     restarted.on_stats(s2, stats(1, 100))
+
+
+def test_rank_that_planned_on_its_own_gets_versions_above_its_own(tmp_path: Path) -> None:
+    core = AdvisorCore(Store(tmp_path / "r.db"), Metrics())
+    s, first = core.open_session(hello())
+    core.close_session(s, ended=False)
+    # Cut off, the client's fallback planner went on to version 7; the service must not send less.
+    again, plan = core.open_session(Hello(**{**_fields(hello()), "plan_version": 7}))
+    assert again is s and plan.version == 8 and plan.blocks == first.blocks
+    assert [p["version"] for p in core.job_plans("job-a")] == [1, 8]

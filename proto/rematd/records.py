@@ -168,9 +168,11 @@ class StepStats:
     saved_peak_bytes: int = 0
     budget_bytes: int = 0
     static_bytes: int = 0
+    inactive_split_bytes: int = 0
 
     def validate(self) -> None:
         for name in (
+            "inactive_split_bytes",
             "step",
             "peak_allocated_bytes",
             "peak_reserved_bytes",

@@ -34,6 +34,7 @@ _STATS_FIELDS = (
     "saved_peak_bytes",
     "budget_bytes",
     "static_bytes",
+    "inactive_split_bytes",
 )
 
 
