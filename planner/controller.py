@@ -14,13 +14,10 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from rematd.planner.cost import choose, overhead_of, peak_of
+from rematd.planner.cost import overhead_ratio
 from rematd.planner.model import Mode, Option, Profile, Shape, ShapePlan, StepObservation
-from rematd.planner.solvers import Choice, smallest_peak, solve
-
-# Option lists and forward times by (profile, shape): sessions over one shared profile share them.
-_OPTIONS: dict[tuple[int, Shape, frozenset[Mode] | None], tuple[Profile, list[list[Option]]]] = {}
-_FORWARD: dict[tuple[int, Shape], tuple[Profile, float]] = {}
+from rematd.planner.shapes import AtShape, at_shape
+from rematd.planner.solvers import Choice, solve_prepared
 
 # A looser plan must fit this fraction of the target under the worst recent correction.
 LOOSEN_SLACK = 0.97
@@ -134,7 +131,8 @@ class Controller:
         if seq <= 8:
             return 8
         rung = math.ceil(math.log(seq / 8, self.config.bucket_ratio) - 1e-9)
-        return max(seq, round(8 * self.config.bucket_ratio**rung))
+        # Rounded down, so that a bucket's top falls in its own bucket.
+        return max(seq, math.floor(8 * self.config.bucket_ratio**rung + 1e-9))
 
     def _ladder(self) -> list[int]:
         if not self._seqs:
@@ -152,8 +150,11 @@ class Controller:
         st = self._state
         bucket = st.buckets.get(self.bucket_of(seq))
         if bucket is None or not bucket.ratios:
-            known = [self.correction(b, pessimistic=pessimistic) for b, v in st.buckets.items() if v.ratios]
-            return max(known, default=1.0) * (bucket.boost if bucket else 1.0)
+            known = [self._measured(b, pessimistic) for b in st.buckets.values() if b.ratios]
+            return min(self.config.max_correction, max(known, default=1.0) * (bucket.boost if bucket else 1.0))
+        return self._measured(bucket, pessimistic)
+
+    def _measured(self, bucket: _Bucket, pessimistic: bool) -> float:
         ordered = sorted(bucket.ratios, reverse=True)
         robust = ordered[0] if pessimistic or len(ordered) == 1 else ordered[1]
         if pessimistic:
@@ -172,30 +173,18 @@ class Controller:
 
     # -- planning -------------------------------------------------------------
 
-    def _options(self, shape: Shape | None, *, restricted: bool = False) -> list[list[Option]]:
-        """Options at ``shape`` for every block, memoised: the controller asks for few shapes, often.
+    def _at(self, shape: Shape | None, *, restricted: bool = False) -> AtShape:
+        """The profile prepared at ``shape``; ``restricted`` limits the options to the configured
+        modes (what the solver may pick), unrestricted ones price any plan, including one made under
+        other settings."""
+        return at_shape(
+            self.profile,
+            shape if shape is None or shape.seq_len else None,
+            self.config.allowed_modes if restricted else None,
+        )
 
-        ``restricted`` limits them to the configured modes (what the solver may pick); unrestricted
-        lists price any plan, including one made under other settings.
-        """
-        allowed = self.config.allowed_modes if restricted else None
-        key = (id(self.profile), shape or self.profile.shape, allowed)
-        hit = _OPTIONS.get(key)
-        # Shared by every session over the same profile object; the identity check guards id reuse.
-        if hit is None or hit[0] is not self.profile:
-            if len(_OPTIONS) > 4096:
-                _OPTIONS.clear()
-            hit = _OPTIONS[key] = (self.profile, self.profile.options_at(shape, allowed))
-        return hit[1]
-
-    def _forward_seconds(self, shape: Shape) -> float:
-        key = (id(self.profile), shape)
-        hit = _FORWARD.get(key)
-        if hit is None or hit[0] is not self.profile:
-            if len(_FORWARD) > 4096:
-                _FORWARD.clear()
-            hit = _FORWARD[key] = (self.profile, self.profile.forward_seconds_at(shape))
-        return hit[1]
+    def _options(self, shape: Shape | None) -> list[list[Option]]:
+        return self._at(shape).options
 
     def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
         corr = self.correction(shape.seq_len) if shape.seq_len else 1.0
@@ -204,13 +193,13 @@ class Controller:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        options = self._options(shape if shape.seq_len else None, restricted=True)
+        at = self._at(shape, restricted=True)
         # The correction scales activations, not the static memory.
-        other = self.profile.other_at(shape if shape.seq_len else None)
+        other = at.other_bytes
         effective = static + int(max(0, target - static) / corr) - other
         if ceiling is not None:
             effective = min(effective, static + ceiling - 1)
-        choice = solve(options, effective, static_bytes=static)
+        choice = solve_prepared(at.knapsack, at.options, effective, static_bytes=static)
         if other:
             choice = dataclasses.replace(
                 choice,
@@ -228,13 +217,14 @@ class Controller:
         if hit is not None:
             return hit
         shape = Shape(batch=self._batch, seq_len=seq, tokens=self._batch * seq)
-        chosen = choose(self._options(shape), choice.modes)
+        at = self._at(shape)
+        peak, extra = at.cost(choice.modes)
         entry = ShapePlan(
             max_seq_len=seq,
             max_tokens=shape.tokens,
             modes=choice.modes,
-            predicted_peak_bytes=peak_of(chosen, static + self.profile.other_at(shape)),
-            predicted_overhead_ratio=overhead_of(chosen, self._forward_seconds(shape)),
+            predicted_peak_bytes=static + at.other_bytes + peak,
+            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
         )
         if len(self._entries) > 64:
             self._entries.clear()
@@ -251,17 +241,18 @@ class Controller:
 
     def _extra(self, modes: tuple[Mode, ...], seq: int) -> float:
         shape = Shape(batch=self._batch, seq_len=seq, tokens=self._batch * seq)
-        return sum(o.seconds for o in choose(self._options(shape), modes))
+        return self._at(shape).cost(modes)[1]
 
     def _decision(self, table: list[ShapePlan], shape: Shape, target: int, static: int, reason: str) -> Decision:
         entry = _lookup(table, shape)
-        options = self._options(shape if shape.seq_len else None)
-        chosen = choose(options, entry.modes) if entry else choose(options, [Mode.STORE] * len(options))
+        at = self._at(shape)
+        modes = entry.modes if entry else (Mode.STORE,) * len(at.options)
+        peak, extra = at.cost(modes)
         return Decision(
-            modes=tuple(o.mode for o in chosen),
+            modes=modes,
             table=tuple(table),
-            predicted_peak_bytes=peak_of(chosen, static + self.profile.other_at(shape if shape.seq_len else None)),
-            predicted_overhead_ratio=overhead_of(chosen, self._forward_seconds(shape)),
+            predicted_peak_bytes=static + at.other_bytes + peak,
+            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
             target_bytes=target,
             reason=reason,
         )
@@ -276,8 +267,8 @@ class Controller:
                 modes=choice.modes,
                 table=(),
                 predicted_peak_bytes=choice.predicted_peak_bytes,
-                predicted_overhead_ratio=overhead_of(
-                    choose(self.profile.options_at(), choice.modes), self.profile.forward_seconds_at()
+                predicted_overhead_ratio=overhead_ratio(
+                    self._at(None).cost(choice.modes)[1], self._at(None).forward_seconds
                 ),
                 target_bytes=target,
                 reason=_initial_reason(choice, target),
@@ -299,9 +290,9 @@ class Controller:
             self._seqs.add(shape.seq_len)
             if len(self._seqs) > 64:
                 self._seqs = {min(self._seqs), max(self._seqs)}
-        options = self._options(shape if shape.seq_len else None)
-        modes = measured_modes or tuple(Mode.STORE for _ in options)
-        predicted = peak_of(choose(options, modes), self.profile.other_at(shape if shape.seq_len else None))
+        at = self._at(shape)
+        modes = measured_modes or tuple(Mode.STORE for _ in at.options)
+        predicted = at.other_bytes + at.cost(modes)[0]
         measured_over = obs.peak_bytes > target
         if predicted > 0 and obs.peak_bytes > 0 and shape.seq_len:
             activations = max(0, obs.peak_bytes - obs.static_bytes)
@@ -378,9 +369,9 @@ class Controller:
     def _fits(
         self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False
     ) -> bool:
-        chosen = choose(self._options(shape), modes)
+        at = self._at(shape)
         correction = self.correction(shape.seq_len, pessimistic=pessimistic)
-        activations = peak_of(chosen, self.profile.other_at(shape)) * correction
+        activations = (at.other_bytes + at.cost(modes)[0]) * correction
         return static + activations <= target
 
     def after_oom(self, *, shape: Shape, budget_bytes: int, static_bytes: int) -> Decision:
@@ -395,16 +386,16 @@ class Controller:
         if seq:
             self._seqs.add(seq)
         current = {e.max_seq_len: e for e in self.table}
-        at = self.bucket_of(seq) if seq else None
-        before = current.get(at) if at is not None else None
+        # The entry the step ran with: the one covering its length, the longest one past the table.
+        before = _lookup(list(self.table), shape) if seq and shape.seq_len else None
         bucket.boost = min(cfg.max_correction, bucket.boost * cfg.oom_correction_step)
-        if before is not None and at is not None:
+        if before is not None:
             # The plan that failed was wrong by an unknown amount: cap this length and longer ones
             # close to the least any plan needs, and remember it (a cap only ever comes down).
+            at = self.bucket_of(seq)
             failed_shape = Shape(batch=self._batch, seq_len=at, tokens=self._batch * at)
-            options = self._options(failed_shape)
-            failed = peak_of(choose(options, before.modes), 0)
-            floor = peak_of(choose(options, smallest_peak(options, 0).modes), 0)
+            failed = self._at(failed_shape).cost(before.modes)[0]
+            floor = self._at(failed_shape, restricted=True).knapsack.least_peak()[0]
             cap = floor + max(0, failed - floor) // 10 + 1
             bucket.ceiling = cap if bucket.ceiling is None else min(bucket.ceiling, cap)
         desired = self._desired(target, static_bytes)

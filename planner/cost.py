@@ -17,10 +17,14 @@ def peak_of(chosen: Sequence[Option], static_bytes: int = 0) -> int:
 
 def overhead_of(chosen: Sequence[Option], forward_seconds: float) -> float:
     """Extra step time as a fraction of a step without recomputation."""
-    extra = sum(o.seconds for o in chosen)
+    return overhead_ratio(sum(o.seconds for o in chosen), forward_seconds)
+
+
+def overhead_ratio(extra_seconds: float, forward_seconds: float) -> float:
+    """``extra_seconds`` as a fraction of a step without recomputation."""
     if forward_seconds <= 0:
-        return extra
-    return extra / (STEP_FORWARDS * forward_seconds)
+        return extra_seconds
+    return extra_seconds / (STEP_FORWARDS * forward_seconds)
 
 
 def choose(options: list[list[Option]], modes: Sequence[Mode]) -> list[Option]:

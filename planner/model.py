@@ -17,6 +17,11 @@ def _check_seconds(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite, non-negative number of seconds, got {value!r}")
 
 
+# The exponents a term may have: activations grow at most with batch^2 and seq^3.
+MAX_BATCH_EXP = 2
+MAX_SEQ_EXP = 3
+
+
 class Mode(enum.IntEnum):
     """How a block keeps what its backward needs. Values match the wire enum."""
 
@@ -58,7 +63,7 @@ class Term:
 
     def __post_init__(self) -> None:
         _check_bytes("term.bytes", self.bytes)
-        if not (0 <= self.batch_exp <= 2 and 0 <= self.seq_exp <= 3):
+        if not (0 <= self.batch_exp <= MAX_BATCH_EXP and 0 <= self.seq_exp <= MAX_SEQ_EXP):
             raise ValueError(f"term exponents out of range: batch^{self.batch_exp} seq^{self.seq_exp}")
 
 
@@ -84,11 +89,31 @@ class Size:
     def at(self, ref: Shape, shape: Shape) -> int:
         if not self.terms:
             return 0
+        return self.scaled(_Scale(ref, shape))
+
+    def scaled(self, scale: _Scale) -> int:
+        if not self.terms:
+            return 0
+        if scale.tokens_only is not None:
+            return int(self.bytes * scale.tokens_only)
+        table = scale.table
+        return int(sum([t.bytes * table[t.batch_exp][t.seq_exp] for t in self.terms]))
+
+
+class _Scale:
+    """The factors that take sizes measured at ``ref`` to ``shape``, one per pair of exponents."""
+
+    __slots__ = ("table", "tokens_only")
+
+    def __init__(self, ref: Shape, shape: Shape) -> None:
         if not (ref.batch and ref.seq_len and shape.batch and shape.seq_len):
             # Only tokens are known: scale everything with them.
-            return int(self.bytes * _ratio(shape.tokens, ref.tokens))
-        rb, rs = _ratio(shape.batch, ref.batch), _ratio(shape.seq_len, ref.seq_len)
-        return int(sum(t.bytes * rb**t.batch_exp * rs**t.seq_exp for t in self.terms))
+            self.tokens_only: float | None = _ratio(shape.tokens, ref.tokens)
+            rb = rs = 1.0
+        else:
+            self.tokens_only = None
+            rb, rs = _ratio(shape.batch, ref.batch), _ratio(shape.seq_len, ref.seq_len)
+        self.table = tuple(tuple(rb**b * rs**q for q in range(MAX_SEQ_EXP + 1)) for b in range(MAX_BATCH_EXP + 1))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,10 +190,14 @@ class Profile:
     """The input shape the costs were measured at."""
     other: Size = field(default_factory=Size)
     """Activations saved outside the blocks (embeddings, head, loss): always stored."""
+    _first: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """Per block, the first block with equal costs: costs are computed once per class of blocks."""
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("a profile needs at least one block")
+        seen: dict[BlockCost, int] = {}
+        object.__setattr__(self, "_first", tuple(seen.setdefault(b, i) for i, b in enumerate(self.blocks)))
 
     def other_at(self, shape: Shape | None = None) -> int:
         return self.other.at(self.shape, shape or self.shape)
@@ -179,34 +208,42 @@ class Profile:
 
     def time_ratio(self, shape: Shape) -> float:
         """How step time scales to ``shape``: like the stored activations do."""
-        ref = sum(b.saved_bytes for b in self.blocks)
-        now = sum(self.options_at(shape)[i][0].kept for i in range(self.num_blocks))
+        scale = _Scale(self.shape, shape)
+        ref = now = 0
+        done: dict[int, tuple[int, int]] = {}
+        for i, b in enumerate(self.blocks):
+            first = self._first[i]
+            if first not in done:
+                store = next(m for m in b.mode_costs() if m.mode == Mode.STORE).kept
+                done[first] = (store.bytes, store.scaled(scale))
+            r, n = done[first]
+            ref += r
+            now += n
         return now / ref if ref and now else _ratio(shape.tokens, self.shape.tokens)
 
     def options_at(self, shape: Shape | None = None, allowed: frozenset[Mode] | None = None) -> list[list[Option]]:
         """Every block's options at ``shape`` (the profile's own when None), STORE first."""
         target = shape or self.shape
-        out = []
-        for b in self.blocks:
-            opts = []
-            store_ref = 0
-            for m in b.mode_costs():
-                if allowed is not None and m.mode not in allowed and m.mode != Mode.STORE:
-                    continue
-                kept = m.kept.at(self.shape, target)
-                if m.mode == Mode.STORE:
-                    store_ref = m.kept.bytes
-                opts.append((m, kept))
-            scale = (opts[0][1] / store_ref) if store_ref else _ratio(target.tokens, self.shape.tokens)
-            out.append(
-                sorted(
-                    (
-                        Option(m.mode, kept, m.transient.at(self.shape, target), m.extra_seconds * scale)
-                        for m, kept in opts
-                    ),
-                    key=lambda o: (o.mode != Mode.STORE, o.mode),
-                )
-            )
+        sizes = _Scale(self.shape, target)
+        tokens = _ratio(target.tokens, self.shape.tokens)
+        # Equal blocks share one list of options (option lists are never mutated).
+        out: list[list[Option]] = []
+        for i, b in enumerate(self.blocks):
+            first = self._first[i]
+            if first != i:
+                out.append(out[first])
+                continue
+            costs = sorted(b.mode_costs(), key=lambda m: (m.mode != Mode.STORE, m.mode))
+            store = costs[0].kept
+            store_now = store.scaled(sizes)
+            # A mode's seconds scale like the block's stored activations.
+            scale = store_now / store.bytes if store.bytes else tokens
+            opts = [
+                Option(m.mode, m.kept.scaled(sizes), m.transient.scaled(sizes), m.extra_seconds * scale)
+                for m in costs
+                if allowed is None or m.mode in allowed or m.mode == Mode.STORE
+            ]
+            out.append(opts)
         return out
 
     def forward_seconds_at(self, shape: Shape | None = None) -> float:

@@ -240,3 +240,31 @@ def test_oom_tightens_even_when_the_model_sees_room() -> None:
         StepObservation(step=0, peak_bytes=300, budget_bytes=10_000, shape=REF, plan_version=plan.version)
     )
     assert again is None or again.blocks, "the shape that ran out of memory is remembered"
+
+
+def test_oom_past_the_table_tightens_at_the_length_that_failed() -> None:
+    """Profiled at 16 tokens, out of memory at 128: past the table's longest entry at first."""
+    ref = Shape(batch=2, seq_len=16, tokens=32)
+    profile = Profile(
+        blocks=tuple(BlockCost(saved_bytes=100, input_bytes=10, forward_seconds=0.01) for _ in range(8)), shape=ref
+    )
+    session = PlannerSession(profile, budget_bytes=100_000)
+    failed_at = Shape(batch=2, seq_len=128, tokens=256)
+    before = session.plan.modes_for(failed_at, 8)
+    assert all(m == Mode.STORE for m in before), "a roomy budget stores everything at first"
+    plan = session.report_oom(failed_at)
+    assert plan is not None
+    after = plan.modes_for(failed_at, 8)
+    options = profile.options_at(failed_at)
+
+    def kept(modes: tuple[Mode, ...]) -> int:
+        return peak_of([next(o for o in op if o.mode == m) for op, m in zip(options, modes, strict=True)])
+
+    assert kept(after) < kept(before), "the length that ran out of memory must get a plan that keeps less"
+
+
+@given(st.integers(1, 100_000))
+def test_a_bucket_top_falls_in_its_own_bucket(seq: int) -> None:
+    controller = PlannerSession(uniform(2), budget_bytes=1000).controller
+    top = controller.bucket_of(seq)
+    assert top >= seq and controller.bucket_of(top) == top

@@ -1,0 +1,78 @@
+"""A profile's costs at one input shape, prepared once and shared by every session over that profile."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from rematd.planner.cost import choose, peak_of
+from rematd.planner.knapsack import Knapsack
+from rematd.planner.model import Mode, Option, Profile, Shape
+
+# Plans priced per shape before the memo starts over.
+MAX_COSTS = 64
+# Blocks' worth of prepared shapes kept in all (a block's options and knapsack take about 1 KiB).
+MAX_CACHED_BLOCKS = 256 * 1024
+
+
+class AtShape:
+    """Every block's options at one shape (those of the allowed modes), the forward time,
+    the activations saved outside the blocks, and the knapsack, built on first use."""
+
+    __slots__ = ("_costs", "_knapsack", "forward_seconds", "options", "other_bytes", "profile")
+
+    def __init__(self, profile: Profile, shape: Shape | None, allowed: frozenset[Mode] | None) -> None:
+        self.profile = profile
+        self.options: list[list[Option]] = profile.options_at(shape, allowed)
+        self.forward_seconds = profile.forward_seconds_at(shape)
+        self.other_bytes = profile.other_at(shape)
+        self._knapsack: Knapsack | None = None
+        self._costs: dict[tuple[Mode, ...], tuple[int, float]] = {}
+
+    def cost(self, modes: tuple[Mode, ...]) -> tuple[int, float]:
+        """Bytes of activations at the peak (kept + the largest transient, without the activations
+        outside the blocks) and extra seconds of ``modes``; memoised, as a session prices the few
+        plans of its table over and over."""
+        hit = self._costs.get(modes)
+        if hit is None:
+            chosen = choose(self.options, modes)
+            hit = (peak_of(chosen), sum(o.seconds for o in chosen))
+            if len(self._costs) >= MAX_COSTS:
+                self._costs.clear()
+            self._costs[modes] = hit
+        return hit
+
+    @property
+    def knapsack(self) -> Knapsack:
+        if self._knapsack is None:
+            self._knapsack = Knapsack(self.options)
+        return self._knapsack
+
+
+_CACHE: OrderedDict[tuple[int, Shape | None, frozenset[Mode] | None], AtShape] = OrderedDict()
+_cached_blocks = 0
+
+
+def at_shape(profile: Profile, shape: Shape | None, allowed: frozenset[Mode] | None = None) -> AtShape:
+    """The prepared costs of ``profile`` at ``shape`` (its own when None), least recently used evicted.
+
+    Sessions ask for few shapes, often; sessions of one model share the profile object and so the
+    entries.
+    """
+    global _cached_blocks
+    if shape == profile.shape:
+        shape = None
+    key = (id(profile), shape, allowed)
+    hit = _CACHE.get(key)
+    # The identity check guards against a dead profile's id being reused.
+    if hit is not None and hit.profile is profile:
+        _CACHE.move_to_end(key)
+        return hit
+    entry = AtShape(profile, shape, allowed)
+    if hit is not None:
+        _cached_blocks -= hit.profile.num_blocks
+    _CACHE[key] = entry
+    _cached_blocks += profile.num_blocks
+    while _cached_blocks > MAX_CACHED_BLOCKS and len(_CACHE) > 1:
+        _, old = _CACHE.popitem(last=False)
+        _cached_blocks -= old.profile.num_blocks
+    return entry

@@ -1,0 +1,130 @@
+"""The prepared knapsack: bounds that hold, a cap search that finds what scanning every cap finds,
+and plans that fit whenever one can."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rematd.planner import BlockCost, Mode, ModeCost, Option, Profile, Shape, Size, peak_of
+from rematd.planner.knapsack import INF, Knapsack
+from rematd.planner.solvers import solve
+
+REF = Shape(batch=2, seq_len=64, tokens=128)
+
+
+def block(saved: int, sel: int, x: int, t: float, off: float) -> BlockCost:
+    """A block with the four modes, its selective and recomputed costs drawn independently."""
+    sel, x = min(saved, max(sel, x)), min(x, saved)
+    return BlockCost(
+        saved_bytes=saved,
+        input_bytes=x,
+        forward_seconds=t,
+        modes=(
+            ModeCost(mode=Mode.STORE, kept=Size.linear(saved)),
+            ModeCost(
+                mode=Mode.SELECTIVE, kept=Size.linear(sel), transient=Size.linear(saved - sel), extra_seconds=t / 4
+            ),
+            ModeCost(mode=Mode.RECOMPUTE, kept=Size.linear(x), transient=Size.linear(saved), extra_seconds=t),
+            ModeCost(mode=Mode.OFFLOAD, kept=Size(), transient=Size.linear(saved), extra_seconds=off),
+        ),
+    )
+
+
+blocks_st = st.builds(
+    block,
+    st.integers(1, 5_000),
+    st.integers(0, 5_000),
+    st.integers(0, 1_000),
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 2.0),
+)
+
+
+def every_cap(knapsack: Knapsack, budget: int) -> float:
+    """The rounded greedy with every cap scanned: what the cap search has to find."""
+    return min(
+        (
+            knapsack._scan(j, budget - cap)
+            for j, cap in enumerate(knapsack.caps)
+            if cap <= budget and knapsack._lean[j] + cap <= budget
+        ),
+        default=INF,
+    )
+
+
+def least_peak_by_brute_force(options: list[list[Option]]) -> int:
+    return min(peak_of(combo) for combo in itertools.product(*options))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(blocks_st, min_size=1, max_size=5), st.floats(0.0, 1.0))
+def test_least_peak_is_the_least_of_any_choice(blocks: list[BlockCost], _: float) -> None:
+    options = Profile(blocks=tuple(blocks), shape=REF).options_at()
+    knapsack = Knapsack(options)
+    least, j = knapsack.least_peak()
+    assert least == least_peak_by_brute_force(options)
+    chosen = [next(o for o in opts if o.mode == m) for opts, m in zip(options, knapsack.leanest(j), strict=True)]
+    assert peak_of(chosen) == least
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(blocks_st, min_size=8, max_size=60), st.floats(0.05, 1.0))
+def test_bound_never_exceeds_any_plan_and_plans_fit_when_one_can(blocks: list[BlockCost], frac: float) -> None:
+    options = Profile(blocks=tuple(blocks), shape=REF).options_at()
+    knapsack = Knapsack(options)
+    budget = int(sum(b.saved_bytes for b in blocks) * frac)
+    found = knapsack.solve(budget)
+    if knapsack.least_peak()[0] > budget:
+        assert found is None
+        return
+    assert found is not None
+    chosen = [next(o for o in opts if o.mode == m) for opts, m in zip(options, found.modes, strict=True)]
+    assert peak_of(chosen) <= budget
+    assert found.kept + found.transient == peak_of(chosen)
+    assert knapsack.bound(budget) <= found.seconds + 1e-9
+    # Every cap: the bound holds below the rounded greedy there too.
+    for j, cap in enumerate(knapsack.caps):
+        if cap <= budget and knapsack._lean[j] + cap <= budget:
+            assert knapsack.bound(budget - cap) <= knapsack._scan(j, budget - cap) + 1e-9
+
+
+def test_cap_search_finds_what_scanning_every_cap_finds() -> None:
+    """Blocks all unlike (hundreds of distinct caps): the search scans a few dozen of them."""
+    ratios = []
+    for seed in range(60):
+        rng = random.Random(seed)
+        blocks = [
+            block(rng.randint(1, 5000), rng.randint(0, 5000), rng.randint(0, 1000), rng.random(), 2 * rng.random())
+            for _ in range(rng.choice([40, 80, 150]))
+        ]
+        knapsack = Knapsack(Profile(blocks=tuple(blocks), shape=REF).options_at())
+        store = sum(b.saved_bytes for b in blocks)
+        for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
+            budget = int(store * frac)
+            best = every_cap(knapsack, budget)
+            found = knapsack.solve(budget)
+            if best == INF:
+                assert found is None
+                continue
+            assert found is not None
+            ratios.append(found.seconds / best if best > 0 else 1.0)
+    assert len(ratios) > 200
+    assert sum(r > 1 + 1e-9 for r in ratios) <= len(ratios) // 50  # at most 2% of budgets miss...
+    assert max(ratios) <= 1.10  # ...and by little
+
+
+def test_identical_blocks_form_one_class_and_get_every_kth() -> None:
+    profile = Profile(blocks=(block(1000, 400, 100, 0.01, 0.05),) * 12, shape=REF)
+    options = profile.options_at()
+    # Recompute frees 900 bytes for 0.01 s per block, selective 600 for 0.0025: the target asks for
+    # 12 x 1000 - 9000 = 3000 bytes freed (+ the recompute transient): selective everywhere is cheapest.
+    choice = solve(options, 9000, exact=False)
+    assert choice.fits and set(choice.modes) <= {Mode.SELECTIVE, Mode.STORE}
+    tight = solve(options, 3000, exact=False)
+    assert tight.fits
+    recomputed = [i for i, m in enumerate(tight.modes) if m == Mode.RECOMPUTE]
+    assert recomputed and len({b - a for a, b in itertools.pairwise(recomputed)}) <= 2  # spread evenly
