@@ -29,7 +29,16 @@ from rematd.planner import (
     predict_overhead_ratio,
     predict_peak_bytes,
 )
-from rematd.records import JOB_ID_RE, Hello, InvalidMessage, OomReport, StepStats, observation, open_planner
+from rematd.records import (
+    JOB_ID_RE,
+    MAX_INT,
+    Hello,
+    InvalidMessage,
+    OomReport,
+    StepStats,
+    observation,
+    open_planner,
+)
 from rematd.server.errors import JobNotFound, SessionError
 from rematd.server.metrics import Metrics, RankSample
 from rematd.server.store import Store
@@ -128,6 +137,7 @@ class AdvisorCore:
         self._controls_revision = 0
         self._interned: dict[Any, Any] = {}
         self.metrics.snapshot = self.rank_samples
+        self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
         self.refresh_controls()
 
     # -- the training side ----------------------------------------------------
@@ -136,6 +146,8 @@ class AdvisorCore:
         """Start or resume a rank's session; returns it and the plan to apply."""
         try:
             planner = self._planner(hello)
+            if hello.plan_version >= MAX_INT:
+                raise InvalidMessage("hello.plan_version", f"leaves no room for a newer version below {MAX_INT}")
         except InvalidMessage:
             self.metrics.invalid_messages.inc()
             raise
@@ -175,6 +187,8 @@ class AdvisorCore:
                 if hello.plan_version == 0 and self.config.warm_start:
                     session.base = self._warm_start(session) or session.base
                 session.sent = self._pinned(session) or session.base
+                for plan in (session.base, session.sent):
+                    self._check_fits(plan, "hello.blocks")
                 self._sessions[session.key] = session
                 self._by_job.setdefault(job, {})[hello.rank] = session
             session.streams += 1
@@ -219,10 +233,12 @@ class AdvisorCore:
             session.last_step = stats.step
             session.last_peak = obs.peak_bytes
             started = time.perf_counter()
-            if session.planner.observe(obs) is not None:
-                session.base = session.planner.plan
+            changed = session.planner.observe(obs)
             self.metrics.plan_duration.observe(time.perf_counter() - started)
-            plan = self._outgoing(session)
+            if changed is not None:
+                self._check_fits(session.planner.plan, "stats.shape")
+                session.base = session.planner.plan
+            plan = self._outgoing(session, "stats.shape")
             if plan is not None:
                 session.sent = plan
                 self._record_plan(session, plan, now)
@@ -279,8 +295,9 @@ class AdvisorCore:
             self.metrics.oom_events.labels(job).inc()
             session.oom_on_plan = True
             if session.planner.report_oom(oom.shape) is not None:
+                self._check_fits(session.planner.plan, "oom.shape")
                 session.base = session.planner.plan
-            plan = self._outgoing(session)
+            plan = self._outgoing(session, "oom.shape")
             if plan is not None:
                 session.sent = plan
                 self._record_plan(session, plan, now)
@@ -360,14 +377,32 @@ class AdvisorCore:
             reason=reason,
         )
 
-    def _outgoing(self, session: RankSession) -> Plan | None:
+    def _outgoing(self, session: RankSession, cause: str) -> Plan | None:
         """The plan to send when it differs from what the rank has, versioned after it."""
         want = self._pinned(session) or session.base
         if want.blocks == session.sent.blocks:
             return None
+        plan = dataclasses.replace(want, version=session.sent.version + 1)
+        self._check_fits(plan, cause)
         session.steps_on_plan = 0
         session.oom_on_plan = False
-        return dataclasses.replace(want, version=session.sent.version + 1)
+        return plan
+
+    def _check_fits(self, plan: Plan, cause: str) -> None:
+        """Refuse, naming the field that led to it, a plan with numbers the record cannot hold.
+
+        Every field is bounded on arrival, but sizes scale with the shape and add up over blocks,
+        and versions count up: an absurd profile or shape must cost its own stream, not the record.
+        """
+        if plan.version > MAX_INT:
+            self.metrics.invalid_messages.inc()
+            raise InvalidMessage("hello.plan_version", f"plan versions would pass {MAX_INT}")
+        peak = max(plan.predicted_peak_bytes, plan.target_bytes, *(e.predicted_peak_bytes for e in plan.shape_plans))
+        if peak > MAX_INT:
+            self.metrics.invalid_messages.inc()
+            raise InvalidMessage(
+                cause, f"the profile's sizes and static_bytes predict a peak of {peak} bytes, more than {MAX_INT}"
+            )
 
     def _warm_start(self, session: RankSession) -> Plan | None:
         h = session.hello

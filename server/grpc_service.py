@@ -161,6 +161,10 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         ended = True
                 except _DOMAIN_ERRORS as err:
                     await self._abort(context, err)
+                except Exception:
+                    # A fault of the service (its database, a bug) ends this stream only, and says so.
+                    log.exception("handling a %s message failed", kind)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log")
                 if kind is not None:
                     durations.labels(kind).observe(time.perf_counter() - started)
                 for m in out:

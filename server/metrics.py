@@ -116,6 +116,9 @@ class Metrics:
         self.steps = Counter("rematd_steps", "Step statistics received.", ["job"], registry=r)
         self.active_streams = Gauge("rematd_active_streams", "Training ranks connected now.", registry=r)
         self.invalid_messages = Counter("rematd_invalid_messages", "Messages refused as invalid.", registry=r)
+        self.rejected_rows = Counter(
+            "rematd_record_rejected_rows", "Buffered statistics rows the record refused, set aside.", registry=r
+        )
         self.message_duration = Histogram(
             "rematd_message_duration_seconds",
             "Time to handle one message from a training rank, by kind of message.",

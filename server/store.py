@@ -4,7 +4,8 @@ SQLAlchemy Core over hand-written, numbered migrations recorded in a
 ``schema_version`` table. Plans, OOM events and operator controls are written
 at once (a restart loses none); step statistics go through a write-behind
 buffer flushed in batches, because one row per rank per second is most of the
-write load. Reads flush the buffer first, so a read sees every write before it.
+write load (``rematd.server.writebehind``). Reads flush the buffer first, so a
+read sees every write before it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -21,6 +23,10 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.pool import StaticPool
+
+from rematd.server.writebehind import WriteBehind
+
+log = logging.getLogger("rematd.server")
 
 # Placeholders the DDL uses so one migration text fits both dialects.
 _TYPES = {
@@ -121,20 +127,6 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
-_STATS_COLUMNS = (
-    "job",
-    "rank",
-    "step",
-    "time",
-    "peak_bytes",
-    "budget_bytes",
-    "predicted_peak_bytes",
-    "plan_version",
-    "seq_len",
-    "batch",
-    "step_seconds",
-)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreConfig:
@@ -201,13 +193,9 @@ class Store:
         # SQLite has one writer; PostgreSQL gets the same serialisation per process, which is cheap
         # because the write-behind buffer turns many small writes into few transactions.
         self._lock = threading.RLock()
-        self._pending: list[dict[str, Any]] = []
-        self._pending_last: dict[tuple[str, int], dict[str, Any]] = {}
-        self._flush_lock = threading.Lock()
-        # The buffer has its own lock: the event loop appends to it and must never wait on a database write.
-        self._buf_lock = threading.Lock()
-        self._closed = threading.Event()
         self.migrate()
+        self.buffer = WriteBehind(self.engine, self._lock, self.config.max_buffered)
+        self._closed = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
         self._flusher.start()
 
@@ -324,49 +312,14 @@ class Store:
             try:
                 self.flush()
             except Exception:  # the next round tries again; a lost database must not kill the thread
-                import logging
-
-                logging.getLogger("rematd.server").exception("flushing statistics failed")
+                log.exception("flushing statistics failed")
 
     def pending(self) -> int:
-        return len(self._pending)
+        return self.buffer.pending()
 
     def flush(self) -> None:
-        """Write buffered statistics in one transaction."""
-        with self._flush_lock:
-            with self._buf_lock:
-                rows, self._pending = self._pending, []
-                last, self._pending_last = self._pending_last, {}
-            if not rows and not last:
-                return
-            try:
-                with self._lock, self.engine.begin() as conn:
-                    if rows:
-                        conn.execute(
-                            text(
-                                f"INSERT INTO stats ({', '.join(_STATS_COLUMNS)}) "
-                                f"VALUES ({', '.join(':' + c for c in _STATS_COLUMNS)})"
-                            ),
-                            rows,
-                        )
-                    conn.execute(
-                        text("UPDATE ranks SET last_stats=:s WHERE job=:job AND rank=:rank"),
-                        [{"s": json.dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
-                    )
-                    jobs: dict[str, dict[str, Any]] = {}
-                    for (j, _k), r in last.items():
-                        if j not in jobs or r["time"] > jobs[j]["t"]:
-                            jobs[j] = {"job": j, "t": r["time"], "b": r["budget_bytes"]}
-                    conn.execute(
-                        text("UPDATE jobs SET updated_at=:t, budget_bytes=:b WHERE job=:job"), list(jobs.values())
-                    )
-            except Exception:
-                with self._buf_lock:
-                    # Keep what failed for the next round, oldest first, within the buffer's bound.
-                    self._pending = (rows + self._pending)[-self.config.max_buffered * 4 :]
-                    for key, r in last.items():
-                        self._pending_last.setdefault(key, r)
-                raise
+        """Write buffered statistics in one transaction (rows the database refuses are set aside)."""
+        self.buffer.flush()
 
     # -- writes -------------------------------------------------------------------
 
@@ -432,12 +385,7 @@ class Store:
 
     def add_stats(self, *, job: str, rank: int, row: dict[str, Any]) -> None:
         """Buffer one step's statistics; written within ``flush_seconds``."""
-        full = {**row, "job": job, "rank": rank}
-        with self._buf_lock:
-            self._pending.append({c: full[c] for c in _STATS_COLUMNS})
-            self._pending_last[(job, rank)] = row
-            over = len(self._pending) >= self.config.max_buffered
-        if over:
+        if self.buffer.add(job=job, rank=rank, row=row):
             self.flush()
 
     def add_oom(self, *, job: str, rank: int, row: dict[str, Any]) -> None:

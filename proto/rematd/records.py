@@ -25,6 +25,9 @@ from rematd.planner import (
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_BLOCKS = 4096
+MAX_TERMS = 16
+MAX_INT = 2**63 - 1
+"""The largest integer any field may carry: the record keeps them in signed 64-bit columns."""
 
 MEMORY_CUDA = "cuda_allocator"
 MEMORY_SAVED = "saved_tensors"
@@ -40,16 +43,25 @@ class InvalidMessage(ValueError):
 
 
 def _uint(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidMessage(name, f"must be a non-negative integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+        raise InvalidMessage(name, f"must be an integer in 0-{MAX_INT}, got {value!r}")
+
+
+def _shape(name: str, shape: Shape) -> None:
+    for part in ("batch", "seq_len", "tokens"):
+        _uint(f"{name}.{part}", getattr(shape, part))
+
+
+def _size(name: str, size: Size) -> None:
+    if len(size.terms) > MAX_TERMS:
+        raise InvalidMessage(name, f"more than {MAX_TERMS} terms")
+    for k, term in enumerate(size.terms):
+        _uint(f"{name}[{k}].bytes", term.bytes)
 
 
 def _seconds(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise InvalidMessage(name, f"must be a finite, non-negative number, got {value!r}")
-
-
-MAX_TERMS = 16
 
 
 def _check_modes(name: str, modes: tuple[ModeCost, ...]) -> None:
@@ -62,9 +74,8 @@ def _check_modes(name: str, modes: tuple[ModeCost, ...]) -> None:
             raise InvalidMessage(f"{where}.mode", f"{m.mode.name} listed twice")
         seen.add(m.mode)
         _seconds(f"{where}.extra_seconds", m.extra_seconds)
-        for part in ("kept", "transient"):
-            if len(getattr(m, part).terms) > MAX_TERMS:
-                raise InvalidMessage(f"{where}.{part}", f"more than {MAX_TERMS} terms")
+        _size(f"{where}.kept", m.kept)
+        _size(f"{where}.transient", m.transient)
     if modes and Mode.STORE not in seen:
         raise InvalidMessage(name, "must include MODE_STORE")
 
@@ -109,6 +120,9 @@ class Hello:
             )
         _uint("hello.rank", self.rank)
         _uint("hello.world_size", self.world_size)
+        _uint("hello.device_total_bytes", self.device_total_bytes)
+        _uint("hello.plan_version", self.plan_version)
+        _shape("hello.profile_shape", self.profile_shape)
         if self.world_size < 1 or self.rank >= self.world_size:
             raise InvalidMessage("hello.rank", f"rank {self.rank} is outside world_size {self.world_size}")
         if not self.blocks:
@@ -128,8 +142,7 @@ class Hello:
         _uint("hello.static_bytes", self.static_bytes)
         if self.memory_source not in MEMORY_SOURCES:
             raise InvalidMessage("hello.memory_source", f"must be one of {MEMORY_SOURCES}, got {self.memory_source!r}")
-        if len(self.other_activations.terms) > MAX_TERMS:
-            raise InvalidMessage("hello.other_activations", f"more than {MAX_TERMS} terms")
+        _size("hello.other_activations", self.other_activations)
         if not (isinstance(self.margin_ratio, (int, float)) and 0.0 <= self.margin_ratio < 1.0):
             raise InvalidMessage("hello.margin_ratio", f"must be in [0, 1), got {self.margin_ratio!r}")
 
@@ -188,6 +201,7 @@ class StepStats:
             "static_bytes",
         ):
             _uint(f"stats.{name}", getattr(self, name))
+        _shape("stats.shape", self.shape)
         _seconds("stats.step_seconds", self.step_seconds)
         if self.budget_bytes == 0:
             raise InvalidMessage("stats.budget_bytes", "must be positive")
@@ -209,6 +223,7 @@ class OomReport:
     def validate(self) -> None:
         _uint("oom.step", self.step)
         _uint("oom.plan_version", self.plan_version)
+        _shape("oom.shape", self.shape)
 
 
 def open_planner(
