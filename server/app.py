@@ -17,7 +17,7 @@ import grpc
 import uvicorn
 
 from rematd.server.auth import TokenAuth
-from rematd.server.core import AdvisorCore
+from rematd.server.core import AdvisorCore, CoreConfig
 from rematd.server.grpc_service import GrpcOptions, build_server
 from rematd.server.metrics import Metrics
 from rematd.server.rest import create_app
@@ -57,7 +57,7 @@ class ServeConfig:
     db: str = ""
     """SQLite file or database URL of the record (default: a SQLite file under the user's data directory)."""
     grace_seconds: float = 5.0
-    """How long streams get to finish at shutdown."""
+    """At shutdown, after open streams are told to reconnect, how long their last messages get to finish."""
     drain_seconds: float = 0.0
     """How long health says NOT_SERVING before the servers stop, so load balancers move away first."""
     token: str | None = None
@@ -78,6 +78,8 @@ class ServeConfig:
     """How often old statistics are down-sampled and expired."""
     controls_poll_seconds: float = 1.0
     """How often operator controls written by another worker or replica are picked up."""
+    session_expiry_seconds: float = 900.0
+    """A rank whose stream has been gone this long is forgotten; a job's series go with its last rank."""
     per_rank_metrics: bool = False
     """Export per-rank series besides the per-job ones."""
     max_message_bytes: int = 1 << 20
@@ -93,7 +95,7 @@ class ServeConfig:
         for name in ("grace_seconds", "drain_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("compact_seconds", "controls_poll_seconds"):
+        for name in ("compact_seconds", "controls_poll_seconds", "session_expiry_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -146,7 +148,8 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
+    """A database URL without its password, for messages and logs."""
     if "://" in url and "@" in url:
         scheme, rest = url.split("://", 1)
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
@@ -161,7 +164,11 @@ class Service:
         store_config = config.store_config()
         self.db_path = config.db or str(default_db_path())
         self.store = Store(store_config)
-        self.core = AdvisorCore(self.store, Metrics(per_rank=config.per_rank_metrics))
+        self.core = AdvisorCore(
+            self.store,
+            Metrics(per_rank=config.per_rank_metrics),
+            CoreConfig(session_expiry_seconds=config.session_expiry_seconds),
+        )
         self.bound: Bound | None = None
         self.serving = False
 
@@ -177,8 +184,7 @@ class Service:
             raise OSError(f"cannot bind gRPC to {address}")
         return port
 
-    async def _every(self, seconds: float, work: str) -> None:
-        fn: Callable[[], object] = self.core.refresh_controls if work == "controls" else self.store.compact
+    async def _every(self, seconds: float, work: str, fn: Callable[[], object]) -> None:
         while True:
             await asyncio.sleep(seconds)
             try:
@@ -224,13 +230,17 @@ class Service:
             if web_task.done():
                 await web_task
         chores = [
-            asyncio.create_task(self._every(cfg.controls_poll_seconds, "controls")),
-            asyncio.create_task(self._every(cfg.compact_seconds, "compact")),
+            asyncio.create_task(self._every(cfg.controls_poll_seconds, "controls", self.core.refresh_controls)),
+            asyncio.create_task(self._every(cfg.compact_seconds, "compact", self.store.compact)),
+            # Often enough that a rank goes within a quarter of the expiry after it is due.
+            asyncio.create_task(
+                self._every(min(30.0, cfg.session_expiry_seconds / 4), "expiry", self.core.expire_sessions)
+            ),
         ]
         self.bound = Bound(
             grpc=f"{cfg.grpc_host}:{grpc_port}",
             http=f"{cfg.http_host}:{http_port}",
-            db=_redact(self.store.path if "://" in (cfg.db or "") else self.db_path),
+            db=redact(self.store.path if "://" in (cfg.db or "") else self.db_path),
             tls=cfg.tls,
         )
         if ready is not None:
@@ -248,6 +258,14 @@ class Service:
                 chore.cancel()
             if web is not None:
                 web.should_exit = True
+            # Open streams are told to reconnect elsewhere now, rather than cut off when the grace
+            # ends; what they sent is written first, so the replica they reach next has it.
+            servicer.close_streams()
+            try:
+                await asyncio.to_thread(self.store.flush)
+            except Exception:
+                log.exception("writing buffered statistics at shutdown failed")
+            servicer.flushed.set()
             await server.stop(cfg.grace_seconds)
             if web_task is not None:
                 await web_task

@@ -38,8 +38,16 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-seconds", type=float, default=300.0, help="older steps: one row per rank per bucket")
     p.add_argument("--per-rank-metrics", action="store_true", help="export per-rank series besides per-job ones")
     p.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message a rank may send")
-    p.add_argument("--grace-seconds", type=float, default=5.0, help="time streams get to finish at shutdown")
+    p.add_argument(
+        "--grace-seconds", type=float, default=5.0, help="at shutdown, time the last messages get to finish (5)"
+    )
     p.add_argument("--drain-seconds", type=float, default=0.0, help="NOT_SERVING this long before stopping")
+    p.add_argument(
+        "--session-expiry-seconds",
+        type=float,
+        default=900.0,
+        help="forget a rank whose stream has been gone this long; its job's series go with its last rank (900)",
+    )
     p.add_argument("--workers", type=int, default=1, help="gRPC worker processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -73,6 +81,7 @@ def _serve(argv: list[str]) -> int:
             max_message_bytes=args.max_message_bytes,
             grace_seconds=args.grace_seconds,
             drain_seconds=args.drain_seconds,
+            session_expiry_seconds=args.session_expiry_seconds,
             reuse_port=args.workers > 1,
         )
     except ValueError as err:

@@ -73,10 +73,14 @@ class CoreConfig:
     """Steps a plan must run without an OOM before it is remembered for warm starts."""
     warm_start: bool = True
     """Start a new job of a known model from the last plan that held for it."""
+    session_expiry_seconds: float = 900.0
+    """A rank whose stream has been gone this long is forgotten (its job's series go with its last rank)."""
 
     def __post_init__(self) -> None:
         if self.warm_after_steps < 1:
             raise ValueError(f"warm_after_steps must be >= 1, got {self.warm_after_steps}")
+        if not self.session_expiry_seconds > 0:
+            raise ValueError(f"session-expiry-seconds must be positive, got {self.session_expiry_seconds}")
 
 
 @dataclass(slots=True)
@@ -117,6 +121,8 @@ class RankSession:
     remembered: int = 0
     has_stats: bool = False
     opened_at: float = field(default_factory=time.time)
+    disconnected_at: float | None = None
+    """When (monotonic) its last stream went without a goodbye; None while connected or ended."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -143,7 +149,11 @@ class AdvisorCore:
     # -- the training side ----------------------------------------------------
 
     def open_session(self, hello: Hello) -> tuple[RankSession, Plan]:
-        """Start or resume a rank's session; returns it and the plan to apply."""
+        """Start or resume a rank's session; returns it and the plan to apply.
+
+        The record is written before the rank counts as connected: a hello the record refuses
+        leaves no connected rank (and no open-stream count) behind.
+        """
         try:
             planner = self._planner(hello)
             if hello.plan_version >= MAX_INT:
@@ -163,10 +173,6 @@ class AdvisorCore:
                 and len(existing.hello.blocks) == len(hello.blocks)
             )
             controls = self._controls.get(job)
-            if controls is not None and controls.ended_at is not None:
-                # A job an operator ended comes back as a new run under the same name.
-                controls.ended_at = None
-                self.store.set_controls(job, controls.as_row(), now)
             jumped = False
             if resumed and existing is not None:
                 session = existing
@@ -187,28 +193,37 @@ class AdvisorCore:
                 if hello.plan_version == 0 and self.config.warm_start:
                     session.base = self._warm_start(session) or session.base
                 session.sent = self._pinned(session) or session.base
-                for plan in (session.base, session.sent):
-                    self._check_fits(plan, "hello.blocks")
-                self._sessions[session.key] = session
-                self._by_job.setdefault(job, {})[hello.rank] = session
-            session.streams += 1
-            session.ended = False
-            self.store.upsert_job(
+            for plan in (session.base, session.sent):
+                self._check_fits(plan, "hello.blocks")
+            if controls is not None and controls.ended_at is not None:
+                # A job an operator ended comes back as a new run under the same name.
+                controls = dataclasses.replace(controls, ended_at=None)
+                self.store.set_controls(job, controls.as_row(), now)
+                self._controls[job] = controls
+            new_plan = not resumed or jumped
+            self.store.open_rank(
                 job=job,
+                rank=hello.rank,
                 now=now,
                 world_size=hello.world_size,
                 num_blocks=len(hello.blocks),
                 budget_bytes=hello.budget_bytes,
                 fingerprint=hello.model_fingerprint,
                 device=hello.device_name,
+                plan=plan_row(session.sent) if new_plan else None,
             )
-            self.store.upsert_rank(job=job, rank=hello.rank, device=hello.device_name, state=CONNECTED)
+            if new_plan:
+                self.metrics.plans_issued.labels(job).inc()
+            if not resumed:
+                self._sessions[session.key] = session
+                self._by_job.setdefault(job, {})[hello.rank] = session
+            session.streams += 1
+            session.ended = False
+            session.disconnected_at = None
             self.metrics.active_streams.inc()
             # Present from the start at 0, so that increase() sees the first OOM.
             self.metrics.oom_events.labels(job)
             self.metrics.steps.labels(job)
-            if not resumed or jumped:
-                self._record_plan(session, session.sent, now)
             log.info("rank %s of job %s %s", hello.rank, job, "resumed" if resumed else "connected")
             return session, session.sent
 
@@ -314,7 +329,12 @@ class AdvisorCore:
             self.metrics.active_streams.dec()
             if session.streams > 0:
                 return
+            if self._sessions.get(session.key) is not session:
+                # The rank came back as a new session before this stream was found dead (or it
+                # expired): the rank's state is the newer session's, not this one's.
+                return
             session.ended = ended
+            session.disconnected_at = None if ended else time.monotonic()
             if (
                 ended
                 and not session.oom_on_plan
@@ -326,6 +346,30 @@ class AdvisorCore:
             ranks = list(self._by_job.get(job, {}).values())
             if ended and all(s.ended for s in ranks):
                 self._drop_job(job)
+
+    def expire_sessions(self, now: float | None = None) -> int:
+        """Forget ranks whose stream has been gone longer than the expiry; returns how many.
+
+        A rank that crashes never says goodbye: without this its state and its job's series would
+        stay for the life of the process. A job goes when none of its ranks is left but ended ones.
+        """
+        now = time.monotonic() if now is None else now
+        cutoff = now - self.config.session_expiry_seconds
+        with self._lock:
+            gone = [
+                s
+                for s in self._sessions.values()
+                if s.streams == 0 and s.disconnected_at is not None and s.disconnected_at <= cutoff
+            ]
+            for s in gone:
+                self._sessions.pop(s.key, None)
+                self._by_job.get(s.hello.job_id, {}).pop(s.hello.rank, None)
+            for job in {s.hello.job_id for s in gone}:
+                if all(r.ended for r in self._by_job.get(job, {}).values()):
+                    self._drop_job(job)
+        for s in gone:
+            log.info("rank %s of job %s expired after its stream was lost", s.hello.rank, s.hello.job_id)
+        return len(gone)
 
     def _drop_job(self, job: str) -> None:
         for s in self._by_job.pop(job, {}).values():
@@ -612,10 +656,15 @@ class AdvisorCore:
             state = "ended"
         else:
             state = "running" if CONNECTED in states else "disconnected"
-        live = {s.hello.rank: s for s in self._by_job.get(job, {}).values()}
+        # A copy under the lock: HTTP reads run on a thread pool while the event loop adds ranks.
+        with self._lock:
+            live = {
+                s.hello.rank: (s.sent.version, list(s.sent.blocks), s.planner.oom_risk)
+                for s in self._by_job.get(job, {}).values()
+            }
         rank_views = []
         for r in ranks:
-            s = live.get(r["rank"])
+            now = live.get(r["rank"])
             last = r["last_stats"] or {}
             rank_views.append(
                 {
@@ -624,9 +673,9 @@ class AdvisorCore:
                     "state": r["state"],
                     "device": r["device"],
                     "last_stats": r["last_stats"],
-                    "plan_version": s.sent.version if s else last.get("plan_version"),
-                    "checkpointed_blocks": list(s.sent.blocks) if s else None,
-                    "oom_risk": s.planner.oom_risk if s else last.get("oom_risk"),
+                    "plan_version": now[0] if now else last.get("plan_version"),
+                    "checkpointed_blocks": now[1] if now else None,
+                    "oom_risk": now[2] if now else last.get("oom_risk"),
                 }
             )
         peaks = [r["last_stats"]["peak_bytes"] for r in ranks if r["last_stats"]]

@@ -7,6 +7,7 @@ so generic tools (grpcurl, grpc_health_probe, Kubernetes gRPC probes) work.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -85,6 +86,20 @@ def status_of(err: BaseException) -> grpc.StatusCode:
 
 
 _DOMAIN_ERRORS = (InvalidMessage, ValueError, SessionError, JobNotFound, Unauthenticated, ShuttingDown)
+RECONNECT = "server shutting down; reconnect"
+
+
+class _OpenStream:
+    """What shutdown needs to know of one open stream."""
+
+    __slots__ = ("reading", "task", "told")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.reading = False
+        """Waiting for the rank's next message (the only place a stream is interrupted)."""
+        self.told = False
+        """Interrupted by shutdown, not by the rank."""
 
 
 class AdvisorServicer(pb_grpc.AdvisorServicer):
@@ -94,6 +109,29 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         self.core = core
         self.auth = auth or TokenAuth()
         self.draining = False
+        self.closing = False
+        self.flushed = asyncio.Event()
+        """Set once what the open streams sent is in the record; they are told to reconnect after it."""
+        self._open: set[_OpenStream] = set()
+
+    def close_streams(self) -> None:
+        """Tell every open stream to reconnect elsewhere (UNAVAILABLE), once ``flushed`` is set.
+
+        A stream waiting for its rank's next message is interrupted there; one busy answering a
+        message finishes it and stops before reading the next.
+        """
+        self.closing = True
+        for stream in list(self._open):
+            if stream.reading and stream.task is not None:
+                stream.told = True
+                stream.task.cancel()
+
+    async def _tell_to_reconnect(
+        self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage]
+    ) -> NoReturn:
+        await self.flushed.wait()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, RECONNECT)
+        raise AssertionError("unreachable")  # context.abort raises
 
     async def _abort(
         self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage], err: BaseException
@@ -121,8 +159,13 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         session: RankSession | None = None
         ended = False
         messages = aiter(request_iterator)
+        stream = _OpenStream(asyncio.current_task())
+        self._open.add(stream)
         try:
             while True:
+                if self.closing:
+                    await self._tell_to_reconnect(context)
+                stream.reading = True
                 try:
                     msg = await anext(messages)
                 except StopAsyncIteration:
@@ -130,6 +173,12 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                 except DecodeError as err:
                     core.metrics.invalid_messages.inc()
                     await self._abort(context, InvalidMessage("message", f"not a rematd.v1.ClientMessage ({err})"))
+                except asyncio.CancelledError:
+                    if not stream.told:
+                        raise
+                    await self._tell_to_reconnect(context)
+                finally:
+                    stream.reading = False
                 started = time.perf_counter()
                 kind = msg.WhichOneof("kind")
                 out: Sequence[pb.ServerMessage] = ()
@@ -172,8 +221,12 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                 if ended:
                     return
         finally:
+            self._open.discard(stream)
             if session is not None:
-                core.close_session(session, ended=ended)
+                try:
+                    core.close_session(session, ended=ended)
+                except Exception:
+                    log.exception("recording the end of a stream failed")
 
 
 class Health:

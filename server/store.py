@@ -4,8 +4,9 @@ SQLAlchemy Core over hand-written, numbered migrations recorded in a
 ``schema_version`` table. Plans, OOM events and operator controls are written
 at once (a restart loses none); step statistics go through a write-behind
 buffer flushed in batches, because one row per rank per second is most of the
-write load (``rematd.server.writebehind``). Reads flush the buffer first, so a
-read sees every write before it.
+write load (``rematd.server.writebehind``). Reads of what the buffer holds
+(statistics, ranks' last steps, jobs) flush it first, so they see every write
+before them; other reads do not wait on it.
 """
 
 from __future__ import annotations
@@ -181,6 +182,34 @@ def _row(r: Any, drop: Sequence[str] = ("id", "job")) -> dict[str, Any]:
     return d
 
 
+_UPSERT_JOB = """INSERT INTO jobs (job, created_at, updated_at, world_size, num_blocks, budget_bytes,
+        model_fingerprint, device, ended_at)
+    VALUES (:job, :now, :now, :ws, :nb, :b, :fp, :dev, NULL)
+    ON CONFLICT(job) DO UPDATE SET updated_at=excluded.updated_at, world_size=excluded.world_size,
+    num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
+    model_fingerprint=excluded.model_fingerprint, device=excluded.device, ended_at=NULL"""
+_UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state) VALUES (:job, :rank, :device, :state)
+    ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state"""
+_ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
+    predicted_overhead_ratio, target_bytes, reason, created_at)
+    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now)"""
+
+
+def _plan_params(job: str, rank: int, plan: dict[str, Any], now: float) -> dict[str, Any]:
+    return {
+        "job": job,
+        "rank": rank,
+        "version": plan["version"],
+        "every": plan["checkpoint_every"],
+        "blocks": json.dumps(list(plan["blocks"])),
+        "peak": plan["predicted_peak_bytes"],
+        "overhead": plan["predicted_overhead_ratio"],
+        "target": plan["target_bytes"],
+        "reason": plan["reason"],
+        "now": now,
+    }
+
+
 class Store:
     """Thread-safe access to the record."""
 
@@ -189,10 +218,10 @@ class Store:
         url = self.config.url if "://" in self.config.url else database_url(self.config.url)
         self.path = str(db) if not isinstance(db, StoreConfig) else url
         self.dialect = "postgresql" if url.startswith("postgresql") else "sqlite"
-        self.engine = self._engine(url)
         # SQLite has one writer; PostgreSQL gets the same serialisation per process, which is cheap
         # because the write-behind buffer turns many small writes into few transactions.
         self._lock = threading.RLock()
+        self.engine = self._engine(url)
         self.migrate()
         self.buffer = WriteBehind(self.engine, self._lock, self.config.max_buffered)
         self._closed = threading.Event()
@@ -302,8 +331,10 @@ class Store:
         with self._lock, self.engine.begin() as conn:
             conn.execute(text(sql), params)
 
-    def _read(self, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
-        self.flush()
+    def _read(self, sql: str, params: dict[str, Any] | None = None, *, fresh: bool = True) -> list[Any]:
+        """Rows of a query; ``fresh`` (for what the buffer holds) writes the buffer first."""
+        if fresh:
+            self.flush()
         with self.engine.connect() as conn:
             return list(conn.execute(text(sql), params or {}).mappings().all())
 
@@ -323,34 +354,29 @@ class Store:
 
     # -- writes -------------------------------------------------------------------
 
-    def upsert_job(
+    def open_rank(
         self,
         *,
         job: str,
+        rank: int,
         now: float,
         world_size: int,
         num_blocks: int,
         budget_bytes: int,
         fingerprint: str,
         device: str = "",
+        plan: dict[str, Any] | None = None,
     ) -> None:
-        self._write(
-            """INSERT INTO jobs (job, created_at, updated_at, world_size, num_blocks, budget_bytes,
-                   model_fingerprint, device, ended_at)
-               VALUES (:job, :now, :now, :ws, :nb, :b, :fp, :dev, NULL)
-               ON CONFLICT(job) DO UPDATE SET updated_at=excluded.updated_at, world_size=excluded.world_size,
-               num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
-               model_fingerprint=excluded.model_fingerprint, device=excluded.device, ended_at=NULL""",
-            {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
-             "dev": device},
-        )  # fmt: skip
-
-    def upsert_rank(self, *, job: str, rank: int, device: str, state: str) -> None:
-        self._write(
-            """INSERT INTO ranks (job, rank, device, state) VALUES (:job, :rank, :device, :state)
-               ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state""",
-            {"job": job, "rank": rank, "device": device, "state": state},
-        )
+        """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on."""
+        with self._lock, self.engine.begin() as conn:
+            conn.execute(
+                text(_UPSERT_JOB),
+                {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
+                 "dev": device},
+            )  # fmt: skip
+            conn.execute(text(_UPSERT_RANK), {"job": job, "rank": rank, "device": device, "state": "connected"})
+            if plan is not None:
+                conn.execute(text(_ADD_PLAN), _plan_params(job, rank, plan, now))
 
     def set_rank_state(self, *, job: str, rank: int | None = None, state: str) -> None:
         if rank is None:
@@ -365,23 +391,7 @@ class Store:
         self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})
 
     def add_plan(self, *, job: str, rank: int, plan: dict[str, Any], now: float) -> None:
-        self._write(
-            """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
-               predicted_overhead_ratio, target_bytes, reason, created_at)
-               VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now)""",
-            {
-                "job": job,
-                "rank": rank,
-                "version": plan["version"],
-                "every": plan["checkpoint_every"],
-                "blocks": json.dumps(list(plan["blocks"])),
-                "peak": plan["predicted_peak_bytes"],
-                "overhead": plan["predicted_overhead_ratio"],
-                "target": plan["target_bytes"],
-                "reason": plan["reason"],
-                "now": now,
-            },
-        )
+        self._write(_ADD_PLAN, _plan_params(job, rank, plan, now))
 
     def add_stats(self, *, job: str, rank: int, row: dict[str, Any]) -> None:
         """Buffer one step's statistics; written within ``flush_seconds``."""
@@ -459,6 +469,7 @@ class Store:
         rows = self._read(
             "SELECT * FROM warm_plans WHERE model_fingerprint=:fp AND device=:dev AND shape_bucket=:bucket",
             {"fp": fingerprint, "dev": device, "bucket": bucket},
+            fresh=False,
         )
         if not rows:
             return None
@@ -533,7 +544,7 @@ class Store:
 
     def plans(self, job: str) -> list[dict[str, Any]]:
         out = []
-        for r in self._read("SELECT * FROM plans WHERE job=:job ORDER BY id", {"job": job}):
+        for r in self._read("SELECT * FROM plans WHERE job=:job ORDER BY id", {"job": job}, fresh=False):
             d = _row(r)
             d["blocks"] = json.loads(d["blocks"])
             out.append(d)
@@ -541,7 +552,7 @@ class Store:
 
     def latest_plans(self) -> dict[str, dict[str, Any]]:
         """Each job's newest plan."""
-        rows = self._read("SELECT * FROM plans WHERE id IN (SELECT MAX(id) FROM plans GROUP BY job)")
+        rows = self._read("SELECT * FROM plans WHERE id IN (SELECT MAX(id) FROM plans GROUP BY job)", fresh=False)
         out = {}
         for r in rows:
             d = _row(r, ("id",))
@@ -585,13 +596,17 @@ class Store:
 
     def last_plan_version(self, job: str, rank: int) -> int:
         rows = self._read(
-            "SELECT MAX(version) AS v FROM plans WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}
+            "SELECT MAX(version) AS v FROM plans WHERE job=:job AND rank=:rank",
+            {"job": job, "rank": rank},
+            fresh=False,
         )
         return int(rows[0]["v"] or 0)
 
     def last_plan(self, job: str, rank: int) -> dict[str, Any] | None:
         rows = self._read(
-            "SELECT * FROM plans WHERE job=:job AND rank=:rank ORDER BY id DESC LIMIT 1", {"job": job, "rank": rank}
+            "SELECT * FROM plans WHERE job=:job AND rank=:rank ORDER BY id DESC LIMIT 1",
+            {"job": job, "rank": rank},
+            fresh=False,
         )
         if not rows:
             return None
@@ -600,7 +615,13 @@ class Store:
         return d
 
     def ooms(self, job: str) -> list[dict[str, Any]]:
-        return [_row(r) for r in self._read("SELECT * FROM oom_events WHERE job=:job ORDER BY id", {"job": job})]
+        return [
+            _row(r)
+            for r in self._read("SELECT * FROM oom_events WHERE job=:job ORDER BY id", {"job": job}, fresh=False)
+        ]
 
     def oom_counts(self) -> dict[str, int]:
-        return {r["job"]: int(r["n"]) for r in self._read("SELECT job, COUNT(*) AS n FROM oom_events GROUP BY job")}
+        return {
+            r["job"]: int(r["n"])
+            for r in self._read("SELECT job, COUNT(*) AS n FROM oom_events GROUP BY job", fresh=False)
+        }

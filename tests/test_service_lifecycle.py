@@ -1,0 +1,204 @@
+"""A rank's session from hello to its end: refused hellos, restarts, crashes, shutdown; and what
+the event loop and the HTTP threads share."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from rematd import wire
+from rematd.records import Hello
+from rematd.server import ServeConfig, ServiceThread
+from rematd.server.core import AdvisorCore, CoreConfig
+from rematd.server.metrics import Metrics
+from rematd.server.store import Store, StoreConfig, database_url
+from rematd.v1 import advisor_pb2 as pb
+from rematd.v1 import advisor_pb2_grpc as pb_grpc
+
+from .test_service import _fields, hello, session, stats
+
+
+def scrape(http: str) -> dict[str, float]:
+    """The service's /metrics, as series -> value."""
+    out = {}
+    for line in httpx.get(f"http://{http}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def wait_for(check: object, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class OpenStream:
+    """A rank's stream kept open: send messages one at a time, read the replies."""
+
+    def __init__(self, channel: grpc.Channel, h: Hello) -> None:
+        self.outbox: queue.Queue[pb.ClientMessage | None] = queue.Queue()
+        self.outbox.put(pb.ClientMessage(hello=wire.hello_to_pb(h)))
+        self.call = pb_grpc.AdvisorStub(channel).Session(iter(self.outbox.get, None), timeout=30)
+        self.plan = next(self.call).plan
+
+    def step(self, step: int, peak: int = 500) -> None:
+        self.outbox.put(pb.ClientMessage(stats=wire.stats_to_pb(stats(step, peak))))
+        while next(self.call).WhichOneof("kind") != "ack":
+            pass
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[AdvisorCore]:
+    c = AdvisorCore(Store(tmp_path / "r.db"), Metrics())
+    yield c
+    c.store.close()
+
+
+def test_a_hello_the_record_refuses_leaves_no_connected_rank(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(db)))
+    bound = svc.start()
+    try:
+        # The database itself refuses this job's rank (as a full disk or a lost connection would).
+        with sqlite3.connect(db) as conn:
+            conn.execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON ranks WHEN NEW.job = 'doomed' "
+                "BEGIN SELECT RAISE(ABORT, 'refused by the database'); END"
+            )
+        _, err = session(bound.grpc, [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="doomed")))])
+        series = scrape(bound.http)
+        assert series["rematd_active_streams"] == 0.0
+        assert not any('job="doomed"' in name for name in series), "no gauges for a rank that never connected"
+        assert err is not None and err.code() == grpc.StatusCode.INTERNAL, err
+        # The job and its rank are written in one transaction, or not at all.
+        assert httpx.get(f"http://{bound.http}/api/v1/jobs/doomed", timeout=10).status_code == 404
+        # Another job is served as before.
+        got, err = session(bound.grpc, [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="fine")))])
+        assert err is None and got[0].plan.version == 1
+    finally:
+        svc.stop()
+
+
+def test_a_rank_that_restarts_before_its_old_stream_is_found_dead_stays_connected(core: AdvisorCore) -> None:
+    old, _ = core.open_session(hello(job="j", rank=0))
+    # The process restarted and says hello afresh while the old stream still looks open.
+    new, _ = core.open_session(hello(job="j", rank=0))
+    core.on_stats(new, stats(0, 500))
+    core.close_session(old, ended=False)  # keepalive finally notices the old stream is gone
+    job = core.get_job("j")
+    assert job["state"] == "running" and job["ranks"][0]["state"] == "connected"
+    assert new.streams == 1 and core.metrics.registry.get_sample_value("rematd_active_streams") == 1.0
+    samples = core.rank_samples()
+    assert [(s.rank, s.connected) for s in samples] == [(0, True)]
+    # The same holds when the old stream says goodbye: it must not end the new session's job.
+    older, _ = core.open_session(hello(job="k", rank=0))
+    newer, _ = core.open_session(hello(job="k", rank=0))
+    core.close_session(older, ended=True)
+    assert core.get_job("k")["state"] == "running" and any(s.job == "k" for s in core.rank_samples())
+    core.close_session(newer, ended=True)
+    assert core.get_job("k")["state"] == "ended"
+
+
+def test_ranks_lost_longer_than_the_expiry_are_forgotten_with_their_jobs_series(tmp_path: Path) -> None:
+    core = AdvisorCore(Store(tmp_path / "r.db"), Metrics(), CoreConfig(session_expiry_seconds=60))
+    h0, h1 = hello(job="crashed", rank=0), hello(job="crashed", rank=1)
+    r0, _ = core.open_session(h0)
+    r1, _ = core.open_session(h1)
+    core.on_stats(r0, stats(0, 500))
+    core.close_session(r0, ended=True)  # rank 0 finished cleanly
+    core.close_session(r1, ended=False)  # rank 1 crashed
+    live, _ = core.open_session(hello(job="alive"))
+    now = time.monotonic()
+    assert core.expire_sessions(now + 30) == 0, "not yet"
+    assert {s.job for s in core.rank_samples()} == {"crashed", "alive"}
+    assert core.expire_sessions(now + 61) == 1
+    assert {s.job for s in core.rank_samples()} == {"alive"}, "a connected rank never expires"
+    assert core.metrics.registry.get_sample_value("rematd_steps_total", {"job": "crashed"}) is None
+    assert core.get_job("crashed")["state"] == "disconnected", "the record keeps the job as it was left"
+    # A rank that comes back after its expiry starts afresh, continuing its plan history.
+    back, plan = core.open_session(Hello(**{**_fields(h1), "plan_version": 1}))
+    assert plan.version == 2 and back is not r1
+    core.close_session(live, ended=True)
+    core.close_session(back, ended=True)
+    core.store.close()
+
+
+def test_a_crashed_rank_expires_on_a_live_server(tmp_path: Path) -> None:
+    cfg = ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), session_expiry_seconds=0.4)
+    svc = ServiceThread(cfg)
+    bound = svc.start()
+    try:
+        with grpc.insecure_channel(bound.grpc) as ch:
+            rank = OpenStream(ch, hello(job="gone"))
+            rank.step(0)
+            assert scrape(bound.http)['rematd_job_connected_ranks{job="gone"}'] == 1.0
+            rank.call.cancel()  # the process died: no goodbye
+        assert wait_for(lambda: not any('job="gone"' in name for name in scrape(bound.http)))
+    finally:
+        svc.stop()
+
+
+def test_shutdown_tells_open_streams_to_reconnect_before_the_grace_ends(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(db), grace_seconds=5.0))
+    bound = svc.start()
+    try:
+        with grpc.insecure_channel(bound.grpc) as ch:
+            rank = OpenStream(ch, hello(job="moving"))
+            rank.step(0, peak=1234)
+            started = time.monotonic()
+            svc.begin_stop()
+            with pytest.raises(grpc.RpcError) as caught:
+                next(rank.call)
+            waited = time.monotonic() - started
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down; reconnect" in (caught.value.details() or "")
+            assert waited < 2.5, f"told after {waited:.1f} s, with a grace of 5 s"
+            # What the rank sent is in the record before it is told to go elsewhere.
+            with sqlite3.connect(db) as conn:
+                assert conn.execute("SELECT peak_bytes FROM stats WHERE job='moving'").fetchall() == [(1234,)]
+    finally:
+        svc.stop()
+
+
+def test_http_reads_copy_live_sessions_under_the_lock(core: AdvisorCore) -> None:
+    s, _ = core.open_session(hello(job="busy"))
+    got: list[dict[str, object]] = []
+    with core._lock:  # as the event loop holds it while adding a rank
+        reader = threading.Thread(target=lambda: got.extend([*core.list_jobs(), core.get_job("busy")]))
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive(), "a read went through the live sessions while they were being changed"
+    reader.join(10)
+    assert [j["job"] for j in got] == ["busy", "busy"] and got[1]["ranks"][0]["plan_version"] == 1  # type: ignore[index]
+    core.close_session(s, ended=True)
+
+
+def test_a_hello_does_not_wait_for_other_jobs_buffered_statistics(tmp_path: Path) -> None:
+    store = Store(StoreConfig(url=database_url(tmp_path / "r.db"), flush_seconds=3600))
+    core = AdvisorCore(store, Metrics())
+    busy, _ = core.open_session(hello(job="busy"))
+    core.on_stats(busy, stats(0, 500))
+    assert store.pending() == 1
+    # A new job of a known model reads the warm-start table; a returning rank reads its plan history.
+    core.open_session(hello(job="newcomer"))
+    core.open_session(dataclasses.replace(hello(job="returning", rank=1), plan_version=3))
+    assert store.pending() == 1, "a hello wrote another job's buffered statistics"
+    # Reads of what the buffer holds still see it.
+    assert [r["peak_bytes"] for r in core.job_stats("busy")] == [500]
+    assert store.pending() == 0
+    store.close()
