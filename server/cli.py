@@ -56,6 +56,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 def _serve(argv: list[str]) -> int:
     from rematd.server.app import ServeConfig
     from rematd.server.auth import load_token
+    from rematd.server.store import StoreError
 
     parser = _serve_parser()
     args = parser.parse_args(argv)
@@ -86,19 +87,30 @@ def _serve(argv: list[str]) -> int:
         )
     except ValueError as err:
         parser.error(str(err))
-    if args.workers > 1:
-        from rematd.server.workers import serve_workers
-
-        return serve_workers(config, args.workers)
     if not config.auth.open_reads and config.token is None:
         logging.getLogger("rematd.server").warning(
             "HTTP binds %s with no token: reads and writes are open to anyone who reaches it", config.http_host
         )
+    if args.workers > 1:
+        from rematd.server.workers import serve_workers
+
+        try:
+            return serve_workers(config, args.workers)
+        except StoreError as err:
+            return _bad_db(config, err)
     return _run_one(config)
+
+
+def _bad_db(config: ServeConfig, err: Exception) -> int:
+    from rematd.server.app import default_db_path, redact
+
+    print(f"rematd serve: --db {redact(config.db or str(default_db_path()))}: {err}", file=sys.stderr)
+    return 2
 
 
 def _run_one(config: ServeConfig, *, announce: bool = True) -> int:
     from rematd.server.app import Service
+    from rematd.server.store import StoreError
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -126,6 +138,8 @@ def _run_one(config: ServeConfig, *, announce: bool = True) -> int:
     gc.set_threshold(50_000, 20, 100)
     try:
         asyncio.run(main())
+    except StoreError as err:
+        return _bad_db(config, err)
     except (OSError, RuntimeError) as err:
         print(f"rematd serve: {err}", file=sys.stderr)
         return 1

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import StaticPool
 
 from rematd.server.writebehind import WriteBehind
@@ -161,6 +162,10 @@ class StoreConfig:
             raise ValueError(f"max_buffered must be >= 1, got {self.max_buffered}")
 
 
+class StoreError(RuntimeError):
+    """The record cannot be opened: a URL rematd cannot use, a database out of reach, a file it cannot create."""
+
+
 def database_url(db: str | Path) -> str:
     """A SQLAlchemy URL from ``--db``: a URL stays as it is, anything else is a SQLite path."""
     s = str(db)
@@ -171,8 +176,24 @@ def database_url(db: str | Path) -> str:
         return s
     if s == ":memory:":
         return "sqlite:///:memory:"
-    Path(s).expanduser().parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{Path(s).expanduser()}"
+
+
+def _why(err: BaseException) -> str:
+    """What went wrong opening the record, in one line, without SQLAlchemy's background links."""
+    if isinstance(err, sa_exc.NoSuchModuleError):
+        return "no database of that kind: give a SQLite path, sqlite:///PATH or postgresql://USER@HOST/DB"
+    if isinstance(err, sa_exc.ArgumentError):
+        return f"not a database URL ({str(err).splitlines()[0]})"
+    if isinstance(err, ImportError):
+        return f"its driver is not installed ({err}); install rematd[postgres] for PostgreSQL"
+    if isinstance(err, sa_exc.DBAPIError):
+        return (
+            f"cannot use the database: {str(err.orig).strip().splitlines()[0] if str(err.orig).strip() else err.orig!r}"
+        )
+    if isinstance(err, OSError):
+        return f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _row(r: Any, drop: Sequence[str] = ("id", "job")) -> dict[str, Any]:
@@ -221,8 +242,13 @@ class Store:
         # SQLite has one writer; PostgreSQL gets the same serialisation per process, which is cheap
         # because the write-behind buffer turns many small writes into few transactions.
         self._lock = threading.RLock()
-        self.engine = self._engine(url)
-        self.migrate()
+        try:
+            self.engine = self._engine(url)
+            self.migrate()
+        except StoreError:
+            raise
+        except (sa_exc.SQLAlchemyError, OSError, ImportError) as err:
+            raise StoreError(_why(err)) from err
         self.buffer = WriteBehind(self.engine, self._lock, self.config.max_buffered)
         self._closed = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
@@ -231,6 +257,9 @@ class Store:
     def _engine(self, url: str) -> Engine:
         if self.dialect == "sqlite":
             memory = url.endswith(":memory:")
+            database = make_url(url).database
+            if database and not memory:
+                Path(database).parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(
                 url,
                 connect_args={"check_same_thread": False, "timeout": 30},
@@ -304,7 +333,7 @@ class Store:
                 )
                 current = 1
             if current > SCHEMA_VERSION:
-                raise RuntimeError(
+                raise StoreError(
                     f"database {self.path} has schema version {current}; this rematd knows up to {SCHEMA_VERSION}"
                 )
             for version, description, statements in MIGRATIONS:

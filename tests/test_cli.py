@@ -3,6 +3,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 
 def rematd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -32,3 +33,27 @@ def test_usage_errors() -> None:
     out = rematd("demo", "--budget-mib", "-1")
     assert out.returncode == 2 and "budget-mib" in out.stderr
     assert rematd("--help").returncode == 0
+
+
+def test_a_database_that_cannot_be_used_is_named_not_traced(tmp_path: Path) -> None:
+    cases = {
+        "foo://bar": "no database of that kind",
+        "postgresql://rematd:secret@127.0.0.1:1/rematd": "cannot use the database",
+        "/proc/nope/r.db": "No such file or directory",
+    }
+    procs = {
+        db: subprocess.Popen(
+            [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", db],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for db in cases
+    }
+    for db, why in cases.items():
+        out, err = procs[db].communicate(timeout=60)
+        assert procs[db].returncode == 2, (db, out, err)
+        assert "Traceback" not in err, err
+        shown = db.replace("rematd:secret@", "***@")
+        assert f"rematd serve: --db {shown}: " in err and why in err, err
+        assert "secret" not in err
