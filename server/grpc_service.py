@@ -62,6 +62,8 @@ class GrpcOptions:
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", int(self.keepalive_seconds * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_seconds * 1000)),
+            # What closes a connection whose ping goes unanswered: keepalive_timeout_ms alone does not.
+            ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout_seconds * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.min_client_ping_seconds * 1000)),
             ("grpc.http2.max_ping_strikes", 2),

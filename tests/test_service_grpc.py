@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,11 @@ from hypothesis import strategies as st
 
 from rematd import wire
 from rematd.server import ServeConfig, ServiceThread
+from rematd.server.auth import TokenAuth
+from rematd.server.core import AdvisorCore
+from rematd.server.grpc_service import GrpcOptions, build_server
+from rematd.server.metrics import Metrics
+from rematd.server.store import Store
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -81,8 +88,96 @@ def test_oversized_message_is_refused_and_the_server_lives(channel: grpc.Channel
 
 def test_too_many_blocks_names_the_field(live: ServiceThread) -> None:
     assert live.service.bound is not None
-    _, err = session(live.service.bound.grpc, [pb.ClientMessage(hello=wire.hello_to_pb(hello(n=4097)))])
-    assert err is not None and err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    msg = wire.hello_to_pb(hello(n=4097))
+    for b in msg.blocks:
+        # Small enough blocks that the message stays under the size limit and reaches validation.
+        b.name, b.saved_bytes, b.input_bytes, b.forward_seconds = "", 1, 1, 0.0
+    assert msg.ByteSize() < 64 * 1024
+    _, err = session(live.service.bound.grpc, [pb.ClientMessage(hello=msg)])
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert (err.details() or "").startswith("hello.blocks:") and "4097" in (err.details() or "")
+
+
+def test_reflection_describes_the_session_method(channel: grpc.Channel) -> None:
+    from google.protobuf import descriptor_pb2
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(file_containing_symbol=ADVISOR)
+    reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=5)))
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(b) for b in reply.file_descriptor_response.file_descriptor_proto
+    ]
+    methods = {
+        m.name: (m.input_type, m.output_type, m.client_streaming, m.server_streaming)
+        for f in files
+        for svc in f.service
+        if f"{f.package}.{svc.name}" == ADVISOR
+        for m in svc.method
+    }
+    assert methods == {"Session": (".rematd.v1.ClientMessage", ".rematd.v1.ServerMessage", True, True)}
+
+
+def _frames(sock: socket.socket) -> Iterator[tuple[int, int]]:
+    """(type, flags) of each HTTP/2 frame the server sends, until it closes the connection."""
+    buf = b""
+    while True:
+        while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                return
+            if not data:
+                return
+            buf += data
+        length, kind, flags = int.from_bytes(buf[:3], "big"), buf[3], buf[4]
+        buf = buf[9 + length :]
+        yield kind, flags
+
+
+def test_a_peer_that_stops_answering_pings_is_dropped(tmp_path: Path) -> None:
+    """The keepalive options at work: a rank whose host vanished (no FIN, no answers) loses its stream."""
+    options = GrpcOptions(keepalive_seconds=0.2, keepalive_timeout_seconds=0.3)
+    loop = asyncio.new_event_loop()
+    started, stop = threading.Event(), asyncio.Event()
+    port = 0
+
+    async def serve() -> None:
+        nonlocal port
+        core = AdvisorCore(Store(tmp_path / "r.db"), Metrics())
+        server, _, _ = build_server(core, auth=TokenAuth(), options=options)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        started.set()
+        await stop.wait()
+        await server.stop(0)
+        core.store.close()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(10)
+    settings, ping, goaway, headers = 4, 6, 7, 1
+    # A client that opens a Session stream and then goes silent, as a host that vanished would.
+    block = b"".join(
+        bytes([0, len(k)]) + k + bytes([len(v)]) + v
+        for k, v in [(b":method", b"POST"), (b":scheme", b"http"), (b":path", f"/{ADVISOR}/Session".encode()),
+                     (b":authority", b"rank"), (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+    )  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, settings, 0, 0, 0, 0, 0]))
+        sock.sendall(len(block).to_bytes(3, "big") + bytes([headers, 4, 0, 0, 0, 1]) + block)
+        t0 = time.monotonic()
+        seen: list[tuple[float, int]] = []
+        for kind, flags in _frames(sock):
+            seen.append((time.monotonic() - t0, kind))
+            if kind == settings and not flags & 1:
+                sock.sendall(bytes([0, 0, 0, settings, 1, 0, 0, 0, 0]))  # settings are acknowledged, pings never
+        closed = time.monotonic() - t0
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(15)
+    loop.close()
+    pings = [t for t, kind in seen if kind == ping]
+    assert pings and pings[0] < 1.5, f"the server pings an idle connection: {seen}"
+    assert goaway in [kind for _, kind in seen] and closed < pings[0] + 2.0, f"dropped {closed:.1f} s in: {seen}"
 
 
 def test_shutdown_says_not_serving_before_streams_go(tmp_path: Path) -> None:
@@ -169,7 +264,7 @@ client_messages = st.one_of(
 _REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     first=st.one_of(hellos(), st.just(wire.hello_to_pb(hello(job="fuzz")))),
     rest=st.lists(client_messages, max_size=6),
