@@ -49,12 +49,15 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(tmp: Path, timeout: float = 60.0) -> Iterator[LiveServer]:
-    """A real ``rematd serve`` process on loopback, on ports it picks itself."""
+def live_server(
+    tmp: Path, timeout: float = 60.0, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> Iterator[LiveServer]:
+    """A real ``rematd serve`` process on loopback (unless ``args`` say otherwise), on ports it picks itself."""
     db = tmp / "rematd.db"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    command = [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db)],
+        [*command, "--db", str(db), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
