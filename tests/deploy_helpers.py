@@ -65,15 +65,16 @@ def alert_names() -> list[str]:
     return [r["alert"] for path in RULES for g in load_yaml(path)["groups"] for r in g["rules"] if "alert" in r]
 
 
-def exported_names() -> set[str]:
-    """Every sample name rematd's registry exposes with a job running, read from a real exposition."""
+def exported_names(*, per_rank: bool = False) -> set[str]:
+    """Every sample name rematd's registry exposes with a job running, read from a real exposition
+    (with ``per_rank``, as ``--per-rank-metrics`` makes it)."""
     from rematd.server.core import AdvisorCore
     from rematd.server.store import Store
 
     from .test_service import hello, stats
 
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = Metrics(CollectorRegistry())
+        metrics = Metrics(CollectorRegistry(), per_rank=per_rank)
         core = AdvisorCore(Store(Path(tmp) / "r.db"), metrics)
         session, _ = core.open_session(hello())
         core.on_stats(session, stats(0, 500))

@@ -114,7 +114,7 @@ def test_final_stage_runs_as_a_non_root_numeric_user() -> None:
     assert stage.index(user[-1]) > max(i for i, ins in enumerate(stage) if ins.op in ("RUN", "COPY"))
 
 
-def test_image_installs_the_server_extra_and_never_torch() -> None:
+def test_image_installs_the_server_and_postgres_extras_and_never_torch() -> None:
     stages = parse(DOCKERFILE.read_text(encoding="utf-8"))
     installs = []
     for stage in stages:
@@ -124,7 +124,9 @@ def test_image_installs_the_server_extra_and_never_torch() -> None:
             for words in shell_commands(ins.arg):
                 if words and words[0].endswith("pip") and "install" in words:
                     installs.append(words[words.index("install") + 1 :])
-    assert installs == [[".[server]"]], f"the image installs exactly the server extra, got {installs}"
+    assert installs == [[".[server,postgres]"]], (
+        f"the image installs exactly the server and postgres extras, got {installs}"
+    )
     for stage in stages:
         for ins in stage:
             if ins.op in ("RUN", "COPY", "ADD"):
