@@ -12,6 +12,7 @@ one per change, and equal the planner's own when nothing overrides it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -367,8 +368,13 @@ class AdvisorCore:
             for job in {s.hello.job_id for s in gone}:
                 if all(r.ended for r in self._by_job.get(job, {}).values()):
                     self._drop_job(job)
-        for s in gone:
-            log.info("rank %s of job %s expired after its stream was lost", s.hello.rank, s.hello.job_id)
+        for job, n in collections.Counter(s.hello.job_id for s in gone).items():
+            log.info(
+                "job %s: %d rank(s) forgotten, their streams lost over %.0f s ago",
+                job,
+                n,
+                self.config.session_expiry_seconds,
+            )
         return len(gone)
 
     def _drop_job(self, job: str) -> None:
