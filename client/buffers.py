@@ -17,6 +17,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from rematd.client.hooks import AttachedHook
+
 
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
@@ -49,6 +51,6 @@ def protect_running_stats(blocks: Sequence[nn.Module]) -> list[RemovableHandle]:
         for m in block.modules():
             if isinstance(m, _BatchNorm) and m.track_running_stats:
                 r = _Restore()
-                handles.append(m.register_forward_pre_hook(r.pre))
-                handles.append(m.register_forward_hook(r.post, always_call=True))
+                handles.append(m.register_forward_pre_hook(AttachedHook(r.pre)))
+                handles.append(m.register_forward_hook(AttachedHook(r.post), always_call=True))
     return handles

@@ -1,14 +1,16 @@
 """Blocks whose way of keeping activations can be switched between steps.
 
 The block's ``forward`` is replaced on the instance, so parameter names,
-``state_dict`` keys and hooks stay exactly as the user defined them.
+``state_dict`` keys and hooks stay exactly as the user defined them. A copy
+of the model (``copy.deepcopy``, ``AveragedModel``, ``torch.save``) gets the
+block's own forward back instead: it is not attached.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -18,6 +20,26 @@ from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.profiling import BlockMeasure, Profiler
 from rematd.client.selective import selective_context
 from rematd.planner import Mode, Shape
+
+
+class _SwitchedForward:
+    """What a switched block's ``forward`` attribute holds.
+
+    Copied or pickled, it becomes the forward the block had before (for a
+    forward defined by the class, ``getattr(copy, "forward")``: the copy's
+    own), so a copy neither carries the handle's locks nor needs rematd to load.
+    """
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: SwitchableBlock) -> None:
+        self.block = block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.block._forward(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        return self.block._original.__reduce_ex__(protocol)
 
 
 class SwitchableBlock:
@@ -38,7 +60,7 @@ class SwitchableBlock:
         self._accounting = accounting
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
-        module.forward = self._forward
+        module.forward = _SwitchedForward(self)
 
     @property
     def checkpointed(self) -> bool:
