@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from rematd.planner import Plan, PlannerSession
 from rematd.records import Hello, OomReport, StepStats, observation, open_planner
@@ -15,6 +16,7 @@ class Backend(Protocol):
     """What a handle needs from a source of plans. No method may block on the network."""
 
     def open(self, hello: Hello) -> None: ...
+    def update_hello(self, **fields: Any) -> None: ...
     def send_stats(self, stats: StepStats) -> None: ...
     def send_oom(self, oom: OomReport) -> None: ...
     def flush(self, timeout: float) -> bool: ...
@@ -33,6 +35,10 @@ class EmbeddedBackend:
         self._hello = hello
         self._session = open_planner(hello)
         self._on_plan(self._session.plan)
+
+    def update_hello(self, **fields: Any) -> None:
+        if self._hello is not None:
+            self._hello = dataclasses.replace(self._hello, **fields)
 
     def send_stats(self, stats: StepStats) -> None:
         if self._session is None or self._hello is None:

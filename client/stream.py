@@ -8,46 +8,41 @@ While the service cannot be reached the plan in force stays. After
 same profile with the same planner (plan versions continue from the plan in
 force); when the service answers again its plans take over, and the hello
 it receives carries the local plan's version so its history continues.
+
+Nothing that goes wrong on the stream thread ends it: a failure is logged
+(at most every 30 s), counted in ``errors``, and the thread goes on; only
+the service refusing the stream (a status in ``TERMINAL``) or ``close()``
+stop it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
+import math
 import queue
 import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from rematd import wire
 from rematd.client.backends import PlanCallback
+from rematd.client.connection import StreamConfig
 from rematd.planner import Plan, PlannerSession
 from rematd.records import Hello, OomReport, StepStats, observation, open_planner
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
+__all__ = ["FALLBACK_MAX_FAILURES", "TERMINAL", "StreamBackend", "StreamConfig"]
+
 log = logging.getLogger("rematd.client")
 
-# Worth another try after a pause: the service may come back.
-RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.CANCELLED,
-    }
-)
-# The service will never accept this stream as it is: stop and keep the plan in force.
+# The service will never accept this stream as it is: stop and keep the plan in force. Any other
+# status, and a stream the service ends normally, is retried after a pause: the service may come back.
 TERMINAL = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -61,72 +56,32 @@ TERMINAL = frozenset(
     }
 )
 
-TOKEN_ENV = "REMATD_TOKEN"
+# Failures in a row after which the in-process planner is given up until the service answers again.
+FALLBACK_MAX_FAILURES = 3
 
 _STOP = object()
 
 
-def _read_roots(value: str | os.PathLike[str] | bytes | None) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    path = Path(value)
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise ValueError(f"root_certificates: cannot read {str(path)!r}: {err.strerror or err}") from err
+class _Throttled:
+    """Error records at most once per ``every_s``; the next one says how many were held back.
 
+    A fault that repeats on every record would otherwise flood the training job's log.
+    """
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StreamConfig:
-    """How a rank talks to the service."""
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self._last = -math.inf
+        self._held = 0
 
-    queue_size: int = 256
-    """Records waiting for the stream; when full the oldest is dropped (and counted)."""
-    backoff_initial_s: float = 0.2
-    """First pause before reconnecting; doubles per failed attempt."""
-    backoff_max_s: float = 4.0
-    """Longest pause between attempts; each pause is jittered to 50-100% of the current one."""
-    fallback_after_s: float | None = 60.0
-    """Seconds without the service after which plans are made in-process; ``None`` never does."""
-    token: str | None = None
-    """Bearer token sent as ``authorization`` metadata; ``None`` sends none."""
-    tls: bool = False
-    """Use TLS (``grpc.secure_channel``); implied by ``root_certificates``."""
-    root_certificates: bytes | None = None
-    """PEM roots that sign the service's certificate; ``None`` uses the system's."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.queue_size, bool) or not isinstance(self.queue_size, int) or self.queue_size < 1:
-            raise ValueError(f"queue_size must be an integer >= 1, got {self.queue_size!r}")
-        if not self.backoff_initial_s > 0:
-            raise ValueError(f"backoff_initial_s must be positive, got {self.backoff_initial_s!r}")
-        if not self.backoff_max_s >= self.backoff_initial_s:
-            raise ValueError(f"backoff_max_s must be >= backoff_initial_s, got {self.backoff_max_s!r}")
-        if self.fallback_after_s is not None and not self.fallback_after_s >= 0:
-            raise ValueError(f"fallback_after_s must be >= 0 or None, got {self.fallback_after_s!r}")
-        if self.token is not None and (
-            not self.token or any(not (0x20 < ord(c) < 0x7F) for c in self.token) or len(self.token) > 4096
-        ):
-            raise ValueError("token must be 1-4096 printable ASCII characters without spaces")
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        token: str | None = None,
-        tls: bool = False,
-        root_certificates: str | os.PathLike[str] | bytes | None = None,
-        **rest: Any,
-    ) -> StreamConfig:
-        """From ``attach``'s arguments: the token defaults to ``$REMATD_TOKEN``, a path of roots is read."""
-        if token is None:
-            token = os.environ.get(TOKEN_ENV) or None
-        roots = _read_roots(root_certificates)
-        return cls(token=token, tls=tls or roots is not None, root_certificates=roots, **rest)
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+    def error(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._held += 1
+            return
+        if self._held:
+            msg, args = msg + " (%d more like it since the last report)", (*args, self._held)
+        self._last, self._held = now, 0
+        log.error(msg, *args, exc_info=exc_info)
 
 
 class StreamBackend:
@@ -145,17 +100,23 @@ class StreamBackend:
         self._stopping = threading.Event()
         self._closing = threading.Event()
         self._hello: Hello | None = None
+        self._hello_updates: dict[str, Any] = {}
         self._plan_version = 0
         self._last_blocks: tuple[int, ...] | None = None
         self._call: Any = None
         self._fallback: PlannerSession | None = None
+        self._fallback_failures = 0
+        self._fallback_given_up = False
         self._lost_at = time.monotonic()
+        self._throttled = _Throttled()
         self.sent_step = -1
         self.acked_step = -1
         self.dropped = 0
         """Records dropped because the queue was full."""
         self.reconnects = 0
         """Connection attempts after the first."""
+        self.errors = 0
+        """Failures caught on the stream thread (the in-process planner's included); it goes on after each."""
         self.connected = False
         """True while the service answers on the stream."""
         self.connected_at: float | None = None
@@ -175,6 +136,11 @@ class StreamBackend:
             self._thread = threading.Thread(target=self._run, name="rematd-stream", daemon=True)
             self._thread.start()
 
+    def update_hello(self, **fields: Any) -> None:
+        """Fields of the hello that changed since it was sent (the budget): a reconnect sends them."""
+        with self._lock:
+            self._hello_updates.update(fields)
+
     def _put(self, item: object) -> None:
         while True:
             try:
@@ -190,15 +156,21 @@ class StreamBackend:
     def send_stats(self, stats: StepStats) -> None:
         with self._lock:
             self.sent_step = max(self.sent_step, stats.step)
+            self._hello_updates.update(budget_bytes=stats.budget_bytes, static_bytes=stats.static_bytes)
         self._put(stats)
 
     def send_oom(self, oom: OomReport) -> None:
         self._put(oom)
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every step sent was answered (by the service or the fallback); False on timeout."""
+        """Wait until every step sent was answered (by the service or the fallback).
+
+        False when one is still unanswered after ``timeout``, or never will be: the
+        service refused the stream, or it was closed.
+        """
         with self._acked:
-            return self._acked.wait_for(lambda: self.acked_step >= self.sent_step or self._stopping.is_set(), timeout)
+            self._acked.wait_for(lambda: self.acked_step >= self.sent_step or self._stopping.is_set(), timeout)
+            return self.acked_step >= self.sent_step
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:
@@ -208,15 +180,30 @@ class StreamBackend:
         self._put(_STOP)
         self._closing.set()
         thread.join(timeout)
-        self._stopping.set()
+        self._stop()
         call = self._call
         if call is not None:
             call.cancel()
         thread.join(timeout)
+
+    # -- stream thread ------------------------------------------------------
+
+    def _stop(self) -> None:
+        self._stopping.set()
         with self._acked:
             self._acked.notify_all()
 
-    # -- stream thread ------------------------------------------------------
+    def _current_hello(self) -> Hello:
+        """The hello as it stands now: the plan version in force, the budget last set."""
+        assert self._hello is not None
+        with self._lock:
+            updates = dict(self._hello_updates)
+        return dataclasses.replace(self._hello, plan_version=self._plan_version, **updates)
+
+    def _fault(self, what: str, err: BaseException) -> None:
+        self.errors += 1
+        self.last_error = f"{type(err).__name__}: {err}"
+        self._throttled.error("rematd: %s failed (%s); the stream goes on", what, self.last_error, exc_info=err)
 
     def _channel(self) -> grpc.Channel:
         if self.config.tls:
@@ -232,54 +219,74 @@ class StreamBackend:
             except queue.Empty:
                 continue
             if item is _STOP:
+                # Before the goodbye: the service ends the stream on it, which must not read as a lost stream.
+                self._stop()
                 yield pb.ClientMessage(goodbye=pb.Goodbye(reason="client closed"))
-                self._stopping.set()
                 return
-            if isinstance(item, StepStats):
-                yield pb.ClientMessage(stats=wire.stats_to_pb(item))
-            elif isinstance(item, OomReport):
-                yield pb.ClientMessage(oom=wire.oom_to_pb(item))
+            try:
+                if isinstance(item, StepStats):
+                    msg = pb.ClientMessage(stats=wire.stats_to_pb(item))
+                elif isinstance(item, OomReport):
+                    msg = pb.ClientMessage(oom=wire.oom_to_pb(item))
+                else:
+                    continue
+            except Exception as err:  # one bad record is dropped; the stream carries the next
+                self._fault("converting a record for the wire", err)
+                continue
+            yield msg
 
     def _run(self) -> None:
         delay = self.config.backoff_initial_s
         while not self._stopping.is_set():
-            assert self._hello is not None
-            hello = dataclasses.replace(self._hello, plan_version=self._plan_version)
-            done = threading.Event()
             try:
-                with self._channel() as channel:
-                    stub = pb_grpc.AdvisorStub(channel)
-                    call = stub.Session(self._requests(hello, done), metadata=self.config.metadata)
-                    self._call = call
-                    for msg in call:
-                        if not self.connected:
-                            self._on_connected()
-                            delay = self.config.backoff_initial_s
-                        self._receive(msg)
-                    return
-            except grpc.RpcError as err:
-                code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-                detail = err.details() if hasattr(err, "details") else str(err)
-                self.last_error = f"{code.name}: {detail}"
+                if self._session(delay):
+                    delay = self.config.backoff_initial_s
                 if self._stopping.is_set():
                     return
-                if code in TERMINAL:
-                    log.error("rematd service refused the stream (%s); keeping the plan in force", self.last_error)
-                    self._stopping.set()
-                    return
-                log.warning("rematd stream to %s lost (%s); retrying in %.1fs", self.target, self.last_error, delay)
-            except Exception as err:  # the training job must never die because of rematd
-                self.last_error = f"{type(err).__name__}: {err}"
-                log.exception("rematd stream failed; retrying")
-            finally:
-                done.set()
-                if self.connected:
-                    self._lost_at = time.monotonic()
-                self.connected = False
-                self._call = None
-            self.reconnects += 1
-            self._pause(delay * random.uniform(0.5, 1.0))
+                self.reconnects += 1
+                self._pause(delay * random.uniform(0.5, 1.0))
+            except Exception as err:  # the training job must never die because of rematd, nor its plans stop
+                self._fault("the stream thread", err)
+                if self._closing.wait(delay):
+                    self._stop()
             delay = min(self.config.backoff_max_s, delay * 2)
+
+    def _session(self, delay: float) -> bool:
+        """One stream to the service, until it ends; True when the service answered on it."""
+        hello = self._current_hello()
+        done = threading.Event()
+        answered = False
+        try:
+            with self._channel() as channel:
+                stub = pb_grpc.AdvisorStub(channel)
+                call = stub.Session(self._requests(hello, done), metadata=self.config.metadata)
+                self._call = call
+                for msg in call:
+                    if not self.connected:
+                        self._on_connected()
+                        answered = True
+                    self._receive(msg)
+            if not self._stopping.is_set():
+                self.last_error = "the service ended the stream"
+                log.warning("rematd: the service at %s ended the stream; reconnecting", self.target)
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+            detail = err.details() if hasattr(err, "details") else str(err)
+            self.last_error = f"{code.name}: {detail}"
+            if self._stopping.is_set():
+                return answered
+            if code in TERMINAL:
+                log.error("rematd service refused the stream (%s); keeping the plan in force", self.last_error)
+                self._stop()
+            else:
+                log.warning("rematd stream to %s lost (%s); retrying in %.1fs", self.target, self.last_error, delay)
+        finally:
+            done.set()
+            if self.connected:
+                self._lost_at = time.monotonic()
+            self.connected = False
+            self._call = None
+        return answered
 
     def _on_connected(self) -> None:
         self.connected = True
@@ -287,6 +294,8 @@ class StreamBackend:
         if self._fallback is not None:
             log.info("rematd service is back; its plans replace the in-process planner's")
         self._fallback = None
+        self._fallback_failures = 0
+        self._fallback_given_up = False
         self.planning_locally = False
 
     def _pause(self, seconds: float) -> None:
@@ -295,21 +304,39 @@ class StreamBackend:
         while not self._stopping.is_set():
             if self._closing.is_set():
                 # Nobody to say goodbye to: stop at once rather than hold up close().
-                self._stopping.set()
+                self._stop()
                 return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             after = self.config.fallback_after_s
-            if after is not None and time.monotonic() - self._lost_at >= after:
+            if after is not None and not self._fallback_given_up and time.monotonic() - self._lost_at >= after:
                 self._plan_locally(min(left, 0.1))
             else:
                 self._closing.wait(min(left, 0.1))
 
     def _plan_locally(self, timeout: float) -> None:
-        assert self._hello is not None
+        try:
+            self._plan_one(timeout)
+        except Exception as err:
+            self._fallback_failures += 1
+            self._fault("the in-process planner", err)
+            if self._fallback_failures >= FALLBACK_MAX_FAILURES:
+                # A planner that keeps failing would only fail again: keep the plan in force instead.
+                log.error(
+                    "rematd: the in-process planner failed %d times in a row; the plan in force stays "
+                    "until the service answers again",
+                    self._fallback_failures,
+                )
+                self._fallback = None
+                self._fallback_given_up = True
+                self.planning_locally = False
+        else:
+            self._fallback_failures = 0
+
+    def _plan_one(self, timeout: float) -> None:
         if self._fallback is None:
-            hello = dataclasses.replace(self._hello, plan_version=self._plan_version)
+            hello = self._current_hello()
             self._fallback = open_planner(hello, first_version=self._plan_version + 1)
             self.planning_locally = True
             log.warning("rematd service unreachable for %.0fs; planning in-process", time.monotonic() - self._lost_at)
@@ -319,14 +346,14 @@ class StreamBackend:
         except queue.Empty:
             return
         if item is _STOP:
-            self._stopping.set()
+            self._stop()
             return
         plan: Plan | None = None
         if isinstance(item, StepStats):
-            plan = self._fallback.observe(observation(self._hello, item))
+            plan = self._fallback.observe(observation(self._current_hello(), item))
             self._ack(item.step)
         elif isinstance(item, OomReport):
-            plan = self._fallback.report_oom()
+            plan = self._fallback.report_oom(item.shape)
         if plan is not None:
             self._deliver(plan)
 
