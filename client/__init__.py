@@ -4,10 +4,10 @@ from rematd import client
 h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
 """
 
+from rematd.client.connection import StreamConfig
 from rematd.client.discovery import BlockDiscoveryError, find_blocks
-from rematd.client.guard import OutOfMemory, UnsupportedModel
-from rematd.client.handle import Guard, Handle, attach
-from rematd.client.stream import StreamConfig
+from rematd.client.guard import Guard, OutOfMemory, UnsupportedModel
+from rematd.client.handle import Handle, attach
 from rematd.planner import Plan
 
 __all__ = [

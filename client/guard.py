@@ -10,9 +10,13 @@ from __future__ import annotations
 import gc
 import traceback
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from rematd.client.handle import Handle
 
 
 class OutOfMemory(torch.OutOfMemoryError):
@@ -52,3 +56,28 @@ def free_after_oom(
     gc.collect()
     if cuda and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class Guard:
+    """The context manager :meth:`Handle.guard <rematd.client.Handle.guard>` returns."""
+
+    def __init__(self, handle: Handle) -> None:
+        self._handle = handle
+        self.oom = False
+        """True when the guarded block ran out of memory and rematd recovered."""
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        h = self._handle
+        if exc is None:
+            h._oom_streak = 0
+            return False
+        if not isinstance(exc, Exception) or not is_oom(exc):
+            return False
+        h._recover(exc)
+        if h._oom_streak >= 2:
+            return False
+        self.oom = True
+        return True

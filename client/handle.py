@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -18,40 +16,34 @@ from torch import nn
 from rematd import __version__
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.applier import PlanApplier
+from rematd.client.arguments import (
+    check_bytes,
+    check_flag,
+    check_job,
+    check_margin,
+    check_optimizer,
+    check_server,
+    mode_sequence,
+    parse_modes,
+)
 from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.buffers import protect_running_stats
+from rematd.client.connection import StreamConfig
+from rematd.client.describe import block_records, dist_rank, model_fingerprint, shape_of
 from rematd.client.discovery import find_blocks
-from rematd.client.guard import UnsupportedModel, free_after_oom, is_oom
+from rematd.client.guard import Guard, free_after_oom, is_oom
+from rematd.client.hooks import AttachedHook
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
 from rematd.client.profiling import host_bandwidth
-from rematd.client.stream import StreamBackend, StreamConfig
+from rematd.client.stream import StreamBackend
 from rematd.client.switch import SwitchableBlock
+from rematd.client.unwrap import unwrap
 from rematd.planner import Mode, Plan, Shape, Size
-from rematd.records import BlockRecord, Hello, OomReport, StepStats
+from rematd.records import Hello, OomReport, StepStats
 
 log = logging.getLogger("rematd.client")
 
 T = TypeVar("T")
-
-
-def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape:
-    """The shape signature of a model call: batch and sequence length of its first tensor."""
-    for t in tensors_in([args, kwargs]):
-        if t.dim() == 0:
-            continue
-        batch = int(t.shape[0])
-        seq = int(t.shape[1]) if t.dim() >= 2 else 1
-        return Shape(batch=batch, seq_len=seq, tokens=batch * seq)
-    return Shape()
-
-
-def model_fingerprint(blocks: Sequence[tuple[str, nn.Module]]) -> str:
-    h = hashlib.sha256()
-    for name, module in blocks:
-        h.update(f"{name}:{type(module).__qualname__}".encode())
-        for pname, p in module.named_parameters():
-            h.update(f"{pname}{tuple(p.shape)}{p.dtype}".encode())
-    return h.hexdigest()[:16]
 
 
 class Handle:
@@ -66,34 +58,28 @@ class Handle:
         budget_bytes: int | None,
         blocks: Sequence[nn.Module] | None,
         optimizer: torch.optim.Optimizer | None,
-        rank: int,
-        world_size: int,
         margin_ratio: float,
-        modes: Sequence[str] | None = None,
+        modes: Sequence[str | Mode] | None = None,
         stream: StreamConfig | None = None,
         hard_limit_bytes: int | None = None,
     ) -> None:
-        if budget_bytes is not None and (isinstance(budget_bytes, bool) or int(budget_bytes) <= 0):
-            raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
-        if not 0.0 <= margin_ratio < 1.0:
-            raise ValueError(f"margin_ratio must be in [0, 1), got {margin_ratio!r}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        # Every argument is checked before anything is hooked: a bad one leaves the model untouched.
+        server = check_server(server)
+        self._job_given = check_job(job) is not None
+        self._budget_bytes = check_bytes("budget_bytes", budget_bytes)
+        self.margin_ratio = check_margin(margin_ratio)
         self._modes = parse_modes(modes)
-        if hard_limit_bytes is not None and (isinstance(hard_limit_bytes, bool) or int(hard_limit_bytes) <= 0):
-            raise ValueError(f"hard_limit_bytes must be a positive number of bytes, got {hard_limit_bytes!r}")
-        model = _unwrap(model)
+        hard_limit = check_bytes("hard_limit_bytes", hard_limit_bytes)
+        optimizer = check_optimizer(optimizer)
+        model = unwrap(model)
         self.model = model
         self._optimizer = optimizer
         self.job = job or f"job-{uuid.uuid4().hex[:8]}"
-        self.rank = rank
-        self.world_size = world_size
-        self.margin_ratio = margin_ratio
-        self._budget_bytes = int(budget_bytes) if budget_bytes is not None else None
+        self._ranks: tuple[int, int] | None = None
         found = find_blocks(model, blocks)
         self._fingerprint = model_fingerprint(found)
         self._accounting = SavedTensorAccounting()
-        self._accounting.hard_limit_bytes = int(hard_limit_bytes) if hard_limit_bytes is not None else None
+        self._accounting.hard_limit_bytes = hard_limit
         self._blocks = [SwitchableBlock(i, name, m, self._accounting) for i, (name, m) in enumerate(found)]
         self._norm_hooks = protect_running_stats([m for _, m in found])
         self._applier = PlanApplier(self._blocks)
@@ -121,11 +107,11 @@ class Handle:
         )
         self.server = server
         self._hooks = [
-            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-            model.register_forward_hook(self._post_forward, always_call=True),
+            model.register_forward_pre_hook(AttachedHook(self._pre_forward), with_kwargs=True),
+            model.register_forward_hook(AttachedHook(self._post_forward), always_call=True),
         ]
         if optimizer is not None:
-            self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.step()))
+            self._hooks.append(optimizer.register_step_post_hook(AttachedHook(self._optimizer_stepped)))
 
     # -- public -----------------------------------------------------------
 
@@ -164,15 +150,35 @@ class Handle:
 
     @budget_bytes.setter
     def budget_bytes(self, value: int) -> None:
-        if isinstance(value, bool) or int(value) <= 0:
-            raise ValueError(f"budget_bytes must be a positive number of bytes, got {value!r}")
-        self._budget_bytes = int(value)
+        budget = check_bytes("budget_bytes", value, optional=False)
+        assert budget is not None
+        self._budget_bytes = budget
+        # A reconnect re-sends the hello: it must carry this budget, not the first one.
+        self._backend.update_hello(budget_bytes=budget)
 
-    def pin_modes(self, modes: Sequence[Mode] | None) -> None:
-        """Fix every block's mode from the next step on, whatever the planner says (None: follow it again)."""
-        if modes is not None and len(modes) != len(self._blocks):
-            raise ValueError(f"pin_modes needs {len(self._blocks)} modes, one per block, got {len(modes)}")
-        self._applier.pinned = tuple(Mode(m) for m in modes) if modes is not None else None
+    @property
+    def rank(self) -> int:
+        """This process's rank in the default process group, as sent to the planner (read at the first step's end)."""
+        return (self._ranks or dist_rank())[0]
+
+    @property
+    def world_size(self) -> int:
+        """The default process group's size, as sent to the planner (read at the first step's end)."""
+        return (self._ranks or dist_rank())[1]
+
+    def pin_modes(self, modes: Sequence[str | Mode] | None) -> None:
+        """Fix every block's mode from the next step on, whatever the planner says (None: follow it again).
+
+        ``modes`` has one entry per block: a mode name (``"store"``, ``"selective"``,
+        ``"recompute"``, ``"offload"``) or a :class:`rematd.planner.Mode`.
+        """
+        if modes is None:
+            self._applier.pinned = None
+            return
+        pinned = mode_sequence("pin_modes", modes)
+        if len(pinned) != len(self._blocks):
+            raise ValueError(f"pin_modes needs {len(self._blocks)} modes, one per block, got {len(pinned)}")
+        self._applier.pinned = tuple(pinned)
 
     @property
     def hard_limit_bytes(self) -> int | None:
@@ -245,7 +251,11 @@ class Handle:
         return Guard(self)
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until the planner has answered every step so far (for tests and shutdown)."""
+        """Wait until the planner has answered every step so far (for tests and shutdown).
+
+        False when some step is still unanswered after ``timeout``, or will never be: the
+        service refused the stream, or the handle was closed first.
+        """
         return self._backend.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -269,6 +279,9 @@ class Handle:
         self.close()
 
     # -- hooks --------------------------------------------------------------
+
+    def _optimizer_stepped(self, *_: object) -> None:
+        self.step()
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._closed or not torch.is_grad_enabled():
@@ -320,8 +333,12 @@ class Handle:
         offer = set(self._modes)
         bandwidth = None
         if isinstance(self._memory, CudaMemory) and Mode.OFFLOAD in offer:
-            bandwidth = host_bandwidth(self._memory.device)
-        else:
+            try:
+                bandwidth = host_bandwidth(self._memory.device)
+            except Exception as err:
+                # Without a measured link offload cannot be priced; the other modes still can.
+                log.warning("rematd: measuring the host link failed (%s); offload is not offered", err)
+        if not bandwidth:
             offer.discard(Mode.OFFLOAD)
         for b in self._blocks:
             b.offer = frozenset(offer)
@@ -378,28 +395,27 @@ class Handle:
 
     def _hello(self, sample: MemorySample) -> Hello:
         assert self._memory is not None and self._budget_bytes is not None
-        records = []
-        for b in self._blocks:
-            m = b.measure
-            records.append(
-                BlockRecord(
-                    index=b.index,
-                    name=b.name,
-                    saved_bytes=m.saved_bytes if m else 0,
-                    input_bytes=m.input_bytes if m else 0,
-                    forward_seconds=m.forward_seconds if m else 0.0,
-                    modes=m.modes if m else (),
-                )
+        # Read now, not at attach: the process group is often set up after the model is attached.
+        rank, world_size = self._ranks = dist_rank()
+        if world_size > 1 and not self._job_given:
+            log.warning(
+                "rematd: rank %d of %d was attached without job=, so it streams as job %r and every rank "
+                "appears as a separate job; pass the same job= on every rank",
+                rank,
+                world_size,
+                self.job,
             )
+        records = block_records(self._blocks)
+        for b in self._blocks:
             b.profiling = False
         return Hello(
             job_id=self.job,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=rank,
+            world_size=world_size,
             device_name=self._memory.name,
             device_total_bytes=self._memory.total_bytes,
             model_fingerprint=self._fingerprint,
-            blocks=tuple(records),
+            blocks=records,
             profile_shape=self._shape,
             budget_bytes=self._budget_bytes,
             static_bytes=self._static,
@@ -462,77 +478,6 @@ class Handle:
             log.exception("rematd: recovering from out of memory failed")
 
 
-class Guard:
-    """The context manager :meth:`Handle.guard` returns."""
-
-    def __init__(self, handle: Handle) -> None:
-        self._handle = handle
-        self.oom = False
-        """True when the guarded block ran out of memory and rematd recovered."""
-
-    def __enter__(self) -> Guard:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
-        h = self._handle
-        if exc is None:
-            h._oom_streak = 0
-            return False
-        if not isinstance(exc, Exception) or not is_oom(exc):
-            return False
-        h._recover(exc)
-        if h._oom_streak >= 2:
-            return False
-        self.oom = True
-        return True
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module to attach to: DDP's inner module; FSDP and compiled models are refused."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
-    for name, m in model.named_modules():
-        where = f" (at {name!r})" if name else ""
-        kind = type(m).__name__
-        if kind == "OptimizedModule" or hasattr(m, "_orig_mod"):
-            raise UnsupportedModel(
-                f"{kind}{where} is a torch.compile'd module; rematd switches checkpointing between steps, which "
-                "a compiled graph does not see. Attach to the model without torch.compile."
-            )
-        if kind in ("FullyShardedDataParallel", "FSDPModule") or any(
-            c.__name__ == "FSDPModule" for c in type(m).__mro__
-        ):
-            raise UnsupportedModel(
-                f"{kind}{where} is sharded with FSDP, which rematd does not support yet; use "
-                "DistributedDataParallel, or FSDP's own activation checkpointing"
-            )
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        inner: nn.Module = model.module
-        return inner
-    return model
-
-
-MODE_NAMES = {m.name.lower(): m for m in Mode}
-
-
-def parse_modes(names: Sequence[str] | None) -> frozenset[Mode]:
-    """The modes a plan may use; STORE is always allowed."""
-    if names is None:
-        return frozenset(Mode)
-    if isinstance(names, str):
-        raise ValueError(f"modes must be a sequence of mode names, got the string {names!r}")
-    bad = [n for n in names if n not in MODE_NAMES]
-    if bad:
-        raise ValueError(f"unknown modes {bad}; choose from {sorted(MODE_NAMES)}")
-    return frozenset({Mode.STORE, *(MODE_NAMES[n] for n in names)})
-
-
-def _dist_rank() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def attach(
     model: nn.Module,
     *,
@@ -542,7 +487,7 @@ def attach(
     blocks: Sequence[nn.Module] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     margin_ratio: float = 0.1,
-    modes: Sequence[str] | None = None,
+    modes: Sequence[str | Mode] | None = None,
     token: str | None = None,
     tls: bool = False,
     root_certificates: str | os.PathLike[str] | bytes | None = None,
@@ -551,10 +496,17 @@ def attach(
 ) -> Handle:
     """Attach rematd to ``model`` and return the handle that applies its plans.
 
+    Every argument is checked here: a bad one raises ``TypeError`` or
+    ``ValueError`` naming it, before the model is touched.
+
     Args:
         model: the model being trained.
-        server: ``"host:port"`` of a rematd service; ``None`` plans in-process.
-        job: the job's name on the service (default: a random one).
+        server: ``"host:port"`` (or ``"[v6addr]:port"``, or a gRPC target
+            such as ``"dns:///host:port"``) of a rematd service; ``None``
+            plans in-process.
+        job: the job's name on the service: 1-128 letters, digits, ``.``,
+            ``_`` or ``-``, starting with a letter or digit (default: a
+            random one; under ``torch.distributed`` pass the same on every rank).
         budget_bytes: the memory budget. On CUDA, the device memory the job
             may use (default: the device's capacity); on the CPU, the cap on
             bytes saved for backward during a step (default: host memory).
@@ -562,8 +514,9 @@ def attach(
             ``nn.ModuleList`` of same-class modules).
         optimizer: when given, the handle's :meth:`Handle.step` runs after
             each ``optimizer.step()`` by itself.
-        margin_ratio: the fraction of the budget the planner keeps free.
-        modes: the ways a block may keep activations, from ``"store"``,
+        margin_ratio: the fraction of the budget the planner keeps free, in [0, 1).
+        modes: the ways a block may keep activations (names, or
+            :class:`rematd.planner.Mode` values), from ``"store"``,
             ``"selective"`` (keep matmul and attention outputs, recompute
             pointwise ops), ``"recompute"`` (keep only the block's input) and
             ``"offload"`` (saved activations to host memory; CUDA only).
@@ -579,12 +532,17 @@ def attach(
             would cross this raises :class:`rematd.client.OutOfMemory`
             (recovered from by :meth:`Handle.run_step` / :meth:`Handle.guard`).
     """
+    server = check_server(server)
     stream = (
-        StreamConfig.build(token=token, tls=tls, root_certificates=root_certificates, fallback_after_s=fallback_after_s)
-        if server
+        StreamConfig.build(
+            token=token,
+            tls=check_flag("tls", tls),
+            root_certificates=root_certificates,
+            fallback_after_s=fallback_after_s,
+        )
+        if server is not None
         else None
     )
-    rank, world = _dist_rank()
     return Handle(
         model,
         server=server,
@@ -592,8 +550,6 @@ def attach(
         budget_bytes=budget_bytes,
         blocks=blocks,
         optimizer=optimizer,
-        rank=rank,
-        world_size=world,
         margin_ratio=margin_ratio,
         modes=modes,
         stream=stream,

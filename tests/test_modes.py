@@ -110,5 +110,5 @@ def test_profile_offers_modes_with_shape_terms() -> None:
     assert any(t.seq_exp == 2 for t in store.terms), "attention scores scale with seq^2"
     assert any(t.seq_exp == 1 and t.batch_exp == 1 for t in store.terms)
     h.close()
-    with pytest.raises(ValueError, match="unknown modes"):
+    with pytest.raises(ValueError, match="modes: unknown mode"):
         client.attach(tiny_model(), modes=["teleport"])

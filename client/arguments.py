@@ -1,0 +1,131 @@
+"""Checks of ``attach``'s arguments: a bad one fails at once, naming itself and what is accepted.
+
+Anything caught later would surface on the stream thread or the service,
+far from the call that caused it, or not at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral, Real
+from typing import Any
+
+import torch
+
+from rematd.planner import Mode
+from rematd.records import JOB_ID_RE
+
+MODE_NAMES = {m.name.lower(): m for m in Mode}
+ACCEPTED_MODES = ", ".join(repr(n) for n in MODE_NAMES)
+
+# What the wire's integer fields (and the service's records) carry.
+MAX_BYTES = 2**63 - 1
+
+# Targets gRPC resolves by scheme; anything else must be host:port.
+GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
+
+
+def check_job(job: object) -> str | None:
+    """The job name as the service accepts it (the same rule as its check of a hello)."""
+    if job is None:
+        return None
+    if not isinstance(job, str):
+        raise TypeError(f"job must be a string, got {type(job).__name__}")
+    if not JOB_ID_RE.match(job):
+        raise ValueError(
+            f"job must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit; got {job!r}"
+        )
+    return job
+
+
+def check_server(server: object) -> str | None:
+    """``host:port``, ``[v6addr]:port`` or a gRPC target with a scheme (``dns:///host:port``, ``unix:path``)."""
+    if server is None:
+        return None
+    if not isinstance(server, str):
+        raise TypeError(f"server must be a 'host:port' string, got {type(server).__name__}")
+    accepted = "'host:port' (e.g. 'localhost:50051'), '[::1]:50051' or a gRPC target such as 'dns:///host:port'"
+    if not server or any(c.isspace() for c in server):
+        raise ValueError(f"server must be {accepted}; got {server!r}")
+    if server.startswith(GRPC_SCHEMES):
+        return server
+    host, sep, port = server.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if (
+        not sep
+        or not host
+        or (":" in host and not bracketed)
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+        or (bracketed and len(host) == 2)
+    ):
+        raise ValueError(f"server must be {accepted}; got {server!r}")
+    return server
+
+
+def check_bytes(name: str, value: object, *, optional: bool = True) -> int | None:
+    """A positive whole number of bytes (an int, or a float such as ``2e9``)."""
+    if value is None and optional:
+        return None
+    wanted = f"{name} must be a positive number of bytes" + (" or None" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{wanted}, got {type(value).__name__} {value!r}")
+    if isinstance(value, Integral):
+        n = int(value)
+    else:
+        f = float(value)
+        if not math.isfinite(f) or not f.is_integer():
+            raise ValueError(f"{wanted} (a whole number), got {value!r}")
+        n = int(f)
+    if not 0 < n <= MAX_BYTES:
+        raise ValueError(f"{wanted} up to 2**63-1, got {value!r}")
+    return n
+
+
+def check_margin(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"margin_ratio must be a number in [0, 1), got {type(value).__name__} {value!r}")
+    margin = float(value)
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin_ratio must be in [0, 1) (the fraction of the budget kept free), got {value!r}")
+    return margin
+
+
+def check_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer (its step runs h.step()) or None, got {type(optimizer).__name__}"
+    )
+
+
+def check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def mode_of(name: str, value: Any) -> Mode:
+    """A mode from its name (any case) or a :class:`Mode` value."""
+    if isinstance(value, Mode):
+        return value
+    if isinstance(value, str) and value.lower() in MODE_NAMES:
+        return MODE_NAMES[value.lower()]
+    raise ValueError(f"{name}: unknown mode {value!r}; accepted: {ACCEPTED_MODES} or rematd.planner.Mode values")
+
+
+def mode_sequence(name: str, values: object) -> list[Mode]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(
+            f"{name} must be a list of modes ({ACCEPTED_MODES} or rematd.planner.Mode values), "
+            f"got {type(values).__name__} {values!r}"
+        )
+    return [mode_of(name, v) for v in values]
+
+
+def parse_modes(names: object) -> frozenset[Mode]:
+    """The modes a plan may use; STORE is always allowed."""
+    if names is None:
+        return frozenset(Mode)
+    return frozenset({Mode.STORE, *mode_sequence("modes", names)})

@@ -1,0 +1,42 @@
+"""Which module ``attach`` works on: DDP's inner module; compiled and FSDP models are refused."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from rematd.client.guard import UnsupportedModel
+
+
+def _compiled(m: nn.Module) -> bool:
+    # torch.compile(m) wraps it (an OptimizedModule holding _orig_mod); m.compile() compiles in place,
+    # leaving the compiled call in _compiled_call_impl.
+    return (
+        type(m).__name__ == "OptimizedModule"
+        or hasattr(m, "_orig_mod")
+        or (getattr(m, "_compiled_call_impl", None) is not None)
+    )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module to attach to; raises :class:`UnsupportedModel` for a model rematd cannot switch."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
+    for name, m in model.named_modules():
+        where = f" (at {name!r})" if name else ""
+        kind = type(m).__name__
+        if _compiled(m):
+            raise UnsupportedModel(
+                f"{kind}{where} is compiled with torch.compile or .compile(); rematd switches checkpointing "
+                "between steps, which a compiled graph does not see. Attach to the model without compiling it."
+            )
+        if kind in ("FullyShardedDataParallel", "FSDPModule") or any(
+            c.__name__ == "FSDPModule" for c in type(m).__mro__
+        ):
+            raise UnsupportedModel(
+                f"{kind}{where} is sharded with FSDP, which rematd does not support yet; use "
+                "DistributedDataParallel, or FSDP's own activation checkpointing"
+            )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        inner: nn.Module = model.module
+        return inner
+    return model
