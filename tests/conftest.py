@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
+
+import pytest
 
 # Small CPU models train faster on one thread, and parallel test workers share two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -11,3 +15,42 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # the planner and server tests run without torch
     pass
+
+ALLOW_CLIENT_ERRORS = "allow_client_errors"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{ALLOW_CLIENT_ERRORS}(reason): the test provokes errors that rematd.client logs; they do not fail it",
+    )
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def _client_errors_fail_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The client swallows its errors so that training goes on; a test must not pass while it does."""
+    collect = _Collect()
+    logger = logging.getLogger("rematd.client")
+    logger.addHandler(collect)
+    try:
+        yield
+    finally:
+        logger.removeHandler(collect)
+    if collect.records and request.node.get_closest_marker(ALLOW_CLIENT_ERRORS) is None:
+        lines = [
+            f"{r.levelname} {r.getMessage()}" + (f" [{r.exc_info[1]!r}]" if r.exc_info else "") for r in collect.records
+        ]
+        pytest.fail(
+            f"rematd.client logged {len(lines)} error(s); fix them, or mark the test "
+            f"@pytest.mark.{ALLOW_CLIENT_ERRORS}(reason=...):\n" + "\n".join(lines),
+            pytrace=False,
+        )

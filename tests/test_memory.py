@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rematd.client.memory import CudaMemory
+from rematd.planner import Mode
 from rematd.records import MEMORY_CUDA
 
 
@@ -61,13 +62,29 @@ def test_cuda_source_on_a_real_gpu() -> None:
     assert 0 < sample.free_bytes <= sample.total_bytes
 
 
+class ReportsCuda(torch.Tensor):
+    """A CPU tensor that says it is on a CUDA device: what the handle reads to pick the CUDA allocator.
+
+    Its ops run on the CPU and return plain tensors, so only the model's input says CUDA.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes the CUDA boundary; the GPU test covers real CUDA")
 def test_a_cuda_model_reports_allocator_figures_every_step_and_recovers_from_cuda_oom(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The handle picks the CUDA source for a model on a CUDA device and samples it once per step."""
+    """The handle picks the CUDA source for a model fed CUDA tensors and samples it once per step."""
     from rematd import client
-    from rematd.client import handle as handle_mod
 
     fake = FakeCuda()
     for name in ("memory_stats", "reset_peak_memory_stats", "mem_get_info"):
@@ -77,19 +94,19 @@ def test_a_cuda_model_reports_allocator_figures_every_step_and_recovers_from_cud
     emptied = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    # The model runs on the CPU; only the choice of memory source sees a CUDA device.
-    monkeypatch.setattr(
-        handle_mod.Handle, "_memory_source", lambda self, args, kwargs: CudaMemory(torch.device("cuda", 0))
+    # The blocks' inputs are plain CPU tensors: only the memory source sees a CUDA device. Measuring the
+    # host link for offload then fails (a CPU build has no CUDA to copy from), which must only drop offload.
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), *(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(3))
     )
-    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(3)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    h = client.attach(model, optimizer=opt, blocks=list(model))
+    h = client.attach(model, optimizer=opt, blocks=list(model)[1:])
     calls = 0
 
     def step() -> None:
         nonlocal calls
         calls += 1
-        loss = model(torch.randn(2, 4)).sum()
+        loss = model(torch.randn(2, 4).as_subclass(ReportsCuda)).sum()
         fake.peak = 500 + calls  # what the allocator saw during this step
         loss.backward()
         if calls == 2:
@@ -101,7 +118,67 @@ def test_a_cuda_model_reports_allocator_figures_every_step_and_recovers_from_cud
     assert h.last_stats is not None and h.last_stats.peak_allocated_bytes == 501
     assert h.last_memory is not None and h.last_memory.inactive_split_bytes == 64
     assert h.budget_bytes == 4000, "the default budget is the device's capacity"
+    assert h.plan.version == 0 and h._profiled, "the profile completed"
+    offered = {m.mode for b in h._blocks if b.measure for m in b.measure.modes}
+    assert Mode.OFFLOAD not in offered and Mode.RECOMPUTE in offered
     h.run_step(step)  # fails once, is retried with every block recomputed
     assert calls == 3 and h.oom_count == 1 and emptied, "the cache was emptied after the error"
     assert h._accounting.active is False, "no saved-tensor hooks on CUDA"
+    h.close()
+
+
+class WideMLP(torch.nn.Module):
+    """A residual block whose hidden layer dwarfs its input: what a recompute brings back dwarfs what it keeps."""
+
+    def __init__(self, width: int = 16, hidden: int = 512) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, hidden)
+        self.fc2 = torch.nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def saved_bytes_of(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """What one forward of ``block`` saves for backward (parameters aside), by torch's own hooks:
+    what its recompute in backward brings back."""
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        type(block).forward(block, x)  # the block's own forward, not the checkpointing one rematd put in place
+    return sum(seen.values())
+
+
+def test_cpu_peak_counts_what_a_recomputed_block_rematerialises_in_backward() -> None:
+    from rematd import client
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(WideMLP() for _ in range(4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    h = client.attach(model, blocks=list(model), optimizer=opt, budget_bytes=10**12, modes=["recompute"])
+    x = torch.randn(4, 8, 16)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # the profile
+    h.pin_modes(["recompute"] * 4)
+    step()
+    step()
+    assert h.modes == (Mode.RECOMPUTE,) * 4 and h.last_stats is not None
+    # When the last block recomputes, every block's input is still kept for its own recompute.
+    kept = 4 * x.untyped_storage().nbytes()
+    transient = saved_bytes_of(model[3], x.detach().requires_grad_())
+    assert transient > 10 * kept // 4, "the test needs the transient to dominate"
+    measured = h.last_stats.saved_peak_bytes
+    assert kept + 0.9 * transient <= measured <= 1.1 * (kept + transient), (measured, kept, transient)
     h.close()
