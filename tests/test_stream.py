@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import gc
-import os
-import re
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -22,56 +14,12 @@ import httpx
 import pytest
 import torch
 
-from rematd import client, wire
+from rematd import client
 from rematd.client.stream import StreamBackend, StreamConfig
-from rematd.records import StepStats, open_planner
-from rematd.v1 import advisor_pb2 as pb
-from rematd.v1 import advisor_pb2_grpc as pb_grpc
+from rematd.records import StepStats
 
 from .helpers import tiny_model, train_step
-
-
-def start_serve(db: Path, grpc_port: int = 0, http_port: int = 0) -> tuple[subprocess.Popen[str], str, str]:
-    """``rematd serve`` on loopback; returns the process and its gRPC and HTTP addresses."""
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", str(grpc_port)),
-            *("--http-port", str(http_port), "--db", str(db), "--log-level", "warning"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    grpc_addr = http_addr = None
-    lines = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (grpc_addr is None or http_addr is None):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if m := re.search(r"serving gRPC on (\S+)", line):
-            grpc_addr = m.group(1)
-        if m := re.search(r"REST on http://([^/\s]+)/", line):
-            http_addr = m.group(1)
-    if grpc_addr is None or http_addr is None:
-        proc.kill()
-        raise RuntimeError("rematd serve did not start:\n" + "".join(lines))
-    return proc, grpc_addr, http_addr
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    if proc.stdout is not None:
-        proc.stdout.close()
+from .stream_helpers import Recorder, free_port, make_cert, run_steps, serve_recorder, start_serve, stop
 
 
 def test_training_survives_a_killed_and_restarted_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,82 +107,36 @@ def test_training_survives_a_killed_and_restarted_service(tmp_path: Path, monkey
         slow = [round(t * 1e3, 1) for t in rematd_times[1:] if t >= median]
         assert len(slow) <= 2 and worst_rematd < 0.25, f"rematd took {slow} ms of steps of {median * 1e3:.1f} ms"
         assert rematd_times[0] < 0.5
-        # Whole steps: none is delayed by more than a step beyond what the machine's own slowness at that
-        # moment (the control steps around it) explains. Two cores shared with other test runs preempt a
-        # step now and then, so a few may still be late, by scheduler pauses, not the seconds a network wait takes.
+        # Whole steps: none is delayed by more than the step itself beyond what the machine's own slowness at
+        # that moment (the control steps around it) explains. Step 0 is left out: it profiles every block.
+        # Measured on this shared 2-core machine with another test file running beside it (as under -n 2),
+        # the same loop without rematd had 0-5 such steps in 200, the slowest 170 ms; so 5 may be late, and
+        # none by the half second and more that a wait on the network (connect, backoff) would take.
         late = []
-        for i, t in enumerate(times):
+        for i, t in enumerate(times[1:], start=1):
             noise = max(control_times[max(0, i - 2) : i + 3]) - control_median
             if t - median > median + max(0.0, noise):
                 late.append(f"step {i}: {t * 1e3:.0f} ms (noise {noise * 1e3:.0f} ms)")
-        assert len(late) <= 20, f"median {median * 1e3:.1f} ms; late: {late}"
-        assert max(times) < 2.0, f"a step took {max(times):.2f}s"
+        print(f"late steps: {late}")
+        assert len(late) <= 5, f"median {median * 1e3:.1f} ms; late: {late}"
+        assert max(times) < 0.5, f"a step took {max(times):.2f}s"
         assert h.plan.version > before
         h.close()
         plans = httpx.get(f"http://{http_addr}/api/v1/jobs/restart-job/plans", timeout=10).json()
         plans = plans["plans"] if isinstance(plans, dict) else plans
-        versions = [p["version"] for p in plans]
-        assert versions == sorted(set(versions)) and versions[0] == 1, versions
-        assert versions[-1] == h.plan.version and len(versions) >= 2, "the restarted service continued the history"
+        versions = [p["version"] for p in plans if p["rank"] == 0]
+        # The restarted service continued the history: every version once, in order, none skipped, up to the
+        # one in force.
+        assert versions == list(range(1, h.plan.version + 1)) and len(versions) >= 2, versions
     finally:
         for p in procs:
             stop(p)
 
 
-# -- a small stand-in service, for what the real one does not do yet ----------------
+# -- an in-process service that records what each stream carried (metadata, hellos) ----------------
 
 
-class Recorder(pb_grpc.AdvisorServicer):
-    """Answers like the service, records each stream's metadata and hello, checks a token if given."""
-
-    def __init__(self, token: str | None = None) -> None:
-        self.token = token
-        self.metadata: list[dict[str, str]] = []
-        self.hellos: list[pb.Hello] = []
-
-    def Session(
-        self, request_iterator: Iterator[pb.ClientMessage], context: grpc.ServicerContext
-    ) -> Iterator[pb.ServerMessage]:  # type: ignore[override]
-        meta = {k: str(v) for k, v in context.invocation_metadata()}
-        self.metadata.append(meta)
-        if self.token is not None and meta.get("authorization") != f"Bearer {self.token}":
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        session = None
-        for msg in request_iterator:
-            kind = msg.WhichOneof("kind")
-            if kind == "hello":
-                self.hellos.append(msg.hello)
-                hello = wire.hello_from_pb(msg.hello)
-                session = open_planner(hello, first_version=hello.plan_version + 1)
-                yield pb.ServerMessage(plan=wire.plan_to_pb(session.plan))
-            elif kind == "stats":
-                yield pb.ServerMessage(ack=pb.StepAck(step=msg.stats.step))
-            elif kind == "goodbye":
-                return
-
-
-def serve_recorder(
-    recorder: Recorder, port: int = 0, creds: grpc.ServerCredentials | None = None
-) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_AdvisorServicer_to_server(recorder, server)
-    addr = f"127.0.0.1:{port}"
-    bound = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
-    server.start()
-    return server, bound
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int, seq: int = 16) -> None:
-    for i in range(n):
-        train_step(model, opt, seq, seed=i)
-
-
+@pytest.mark.allow_client_errors(reason="the service refuses a wrong token, which the client logs as an error")
 def test_token_is_sent_as_bearer_metadata_and_env_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder(token="s3cret")
     server, port = serve_recorder(rec)
@@ -263,6 +165,7 @@ def test_token_is_sent_as_bearer_metadata_and_env_is_the_default(monkeypatch: py
         assert stream.last_error is not None and stream.last_error.startswith("UNAUTHENTICATED")
         run_steps(model, opt, 2)  # a refused stream is terminal for rematd, not for training
         assert h.plan.version == 0 and h.step_count == 5 and stream.reconnects == 0
+        assert not h.flush(5.0), "the refused steps will never be answered"
         attempts = len(rec.metadata)
         time.sleep(0.5)
         assert len(rec.metadata) == attempts, "UNAUTHENTICATED is not retried"
@@ -271,19 +174,6 @@ def test_token_is_sent_as_bearer_metadata_and_env_is_the_default(monkeypatch: py
         server.stop(None)
     with pytest.raises(ValueError, match="token"):
         client.attach(tiny_model(n_layer=2, d_model=16), server="127.0.0.1:1", token="has space")
-
-
-def make_cert(tmp: Path) -> tuple[Path, Path]:
-    key, cert = tmp / "key.pem", tmp / "cert.pem"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)),
-            *("-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return key, cert
 
 
 def test_tls_with_root_certificates_from_a_path(tmp_path: Path) -> None:
@@ -368,3 +258,69 @@ def test_queue_drops_the_oldest_counts_it_and_close_does_not_wait_on_a_dead_serv
         StreamConfig(queue_size=0)
     with pytest.raises(ValueError, match="fallback_after_s"):
         StreamConfig(fallback_after_s=-1)
+
+
+@pytest.mark.allow_client_errors(reason="the service refuses the wrong token, which the client logs as an error")
+def test_token_and_tls_against_the_real_service(tmp_path: Path) -> None:
+    key, cert = make_cert(tmp_path)
+    token = "a-token-for-the-stream-test"
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    tls = ("--token-file", str(token_file), "--tls-cert", str(cert), "--tls-key", str(key))
+    proc, grpc_addr, _ = start_serve(tmp_path / "rematd.db", 0, 0, *tls)
+    try:
+        model = tiny_model(n_layer=2, d_model=16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        h = client.attach(model, server=grpc_addr, job="secure", token=token, root_certificates=cert, optimizer=opt)
+        run_steps(model, opt, 3)
+        assert h.flush(20.0), "the service answered every step"
+        run_steps(model, opt, 1)  # a plan applies at the first forward after it arrived
+        stream = h.stream
+        assert stream is not None and stream.connected and stream.last_error is None
+        assert h.plan.version >= 1
+        h.close()
+
+        model = tiny_model(n_layer=2, d_model=16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        h = client.attach(
+            model, server=grpc_addr, job="intruder", token="not-" + token, root_certificates=cert, optimizer=opt
+        )
+        run_steps(model, opt, 3)
+        stream = h.stream
+        assert stream is not None and stream._thread is not None
+        stream._thread.join(10.0)
+        assert not stream._thread.is_alive(), "a refused stream ends"
+        assert stream.last_error is not None and stream.last_error.startswith("UNAUTHENTICATED"), stream.last_error
+        run_steps(model, opt, 2)
+        assert h.step_count == 5 and h.plan.version == 0 and stream.reconnects == 0
+        assert not h.flush(1.0)
+        h.close()
+    finally:
+        stop(proc)
+
+
+def test_a_reconnect_sends_the_budget_in_force_not_the_first_one() -> None:
+    port = free_port()
+    first = Recorder()
+    server, _ = serve_recorder(first, port=port)
+    model = tiny_model(n_layer=2, d_model=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    h = client.attach(
+        model, server=f"127.0.0.1:{port}", job="budget", budget_bytes=10**9, optimizer=opt, fallback_after_s=None
+    )
+    try:
+        run_steps(model, opt, 3)
+        assert h.flush(10.0) and first.hellos[-1].budget_bytes == 10**9
+        h.budget_bytes = 12_345_678  # between steps, with no step since: the next hello must carry it
+        server.stop(None)
+        second = Recorder()
+        server, _ = serve_recorder(second, port=port)
+        deadline = time.monotonic() + 10
+        while not second.hellos and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert second.hellos, "the stream came back"
+        assert second.hellos[-1].budget_bytes == 12_345_678
+        assert second.hellos[-1].plan_version == h.plan.version == 1, "and the plan version in force"
+    finally:
+        h.close()
+        server.stop(None)
