@@ -19,7 +19,7 @@ import torch
 
 from rematd.client.handle import Handle, attach
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
-from rematd.planner import Mode
+from rematd.planner import Mode, blocks_of, frequency_of
 
 MiB = 2**20
 
@@ -76,6 +76,15 @@ def mode_letters(h: Handle) -> str:
     return "".join(LETTERS[m] for m in h.modes)
 
 
+def checkpoint_every(h: Handle) -> str:
+    """k when the modes in force recompute every k-th block (and store the rest), else "-"."""
+    modes = h.modes
+    if any(m not in (Mode.STORE, Mode.RECOMPUTE) for m in modes):
+        return "-"
+    k = frequency_of(len(modes), blocks_of(modes))
+    return str(k) if k else "-"
+
+
 def _mib(n: int) -> str:
     return f"{n / MiB:7.1f}"
 
@@ -94,9 +103,10 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     h = attach(model, server=server, job=job, budget_bytes=int(cfg.budget_mib * MiB), optimizer=opt)
     out("modes per block: . store, s selective (recompute pointwise ops), R recompute, O offload to host")
+    out("every: the checkpoint frequency k when every k-th block recomputes, - when the modes are not that")
     out(
         f"{'step':>5} {'seq':>5} {'modes':>{max(8, cfg.n_layer)}} {'plan':4} {'pred MiB':>8} {'peak MiB':>8}"
-        f" {'budget':>7} {'sec':>6} loss"
+        f" {'budget':>7} {'every':>5} {'sec':>6} loss"
     )
     try:
         for step, batch in batches(cfg):
@@ -104,6 +114,7 @@ def train(
             loss = lm_loss(model, batch)
             plan = h.plan  # the plan is swapped in at the forward's start, so read it after
             modes = mode_letters(h)
+            every = checkpoint_every(h)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -115,7 +126,7 @@ def train(
             out(
                 f"{step:5d} {batch.shape[1] - 1:5d} {modes:>{max(8, cfg.n_layer)}} v{plan.version:<3d}"
                 f" {_mib(predicted if predicted is not None else plan.predicted_peak_bytes):>8}"
-                f" {_mib(peak):>8} {_mib(h.budget_bytes or 0):>7}"
+                f" {_mib(peak):>8} {_mib(h.budget_bytes or 0):>7} {every:>5}"
                 f" {time.perf_counter() - t0:6.3f} {loss.item():.3f}"
             )
     finally:
@@ -132,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8080, help="dashboard port of the in-process service")
     parser.add_argument("--db", help="SQLite file of the in-process service (default: a temporary one)")
     parser.add_argument("--job", default="demo")
+    parser.add_argument(
+        "--sync", action="store_true", help="wait for the service's answer after each step (repeatable runs)"
+    )
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be at least 3")
@@ -141,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     if args.server:
-        train(cfg, server=args.server, job=args.job)
+        train(cfg, server=args.server, job=args.job, sync=args.sync)
         return 0
 
     from rematd.server.app import ServeConfig, ServiceThread
@@ -156,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         bound = service.start()
     print(f"rematd service: gRPC {bound.grpc}, dashboard {bound.dashboard}, record {bound.db}")
     try:
-        train(cfg, server=bound.grpc, job=args.job)
+        train(cfg, server=bound.grpc, job=args.job, sync=args.sync)
         print(f"\ndashboard: {bound.dashboard}   plans: http://{bound.http}/api/v1/jobs/{args.job}/plans")
         if not args.no_serve:
             print("serving until Ctrl-C")
