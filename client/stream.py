@@ -240,6 +240,8 @@ class StreamBackend:
         while not self._stopping.is_set():
             try:
                 if self._session(delay):
+                    # A stream that held is a fresh start; one that ends as soon as it is answered (a service
+                    # that keeps ending streams) keeps backing off rather than reconnect several times a second.
                     delay = self.config.backoff_initial_s
                 if self._stopping.is_set():
                     return
@@ -252,7 +254,7 @@ class StreamBackend:
             delay = min(self.config.backoff_max_s, delay * 2)
 
     def _session(self, delay: float) -> bool:
-        """One stream to the service, until it ends; True when the service answered on it."""
+        """One stream to the service, until it ends; True when it held for ``backoff_max_s`` or more."""
         hello = self._current_hello()
         done = threading.Event()
         answered = False
@@ -286,7 +288,7 @@ class StreamBackend:
                 self._lost_at = time.monotonic()
             self.connected = False
             self._call = None
-        return answered
+        return answered and self._lost_at - (self.connected_at or self._lost_at) >= self.config.backoff_max_s
 
     def _on_connected(self) -> None:
         self.connected = True

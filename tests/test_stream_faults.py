@@ -124,3 +124,28 @@ def test_a_stream_the_service_ends_is_reconnected() -> None:
         h.close()
     finally:
         server.stop(None)
+
+
+class EndsEveryStream(Recorder):
+    """Answers each hello, then ends the stream normally."""
+
+    def Session(
+        self, request_iterator: Iterator[pb.ClientMessage], context: grpc.ServicerContext
+    ) -> Iterator[pb.ServerMessage]:  # type: ignore[override]
+        yield next(super().Session(request_iterator, context))
+
+
+def test_a_service_that_keeps_ending_streams_is_reconnected_with_backoff() -> None:
+    rec = EndsEveryStream()
+    server, port = serve_recorder(rec)
+    try:
+        model = tiny_model(n_layer=2, d_model=16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        h = client.attach(model, server=f"127.0.0.1:{port}", job="flapping", optimizer=opt, fallback_after_s=None)
+        run_steps(model, opt, 1)
+        time.sleep(2.0)
+        # Pauses of 0.2 s doubling (each 50-100% of that): at most 5 attempts in 2 s, not one every 0.1-0.2 s.
+        assert 2 <= len(rec.hellos) <= 6, len(rec.hellos)
+        h.close()
+    finally:
+        server.stop(None)
