@@ -1,7 +1,7 @@
 """rematd on a real GPU: device memory held under a budget, against static checkpointing.
 
-    python -m bench.cuda                      # GPT, 16 blocks, d_model 1024, batch 4, seq up to 2048
-    python -m bench.cuda --layers 4 --quick   # a smoke run
+    python -m bench.gpu                      # GPT, 16 blocks, d_model 1024, batch 4, seq up to 2048
+    python -m bench.gpu --layers 4 --quick   # a smoke run
 
 Needs a CUDA device. Peaks are the caching allocator's peak allocated bytes of
 each step (weights, gradients and optimizer state included), read by rematd's
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--max-seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per strategy")
     parser.add_argument("--quick", action="store_true", help="few budgets and steps (smoke run)")
-    parser.add_argument("--out", default="artifacts/bench-cuda.json")
+    parser.add_argument("--out", default="artifacts/bench-gpu.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the CPU benchmark is bench.strategies)")

@@ -1,11 +1,15 @@
-"""Load curve of ``rematd serve``: simulated ranks on real gRPC streams, stats at 1 Hz each.
+"""Load curve of ``rematd serve``: simulated ranks on real gRPC streams, a step a second each.
 
 Starts a ``rematd serve`` subprocess on loopback, then client processes that
 each hold many ranks (asyncio, grpc.aio, many streams per channel), growing
-the number of ranks level by level. At each level, for a bounded time, it
-measures the time from sending a step's statistics to reading its ack, the
-server's CPU (all its processes) and its memory per rank. Prints a table and
-writes JSON.
+the number of ranks level by level. Each rank ends a step every ``--interval``
+seconds and reports it as the rematd client does: every step at first, then,
+once the service's acks allow it (the plan has held, no risk), its steady
+steps folded into one report per report interval (``--no-fold``: every step
+regardless). At each level, after a settle, for a bounded time, it measures
+the time from sending a report to reading its ack, how stale the service's
+view of any rank got, the server's CPU (all its processes) and its memory
+per rank. Prints a table and writes JSON.
 
     .venv/bin/python bench/load.py --ranks 1000,2000,5000,10000 --seconds 20 --workers 2
 
@@ -47,9 +51,11 @@ class Level:
     acked: int
     errors: int
     rate_per_s: float
+    steps_per_s: float
     p50_ms: float
     p99_ms: float
     max_ms: float
+    stale_s: float
     server_cpu_cores: float
     server_rss_mib: float
     server_kib_per_rank: float
@@ -101,11 +107,24 @@ async def _rank(session: Any, job: str, rank: int, world: int, state: dict[str, 
         interval = state["interval"]
         await asyncio.sleep(random.random() * interval)
         next_at = time.monotonic()
+        report_every = 0.0  # what the service's last ack allows
+        folded = 0
+        reported_at = time.monotonic()
         while not state["stop"]:
             next_at += interval
+            folded += 1
+            now = time.monotonic()
+            if report_every > 0 and now - reported_at < report_every and state["fold"]:
+                step += 1  # a steady step, folded into the next report
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                continue
+            if state["measuring"]:
+                state["stale"] = max(state["stale"], now - reported_at)
             msg = pb.StepStats(
                 step=step,
-                peak_allocated_bytes=(60 << 30) + random.randrange(1 << 20),
+                steps=folded,
+                # What the profile predicts (static + every block's activations), give or take 1 MiB.
+                peak_allocated_bytes=(20 << 30) + BLOCKS * (64 << 20) + random.randrange(1 << 20),
                 budget_bytes=80 << 30,
                 static_bytes=20 << 30,
                 total_bytes=80 << 30,
@@ -128,6 +147,10 @@ async def _rank(session: Any, job: str, rank: int, world: int, state: dict[str, 
             if state["measuring"]:
                 state["lat"].append(time.perf_counter() - t)
                 state["acked"] += 1
+                state["steps"] += folded
+            report_every = pb.ServerMessage.FromString(reply).ack.report_interval_seconds
+            reported_at = time.monotonic()
+            folded = 0
             step += 1
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
         await call.done_writing()
@@ -137,12 +160,12 @@ async def _rank(session: Any, job: str, rank: int, world: int, state: dict[str, 
             state["error_samples"].append(repr(err)[:200])
 
 
-async def _client_main(target: str, conn: Any, index: int, interval: float) -> None:
+async def _client_main(target: str, conn: Any, index: int, interval: float, fold: bool) -> None:
     import grpc
 
     state: dict[str, Any] = {
         "stop": False, "measuring": False, "lat": [], "sent": 0, "acked": 0, "errors": 0, "connected": 0,
-        "error_samples": [], "interval": interval,
+        "error_samples": [], "interval": interval, "fold": fold, "steps": 0, "stale": 0.0,
     }  # fmt: skip
     channels: list[Any] = []
     tasks: list[asyncio.Task[None]] = []
@@ -168,12 +191,11 @@ async def _client_main(target: str, conn: Any, index: int, interval: float) -> N
                 await asyncio.sleep(0.1)
             conn.send(("grown", state["connected"]))
         elif cmd == "measure":
-            state.update(lat=[], sent=0, acked=0, errors=0, measuring=True)
+            state.update(lat=[], sent=0, acked=0, errors=0, steps=0, stale=0.0, measuring=True)
             await asyncio.sleep(float(arg))
             state["measuring"] = False
-            conn.send(
-                ("measured", {k: state[k] for k in ("lat", "sent", "acked", "errors", "connected", "error_samples")})
-            )
+            keys = ("lat", "sent", "acked", "errors", "connected", "error_samples", "steps", "stale")
+            conn.send(("measured", {k: state[k] for k in keys}))
         elif cmd == "stop":
             state["stop"] = True
             await asyncio.wait(tasks, timeout=5)
@@ -183,13 +205,13 @@ async def _client_main(target: str, conn: Any, index: int, interval: float) -> N
             return
 
 
-def _client_process(target: str, conn: Any, index: int, interval: float) -> None:
+def _client_process(target: str, conn: Any, index: int, interval: float, fold: bool) -> None:
     import gc
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The generator's own collector pauses would show up as service latency.
     gc.set_threshold(100_000, 50, 1000)
-    asyncio.run(_client_main(target, conn, index, interval))
+    asyncio.run(_client_main(target, conn, index, interval, fold))
 
 
 # -- the server side ------------------------------------------------------------------------------------
@@ -232,7 +254,7 @@ def _rss_bytes(pids: list[int]) -> int:
     return total
 
 
-def _start_server(db: Path, workers: int) -> tuple[subprocess.Popen[str], str]:
+def _start_server(db: Path, workers: int, report_interval: float) -> tuple[subprocess.Popen[str], str]:
     import socket
 
     s = socket.socket()
@@ -242,6 +264,7 @@ def _start_server(db: Path, workers: int) -> tuple[subprocess.Popen[str], str]:
     cmd = [
         sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", str(port), "--http-port", "0",
         "--db", str(db), "--log-level", "warning", "--workers", str(workers),
+        "--max-report-interval-seconds", str(report_interval),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
@@ -275,17 +298,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", default="500,1000,2000,5000,10000", help="comma-separated levels of ranks")
     p.add_argument("--seconds", type=float, default=15.0, help="measured seconds per level (after a settle)")
-    p.add_argument("--settle", type=float, default=5.0, help="seconds at a level before measuring")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=20.0,
+        help="seconds at a level before measuring (new ranks report every step for their first 16)",
+    )
     p.add_argument("--workers", type=int, default=2, help="server worker processes (--workers of rematd serve)")
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between a rank's steps (1: 1 Hz)")
     p.add_argument(
-        "--interval",
+        "--report-interval",
         type=float,
-        default=1.0,
-        help="seconds between a rank's reports (1: every step at 1 Hz; more models a service that asks "
-        "stable ranks to report less often)",
+        default=10.0,
+        help="the service's --max-report-interval-seconds: how long a steady rank may fold its steps (10)",
     )
+    p.add_argument("--no-fold", action="store_true", help="ranks report every step whatever the service allows")
     p.add_argument("--p99-ms", type=float, default=50.0, help="the p99 latency a level must stay under")
+    p.add_argument(
+        "--kib-per-rank", type=float, default=30.0, help="the server memory per rank a level must stay under"
+    )
     p.add_argument("--out", default="artifacts/load.json")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.ranks.split(",")]
@@ -295,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("seconds must be in 1-120 (the run is bounded)")
 
     tmp = Path(tempfile.mkdtemp(prefix="rematd-load-"))
-    server, target = _start_server(tmp / "load.db", args.workers)
+    server, target = _start_server(tmp / "load.db", args.workers, args.report_interval)
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     results: list[Level] = []
@@ -306,18 +338,21 @@ def main(argv: list[str] | None = None) -> int:
         base_rss = _rss_bytes(_proc_tree(server.pid))
         for i in range(args.clients):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_client_process, args=(target, child, i, args.interval), daemon=True)
+            proc = ctx.Process(
+                target=_client_process, args=(target, child, i, args.interval, not args.no_fold), daemon=True
+            )
             proc.start()
             pipes.append(parent)
             procs.append(proc)
         print(
             f"server {target}, {args.workers} worker(s), base RSS {base_rss / 2**20:.0f} MiB, "
-            f"each rank reports every {args.interval:g} s",
+            f"a step every {args.interval:g} s per rank, "
+            + ("every step reported" if args.no_fold else f"steady steps folded for up to {args.report_interval:g} s"),
             flush=True,
         )
         header = (
-            f"{'ranks':>7} {'msg/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>7} "
-            f"{'cpu cores':>9} {'RSS MiB':>8} {'KiB/rank':>9}  ok"
+            f"{'ranks':>7} {'msg/s':>8} {'steps/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'stale s':>8} "
+            f"{'errors':>7} {'cpu cores':>9} {'RSS MiB':>8} {'KiB/rank':>9}  ok"
         )
         print(header, flush=True)
         for n in levels:
@@ -340,18 +375,31 @@ def main(argv: list[str] | None = None) -> int:
             sent = sum(g["sent"] for g in got)
             acked = sum(g["acked"] for g in got)
             rate = acked / args.seconds
+            steps = sum(g["steps"] for g in got) / args.seconds
+            stale = max(g["stale"] for g in got)
             p99 = _pct(lat, 0.99)
-            ok = errors == 0 and p99 < args.p99_ms and rate >= 0.95 * n / args.interval
+            kib = (rss - base_rss) / 1024 / n
+            # Every rank heard from within its report interval (and a step), at the latency and memory targets.
+            longest = args.interval if args.no_fold else max(args.interval, args.report_interval)
+            ok = (
+                errors == 0
+                and p99 < args.p99_ms
+                and stale <= longest + args.interval + 1.0
+                and kib < args.kib_per_rank
+                and acked > 0
+            )
             level = Level(
                 ranks=n, seconds=args.seconds, sent=sent, acked=acked, errors=errors, rate_per_s=round(rate, 1),
-                p50_ms=round(_pct(lat, 0.5), 2), p99_ms=round(p99, 2), max_ms=round(max(lat) * 1000 if lat else 0, 1),
+                steps_per_s=round(steps, 1), p50_ms=round(_pct(lat, 0.5), 2), p99_ms=round(p99, 2),
+                max_ms=round(max(lat) * 1000 if lat else 0, 1), stale_s=round(stale, 2),
                 server_cpu_cores=round(cpu, 2), server_rss_mib=round(rss / 2**20, 1),
-                server_kib_per_rank=round((rss - base_rss) / 1024 / n, 1), ok=ok,
+                server_kib_per_rank=round(kib, 1), ok=ok,
             )  # fmt: skip
             results.append(level)
             print(
-                f"{n:>7} {rate:>8.0f} {level.p50_ms:>8.2f} {level.p99_ms:>8.2f} {level.max_ms:>8.1f} {errors:>7} "
-                f"{cpu:>9.2f} {rss / 2**20:>8.0f} {level.server_kib_per_rank:>9.1f}  {'yes' if ok else 'NO'}",
+                f"{n:>7} {rate:>8.0f} {steps:>8.0f} {level.p50_ms:>8.2f} {level.p99_ms:>8.2f} {level.max_ms:>8.1f} "
+                f"{stale:>8.1f} {errors:>7} {cpu:>9.2f} {rss / 2**20:>8.0f} {level.server_kib_per_rank:>9.1f}  "
+                f"{'yes' if ok else 'NO'}",
                 flush=True,
             )
             for g in got if errors else []:
@@ -380,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "clients": args.clients,
         "interval_seconds": args.interval,
+        "report_interval_seconds": 0.0 if args.no_fold else args.report_interval,
         "p99_target_ms": args.p99_ms,
         "levels": [asdict(r) for r in results],
         "highest_passing_ranks": max(passing) if passing else 0,

@@ -32,6 +32,7 @@ import grpc
 from rematd import wire
 from rematd.client.backends import PlanCallback
 from rematd.client.connection import StreamConfig
+from rematd.client.folding import Folder
 from rematd.planner import Plan, PlannerSession
 from rematd.records import Hello, OomReport, StepStats, observation, open_planner
 from rematd.v1 import advisor_pb2 as pb
@@ -56,6 +57,8 @@ TERMINAL = frozenset(
     }
 )
 
+# The longest report interval taken from a service; anything else is taken as 0 (report every step).
+MAX_INTERVAL_S = 3600.0
 # Failures in a row after which the in-process planner is given up until the service answers again.
 FALLBACK_MAX_FAILURES = 3
 
@@ -102,7 +105,10 @@ class StreamBackend:
         self._hello: Hello | None = None
         self._hello_updates: dict[str, Any] = {}
         self._plan_version = 0
+        self._plan_in_force: Plan | None = None
         self._last_blocks: tuple[int, ...] | None = None
+        self._folder = Folder()
+        self._flush_now = threading.Event()
         self._call: Any = None
         self._fallback: PlannerSession | None = None
         self._fallback_failures = 0
@@ -168,9 +174,13 @@ class StreamBackend:
         False when one is still unanswered after ``timeout``, or never will be: the
         service refused the stream, or it was closed.
         """
-        with self._acked:
-            self._acked.wait_for(lambda: self.acked_step >= self.sent_step or self._stopping.is_set(), timeout)
-            return self.acked_step >= self.sent_step
+        self._flush_now.set()  # steps folded into a later report go out now
+        try:
+            with self._acked:
+                self._acked.wait_for(lambda: self.acked_step >= self.sent_step or self._stopping.is_set(), timeout)
+                return self.acked_step >= self.sent_step
+        finally:
+            self._flush_now.clear()
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:
@@ -194,11 +204,17 @@ class StreamBackend:
             self._acked.notify_all()
 
     def _current_hello(self) -> Hello:
-        """The hello as it stands now: the plan version in force, the budget last set."""
+        """The hello as it stands now: the plan in force and its version, the budget last set."""
         assert self._hello is not None
         with self._lock:
             updates = dict(self._hello_updates)
-        return dataclasses.replace(self._hello, plan_version=self._plan_version, **updates)
+        plan = self._plan_in_force
+        return dataclasses.replace(
+            self._hello,
+            plan_version=self._plan_version,
+            plan=plan if plan is not None and plan.version == self._plan_version else None,
+            **updates,
+        )
 
     def _fault(self, what: str, err: BaseException) -> None:
         self.errors += 1
@@ -213,10 +229,15 @@ class StreamBackend:
 
     def _requests(self, hello: Hello, done: threading.Event) -> Iterator[pb.ClientMessage]:
         yield pb.ClientMessage(hello=wire.hello_to_pb(hello))
+        folder = self._folder
+        folder.restart()
         while not done.is_set() and not self._stopping.is_set():
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
+                report = folder.due(time.monotonic(), force=self._flush_now.is_set())
+                if report is not None:
+                    yield pb.ClientMessage(stats=wire.stats_to_pb(report))
                 continue
             if item is _STOP:
                 # Before the goodbye: the service ends the stream on it, which must not read as a lost stream.
@@ -225,15 +246,21 @@ class StreamBackend:
                 return
             try:
                 if isinstance(item, StepStats):
-                    msg = pb.ClientMessage(stats=wire.stats_to_pb(item))
+                    reports = folder.offer(item, time.monotonic())
+                    if self._flush_now.is_set():
+                        reports.extend(r for r in (folder.due(time.monotonic(), force=True),) if r is not None)
+                    msgs = [pb.ClientMessage(stats=wire.stats_to_pb(r)) for r in reports]
                 elif isinstance(item, OomReport):
-                    msg = pb.ClientMessage(oom=wire.oom_to_pb(item))
+                    # What was folded happened before the error: it goes first.
+                    folded = folder.due(time.monotonic(), force=True)
+                    msgs = [pb.ClientMessage(stats=wire.stats_to_pb(folded))] if folded is not None else []
+                    msgs.append(pb.ClientMessage(oom=wire.oom_to_pb(item)))
                 else:
                     continue
             except Exception as err:  # one bad record is dropped; the stream carries the next
                 self._fault("converting a record for the wire", err)
                 continue
-            yield msg
+            yield from msgs
 
     def _run(self) -> None:
         delay = self.config.backoff_initial_s
@@ -339,12 +366,17 @@ class StreamBackend:
     def _plan_one(self, timeout: float) -> None:
         if self._fallback is None:
             hello = self._current_hello()
-            self._fallback = open_planner(hello, first_version=self._plan_version + 1)
+            if hello.plan is not None:
+                # Go on from the plan in force rather than from one made afresh, which could be looser.
+                self._fallback = open_planner(hello, first_version=hello.plan_version)
+                self._fallback.continue_from(hello.plan)
+            else:
+                self._fallback = open_planner(hello, first_version=self._plan_version + 1)
             self.planning_locally = True
             log.warning("rematd service unreachable for %.0fs; planning in-process", time.monotonic() - self._lost_at)
             self._deliver(self._fallback.plan, only_if_changed=True)
         try:
-            item = self._queue.get(timeout=timeout)
+            item = self._folder.due(time.monotonic(), force=True) or self._queue.get(timeout=timeout)
         except queue.Empty:
             return
         if item is _STOP:
@@ -362,7 +394,9 @@ class StreamBackend:
     def _deliver(self, plan: Plan, *, only_if_changed: bool = False) -> None:
         if only_if_changed and plan.blocks == self._last_blocks:
             return
-        self._plan_version = max(self._plan_version, plan.version)
+        if plan.version >= self._plan_version:
+            self._plan_version = plan.version
+            self._plan_in_force = plan
         self._last_blocks = plan.blocks
         self._on_plan(plan)
 
@@ -376,4 +410,6 @@ class StreamBackend:
         if kind == "plan":
             self._deliver(wire.plan_from_pb(msg.plan))
         elif kind == "ack":
+            interval = msg.ack.report_interval_seconds
+            self._folder.interval = interval if math.isfinite(interval) and 0 <= interval <= MAX_INTERVAL_S else 0.0
             self._ack(msg.ack.step)

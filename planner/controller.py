@@ -124,6 +124,11 @@ class Controller:
         self.table: tuple[ShapePlan, ...] = ()
         self._entries: dict[tuple[Choice, int, int, int], ShapePlan] = {}
 
+    @property
+    def loosening_pending(self) -> bool:
+        """Whether steps with room are being counted towards a looser plan."""
+        return self._state.headroom_steps > 0
+
     # -- buckets --------------------------------------------------------------
 
     def bucket_of(self, seq: int) -> int:

@@ -68,6 +68,20 @@ class PlannerSession:
             self._recent[self._plan.version] = self._plan
         return self._plan
 
+    def continue_from(self, plan: Plan) -> Plan:
+        """Take ``plan``, the one a reconnecting rank has in force, as this session's plan: the
+        controller goes on from its table (tightening at once where it must, loosening only after
+        its dwell) instead of from the plan it made from the profile alone."""
+        self.controller.table = plan.shape_plans
+        self._plan = plan
+        self._recent[plan.version] = plan
+        return plan
+
+    @property
+    def steady(self) -> bool:
+        """Whether the next steps, if like the last, would change nothing: no loosening under way."""
+        return not self.controller.loosening_pending
+
     def _adopt(self, decision: Decision | None) -> Plan | None:
         if decision is None:
             return None
@@ -84,9 +98,12 @@ class PlannerSession:
         ran = self._recent.get(obs.plan_version)
         measured_modes = ran.modes_for(obs.shape, n) if ran is not None else tuple(Mode.STORE for _ in range(n))
         plan = self._adopt(self.controller.observe(obs, measured_modes))
+        # The correction learnt from measured peaks scales the activations, not the static memory.
+        activations = max(0, self._plan.predicted_peak_bytes - obs.static_bytes)
+        predicted_next = obs.static_bytes + int(activations * self.controller.correction(obs.shape.seq_len))
         self.oom_risk = oom_risk(
             obs,
-            predicted_next_bytes=int(self._plan.predicted_peak_bytes * self.controller.correction(obs.shape.seq_len)),
+            predicted_next_bytes=predicted_next,
             capacity_bytes=obs.budget_bytes,
             margin_ratio=self.controller.config.margin_ratio,
             previous_peak_bytes=self._last_peak,

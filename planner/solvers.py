@@ -90,14 +90,36 @@ def _exact(options: list[list[Option]], cap: int, budget: int) -> tuple[float, l
     return secs, list(picked)
 
 
-def _respread(options: list[list[Option]], modes: list[Mode]) -> list[Mode]:
-    """The same count of each mode within each class of identical blocks, placed evenly
-    (as "every k-th" where a k gives that count) rather than wherever the search put them."""
+def _byte_classes(options: list[list[Option]]) -> list[list[int]]:
+    """Blocks whose options are alike in everything but seconds."""
     groups: dict[tuple[tuple[int, int, int], ...], list[int]] = {}
     for i, opts in enumerate(options):
         groups.setdefault(tuple((int(o.mode), o.kept, o.transient) for o in opts), []).append(i)
+    return list(groups.values())
+
+
+def pool_seconds(options: list[list[Option]]) -> list[list[Option]]:
+    """The options with each mode's seconds averaged over the blocks alike in bytes (as the
+    knapsack does for large models): the cost model the solvers optimise."""
+    out = list(options)
+    for idx in _byte_classes(options):
+        if len(idx) < 2:
+            continue
+        first = options[idx[0]]
+        pooled = [
+            Option(o.mode, o.kept, o.transient, sum(options[i][j].seconds for i in idx) / len(idx))
+            for j, o in enumerate(first)
+        ]
+        for i in idx:
+            out[i] = pooled
+    return out
+
+
+def _respread(options: list[list[Option]], modes: list[Mode]) -> list[Mode]:
+    """The same count of each mode within each class of identical blocks, placed evenly
+    (as "every k-th" where a k gives that count) rather than wherever the search put them."""
     out = list(modes)
-    for idx in groups.values():
+    for idx in _byte_classes(options):
         if len(idx) < 2:
             continue
         counts: dict[Mode, int] = {}
@@ -117,9 +139,9 @@ def _respread(options: list[list[Option]], modes: list[Mode]) -> list[Mode]:
 def solve(options: list[list[Option]], target: int, *, static_bytes: int = 0, exact: bool | None = None) -> Choice:
     """The cheapest modes (least extra seconds) whose predicted peak fits ``target``.
 
-    Exact up to ``EXACT_BLOCKS`` blocks (or with ``exact=True``); otherwise the rounded greedy
-    of :mod:`rematd.planner.knapsack`. When nothing fits, the choice with the smallest
-    predicted peak, marked ``fits=False``.
+    Exact up to ``EXACT_BLOCKS`` blocks (or with ``exact=True``) under the seconds of
+    :func:`pool_seconds`; otherwise the rounded greedy of :mod:`rematd.planner.knapsack`. When
+    nothing fits, the choice with the smallest predicted peak, marked ``fits=False``.
     """
     return solve_prepared(Knapsack(options), options, target, static_bytes=static_bytes, exact=exact)
 
@@ -137,9 +159,12 @@ def solve_prepared(
         exact = len(options) <= EXACT_BLOCKS
     budget = target - static_bytes
     if exact:
-        modes = _exact_over_caps(knapsack, options, budget)
+        # Blocks alike in bytes are alike in time too, but for the noise of measuring them: with their
+        # seconds pooled, which of them recompute is a free choice, made evenly spread.
+        pooled = pool_seconds(options)
+        modes = _exact_over_caps(knapsack, pooled, budget)
         if modes is not None:
-            return _finish(options, _respread(options, modes), target, static_bytes)
+            return _finish(pooled, _respread(pooled, modes), target, static_bytes)
     else:
         found = knapsack.solve(budget)
         if found is not None:

@@ -80,6 +80,8 @@ class ServeConfig:
     """How often operator controls written by another worker or replica are picked up."""
     session_expiry_seconds: float = 900.0
     """A rank whose stream has been gone this long is forgotten; a job's series go with its last rank."""
+    max_report_interval_seconds: float = 10.0
+    """How long a rank may fold steady steps into one report (0: every step is reported)."""
     per_rank_metrics: bool = False
     """Export per-rank series besides the per-job ones."""
     max_message_bytes: int = 1 << 20
@@ -105,6 +107,10 @@ class ServeConfig:
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name.replace('_', '-')} {path!r} is not a readable file")
         # These raise ValueError naming the setting.
+        CoreConfig(
+            session_expiry_seconds=self.session_expiry_seconds,
+            max_report_interval_seconds=self.max_report_interval_seconds,
+        )
         TokenAuth(token=self.token)
         GrpcOptions(max_message_bytes=self.max_message_bytes)
         self.store_config()
@@ -167,7 +173,10 @@ class Service:
         self.core = AdvisorCore(
             self.store,
             Metrics(per_rank=config.per_rank_metrics),
-            CoreConfig(session_expiry_seconds=config.session_expiry_seconds),
+            CoreConfig(
+                session_expiry_seconds=config.session_expiry_seconds,
+                max_report_interval_seconds=config.max_report_interval_seconds,
+            ),
         )
         self.bound: Bound | None = None
         self.serving = False

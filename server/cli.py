@@ -48,6 +48,12 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=900.0,
         help="forget a rank whose stream has been gone this long; its job's series go with its last rank (900)",
     )
+    p.add_argument(
+        "--max-report-interval-seconds",
+        type=float,
+        default=10.0,
+        help="how long a steady rank may fold its steps into one report; 0 asks for every step (10)",
+    )
     p.add_argument("--workers", type=int, default=1, help="gRPC worker processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -83,6 +89,7 @@ def _serve(argv: list[str]) -> int:
             grace_seconds=args.grace_seconds,
             drain_seconds=args.drain_seconds,
             session_expiry_seconds=args.session_expiry_seconds,
+            max_report_interval_seconds=args.max_report_interval_seconds,
             reuse_port=args.workers > 1,
         )
     except ValueError as err:

@@ -53,6 +53,8 @@ CONNECTED = "connected"
 DISCONNECTED = "disconnected"
 ENDED = "ended"
 JOB_STATES = ("running", "disconnected", "ended")
+# Below this out-of-memory risk a rank's steady steps may be folded into fewer reports.
+QUIET_RISK = 0.25
 
 
 def plan_row(plan: Plan) -> dict[str, Any]:
@@ -76,12 +78,20 @@ class CoreConfig:
     """Start a new job of a known model from the last plan that held for it."""
     session_expiry_seconds: float = 900.0
     """A rank whose stream has been gone this long is forgotten (its job's series go with its last rank)."""
+    max_report_interval_seconds: float = 10.0
+    """How long a rank may fold steady steps into one report; 0: every step is reported."""
+    quiet_steps: int = 16
+    """Steps on one plan, without risk or a loosening under way, before a rank may fold its reports."""
 
     def __post_init__(self) -> None:
         if self.warm_after_steps < 1:
             raise ValueError(f"warm_after_steps must be >= 1, got {self.warm_after_steps}")
         if not self.session_expiry_seconds > 0:
             raise ValueError(f"session-expiry-seconds must be positive, got {self.session_expiry_seconds}")
+        if not 0 <= self.max_report_interval_seconds <= 3600:
+            raise ValueError(f"max-report-interval-seconds must be in 0-3600, got {self.max_report_interval_seconds}")
+        if self.quiet_steps < 1:
+            raise ValueError(f"quiet_steps must be >= 1, got {self.quiet_steps}")
 
 
 @dataclass(slots=True)
@@ -174,7 +184,7 @@ class AdvisorCore:
                 and len(existing.hello.blocks) == len(hello.blocks)
             )
             controls = self._controls.get(job)
-            jumped = False
+            jumped = recorded = False
             if resumed and existing is not None:
                 session = existing
                 session.hello = hello
@@ -186,9 +196,17 @@ class AdvisorCore:
                     jumped = session.sent.version > hello.plan_version
             else:
                 if hello.plan_version > 0:
-                    # A rank that outlived a restart of the service: continue its plan history.
+                    # A rank that outlived a restart of the service: continue its plan history, from the
+                    # plan it has in force when it says which (a plan made afresh from the profile alone
+                    # would forget what the last service learned, and could be looser).
                     last = self.store.last_plan_version(job, hello.rank)
-                    planner = self._planner(hello, first_version=max(last, hello.plan_version) + 1)
+                    if hello.plan is not None:
+                        planner.continue_from(hello.plan)
+                        if last > hello.plan_version:
+                            planner.renumber_after(last)
+                        recorded = last == hello.plan_version
+                    else:
+                        planner = self._planner(hello, first_version=max(last, hello.plan_version) + 1)
                 self._apply_tuning(planner, controls)
                 session = RankSession(hello=hello, planner=planner, sent=planner.plan, base=planner.plan)
                 if hello.plan_version == 0 and self.config.warm_start:
@@ -201,7 +219,7 @@ class AdvisorCore:
                 controls = dataclasses.replace(controls, ended_at=None)
                 self.store.set_controls(job, controls.as_row(), now)
                 self._controls[job] = controls
-            new_plan = not resumed or jumped
+            new_plan = (not resumed or jumped) and not recorded
             self.store.open_rank(
                 job=job,
                 rank=hello.rank,
@@ -259,7 +277,7 @@ class AdvisorCore:
                 session.sent = plan
                 self._record_plan(session, plan, now)
             else:
-                session.steps_on_plan += 1
+                session.steps_on_plan += stats.steps
                 if (
                     session.steps_on_plan >= self.config.warm_after_steps
                     and not session.oom_on_plan
@@ -283,8 +301,17 @@ class AdvisorCore:
                 },
             )
             session.has_stats = True
-            self.metrics.steps.labels(job).inc()
+            self.metrics.steps.labels(job).inc(stats.steps)
         return plan
+
+    def report_interval(self, session: RankSession) -> float:
+        """How long the rank may fold steady steps into one report: the longest allowed once its plan
+        has held for a while with no risk and no loosening under way; else 0, every step reported."""
+        cfg = self.config
+        planner = session.planner
+        if session.steps_on_plan >= cfg.quiet_steps and planner.steady and planner.oom_risk < QUIET_RISK:
+            return cfg.max_report_interval_seconds
+        return 0.0
 
     def on_oom(self, session: RankSession, oom: OomReport) -> Plan | None:
         """An out-of-memory event; returns the tighter plan."""
@@ -430,7 +457,10 @@ class AdvisorCore:
     def _outgoing(self, session: RankSession, cause: str) -> Plan | None:
         """The plan to send when it differs from what the rank has, versioned after it."""
         want = self._pinned(session) or session.base
-        if want.blocks == session.sent.blocks:
+        n = len(session.hello.blocks)
+        # Modes and the table, not just which blocks checkpoint: selective to recompute, or an entry
+        # for another length, is a change the rank must hear of.
+        if (want.block_modes(n), want.shape_plans) == (session.sent.block_modes(n), session.sent.shape_plans):
             return None
         plan = dataclasses.replace(want, version=session.sent.version + 1)
         self._check_fits(plan, cause)

@@ -200,7 +200,10 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         new = core.on_stats(session, stats)
                         ack = pb.ServerMessage(
                             ack=pb.StepAck(
-                                step=stats.step, plan_version=session.sent.version, oom_risk=session.planner.oom_risk
+                                step=stats.step,
+                                plan_version=session.sent.version,
+                                oom_risk=session.planner.oom_risk,
+                                report_interval_seconds=core.report_interval(session),
                             )
                         )
                         out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)

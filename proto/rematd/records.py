@@ -16,6 +16,7 @@ from rematd.planner import (
     ControllerConfig,
     Mode,
     ModeCost,
+    Plan,
     PlannerSession,
     Profile,
     Shape,
@@ -111,6 +112,8 @@ class Hello:
     client_version: str = ""
     plan_version: int = 0
     other_activations: Size = field(default_factory=Size)
+    plan: Plan | None = None
+    """The plan in force, for reconnects (its version is ``plan_version``)."""
 
     def validate(self) -> None:
         if not JOB_ID_RE.match(self.job_id):
@@ -145,6 +148,37 @@ class Hello:
         _size("hello.other_activations", self.other_activations)
         if not (isinstance(self.margin_ratio, (int, float)) and 0.0 <= self.margin_ratio < 1.0):
             raise InvalidMessage("hello.margin_ratio", f"must be in [0, 1), got {self.margin_ratio!r}")
+        if self.plan is not None:
+            self._check_plan(self.plan)
+
+    def _check_plan(self, plan: Plan) -> None:
+        """The plan in force must be one this profile can price: a mode per block, each one the block offers."""
+        if plan.version != self.plan_version:
+            raise InvalidMessage(
+                "hello.plan.version", f"is {plan.version}, but hello.plan_version is {self.plan_version}"
+            )
+        n = len(self.blocks)
+        offered = [{m.mode for m in b.modes} or {Mode.STORE, Mode.RECOMPUTE} for b in self.blocks]
+
+        def check_modes(where: str, modes: tuple[Mode, ...]) -> None:
+            if len(modes) != n:
+                raise InvalidMessage(where, f"has {len(modes)} modes for {n} blocks")
+            for i, mode in enumerate(modes):
+                if mode not in offered[i]:
+                    raise InvalidMessage(f"{where}[{i}]", f"block {i} does not offer {mode.name}")
+
+        if plan.modes:
+            check_modes("hello.plan.block_modes", plan.modes)
+        bad = [b for b in plan.blocks if not 0 <= b < n]
+        if bad:
+            raise InvalidMessage("hello.plan.checkpoint_blocks", f"{bad[0]} is not a block index below {n}")
+        for name in ("predicted_peak_bytes", "target_bytes"):
+            _uint(f"hello.plan.{name}", getattr(plan, name))
+        for k, entry in enumerate(plan.shape_plans):
+            where = f"hello.plan.shape_plans[{k}]"
+            check_modes(f"{where}.block_modes", entry.modes)
+            _uint(f"{where}.max_tokens", entry.max_tokens)
+            _uint(f"{where}.predicted_peak_bytes", entry.predicted_peak_bytes)
 
     def profile(self) -> Profile:
         return Profile(
@@ -182,8 +216,12 @@ class StepStats:
     budget_bytes: int = 0
     static_bytes: int = 0
     inactive_split_bytes: int = 0
+    steps: int = 1
+    """Steps the report covers, ending with ``step``: steady steps folded into one report."""
 
     def validate(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_INT:
+            raise InvalidMessage("stats.steps", f"must be an integer in 1-{MAX_INT}, got {self.steps!r}")
         for name in (
             "inactive_split_bytes",
             "step",

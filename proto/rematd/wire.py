@@ -35,6 +35,7 @@ _STATS_FIELDS = (
     "budget_bytes",
     "static_bytes",
     "inactive_split_bytes",
+    "steps",
 )
 
 
@@ -123,6 +124,7 @@ def hello_to_pb(hello: Hello) -> pb.Hello:
         client_version=hello.client_version,
         plan_version=hello.plan_version,
         other_activations=_size_to_pb(hello.other_activations),
+        plan=plan_to_pb(hello.plan) if hello.plan is not None else None,
     )
 
 
@@ -153,6 +155,7 @@ def hello_from_pb(msg: pb.Hello) -> Hello:
         client_version=msg.client_version,
         plan_version=msg.plan_version,
         other_activations=_size_from_pb("hello.other_activations", msg.other_activations),
+        plan=plan_from_pb(msg.plan, "hello.plan") if msg.HasField("plan") else None,
     )
 
 
@@ -165,6 +168,7 @@ def stats_to_pb(stats: StepStats) -> pb.StepStats:
 
 def stats_from_pb(msg: pb.StepStats) -> StepStats:
     values = {name: getattr(msg, name) for name in _STATS_FIELDS}
+    values["steps"] = msg.steps or 1  # a client that does not fold leaves it unset
     return StepStats(shape=shape_from_pb(msg.shape), **values)
 
 
@@ -199,7 +203,7 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
     )
 
 
-def plan_from_pb(msg: pb.Plan) -> Plan:
+def plan_from_pb(msg: pb.Plan, where: str = "plan") -> Plan:
     return Plan(
         version=msg.version,
         blocks=tuple(sorted(set(msg.checkpoint_blocks))),
@@ -208,12 +212,12 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         predicted_overhead_ratio=msg.predicted_overhead_ratio,
         target_bytes=msg.target_bytes,
         reason=msg.reason,
-        modes=tuple(_mode_from_pb("plan.block_modes", m) for m in msg.block_modes),
+        modes=tuple(_mode_from_pb(f"{where}.block_modes", m) for m in msg.block_modes),
         shape_plans=tuple(
             ShapePlan(
                 max_seq_len=e.max_seq_len,
                 max_tokens=e.max_tokens,
-                modes=tuple(_mode_from_pb("plan.shape_plans.block_modes", m) for m in e.block_modes),
+                modes=tuple(_mode_from_pb(f"{where}.shape_plans.block_modes", m) for m in e.block_modes),
                 predicted_peak_bytes=e.predicted_peak_bytes,
                 predicted_overhead_ratio=e.predicted_overhead_ratio,
             )

@@ -1,0 +1,98 @@
+"""Steady steps folded into fewer reports, for as long as the service allows.
+
+A rank whose plan has held, with no risk and no loosening under way, gives
+the service nothing new each step; the service says so with a report
+interval in its acks. Until that interval has passed, a step like the last
+one reported (same shape, plan and budget, peak within ``PEAK_BAND``, no
+allocator retry or out-of-memory error) is folded into the next report. A
+step that differs is reported at once, after what was folded before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rematd.records import StepStats
+
+PEAK_BAND = 0.02
+"""How far a peak may move from the last one reported and still count as steady."""
+
+
+def _near(a: int, b: int) -> bool:
+    return abs(a - b) <= PEAK_BAND * max(a, b)
+
+
+def steady(step: StepStats, reported: StepStats) -> bool:
+    """Whether ``step`` tells the service nothing that ``reported`` did not."""
+    return (
+        step.shape == reported.shape
+        and step.plan_version == reported.plan_version
+        and step.budget_bytes == reported.budget_bytes
+        and step.alloc_retries == reported.alloc_retries
+        and step.oom_count == reported.oom_count
+        and _near(step.peak_allocated_bytes, reported.peak_allocated_bytes)
+        and _near(step.saved_peak_bytes, reported.saved_peak_bytes)
+    )
+
+
+def fold(earlier: StepStats, later: StepStats) -> StepStats:
+    """One report for both: the later step's values, the larger peaks, the mean step time."""
+    steps = earlier.steps + later.steps
+    return dataclasses.replace(
+        later,
+        steps=steps,
+        peak_allocated_bytes=max(earlier.peak_allocated_bytes, later.peak_allocated_bytes),
+        peak_reserved_bytes=max(earlier.peak_reserved_bytes, later.peak_reserved_bytes),
+        saved_peak_bytes=max(earlier.saved_peak_bytes, later.saved_peak_bytes),
+        step_seconds=(earlier.step_seconds * earlier.steps + later.step_seconds * later.steps) / steps,
+    )
+
+
+class Folder:
+    """Decides, step by step, what goes out now; used by the stream's sending side only."""
+
+    def __init__(self) -> None:
+        self.interval = 0.0
+        """Seconds the service allows between reports of steady steps (0: report every step)."""
+        self.pending: StepStats | None = None
+        """Steps folded and not yet reported."""
+        self._reported: StepStats | None = None
+        self._reported_at = -math.inf
+
+    def restart(self) -> None:
+        """A new stream: nothing reported on it yet, and no interval until its service says so."""
+        self.interval = 0.0
+        self._reported = None
+
+    def offer(self, step: StepStats, now: float) -> list[StepStats]:
+        """The reports to send now that ``step`` has ended (none while it is folded)."""
+        reported = self._reported
+        if (
+            self.interval > 0
+            and reported is not None
+            and now - self._reported_at < self.interval
+            and steady(step, reported)
+        ):
+            self.pending = step if self.pending is None else fold(self.pending, step)
+            return []
+        out = [] if self.pending is None else [self.pending]
+        if self.pending is not None and reported is not None and steady(step, reported):
+            out = [fold(self.pending, step)]  # the interval is up: one report for all of them
+        else:
+            out.append(step)
+        self.pending = None
+        self._mark(out[-1], now)
+        return out
+
+    def due(self, now: float, *, force: bool = False) -> StepStats | None:
+        """What was folded, once the interval is up (or at once with ``force``)."""
+        if self.pending is None or not (force or now - self._reported_at >= self.interval):
+            return None
+        report, self.pending = self.pending, None
+        self._mark(report, now)
+        return report
+
+    def _mark(self, report: StepStats, now: float) -> None:
+        self._reported = report
+        self._reported_at = now
