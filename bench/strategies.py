@@ -260,8 +260,8 @@ def main() -> None:
         adaptive_args = dict(n_layer=2, d_model=32, n_head=2, batch=2, steps=30)
     else:
         setups = [
-            Setup(n_layer=12, d_model=256, n_head=8, seq=256, batch=8, steps=3),
-            Setup(n_layer=32, d_model=256, n_head=8, seq=256, batch=8, steps=3),
+            Setup(n_layer=12, d_model=256, n_head=8, seq=256, batch=8, steps=6),
+            Setup(n_layer=32, d_model=256, n_head=8, seq=256, batch=8, steps=5),
         ]
         ratios = [0.1, 0.3, 0.5, 0.7, 0.9]
         compile_ratios = [] if args.no_compile else [0.1, 0.5, 0.9]

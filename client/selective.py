@@ -1,9 +1,14 @@
-"""Selective recomputation: keep what matmuls and attention produce, recompute the rest.
+"""Selective recomputation: keep what linear layers and fused attention produce, recompute the rest.
 
-Matmul-class outputs are expensive to recompute and cheap to keep relative to
-their cost; norms, activations, dropout and softmax are the opposite. The
-same op list decides what the profile predicts a selective block keeps and
-what ``torch.utils.checkpoint`` keeps when the block runs selectively.
+As in Megatron-LM's selective activation recomputation: the outputs of
+linear layers (``mm``, ``addmm``, convolutions) and of fused attention kernels
+grow with tokens and cost the most to recompute, so they are kept; a
+materialised attention core (``bmm`` of q·kᵀ and of the attention weights
+with v, and the softmax, mask and dropout between them) holds tensors that
+grow with the square of the sequence length and costs little to recompute,
+like norms and activations. The same op list decides what the profile
+predicts a selective block keeps and what ``torch.utils.checkpoint`` keeps
+when the block runs selectively.
 """
 
 from __future__ import annotations
@@ -31,8 +36,6 @@ def _ops(*names: str) -> frozenset[Any]:
 SAVE_OPS = _ops(
     "mm",
     "addmm",
-    "bmm",
-    "baddbmm",
     "convolution",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
@@ -56,7 +59,7 @@ def outputs_of(result: Any) -> list[torch.Tensor]:
 
 
 class _Collect(TorchDispatchMode):
-    """Collects the outputs of matmul-class ops (what a selective checkpoint keeps)."""
+    """Collects the outputs of the kept ops (what a selective checkpoint keeps)."""
 
     def __init__(self, sink: list[torch.Tensor]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

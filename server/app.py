@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import uvicorn
 
+from rematd.server import peers
 from rematd.server.auth import TokenAuth
 from rematd.server.core import AdvisorCore, CoreConfig
 from rematd.server.grpc_service import GrpcOptions, build_server
@@ -88,6 +89,10 @@ class ServeConfig:
     """Largest gRPC message a rank may send."""
     reuse_port: bool = False
     """Bind gRPC with SO_REUSEPORT so several worker processes share the port."""
+    worker_index: int = 0
+    """Which of several workers this process is (0 serves HTTP)."""
+    shared_dir: str = ""
+    """Where the workers of one service leave what worker 0 adds to its /metrics ("" with one process)."""
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -246,6 +251,22 @@ class Service:
                 self._every(min(30.0, cfg.session_expiry_seconds / 4), "expiry", self.core.expire_sessions)
             ),
         ]
+        if cfg.shared_dir:
+            shared = Path(cfg.shared_dir)
+            if cfg.worker_index == 0:
+                self.core.metrics.peers = lambda: peers.gather(shared, skip=0)
+            else:
+                chores.append(
+                    asyncio.create_task(
+                        self._every(
+                            peers.PUBLISH_SECONDS,
+                            "publishing to worker 0",
+                            lambda: peers.publish(
+                                self.core.metrics, self.core.rank_samples(), shared, cfg.worker_index
+                            ),
+                        )
+                    )
+                )
         self.bound = Bound(
             grpc=f"{cfg.grpc_host}:{grpc_port}",
             http=f"{cfg.http_host}:{http_port}",

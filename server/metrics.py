@@ -9,11 +9,13 @@ step. Counters and histograms are updated as things happen.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # Message handling is sub-millisecond when healthy; the top buckets catch a stalled loop or database.
@@ -58,7 +60,7 @@ class _LiveCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snapshot = self.metrics.snapshot
-        samples = snapshot() if snapshot is not None else []
+        samples = [*(snapshot() if snapshot is not None else []), *self.metrics.peer_samples()]
         jobs: dict[str, list[RankSample]] = {}
         for s in samples:
             jobs.setdefault(s.job, []).append(s)
@@ -98,6 +100,39 @@ class _LiveCollector(Collector):
             yield risk_fam
 
 
+class _Summed(Collector):
+    """Counts kept by this process, plus those other worker processes published."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        peers = self.metrics.peer_counts()
+        for name, (metric, kind) in self.metrics.summed.items():
+            values = dict(_values(metric))
+            for counts in peers:
+                for key, value in counts.get(name, {}).items():
+                    values[key] = values.get(key, 0.0) + value
+            labels = list(metric._labelnames)
+            family: CounterMetricFamily | GaugeMetricFamily
+            if kind == "counter":
+                family = CounterMetricFamily(name, metric._documentation, labels=labels)
+            else:
+                family = GaugeMetricFamily(name, metric._documentation, labels=labels)
+            for key, value in sorted(values.items()):
+                family.add_metric(json.loads(key), value)
+            yield family
+
+
+def _values(metric: Counter | Gauge) -> Iterator[tuple[str, float]]:
+    """(labels as a JSON list, value) of each series of an unregistered counter or gauge."""
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            yield json.dumps([sample.labels[n] for n in metric._labelnames]), sample.value
+
+
 class Metrics:
     """All of rematd's series, on a registry of their own."""
 
@@ -107,17 +142,20 @@ class Metrics:
         """Export per-rank series too (labels job and rank): opt-in, a large job has thousands of ranks."""
         self.snapshot: Callable[[], list[RankSample]] | None = None
         """Set by the core: the live ranks, read at scrape time."""
+        self.peers: Callable[[], list[dict[str, Any]]] | None = None
+        """Set in the worker that serves HTTP when others share the port: what they published."""
         r = self.registry
         # process_open_fds / process_max_fds and friends, for the file-descriptor alert.
         ProcessCollector(registry=r)
         r.register(_LiveCollector(self))
-        self.plans_issued = Counter("rematd_plans_issued", "Plans sent to training ranks.", ["job"], registry=r)
-        self.oom_events = Counter("rematd_oom_events", "Out-of-memory events reported.", ["job"], registry=r)
-        self.steps = Counter("rematd_steps", "Step statistics received.", ["job"], registry=r)
-        self.active_streams = Gauge("rematd_active_streams", "Training ranks connected now.", registry=r)
-        self.invalid_messages = Counter("rematd_invalid_messages", "Messages refused as invalid.", registry=r)
+        # Counted here and added to what other workers count: exported by _Summed, not registered.
+        self.plans_issued = Counter("rematd_plans_issued", "Plans sent to training ranks.", ["job"], registry=None)
+        self.oom_events = Counter("rematd_oom_events", "Out-of-memory events reported.", ["job"], registry=None)
+        self.steps = Counter("rematd_steps", "Training steps reported.", ["job"], registry=None)
+        self.active_streams = Gauge("rematd_active_streams", "Training ranks connected now.", registry=None)
+        self.invalid_messages = Counter("rematd_invalid_messages", "Messages refused as invalid.", registry=None)
         self.rejected_rows = Counter(
-            "rematd_record_rejected_rows", "Buffered statistics rows the record refused, set aside.", registry=r
+            "rematd_record_rejected_rows", "Buffered statistics rows the record refused, set aside.", registry=None
         )
         self.message_duration = Histogram(
             "rematd_message_duration_seconds",
@@ -136,9 +174,32 @@ class Metrics:
         )
         self.unauthenticated = Counter(
             "rematd_unauthenticated_requests", "Requests refused for a missing or wrong token.", ["transport"],
-            registry=r,
+            registry=None,
         )  # fmt: skip
+        self.summed: dict[str, tuple[Counter | Gauge, str]] = {
+            "rematd_plans_issued": (self.plans_issued, "counter"),
+            "rematd_oom_events": (self.oom_events, "counter"),
+            "rematd_steps": (self.steps, "counter"),
+            "rematd_invalid_messages": (self.invalid_messages, "counter"),
+            "rematd_record_rejected_rows": (self.rejected_rows, "counter"),
+            "rematd_unauthenticated_requests": (self.unauthenticated, "counter"),
+            "rematd_active_streams": (self.active_streams, "gauge"),
+        }
+        r.register(_Summed(self))
         self._per_job = (self.plans_issued, self.oom_events, self.steps)
+
+    def local_counts(self) -> dict[str, dict[str, float]]:
+        """This process's counts, by metric and labels (a JSON list), for the worker serving HTTP."""
+        return {name: dict(_values(metric)) for name, (metric, _) in self.summed.items()}
+
+    def _peer_states(self) -> list[dict[str, Any]]:
+        return self.peers() if self.peers is not None else []
+
+    def peer_counts(self) -> list[dict[str, dict[str, float]]]:
+        return [state.get("counts", {}) for state in self._peer_states()]
+
+    def peer_samples(self) -> list[RankSample]:
+        return [RankSample(**s) for state in self._peer_states() for s in state.get("samples", ())]
 
     def forget_job(self, job: str) -> None:
         """Remove a job's counters; its gauges go with its sessions."""

@@ -4,16 +4,19 @@ The kernel spreads new connections over the processes; a rank's stream stays
 on the process that accepted it, so its in-memory session state is per
 process. Worker 0 also serves HTTP; the others serve gRPC only. All share the
 record, and operator controls written through worker 0 reach the others by
-polling it.
+polling it; the others publish their live ranks and counts for worker 0's
+/metrics (``peers``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -40,10 +43,11 @@ def serve_workers(config: ServeConfig, workers: int) -> int:
         config = dataclasses.replace(config, grpc_port=port)
     # Migrate once, here, before the workers open the record.
     Store(config.store_config()).close()
+    shared = tempfile.mkdtemp(prefix="rematd-workers-")
     ctx = mp.get_context("spawn")
     procs = []
     for i in range(workers):
-        cfg = config if i == 0 else dataclasses.replace(config, http=False)
+        cfg = dataclasses.replace(config, worker_index=i, shared_dir=shared, http=config.http and i == 0)
         p = ctx.Process(target=_worker, args=(cfg, i), name=f"rematd-worker-{i}", daemon=False)
         p.start()
         procs.append(p)
@@ -59,8 +63,11 @@ def serve_workers(config: ServeConfig, workers: int) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     print(f"rematd: {workers} worker processes share gRPC port {config.grpc_port}", flush=True)
-    while any(p.is_alive() for p in procs):
-        time.sleep(0.2)
-        if not stopping and any(p.exitcode not in (None, 0) for p in procs):
-            _stop(0, None)
+    try:
+        while any(p.is_alive() for p in procs):
+            time.sleep(0.2)
+            if not stopping and any(p.exitcode not in (None, 0) for p in procs):
+                _stop(0, None)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
     return max((p.exitcode or 0) for p in procs)

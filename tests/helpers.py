@@ -48,6 +48,26 @@ class LiveServer:
         return f"http://{self.http}"
 
 
+def addresses(proc: subprocess.Popen[str], timeout: float = 60.0) -> tuple[str, str]:
+    """The gRPC and HTTP addresses a starting ``rematd serve`` prints; RuntimeError with its output if none."""
+    grpc_addr = http_addr = None
+    deadline = time.monotonic() + timeout
+    lines = []
+    assert proc.stdout is not None
+    while time.monotonic() < deadline and (grpc_addr is None or http_addr is None):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if m := re.search(r"serving gRPC on (\S+)", line):
+            grpc_addr = m.group(1)
+        if m := re.search(r"REST on https?://([^/\s]+)/", line):
+            http_addr = m.group(1)
+    if grpc_addr is None or http_addr is None:
+        raise RuntimeError("rematd serve did not start:\n" + "".join(lines))
+    return grpc_addr, http_addr
+
+
 @contextmanager
 def live_server(
     tmp: Path, timeout: float = 60.0, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None
@@ -63,22 +83,8 @@ def live_server(
         text=True,
         env=env,
     )
-    grpc_addr = http_addr = None
-    deadline = time.monotonic() + timeout
-    lines = []
     try:
-        assert proc.stdout is not None
-        while time.monotonic() < deadline and (grpc_addr is None or http_addr is None):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"serving gRPC on (\S+)", line):
-                grpc_addr = m.group(1)
-            if m := re.search(r"REST on http://([^/\s]+)/", line):
-                http_addr = m.group(1)
-        if grpc_addr is None or http_addr is None:
-            raise RuntimeError("rematd serve did not start:\n" + "".join(lines))
+        grpc_addr, http_addr = addresses(proc, timeout)
         yield LiveServer(grpc=grpc_addr, http=http_addr, db=db, proc=proc)
     finally:
         if proc.poll() is None:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -21,7 +19,7 @@ from rematd.records import open_planner
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
-from .helpers import train_step
+from .helpers import addresses, train_step
 
 
 def start_serve(
@@ -39,22 +37,11 @@ def start_serve(
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    grpc_addr = http_addr = None
-    lines = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (grpc_addr is None or http_addr is None):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if m := re.search(r"serving gRPC on (\S+)", line):
-            grpc_addr = m.group(1)
-        if m := re.search(r"REST on https?://([^/\s]+)/", line):
-            http_addr = m.group(1)
-    if grpc_addr is None or http_addr is None:
+    try:
+        grpc_addr, http_addr = addresses(proc)
+    except RuntimeError:
         proc.kill()
-        raise RuntimeError("rematd serve did not start:\n" + "".join(lines))
+        raise
     return proc, grpc_addr, http_addr
 
 

@@ -9,29 +9,16 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rematd.planner import BlockCost, Mode, ModeCost, Option, Profile, Shape, Size, peak_of
+from rematd.planner import BlockCost, Mode, Option, Profile, peak_of
 from rematd.planner.knapsack import INF, Knapsack
 from rematd.planner.solvers import solve
 
-REF = Shape(batch=2, seq_len=64, tokens=128)
+from .test_planner import REF, four_modes
 
 
 def block(saved: int, sel: int, x: int, t: float, off: float) -> BlockCost:
     """A block with the four modes, its selective and recomputed costs drawn independently."""
-    sel, x = min(saved, max(sel, x)), min(x, saved)
-    return BlockCost(
-        saved_bytes=saved,
-        input_bytes=x,
-        forward_seconds=t,
-        modes=(
-            ModeCost(mode=Mode.STORE, kept=Size.linear(saved)),
-            ModeCost(
-                mode=Mode.SELECTIVE, kept=Size.linear(sel), transient=Size.linear(saved - sel), extra_seconds=t / 4
-            ),
-            ModeCost(mode=Mode.RECOMPUTE, kept=Size.linear(x), transient=Size.linear(saved), extra_seconds=t),
-            ModeCost(mode=Mode.OFFLOAD, kept=Size(), transient=Size.linear(saved), extra_seconds=off),
-        ),
-    )
+    return four_modes(saved, min(saved, max(sel, x)), min(x, saved), t, off)
 
 
 blocks_st = st.builds(

@@ -1,4 +1,5 @@
-"""``rematd serve --workers 2``: processes sharing the gRPC port; operator controls reach every one of them."""
+"""``rematd serve --workers 2``: processes sharing the gRPC port; operator controls reach every one of them,
+and worker 0's /metrics covers the ranks of every one."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ def worker_pids(parent: int) -> list[int]:
     return found
 
 
-def test_two_workers_share_the_port_and_the_controls(tmp_path: Path) -> None:
+def _value(metrics: str, series: str) -> float | None:
+    return next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(series + " ")), None)
+
+
+def test_two_workers_share_the_port_the_controls_and_the_metrics(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "REMATD_TOKEN": TOKEN}
     cmd = [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
            "--db", str(tmp_path / "w.db"), "--workers", "2"]  # fmt: skip
@@ -88,6 +93,18 @@ def test_two_workers_share_the_port_and_the_controls(tmp_path: Path) -> None:
                 break
             time.sleep(0.3)
         assert pinned == set(range(6)), "every rank, on whichever worker, got the pinned plan"
+        # Worker 0's /metrics covers every worker's ranks: the job is whole, its steps all counted.
+        with httpx.Client(base_url=f"http://{http_addr}", timeout=10) as http:
+            deadline = time.monotonic() + 10
+            while True:
+                text = http.get("/metrics").text
+                connected = _value(text, 'rematd_job_connected_ranks{job="wide"}')
+                steps = _value(text, 'rematd_steps_total{job="wide"}')
+                if (connected, steps) == (6, 6 * (step + 1)) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+        assert connected == 6 and _value(text, 'rematd_job_world_size{job="wide"}') == 6
+        assert steps == 6 * (step + 1) and _value(text, "rematd_active_streams") == 6
         for ch, out, _ in ranks:
             out.put(None)
             ch.close()
