@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rematd.planner import Mode, ModeSeconds
 from rematd.records import StepStats
 
 PEAK_BAND = 0.02
@@ -37,11 +38,17 @@ def steady(step: StepStats, reported: StepStats) -> bool:
 
 
 def fold(earlier: StepStats, later: StepStats) -> StepStats:
-    """One report for both: the later step's values, the larger peaks, the mean step time."""
+    """One report for both: the later step's values, the larger peaks, the mean step time, the
+    rematerialisation seconds of both."""
     steps = earlier.steps + later.steps
+    seconds: dict[Mode, ModeSeconds] = {}
+    for m in (*earlier.mode_seconds, *later.mode_seconds):
+        had = seconds.get(m.mode)
+        seconds[m.mode] = m if had is None else ModeSeconds(m.mode, had.blocks + m.blocks, had.seconds + m.seconds)
     return dataclasses.replace(
         later,
         steps=steps,
+        mode_seconds=tuple(seconds[m] for m in sorted(seconds)),
         peak_allocated_bytes=max(earlier.peak_allocated_bytes, later.peak_allocated_bytes),
         peak_reserved_bytes=max(earlier.peak_reserved_bytes, later.peak_reserved_bytes),
         saved_peak_bytes=max(earlier.saved_peak_bytes, later.saved_peak_bytes),

@@ -35,6 +35,7 @@ from rematd.client.guard import Guard, free_after_oom, is_oom
 from rematd.client.hooks import AttachedHook
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
 from rematd.client.profiling import host_bandwidth
+from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.stream import StreamBackend
 from rematd.client.switch import SwitchableBlock
 from rematd.client.unwrap import unwrap
@@ -81,6 +82,9 @@ class Handle:
         self._accounting = SavedTensorAccounting()
         self._accounting.hard_limit_bytes = hard_limit
         self._blocks = [SwitchableBlock(i, name, m, self._accounting) for i, (name, m) in enumerate(found)]
+        self._recompute_timer = RecomputeTimer()
+        for b in self._blocks:
+            b.timer = self._recompute_timer
         self._norm_hooks = protect_running_stats([m for _, m in found])
         self._applier = PlanApplier(self._blocks)
         self.last_stats: StepStats | None = None
@@ -388,6 +392,7 @@ class Handle:
             budget_bytes=self._budget_bytes,
             static_bytes=self._static,
             inactive_split_bytes=sample.inactive_split_bytes,
+            mode_seconds=self._recompute_timer.take(),
         )
         self.last_stats = stats
         self._step += 1

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.profiling import BlockMeasure, Profiler
+from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.selective import selective_context
 from rematd.planner import Mode, Shape
 
@@ -58,6 +59,9 @@ class SwitchableBlock:
         self.step_shape = Shape()
         """The shape of the step being run, set by the handle at each step's start."""
         self._accounting = accounting
+        self.timer: RecomputeTimer | None = None
+        """Where rematerialisations are timed (set by the handle)."""
+        self._in_forward = False
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = _SwitchedForward(self)
@@ -95,18 +99,28 @@ class SwitchableBlock:
                 return self._original(*args, **kwargs)
         acct = self._counting()
         kept: list[torch.Tensor] | None = [] if acct is not None and mode == Mode.SELECTIVE else None
-        if mode == Mode.SELECTIVE:
-            output = checkpoint(
-                self._original, *args, use_reentrant=False, context_fn=selective_context(kept), **kwargs
-            )
-        else:
-            output = checkpoint(self._original, *args, use_reentrant=False, **kwargs)
+        self._in_forward = True
+        try:
+            if mode == Mode.SELECTIVE:
+                output = checkpoint(self._run, *args, use_reentrant=False, context_fn=selective_context(kept), **kwargs)
+            else:
+                output = checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+        finally:
+            self._in_forward = False
         if acct is not None:
             # What the checkpoint keeps lives outside autograd's saved variables: count it by hand.
             inputs = tensors_in([args, kwargs])
             acct.hold([*inputs, *(kept or [])], until_grad_of=inputs)
             acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), inputs)
         return output
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        """The block's own forward, as the checkpoint calls it: in forward, and again in backward to
+        rematerialise what it did not keep, which is timed for the planner."""
+        if self._in_forward or self.timer is None:
+            return self._original(*args, **kwargs)
+        cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
+        return self.timer.run(self.mode, self._original, cuda, *args, **kwargs)
 
     def _transient_bytes(self, mode: Mode) -> int:
         if self.measure is None:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from rematd.planner.cost import overhead_ratio
 from rematd.planner.model import Mode, Option, Profile, Shape, ShapePlan, StepObservation
-from rematd.planner.shapes import AtShape, at_shape
+from rematd.planner.shapes import AtShape, Scales, at_shape
 from rematd.planner.solvers import Choice, solve_prepared
+from rematd.planner.timing import TimeScales
 
 # A looser plan must fit this fraction of the target under the worst recent correction.
 LOOSEN_SLACK = 0.97
@@ -117,12 +118,14 @@ class Controller:
         self.profile = profile
         self.config = config or ControllerConfig()
         self._state = _State(dwell=self.config.loosen_after_steps)
-        self._cache: dict[tuple[int, int, int, int, int, int | None], Choice] = {}
+        self.timing = TimeScales()
+        """What the modes are measured to cost, against the profile."""
+        self._cache: dict[tuple[int, int, int, int, int, int | None, Scales], Choice] = {}
         ref = profile.shape
         self._batch = ref.batch or 1
         self._seqs: set[int] = {ref.seq_len} if ref.seq_len else set()
         self.table: tuple[ShapePlan, ...] = ()
-        self._entries: dict[tuple[Choice, int, int, int], ShapePlan] = {}
+        self._entries: dict[tuple[Choice, int, int, int, Scales], ShapePlan] = {}
 
     @property
     def loosening_pending(self) -> bool:
@@ -186,6 +189,7 @@ class Controller:
             self.profile,
             shape if shape is None or shape.seq_len else None,
             self.config.allowed_modes if restricted else None,
+            self.timing.scales,
         )
 
     def _options(self, shape: Shape | None) -> list[list[Option]]:
@@ -194,7 +198,7 @@ class Controller:
     def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
         corr = self.correction(shape.seq_len) if shape.seq_len else 1.0
         ceiling = self._ceiling(shape.seq_len)
-        key = (shape.batch, shape.seq_len, round(target, -3), round(corr * 100), static, ceiling)
+        key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self.timing.scales)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -217,7 +221,7 @@ class Controller:
         return choice
 
     def _entry(self, seq: int, choice: Choice, static: int) -> ShapePlan:
-        key = (choice, seq, self._batch, static)
+        key = (choice, seq, self._batch, static, self.timing.scales)
         hit = self._entries.get(key)
         if hit is not None:
             return hit
@@ -298,6 +302,8 @@ class Controller:
         at = self._at(shape)
         modes = measured_modes or tuple(Mode.STORE for _ in at.options)
         predicted = at.other_bytes + at.cost(modes)[0]
+        if obs.mode_seconds:
+            self._learn_seconds(obs, modes)
         measured_over = obs.peak_bytes > target
         if predicted > 0 and obs.peak_bytes > 0 and shape.seq_len:
             activations = max(0, obs.peak_bytes - obs.static_bytes)
@@ -315,23 +321,32 @@ class Controller:
 
         current = {e.max_seq_len: e for e in self.table}
         desired = self._desired(target, obs.static_bytes)
-        tighter, looser = [], []
-        for entry, _choice in desired:
-            old = current.get(entry.max_seq_len)
-            if old is None:
-                continue
-            if old.modes == entry.modes:
-                continue
-            old_shape = Shape(batch=self._batch, seq_len=entry.max_seq_len, tokens=entry.max_tokens)
-            old_fits = self._fits(old.modes, old_shape, target, obs.static_bytes)
-            if not old_fits or self._extra(entry.modes, entry.max_seq_len) > self._extra(old.modes, entry.max_seq_len):
-                tighter.append(entry.max_seq_len)
-            elif self._fits(entry.modes, old_shape, int(target * LOOSEN_SLACK), obs.static_bytes, pessimistic=True):
-                # Loosen only to what fits under the worst recent measurement, with slack:
-                # a plan whose own measurements would undo it is never adopted.
-                looser.append(entry.max_seq_len)
-        new_rungs = [e.max_seq_len for e, _ in desired if e.max_seq_len not in current]
         by_seq = {e.max_seq_len: e for e, _ in desired}
+        tighter, looser = [], []
+        slack = int(target * LOOSEN_SLACK)
+        for entry, _choice in desired:
+            seq = entry.max_seq_len
+            old = current.get(seq)
+            if old is None or old.modes == entry.modes:
+                continue
+            old_shape = Shape(batch=self._batch, seq_len=seq, tokens=entry.max_tokens)
+            old_fits = self._fits(old.modes, old_shape, target, obs.static_bytes)
+            if not old_fits or self._extra(entry.modes, seq) > self._extra(old.modes, seq):
+                tighter.append(seq)
+                continue
+            leaner = self._at(old_shape).cost(entry.modes)[0] <= self._at(old_shape).cost(old.modes)[0]
+            # Loosen only to what fits under the worst recent measurement, with slack: a plan whose own
+            # measurements would undo it is never adopted. Short of that, the best plan that does fit.
+            if not leaner and not self._fits(entry.modes, old_shape, slack, obs.static_bytes, pessimistic=True):
+                entry = self._entry(seq, self._solve_at(old_shape, slack, obs.static_bytes), obs.static_bytes)
+                if entry.modes == old.modes or self._extra(entry.modes, seq) >= self._extra(old.modes, seq):
+                    continue
+                if not self._fits(entry.modes, old_shape, slack, obs.static_bytes, pessimistic=True):
+                    continue
+                by_seq[seq] = entry
+            # Else as lean or leaner, and cheaper (measured seconds moved): no memory risk, only the dwell.
+            looser.append(seq)
+        new_rungs = [e.max_seq_len for e, _ in desired if e.max_seq_len not in current]
 
         if tighter:
             st.headroom_steps = 0
@@ -370,6 +385,18 @@ class Controller:
                 list(self.table), shape, target, obs.static_bytes, f"extend the plan table to seq {max(by_seq)}"
             )
         return None
+
+    def _learn_seconds(self, obs: StepObservation, modes: tuple[Mode, ...]) -> None:
+        """Measured rematerialisation seconds against the profile's for the blocks that ran each mode."""
+        unscaled = at_shape(self.profile, obs.shape if obs.shape.seq_len else None)
+        totals: dict[Mode, list[float]] = {}
+        for opts, mode in zip(unscaled.options, modes, strict=False):
+            for o in opts:
+                if o.mode == mode:
+                    pair = totals.setdefault(mode, [0.0, 0.0])
+                    pair[0] += o.seconds
+                    pair[1] += 1
+        self.timing.observe(obs.mode_seconds, {m: secs / n for m, (secs, n) in totals.items() if n})
 
     def _fits(
         self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False

@@ -348,6 +348,22 @@ class Plan:
         return self.shape_plans[-1].modes
 
 
+@dataclass(frozen=True, slots=True)
+class ModeSeconds:
+    """What the blocks that ran in one mode during a step measured: their extra seconds, summed."""
+
+    mode: Mode
+    blocks: int
+    """Blocks timed (those whose rematerialisation finished in time to be read)."""
+    seconds: float
+    """Their measured extra seconds together (the recomputation in backward)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 0:
+            raise ValueError(f"mode_seconds.blocks must be a non-negative integer, got {self.blocks!r}")
+        _check_seconds("mode_seconds.seconds", self.seconds)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepObservation:
     """What a rank measured over one training step."""
@@ -372,6 +388,8 @@ class StepObservation:
     """Allocated bytes at the end of the step (CUDA)."""
     reserved_bytes: int = 0
     """Bytes the allocator holds at the end of the step (CUDA)."""
+    mode_seconds: tuple[ModeSeconds, ...] = ()
+    """Measured extra seconds per mode, where the client timed them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:

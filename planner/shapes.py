@@ -8,6 +8,9 @@ from rematd.planner.cost import choose, peak_of
 from rematd.planner.knapsack import Knapsack
 from rematd.planner.model import Mode, Option, Profile, Shape
 
+Scales = tuple[tuple[Mode, float], ...]
+"""(mode, measured / profiled seconds) for the modes whose measurements differ from the profile."""
+
 # Plans priced per shape before the memo starts over.
 MAX_COSTS = 64
 # Blocks' worth of prepared shapes kept in all (a block's options and knapsack take about 1 KiB).
@@ -20,11 +23,34 @@ class AtShape:
 
     __slots__ = ("_costs", "_knapsack", "forward_seconds", "options", "other_bytes", "profile")
 
-    def __init__(self, profile: Profile, shape: Shape | None, allowed: frozenset[Mode] | None) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        shape: Shape | None,
+        allowed: frozenset[Mode] | None,
+        scales: Scales = (),
+        base: AtShape | None = None,
+    ) -> None:
         self.profile = profile
-        self.options: list[list[Option]] = profile.options_at(shape, allowed)
-        self.forward_seconds = profile.forward_seconds_at(shape)
-        self.other_bytes = profile.other_at(shape)
+        if base is None:
+            self.options: list[list[Option]] = profile.options_at(shape, allowed)
+            self.forward_seconds = profile.forward_seconds_at(shape)
+            self.other_bytes = profile.other_at(shape)
+        else:
+            # The measured seconds of each mode, over the profile's: blocks alike share one list still.
+            by_mode = dict(scales)
+            rescaled: dict[int, list[Option]] = {}
+            self.options = []
+            for opts in base.options:
+                hit = rescaled.get(id(opts))
+                if hit is None:
+                    hit = rescaled[id(opts)] = [
+                        Option(o.mode, o.kept, o.transient, o.seconds * by_mode.get(o.mode, 1.0)) for o in opts
+                    ]
+                self.options.append(hit)
+            # Recomputing a block costs about its forward: that mode's scale applies to forward time too.
+            self.forward_seconds = base.forward_seconds * by_mode.get(Mode.RECOMPUTE, 1.0)
+            self.other_bytes = base.other_bytes
         self._knapsack: Knapsack | None = None
         self._costs: dict[tuple[Mode, ...], tuple[int, float]] = {}
 
@@ -48,12 +74,15 @@ class AtShape:
         return self._knapsack
 
 
-_CACHE: OrderedDict[tuple[int, Shape | None, frozenset[Mode] | None], AtShape] = OrderedDict()
+_CACHE: OrderedDict[tuple[int, Shape | None, frozenset[Mode] | None, Scales], AtShape] = OrderedDict()
 _cached_blocks = 0
 
 
-def at_shape(profile: Profile, shape: Shape | None, allowed: frozenset[Mode] | None = None) -> AtShape:
-    """The prepared costs of ``profile`` at ``shape`` (its own when None), least recently used evicted.
+def at_shape(
+    profile: Profile, shape: Shape | None, allowed: frozenset[Mode] | None = None, scales: Scales = ()
+) -> AtShape:
+    """The prepared costs of ``profile`` at ``shape`` (its own when None), each mode's seconds times
+    its scale in ``scales``; least recently used evicted.
 
     Sessions ask for few shapes, often; sessions of one model share the profile object and so the
     entries.
@@ -61,13 +90,14 @@ def at_shape(profile: Profile, shape: Shape | None, allowed: frozenset[Mode] | N
     global _cached_blocks
     if shape == profile.shape:
         shape = None
-    key = (id(profile), shape, allowed)
+    key = (id(profile), shape, allowed, scales)
     hit = _CACHE.get(key)
     # The identity check guards against a dead profile's id being reused.
     if hit is not None and hit.profile is profile:
         _CACHE.move_to_end(key)
         return hit
-    entry = AtShape(profile, shape, allowed)
+    base = at_shape(profile, shape, allowed) if scales else None
+    entry = AtShape(profile, shape, allowed, scales, base)
     if hit is not None:
         _cached_blocks -= hit.profile.num_blocks
     _CACHE[key] = entry

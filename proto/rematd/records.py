@@ -16,6 +16,7 @@ from rematd.planner import (
     ControllerConfig,
     Mode,
     ModeCost,
+    ModeSeconds,
     Plan,
     PlannerSession,
     Profile,
@@ -218,10 +219,20 @@ class StepStats:
     inactive_split_bytes: int = 0
     steps: int = 1
     """Steps the report covers, ending with ``step``: steady steps folded into one report."""
+    mode_seconds: tuple[ModeSeconds, ...] = ()
+    """Measured rematerialisation seconds per mode (summed over blocks and steps)."""
 
     def validate(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_INT:
             raise InvalidMessage("stats.steps", f"must be an integer in 1-{MAX_INT}, got {self.steps!r}")
+        if len(self.mode_seconds) > len(Mode):
+            raise InvalidMessage("stats.mode_seconds", f"{len(self.mode_seconds)} entries for {len(Mode)} modes")
+        for k, m in enumerate(self.mode_seconds):
+            where = f"stats.mode_seconds[{k}]"
+            if not isinstance(m.mode, Mode):
+                raise InvalidMessage(f"{where}.mode", f"unknown mode {m.mode!r}")
+            _uint(f"{where}.blocks", m.blocks)
+            _seconds(f"{where}.seconds", m.seconds)
         for name in (
             "inactive_split_bytes",
             "step",
@@ -299,4 +310,5 @@ def observation(hello: Hello, stats: StepStats) -> StepObservation:
         oom_count=stats.oom_count,
         allocated_bytes=stats.allocated_bytes,
         reserved_bytes=stats.reserved_bytes,
+        mode_seconds=stats.mode_seconds,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from rematd.planner import Mode, ModeCost, Plan, Shape, ShapePlan, Size, Term
+from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
 from rematd.records import MEMORY_CUDA, MEMORY_SAVED, BlockRecord, Hello, InvalidMessage, OomReport, StepStats
 from rematd.v1 import advisor_pb2 as pb
 
@@ -163,13 +163,26 @@ def stats_to_pb(stats: StepStats) -> pb.StepStats:
     msg = pb.StepStats(shape=shape_to_pb(stats.shape))
     for name in _STATS_FIELDS:
         setattr(msg, name, getattr(stats, name))
+    for m in stats.mode_seconds:
+        msg.mode_seconds.add(mode=cast(Any, int(m.mode)), blocks=m.blocks, seconds=m.seconds)
     return msg
 
 
 def stats_from_pb(msg: pb.StepStats) -> StepStats:
-    values = {name: getattr(msg, name) for name in _STATS_FIELDS}
+    values: dict[str, Any] = {name: getattr(msg, name) for name in _STATS_FIELDS}
     values["steps"] = msg.steps or 1  # a client that does not fold leaves it unset
+    values["mode_seconds"] = tuple(_mode_seconds_from_pb(k, m) for k, m in enumerate(msg.mode_seconds))
     return StepStats(shape=shape_from_pb(msg.shape), **values)
+
+
+def _mode_seconds_from_pb(k: int, m: pb.ModeSeconds) -> ModeSeconds:
+    where = f"stats.mode_seconds[{k}]"
+    try:
+        return ModeSeconds(_mode_from_pb(f"{where}.mode", m.mode), m.blocks, m.seconds)
+    except ValueError as err:
+        if isinstance(err, InvalidMessage):
+            raise
+        raise InvalidMessage(f"{where}.seconds", str(err)) from err
 
 
 def oom_to_pb(oom: OomReport) -> pb.OomEvent:
