@@ -42,6 +42,9 @@ class Setup:
     batch: int
     steps: int
     """Measured steps per strategy (after warm-up)."""
+    warmup: int = 8
+    """Steps before measuring: rematd's plan settles in them (its first plans come from the profile
+    alone; it learns the measured cost of each mode within a few steps)."""
 
 
 class SegmentedGPT(TinyGPT):
@@ -155,9 +158,9 @@ def budgets_table(setup: Setup, ratios: list[float], compile_ratios: list[float]
             errors[ratio] = f"{type(err).__name__}: {str(err)[:200]}"
     everyone = [*statics.values(), *ours.values(), *(r for r, _ in compiled.values())]
     # Rounds in turn, so that load on the machine falls on every strategy alike.
-    for i in range(setup.steps + 2):
+    for i in range(setup.warmup + setup.steps):
         for r in everyone:
-            r.step(data, record=i >= 2)
+            r.step(data, record=i >= setup.warmup)
     base = median(statics["none"].times)
     static = {k: {"step_s": median(v.times), "peak": max(v.peaks)} for k, v in statics.items()}
     for k, v in static.items():
@@ -255,7 +258,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
-        setups = [Setup(n_layer=4, d_model=64, n_head=4, seq=128, batch=4, steps=3)]
+        setups = [Setup(n_layer=4, d_model=64, n_head=4, seq=128, batch=4, steps=3, warmup=2)]
         ratios, compile_ratios = [0.3, 0.6, 0.9], []
         adaptive_args = dict(n_layer=2, d_model=32, n_head=2, batch=2, steps=30)
     else:
