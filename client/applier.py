@@ -32,6 +32,12 @@ class PlanApplier:
         self.history: list[Plan] = []
         self.pinned: tuple[Mode, ...] | None = None
         """Modes fixed by hand (benchmarks, experiments); they win over any plan."""
+        self._applied: tuple[object, ...] | None = None
+        """What the blocks' modes were last set from: the same again needs no work."""
+
+    def invalidate(self) -> None:
+        """The blocks' modes were set by other means (safe mode, a pin): set them at the next step."""
+        self._applied = None
 
     def receive(self, plan: Plan) -> None:
         """Called by the planner's side (any thread): keep the newest plan for the next step."""
@@ -61,7 +67,12 @@ class PlanApplier:
         if plan is not None:
             self.plan = plan
             self.history.append(plan)
-        modes = self.pinned if self.pinned is not None else self.plan.modes_for(shape or Shape(), n)
+        shape = shape or Shape()
+        key = (self.pinned, self.plan.version, shape)
+        if key == self._applied:
+            return plan
+        self._applied = key
+        modes = self.pinned if self.pinned is not None else self.plan.modes_for(shape, n)
         for b, mode in zip(self.blocks, modes, strict=False):
             b.mode = mode
         return plan

@@ -178,11 +178,13 @@ class Handle:
         """
         if modes is None:
             self._applier.pinned = None
+            self._applier.invalidate()
             return
         pinned = mode_sequence("pin_modes", modes)
         if len(pinned) != len(self._blocks):
             raise ValueError(f"pin_modes needs {len(self._blocks)} modes, one per block, got {len(pinned)}")
         self._applier.pinned = tuple(pinned)
+        self._applier.invalidate()
 
     @property
     def hard_limit_bytes(self) -> int | None:
@@ -327,8 +329,9 @@ class Handle:
         elif (not self._safe or self._applier.has_pending()) and self._applier.apply_pending(self._shape):
             # In safe mode every block recomputes until the planner answers with a new plan.
             self._safe = False
-        for b in self._blocks:
-            b.step_shape = self._shape
+        if self._blocks[0].step_shape != self._shape:
+            for b in self._blocks:
+                b.step_shape = self._shape
         self._static = self._memory.static_bytes()
         self._step_started = time.perf_counter()
 
@@ -470,6 +473,7 @@ class Handle:
             for b in self._blocks:
                 b.profiling = False
                 b.checkpointed = True
+            self._applier.invalidate()
             self._safe = True
             self._safe_retry = True
             self._forward_seen = False

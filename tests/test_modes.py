@@ -23,6 +23,7 @@ def pin(h: client.Handle, modes: tuple[Mode, ...]) -> None:
     """Force the modes of every following step (what a plan from the planner would do)."""
     h._applier._pending = None
     h._applier.plan = dataclasses.replace(NO_PLAN, version=10**6, modes=modes)
+    h._applier.invalidate()
 
 
 def step(model: torch.nn.Module, h: client.Handle, seq: int, seed: int) -> float:

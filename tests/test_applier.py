@@ -1,0 +1,74 @@
+"""The step-boundary applier: a step like the last costs nothing, and every change still lands."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+from rematd.client.applier import NO_PLAN, PlanApplier
+from rematd.planner import Mode, Shape
+from rematd.planner.model import ShapePlan
+
+S, R, K = Mode.STORE, Mode.RECOMPUTE, Mode.SELECTIVE
+
+
+class CountingBlock(SimpleNamespace):
+    """Stands for a switchable block: counts how often its mode is set."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "mode":
+            super().__setattr__("sets", getattr(self, "sets", 0) + 1)
+        super().__setattr__(name, value)
+
+
+def shape(seq: int) -> Shape:
+    return Shape(batch=2, seq_len=seq, tokens=2 * seq)
+
+
+def table_plan(version: int) -> Any:
+    short = ShapePlan(max_seq_len=64, max_tokens=128, modes=(S, S), predicted_peak_bytes=1, predicted_overhead_ratio=0)
+    long = ShapePlan(max_seq_len=256, max_tokens=512, modes=(R, K), predicted_peak_bytes=2, predicted_overhead_ratio=0)
+    return dataclasses.replace(NO_PLAN, version=version, modes=(R, R), shape_plans=(short, long))
+
+
+def modes(blocks: list[CountingBlock]) -> tuple[Mode, ...]:
+    return tuple(b.mode for b in blocks)
+
+
+def test_same_plan_same_shape_sets_nothing_and_every_change_lands() -> None:
+    blocks = [CountingBlock(mode=S), CountingBlock(mode=S)]
+    applier = PlanApplier(blocks)  # type: ignore[arg-type]
+    applier.receive(table_plan(1))
+    applier.apply_pending(shape(32))
+    assert modes(blocks) == (S, S)
+    sets = [b.sets for b in blocks]
+
+    for _ in range(5):  # steady steps: no work on the blocks
+        assert applier.apply_pending(shape(32)) is None
+    assert [b.sets for b in blocks] == sets
+
+    applier.apply_pending(shape(200))  # a longer step takes the table's other entry
+    assert modes(blocks) == (R, K)
+
+    applier.pinned = (K, K)
+    applier.invalidate()
+    applier.apply_pending(shape(200))
+    assert modes(blocks) == (K, K)
+
+    applier.pinned = None
+    applier.invalidate()
+    applier.apply_pending(shape(200))
+    assert modes(blocks) == (R, K)
+
+    # Modes set behind the applier's back (safe mode) are set again once invalidated.
+    for b in blocks:
+        b.mode = R
+    applier.invalidate()
+    applier.apply_pending(shape(32))
+    assert modes(blocks) == (S, S)
+
+    newer = dataclasses.replace(table_plan(2), shape_plans=())
+    applier.receive(newer)
+    assert applier.apply_pending(shape(32)) == newer
+    assert modes(blocks) == (R, R)
