@@ -3,10 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# The CPU build of torch on CPU machines: never pull a multi-GB CUDA build here.
-TORCH_SPEC ?= torch==2.13.0
+# Empty: scripts/setup.sh picks torch 2.13.0's CPU build unless the machine has an NVIDIA GPU.
+TORCH_SPEC ?=
 
-.PHONY: setup demo serve test lint typecheck proto proto-check bench clean
+.PHONY: setup demo serve test lint typecheck proto proto-check clean
 
 $(STAMP): pyproject.toml scripts/setup.sh scripts/system-packages.txt
 	PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC='$(TORCH_SPEC)' bash scripts/setup.sh

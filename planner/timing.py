@@ -7,6 +7,12 @@ backward; the ratio of those measurements to what the profile predicted for
 the same blocks at the same shape, per mode, scales every option's seconds.
 Scales move in steps of ``STEP`` (a new step re-prepares the solver, a
 wobble does not) and only after ``MIN_BLOCKS`` timed blocks.
+
+The profile's seconds for every recomputing mode come from the same cold
+first forward, so when the modes in use measure cheaper than profiled, a
+mode not yet run is taken to be as much cheaper: were it left at the
+profile's figure, a plan that never tries it would never learn that it pays.
+One measured dearer says nothing of the others, which keep their figures.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ DECAY = 0.9
 """Weight of the past in the running sums, per observation."""
 LIMITS = (0.1, 10.0)
 """A scale stays within these: a measurement far outside them is more likely wrong than the profile."""
+RECOMPUTING = (Mode.SELECTIVE, Mode.RECOMPUTE)
+"""Modes whose profiled seconds are shares of the first step's forward time (offload's are not)."""
 
 
 class TimeScales:
@@ -45,11 +53,19 @@ class TimeScales:
             self._measured[m.mode] = self._measured.get(m.mode, 0.0) * DECAY + m.seconds
             self._predicted[m.mode] = self._predicted.get(m.mode, 0.0) * DECAY + expected
             self._blocks[m.mode] = self._blocks.get(m.mode, 0) + m.blocks
+        ratios = {
+            mode: min(LIMITS[1], max(LIMITS[0], self._measured[mode] / predicted))
+            for mode, predicted in self._predicted.items()
+            if self._blocks[mode] >= MIN_BLOCKS and predicted > 0
+        }
+        timed = [m for m in RECOMPUTING if m in ratios]
+        if timed:
+            measured = sum(self._measured[m] for m in timed)
+            shared = min(1.0, max(LIMITS[0], measured / sum(self._predicted[m] for m in timed)))
+            for mode in RECOMPUTING:
+                ratios.setdefault(mode, shared)
         scales = []
-        for mode, predicted in sorted(self._predicted.items()):
-            if self._blocks[mode] < MIN_BLOCKS or predicted <= 0:
-                continue
-            ratio = min(LIMITS[1], max(LIMITS[0], self._measured[mode] / predicted))
+        for mode, ratio in sorted(ratios.items()):
             quantised = STEP ** round(math.log(ratio, STEP))
             if abs(quantised - 1.0) > 1e-9:
                 scales.append((mode, round(quantised, 6)))

@@ -3,7 +3,13 @@
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+# The CPU build on machines without an NVIDIA GPU: the bare version on PyPI is a multi-GB CUDA build.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+else
+    TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
+fi
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 # Debian packages some tests need (promtool, a browser): installed when we can, as root.
 packages=$(grep -v '^\s*#' scripts/system-packages.txt | tr -s ' \n' ' ' || true)
@@ -23,5 +29,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # Torch first and pinned, so the package's own range never pulls a CUDA build on a CPU machine.
-"$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+# A local wheel or the configured index first; PyTorch's CPU index when they lack the "+cpu" build.
+"$VENV/bin/python" -m pip install -q "$TORCH_SPEC" 2>/dev/null ||
+    "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" --extra-index-url "$TORCH_CPU_INDEX"
 "$VENV/bin/python" -m pip install -q -e '.[dev]'

@@ -35,9 +35,23 @@ def test_scales_follow_measurements_once_there_are_enough() -> None:
     for _ in range(5):
         t.observe([ModeSeconds(Mode.RECOMPUTE, 2, 0.04)], {Mode.RECOMPUTE: 0.01})
     ((mode, scale),) = t.scales
-    assert mode == Mode.RECOMPUTE and scale == pytest.approx(2.0, rel=0.05)
+    assert mode == Mode.RECOMPUTE and scale == pytest.approx(2.0, rel=0.05), "selective, untried, keeps its figure"
     t.observe([ModeSeconds(Mode.SELECTIVE, 8, 1e9)], {Mode.SELECTIVE: 0.01})
     assert dict(t.scales)[Mode.SELECTIVE] == pytest.approx(10.0, rel=0.05), "far-off measurements are capped"
+
+
+def test_an_untried_mode_shares_the_cold_start_discount_the_tried_ones_show() -> None:
+    t = TimeScales()
+    for _ in range(3):
+        t.observe([ModeSeconds(Mode.SELECTIVE, 4, 0.02)], {Mode.SELECTIVE: 0.01})  # half the profile's
+    scales = dict(t.scales)
+    assert scales[Mode.SELECTIVE] == pytest.approx(0.5, rel=0.05)
+    assert scales[Mode.RECOMPUTE] == pytest.approx(0.5, rel=0.05), "the first step was as cold for it"
+    assert Mode.OFFLOAD not in scales, "offload's seconds are the host link's, not the forward's"
+    for _ in range(30):
+        t.observe([ModeSeconds(Mode.RECOMPUTE, 4, 0.12)], {Mode.RECOMPUTE: 0.01})  # tried: dearer
+    scales = dict(t.scales)
+    assert scales[Mode.RECOMPUTE] > 2 and scales[Mode.SELECTIVE] == pytest.approx(0.5, rel=0.05)
 
 
 def _profile() -> Profile:
