@@ -60,8 +60,8 @@ class TimeScales:
         }
         timed = [m for m in RECOMPUTING if m in ratios]
         if timed:
-            measured = sum(self._measured[m] for m in timed)
-            shared = min(1.0, max(LIMITS[0], measured / sum(self._predicted[m] for m in timed)))
+            spent = sum(self._measured[m] for m in timed)
+            shared = min(1.0, max(LIMITS[0], spent / sum(self._predicted[m] for m in timed)))
             for mode in RECOMPUTING:
                 ratios.setdefault(mode, shared)
         scales = []
