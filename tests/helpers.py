@@ -87,12 +87,17 @@ def live_server(
         grpc_addr, http_addr = addresses(proc, timeout)
         yield LiveServer(grpc=grpc_addr, http=http_addr, db=db, proc=proc)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM (a graceful shutdown), then SIGKILL if it lingers; closes its output."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()

@@ -18,8 +18,8 @@ from rematd import client
 from rematd.client.stream import StreamBackend, StreamConfig
 from rematd.records import StepStats
 
-from .helpers import tiny_model, train_step
-from .stream_helpers import Recorder, free_port, make_cert, run_steps, serve_recorder, start_serve, stop
+from .helpers import stop, tiny_model, train_step
+from .stream_helpers import Recorder, free_port, make_cert, run_steps, serve_recorder, start_serve
 
 
 def test_training_survives_a_killed_and_restarted_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
