@@ -90,12 +90,12 @@ def live_server(
         stop(proc)
 
 
-def stop(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM (a graceful shutdown), then SIGKILL if it lingers; closes its output."""
+def stop(proc: subprocess.Popen[str], grace: float = 15) -> None:
+    """SIGTERM (a graceful shutdown), then SIGKILL if it lingers past ``grace`` seconds; closes its output."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(15)
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)

@@ -20,6 +20,7 @@ from rematd import wire
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
+from .helpers import stop
 from .test_service import hello, stats
 
 TOKEN = "workers-token-0123456789abcdef"
@@ -109,10 +110,5 @@ def test_two_workers_share_the_port_the_controls_and_the_metrics(tmp_path: Path)
             out.put(None)
             ch.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop(proc, grace=20)
     assert proc.returncode == 0 or proc.returncode == -signal.SIGTERM
