@@ -4,11 +4,13 @@ set -euo pipefail
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 # The CPU build on machines without an NVIDIA GPU: the bare version on PyPI is a multi-GB CUDA build.
+# torchvision is pinned to the release built for that torch, so the package's range never moves torch.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 else
     TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
 fi
+TORCHVISION_SPEC=${TORCHVISION_SPEC:-torchvision==0.28.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 # Debian packages some tests need (promtool, a browser): installed when we can, as root.
@@ -30,6 +32,6 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # Torch first and pinned, so the package's own range never pulls a CUDA build on a CPU machine.
 # A local wheel or the configured index first; PyTorch's CPU index when they lack the "+cpu" build.
-"$VENV/bin/python" -m pip install -q "$TORCH_SPEC" 2>/dev/null ||
-    "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" --extra-index-url "$TORCH_CPU_INDEX"
+"$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "$TORCHVISION_SPEC" 2>/dev/null ||
+    "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "$TORCHVISION_SPEC" --extra-index-url "$TORCH_CPU_INDEX"
 "$VENV/bin/python" -m pip install -q -e '.[dev]'
