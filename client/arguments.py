@@ -124,8 +124,12 @@ def mode_sequence(name: str, values: object) -> list[Mode]:
     return [mode_of(name, v) for v in values]
 
 
+DEFAULT_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE})
+"""Offload is opt-in: measured on a GPU, it has not beaten recomputing the same blocks."""
+
+
 def parse_modes(names: object) -> frozenset[Mode]:
-    """The modes a plan may use; STORE is always allowed."""
+    """The modes a plan may use (default :data:`DEFAULT_MODES`); STORE is always allowed."""
     if names is None:
-        return frozenset(Mode)
+        return DEFAULT_MODES
     return frozenset({Mode.STORE, *mode_sequence("modes", names)})

@@ -44,7 +44,13 @@ def fold(earlier: StepStats, later: StepStats) -> StepStats:
     seconds: dict[Mode, ModeSeconds] = {}
     for m in (*earlier.mode_seconds, *later.mode_seconds):
         had = seconds.get(m.mode)
-        seconds[m.mode] = m if had is None else ModeSeconds(m.mode, had.blocks + m.blocks, had.seconds + m.seconds)
+        seconds[m.mode] = (
+            m
+            if had is None
+            else ModeSeconds(
+                m.mode, had.blocks + m.blocks, had.seconds + m.seconds, had.forward_seconds + m.forward_seconds
+            )
+        )
     return dataclasses.replace(
         later,
         steps=steps,

@@ -529,7 +529,8 @@ def attach(
             ``"selective"`` (keep matmul and attention outputs, recompute
             pointwise ops), ``"recompute"`` (keep only the block's input) and
             ``"offload"`` (saved activations to host memory; CUDA only).
-            Default: all of them.
+            Default: store, selective and recompute; offload only when named
+            (on a GPU it has measured slower than recomputing the same blocks).
         token: bearer token for the service (default: ``$REMATD_TOKEN``),
             sent as ``authorization: Bearer <token>`` metadata.
         tls: connect with TLS (implied by ``root_certificates``).

@@ -1,13 +1,16 @@
-"""Timing each checkpointed block's rematerialisation in backward, per mode, for the planner.
+"""Timing what each mode of a block costs in a real step, for the planner: its forward, and its
+rematerialisation in backward.
 
-On the CPU a clock around the recomputation; on CUDA a pair of events,
-read once they have completed (at the end of a later step at the latest),
-so that nothing waits for the device.
+On the CPU a clock around each; on CUDA a pair of events, read once a whole
+step's events have completed (at the end of a later step at the latest), so
+that nothing waits for the device and a step's forwards are never counted
+without its rematerialisations.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -15,21 +18,35 @@ import torch
 
 from rematd.planner import Mode, ModeSeconds
 
-# CUDA event pairs not yet complete are kept this long at most (a step that never synchronises).
+# CUDA event pairs not yet read are kept this many at most (a job that never lets the device catch up).
 MAX_PENDING = 4096
+
+FORWARD, REMAT = 0, 1
+
+_Pair = tuple[Mode, int, "torch.cuda.Event", "torch.cuda.Event"]
 
 
 class RecomputeTimer:
-    """Adds up, per mode, how long the recomputations took since the last :meth:`take`."""
+    """Adds up, per mode, how long forwards and rematerialisations took since the last :meth:`take`."""
 
     def __init__(self) -> None:
-        self._seconds: dict[Mode, float] = {}
+        self._forward: dict[Mode, float] = {}
+        self._remat: dict[Mode, float] = {}
         self._blocks: dict[Mode, int] = {}
-        self._pending: list[tuple[Mode, torch.cuda.Event, torch.cuda.Event]] = []
+        self._current: list[_Pair] = []
+        self._steps: deque[list[_Pair]] = deque()
+        self._pending = 0
 
     def run(self, mode: Mode, fn: Callable[..., Any], cuda: bool, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)``, timed; an exception (the checkpoint stopping the recomputation early,
-        as it does once it has what backward needs) still counts what ran."""
+        """``fn(*args, **kwargs)`` rematerialising a block, timed; an exception (the checkpoint stopping
+        the recomputation early, as it does once it has what backward needs) still counts what ran."""
+        return self._timed(REMAT, mode, fn, cuda, *args, **kwargs)
+
+    def forward(self, mode: Mode, fn: Callable[..., Any], cuda: bool, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a block's forward in ``mode``, timed."""
+        return self._timed(FORWARD, mode, fn, cuda, *args, **kwargs)
+
+    def _timed(self, kind: int, mode: Mode, fn: Callable[..., Any], cuda: bool, *args: Any, **kwargs: Any) -> Any:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -37,28 +54,47 @@ class RecomputeTimer:
                 return fn(*args, **kwargs)
             finally:
                 end.record()
-                if len(self._pending) < MAX_PENDING:
-                    self._pending.append((mode, start, end))
+                if self._pending < MAX_PENDING:
+                    self._current.append((mode, kind, start, end))
+                    self._pending += 1
         began = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            self._add(mode, time.perf_counter() - began)
+            self._add(mode, kind, time.perf_counter() - began)
 
-    def _add(self, mode: Mode, seconds: float) -> None:
-        self._seconds[mode] = self._seconds.get(mode, 0.0) + seconds
-        self._blocks[mode] = self._blocks.get(mode, 0) + 1
+    def _add(self, mode: Mode, kind: int, seconds: float) -> None:
+        if kind == FORWARD:
+            self._forward[mode] = self._forward.get(mode, 0.0) + seconds
+            self._blocks[mode] = self._blocks.get(mode, 0) + 1
+        else:
+            self._remat[mode] = self._remat.get(mode, 0.0) + seconds
+
+    def forget(self) -> None:
+        """Drop what was timed since the last :meth:`take` (a step that failed)."""
+        self._pending -= len(self._current)
+        self._current = []
+        self._forward.clear()
+        self._remat.clear()
+        self._blocks.clear()
 
     def take(self) -> tuple[ModeSeconds, ...]:
-        """What was timed since the last call (CUDA pairs that have completed), and start over."""
-        waiting = []
-        for mode, start, end in self._pending:
-            if end.query():
-                self._add(mode, start.elapsed_time(end) / 1000.0)
-            else:
-                waiting.append((mode, start, end))
-        self._pending = waiting
-        out = tuple(ModeSeconds(m, self._blocks[m], self._seconds[m]) for m in sorted(self._seconds))
-        self._seconds.clear()
+        """What was timed in the steps read since the last call, and start over: on CUDA the steps whose
+        events have all completed (this one's too when the device has caught up)."""
+        if self._current:
+            self._steps.append(self._current)
+            self._current = []
+        while self._steps and self._steps[0][-1][3].query():
+            for mode, kind, start, end in self._steps.popleft():
+                self._add(mode, kind, start.elapsed_time(end) / 1000.0)
+                self._pending -= 1
+        modes = sorted(set(self._blocks) | set(self._remat))
+        out = tuple(
+            ModeSeconds(m, self._blocks.get(m, 0), self._remat.get(m, 0.0), self._forward.get(m, 0.0))
+            for m in modes
+            if self._blocks.get(m, 0) > 0
+        )
+        self._forward.clear()
+        self._remat.clear()
         self._blocks.clear()
         return out

@@ -86,6 +86,14 @@ class SwitchableBlock:
         return acct if acct is not None and acct.active else None
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        timer = self.timer
+        if timer is None or self.profiling or not torch.is_grad_enabled():
+            return self._mode_forward(*args, **kwargs)
+        # Every mode's forward is timed, storing's too: the baseline the others' forward costs are taken against.
+        cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
+        return timer.forward(self.mode, self._mode_forward, cuda, *args, **kwargs)
+
+    def _mode_forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._original(*args, **kwargs)
         if self.profiling:

@@ -190,6 +190,7 @@ class Controller:
             shape if shape is None or shape.seq_len else None,
             self.config.allowed_modes if restricted else None,
             self.timing.scales,
+            prune=restricted,
         )
 
     def _options(self, shape: Shape | None) -> list[list[Option]]:
@@ -208,7 +209,7 @@ class Controller:
         effective = static + int(max(0, target - static) / corr) - other
         if ceiling is not None:
             effective = min(effective, static + ceiling - 1)
-        choice = solve_prepared(at.knapsack, at.options, effective, static_bytes=static)
+        choice = solve_prepared(at.knapsack, at.options, effective, static_bytes=static, outside_bytes=other)
         if other:
             choice = dataclasses.replace(
                 choice,
@@ -257,6 +258,10 @@ class Controller:
         at = self._at(shape)
         modes = entry.modes if entry else (Mode.STORE,) * len(at.options)
         peak, extra = at.cost(modes)
+        if shape.seq_len:
+            note = self._solve_at(shape, target, static).note
+            if note and note not in reason:
+                reason = f"{reason}; {note}"
         return Decision(
             modes=modes,
             table=tuple(table),
@@ -396,7 +401,12 @@ class Controller:
                     pair = totals.setdefault(mode, [0.0, 0.0])
                     pair[0] += o.seconds
                     pair[1] += 1
-        self.timing.observe(obs.mode_seconds, {m: secs / n for m, (secs, n) in totals.items() if n})
+        forward = unscaled.forward_seconds / max(1, len(unscaled.options))
+        self.timing.observe(
+            obs.mode_seconds,
+            {m: secs / n for m, (secs, n) in totals.items() if n},
+            forward_per_block=forward,
+        )
 
     def _fits(
         self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False
@@ -456,8 +466,9 @@ def _lookup(table: list[ShapePlan], shape: Shape) -> ShapePlan | None:
 
 
 def _initial_reason(choice: Choice, target: int) -> str:
-    fit = "fits" if choice.fits else "does not fit even with full recomputation"
-    return (
+    fit = "fits" if choice.fits else "does not fit"
+    reason = (
         f"initial plan from profile: predicted {human_bytes(choice.predicted_peak_bytes)} "
         f"{fit} target {human_bytes(target)}"
     )
+    return f"{reason}; {choice.note}" if choice.note else reason

@@ -133,6 +133,19 @@ class ModeCost:
         _check_seconds(f"{self.mode.name.lower()}.extra_seconds", self.extra_seconds)
 
 
+PESSIMISTIC = (Mode.SELECTIVE, Mode.OFFLOAD)
+"""Modes whose profiled seconds miss costs only a real step shows (the selective policy's dispatch in
+forward and in recompute; copies that stall the device): until measured they cost at least recomputing."""
+
+
+def _priced(cost: ModeCost, recompute_seconds: float) -> float:
+    """The profile's price of a mode: its measured extra seconds, and for the modes in
+    :data:`PESSIMISTIC` no less than recomputing the whole block (measurements then scale this price)."""
+    if cost.mode in PESSIMISTIC:
+        return max(cost.extra_seconds, recompute_seconds)
+    return cost.extra_seconds
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockCost:
     """What one block costs, measured at the profile's shape."""
@@ -238,8 +251,9 @@ class Profile:
             store_now = store.scaled(sizes)
             # A mode's seconds scale like the block's stored activations.
             scale = store_now / store.bytes if store.bytes else tokens
+            floor = next((m.extra_seconds for m in costs if m.mode == Mode.RECOMPUTE), 0.0)
             opts = [
-                Option(m.mode, m.kept.scaled(sizes), m.transient.scaled(sizes), m.extra_seconds * scale)
+                Option(m.mode, m.kept.scaled(sizes), m.transient.scaled(sizes), _priced(m, floor) * scale)
                 for m in costs
                 if allowed is None or m.mode in allowed or m.mode == Mode.STORE
             ]
@@ -354,14 +368,19 @@ class ModeSeconds:
 
     mode: Mode
     blocks: int
-    """Blocks timed (those whose rematerialisation finished in time to be read)."""
+    """Blocks timed (those whose forward and rematerialisation had both finished when read)."""
     seconds: float
-    """Their measured extra seconds together (the recomputation in backward)."""
+    """Their rematerialisation in backward, seconds together (0 for STORE)."""
+    forward_seconds: float = 0.0
+    """Their forward in this mode, seconds together: with the forward of stored blocks as the
+    baseline, what the mode adds in forward (checkpoint bookkeeping, the selective policy's
+    dispatch, offload's copies). 0 where the client did not time forwards."""
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 0:
             raise ValueError(f"mode_seconds.blocks must be a non-negative integer, got {self.blocks!r}")
         _check_seconds("mode_seconds.seconds", self.seconds)
+        _check_seconds("mode_seconds.forward_seconds", self.forward_seconds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

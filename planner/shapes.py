@@ -30,6 +30,7 @@ class AtShape:
         allowed: frozenset[Mode] | None,
         scales: Scales = (),
         base: AtShape | None = None,
+        prune: bool = False,
     ) -> None:
         self.profile = profile
         if base is None:
@@ -44,9 +45,8 @@ class AtShape:
             for opts in base.options:
                 hit = rescaled.get(id(opts))
                 if hit is None:
-                    hit = rescaled[id(opts)] = [
-                        Option(o.mode, o.kept, o.transient, o.seconds * by_mode.get(o.mode, 1.0)) for o in opts
-                    ]
+                    hit = [Option(o.mode, o.kept, o.transient, o.seconds * by_mode.get(o.mode, 1.0)) for o in opts]
+                    rescaled[id(opts)] = hit = _undominated(hit) if prune else hit
                 self.options.append(hit)
             # Recomputing a block costs about its forward: that mode's scale applies to forward time too.
             self.forward_seconds = base.forward_seconds * by_mode.get(Mode.RECOMPUTE, 1.0)
@@ -74,15 +74,31 @@ class AtShape:
         return self._knapsack
 
 
-_CACHE: OrderedDict[tuple[int, Shape | None, frozenset[Mode] | None, Scales], AtShape] = OrderedDict()
+def _undominated(opts: list[Option]) -> list[Option]:
+    """``opts`` less the modes slower than recomputing the block while keeping as much or more: a
+    plan never gains by them (what they save in the peak's transient, recomputing a block saves too)."""
+    rec = next((o for o in opts if o.mode == Mode.RECOMPUTE), None)
+    if rec is None:
+        return opts
+    keep = (Mode.STORE, Mode.RECOMPUTE)
+    return [o for o in opts if o.mode in keep or not (o.seconds > rec.seconds and o.kept >= rec.kept)]
+
+
+_CACHE: OrderedDict[tuple[int, Shape | None, frozenset[Mode] | None, Scales, bool], AtShape] = OrderedDict()
 _cached_blocks = 0
 
 
 def at_shape(
-    profile: Profile, shape: Shape | None, allowed: frozenset[Mode] | None = None, scales: Scales = ()
+    profile: Profile,
+    shape: Shape | None,
+    allowed: frozenset[Mode] | None = None,
+    scales: Scales = (),
+    *,
+    prune: bool = False,
 ) -> AtShape:
     """The prepared costs of ``profile`` at ``shape`` (its own when None), each mode's seconds times
-    its scale in ``scales``; least recently used evicted.
+    its scale in ``scales``; least recently used evicted. ``prune`` drops each block's modes that are
+    slower than recomputing it while freeing less (for solving; pricing a plan needs every mode).
 
     Sessions ask for few shapes, often; sessions of one model share the profile object and so the
     entries.
@@ -90,14 +106,17 @@ def at_shape(
     global _cached_blocks
     if shape == profile.shape:
         shape = None
-    key = (id(profile), shape, allowed, scales)
+    key = (id(profile), shape, allowed, scales, prune)
     hit = _CACHE.get(key)
     # The identity check guards against a dead profile's id being reused.
     if hit is not None and hit.profile is profile:
         _CACHE.move_to_end(key)
         return hit
-    base = at_shape(profile, shape, allowed) if scales else None
-    entry = AtShape(profile, shape, allowed, scales, base)
+    if prune:
+        entry = AtShape(profile, shape, allowed, (), at_shape(profile, shape, allowed, scales), prune=True)
+    else:
+        base = at_shape(profile, shape, allowed) if scales else None
+        entry = AtShape(profile, shape, allowed, scales, base)
     if hit is not None:
         _cached_blocks -= hit.profile.num_blocks
     _CACHE[key] = entry

@@ -11,6 +11,7 @@ Both skip the caps a lower bound rules out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ from rematd.planner.model import Mode, Option, Profile, Shape
 
 # Up to this many blocks the exact frontier programme is cheap.
 EXACT_BLOCKS = 12
+LEAN_NEAR = 0.1
+"""Where nothing fits, a plan whose whole predicted peak is within this fraction of the least one is as
+good as the leanest: the cheapest of them is chosen (never offload everything at several times the step
+when recomputing every block needs only a little more)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +40,8 @@ class Choice:
     """Predicted extra step seconds."""
     fits: bool
     """Whether the predicted peak is within the target."""
+    note: str = ""
+    """Why this choice, where that is not simply "the cheapest that fits"."""
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -153,8 +160,46 @@ def solve_prepared(
     *,
     static_bytes: int = 0,
     exact: bool | None = None,
+    outside_bytes: int = 0,
 ) -> Choice:
-    """:func:`solve` with the knapsack already prepared from ``options`` (many targets, one shape)."""
+    """:func:`solve` with the knapsack already prepared from ``options`` (many targets, one shape).
+
+    When nothing fits: the cheapest plan whose predicted peak, with ``outside_bytes`` (memory outside
+    the blocks that ``target`` already leaves out), is within :data:`LEAN_NEAR` of the least.
+    """
+    found = _solve_fitting(knapsack, options, target, static_bytes, exact)
+    if found is not None:
+        return found
+    floor, j = knapsack.least_peak()
+    leanest = dataclasses.replace(
+        _finish(options, knapsack.leanest(j), target, static_bytes),
+        note=f"no plan fits: the leanest, {_mib(static_bytes + outside_bytes + floor)} predicted",
+    )
+    near = int(LEAN_NEAR * (static_bytes + outside_bytes + floor))
+    if near <= 0:
+        return leanest
+    close = _solve_fitting(knapsack, options, static_bytes + floor + near, static_bytes, exact)
+    if close is None or close.extra_seconds >= leanest.extra_seconds:
+        return leanest
+    peak = close.predicted_peak_bytes
+    return dataclasses.replace(
+        close,
+        fits=peak <= target,
+        note=(
+            f"no plan fits: the cheapest within {LEAN_NEAR:.0%} of the leanest "
+            f"({_mib(peak + outside_bytes)} against {_mib(static_bytes + outside_bytes + floor)} predicted, "
+            f"{close.extra_seconds:.3g} s against {leanest.extra_seconds:.3g} s extra)"
+        ),
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def _solve_fitting(
+    knapsack: Knapsack, options: list[list[Option]], target: int, static_bytes: int, exact: bool | None
+) -> Choice | None:
     if exact is None:
         exact = len(options) <= EXACT_BLOCKS
     budget = target - static_bytes
@@ -172,7 +217,7 @@ def solve_prepared(
             return Choice(
                 modes=found.modes, predicted_peak_bytes=peak, extra_seconds=found.seconds, fits=peak <= target
             )
-    return _finish(options, knapsack.leanest(knapsack.least_peak()[1]), target, static_bytes)
+    return None
 
 
 def _exact_over_caps(knapsack: Knapsack, options: list[list[Option]], budget: int) -> list[Mode] | None:

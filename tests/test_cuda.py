@@ -42,7 +42,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seq: int, see
 def test_the_handle_reads_the_cuda_allocator() -> None:
     model = gpt()
     opt = torch.optim.AdamW(model.parameters())
-    h = client.attach(model, optimizer=opt, budget_bytes=2**40)
+    h = client.attach(model, optimizer=opt, budget_bytes=2**40, modes=ALL)
     for i in range(3):
         train_step(model, opt, 256, i)
     assert isinstance(h._memory, CudaMemory)

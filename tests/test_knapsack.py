@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from rematd.planner import BlockCost, Mode, Option, Profile, peak_of
 from rematd.planner.knapsack import INF, Knapsack
+from rematd.planner.shapes import at_shape
 from rematd.planner.solvers import solve
 
 from .test_planner import REF, four_modes
@@ -106,7 +107,8 @@ def test_cap_search_finds_what_scanning_every_cap_finds() -> None:
 
 def test_identical_blocks_form_one_class_and_get_every_kth() -> None:
     profile = Profile(blocks=(block(1000, 400, 100, 0.01, 0.05),) * 12, shape=REF)
-    options = profile.options_at()
+    # Selective measured at a quarter of its price (until measured it costs what recomputing does).
+    options = at_shape(profile, None, scales=((Mode.SELECTIVE, 0.25),)).options
     # Recompute frees 900 bytes for 0.01 s per block, selective 600 for 0.0025: the target asks for
     # 12 x 1000 - 9000 = 3000 bytes freed (+ the recompute transient): selective everywhere is cheapest.
     choice = solve(options, 9000, exact=False)

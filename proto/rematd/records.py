@@ -233,6 +233,7 @@ class StepStats:
                 raise InvalidMessage(f"{where}.mode", f"unknown mode {m.mode!r}")
             _uint(f"{where}.blocks", m.blocks)
             _seconds(f"{where}.seconds", m.seconds)
+            _seconds(f"{where}.forward_seconds", m.forward_seconds)
         for name in (
             "inactive_split_bytes",
             "step",

@@ -164,7 +164,9 @@ def stats_to_pb(stats: StepStats) -> pb.StepStats:
     for name in _STATS_FIELDS:
         setattr(msg, name, getattr(stats, name))
     for m in stats.mode_seconds:
-        msg.mode_seconds.add(mode=cast(Any, int(m.mode)), blocks=m.blocks, seconds=m.seconds)
+        msg.mode_seconds.add(
+            mode=cast(Any, int(m.mode)), blocks=m.blocks, seconds=m.seconds, forward_seconds=m.forward_seconds
+        )
     return msg
 
 
@@ -178,11 +180,12 @@ def stats_from_pb(msg: pb.StepStats) -> StepStats:
 def _mode_seconds_from_pb(k: int, m: pb.ModeSeconds) -> ModeSeconds:
     where = f"stats.mode_seconds[{k}]"
     try:
-        return ModeSeconds(_mode_from_pb(f"{where}.mode", m.mode), m.blocks, m.seconds)
+        return ModeSeconds(_mode_from_pb(f"{where}.mode", m.mode), m.blocks, m.seconds, m.forward_seconds)
     except ValueError as err:
         if isinstance(err, InvalidMessage):
             raise
-        raise InvalidMessage(f"{where}.seconds", str(err)) from err
+        field = "forward_seconds" if "forward_seconds" in str(err) else "seconds"
+        raise InvalidMessage(f"{where}.{field}", str(err)) from err
 
 
 def oom_to_pb(oom: OomReport) -> pb.OomEvent:

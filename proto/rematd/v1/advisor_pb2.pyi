@@ -154,14 +154,16 @@ class StepStats(_message.Message):
     def __init__(self, step: _Optional[int] = ..., peak_allocated_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., oom_count: _Optional[int] = ..., free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., saved_peak_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., inactive_split_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., mode_seconds: _Optional[_Iterable[_Union[ModeSeconds, _Mapping]]] = ...) -> None: ...
 
 class ModeSeconds(_message.Message):
-    __slots__ = ("mode", "blocks", "seconds")
+    __slots__ = ("mode", "blocks", "seconds", "forward_seconds")
     MODE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     blocks: int
     seconds: float
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., blocks: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    forward_seconds: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., blocks: _Optional[int] = ..., seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class OomEvent(_message.Message):
     __slots__ = ("step", "shape", "plan_version", "message")

@@ -1,0 +1,217 @@
+"""The planner fed what an H100 measured (tests/data/h100_gpt2.json): plans no slower than the static
+strategies users run, and peaks that match the allocator's."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rematd.planner import (
+    BlockCost,
+    Controller,
+    ControllerConfig,
+    Mode,
+    ModeCost,
+    ModeSeconds,
+    Profile,
+    Shape,
+    Size,
+    StepObservation,
+)
+from rematd.planner.cost import choose, peak_of
+from rematd.planner.solvers import every_k_blocks
+
+DATA = Path(__file__).parent / "data" / "h100_gpt2.json"
+N = 24
+SHAPE = Shape(batch=8, seq_len=1024, tokens=8192)
+S, K, R, OFF = Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD
+DEFAULT = frozenset({S, K, R})
+
+
+@cache
+def data() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(DATA.read_text())
+    return loaded
+
+
+def run(name: str) -> dict[str, Any]:
+    found: dict[str, Any] = data()["runs"][name]
+    return found
+
+
+def step_s() -> float:
+    """No checkpointing, in the file the pinned runs come from."""
+    return float(run("rematd_pin_store")["median_s"])
+
+
+def measured_block_seconds() -> dict[Mode, float]:
+    """What each mode added to a whole step, per block: every block pinned to it, against storing."""
+    return {
+        m: (run(f"rematd_pin_{m.name.lower()}")["median_s"] - step_s()) / N
+        for m in (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD)
+    }
+
+
+def static() -> int:
+    return int(data()["static_bytes"])
+
+
+def other() -> int:
+    """What the profiling step's allocator peak (every block stored) holds beyond static memory and the
+    blocks' saved bytes: the client's measure of memory outside the blocks."""
+    return int(run("none")["max_peak"]) - static() - N * int(data()["profiled_block_bytes"]["saved"])
+
+
+def profile(seconds: dict[Mode, float] | None = None, modes: frozenset[Mode] = frozenset(Mode)) -> Profile:
+    b = data()["profiled_block_bytes"]
+    saved, inp, sel = int(b["saved"]), int(b["input"]), int(b["selective_kept"])
+    secs = seconds or measured_block_seconds()
+    costs = [
+        ModeCost(mode=S, kept=Size.linear(saved)),
+        ModeCost(mode=K, kept=Size.linear(sel), transient=Size.linear(saved - sel), extra_seconds=secs[K]),
+        ModeCost(mode=R, kept=Size.linear(inp), transient=Size.linear(saved), extra_seconds=secs[R]),
+        ModeCost(mode=OFF, kept=Size(), transient=Size.linear(saved), extra_seconds=secs[OFF]),
+    ]
+    block = BlockCost(
+        saved_bytes=saved,
+        input_bytes=inp,
+        forward_seconds=secs[R],
+        modes=tuple(c for c in costs if c.mode in modes),
+    )
+    return Profile(blocks=(block,) * N, shape=SHAPE, other=Size.linear(other()))
+
+
+def predicted_peak(modes: tuple[Mode, ...]) -> int:
+    return static() + other() + peak_of(choose(profile().options_at(), modes))
+
+
+def seconds_of(modes: tuple[Mode, ...]) -> float:
+    costs = measured_block_seconds()
+    return sum(costs.get(m, 0.0) for m in modes)
+
+
+def every(k: int) -> tuple[Mode, ...]:
+    chosen = set(every_k_blocks(N, k))
+    return tuple(R if i in chosen else S for i in range(N))
+
+
+STATIC = {"none": every(0), "every 3rd": every(3), "every 2nd": every(2), "full": every(1)}
+
+
+def decode(letters: str, peak: int) -> tuple[Mode, ...]:
+    """A run's modes from their first letters; ``S`` is store or selective, and these runs' peaks (and
+    step times) say store."""
+    return tuple({"S": S, "R": R, "O": OFF}[c] for c in letters)
+
+
+@pytest.mark.parametrize(
+    ("name", "modes"),
+    [
+        ("none", every(0)),
+        ("every3", every(3)),
+        ("every2", every(2)),
+        ("full", every(1)),
+        ("rematd_pin_selective", (K,) * N),
+        ("rematd_pin_recompute", (R,) * N),
+        ("rematd_pin_offload", (OFF,) * N),
+        ("rematd@0.3", None),
+        ("rematd@0.5", None),
+    ],
+)
+def test_predicted_peaks_are_within_10_percent_of_the_allocators(name: str, modes: tuple[Mode, ...] | None) -> None:
+    r = run(name)
+    chosen = modes or decode(r["final_modes"], r["max_peak"])
+    predicted, measured = predicted_peak(chosen), r["max_peak"]
+    assert abs(predicted - measured) <= 0.10 * measured, f"{name}: predicted {predicted:,} against {measured:,}"
+    if "predicted_peak" in r and "@" in name:  # pinned runs record the unpinned plan's prediction
+        # Before memory outside the blocks was modelled, the same plan was predicted 36-47% low.
+        assert r["predicted_peak"] < 0.7 * measured
+
+
+def budget(frac: float) -> int:
+    return static() + int(frac * int(data()["act_bytes"]))
+
+
+def best_static(target: int) -> tuple[str, float]:
+    """The fastest static strategy whose peak fits ``target``, under the same measured costs; where
+    none fits, the leanest (full recomputation)."""
+    fitting = [(seconds_of(m), name) for name, m in STATIC.items() if predicted_peak(m) <= target]
+    secs, name = min(fitting) if fitting else (seconds_of(STATIC["full"]), "full")
+    return name, secs
+
+
+@pytest.mark.parametrize("margin", [0.1, 0.02])
+@pytest.mark.parametrize("modes", [DEFAULT, frozenset(Mode)], ids=["default-modes", "offload-opted-in"])
+@pytest.mark.parametrize("frac", [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+def test_plans_are_no_slower_than_the_best_static_strategy_that_fits(
+    frac: float, modes: frozenset[Mode], margin: float
+) -> None:
+    controller = Controller(profile(modes=modes), ControllerConfig(margin_ratio=margin))
+    decision = controller.initial(budget_bytes=budget(frac), static_bytes=static())
+    target = decision.target_bytes
+    name, best = best_static(target)
+    ours = seconds_of(decision.modes)
+    fits = predicted_peak(decision.modes) <= target
+    if predicted_peak(STATIC[name]) <= target:
+        assert fits, "a static strategy fits, so the plan fits too"
+        assert ours <= best + 1e-9, (
+            f"at {frac:.0%}: {ours / step_s() + 1:.3f}x against {name}'s {best / step_s() + 1:.3f}x ({decision.modes})"
+        )
+    elif not fits:
+        assert ours <= best + 1e-9, "nothing fits: no slower than full recomputation"
+    else:
+        # Only offload, opted in, reaches the target: it is what honours the budget.
+        assert OFF in modes and OFF in decision.modes
+    assert decision.predicted_peak_bytes == predicted_peak(decision.modes), "the decision reports the whole peak"
+
+
+def test_where_nothing_fits_the_plan_is_lean_and_fast_and_says_so() -> None:
+    controller = Controller(profile(), ControllerConfig())  # offload opted in
+    decision = controller.initial(budget_bytes=budget(0.1), static_bytes=static())
+    assert OFF not in decision.modes or decision.modes.count(OFF) < N // 4, decision.modes
+    full = STATIC["full"]
+    assert seconds_of(decision.modes) <= seconds_of(full) + 1e-9, "never the 5x offload of every block"
+    assert predicted_peak(decision.modes) <= 1.1 * predicted_peak((OFF,) * N), "and as lean as the leanest, near enough"
+    assert "no plan fits" in decision.reason and "within 10%" in decision.reason, decision.reason
+
+
+def test_measured_costs_move_plans_off_modes_the_profile_flattered() -> None:
+    """The profile as the client takes it on a GPU: recomputation dear (each operation synchronised),
+    selective priced at its non-matmul share, offload at the host link's bandwidth. Measured whole-step
+    costs, forward side included, bring the plans to the static strategies' speed or better."""
+    fwd = 3 * measured_block_seconds()[R]
+    profiled = profile({R: fwd, K: 0.25 * fwd, OFF: 0.02}, modes=frozenset(Mode))
+    controller = Controller(profiled, ControllerConfig(margin_ratio=0.02, loosen_after_steps=2))
+    frac = 0.7
+    target_budget = budget(frac)
+    decision = controller.initial(budget_bytes=target_budget, static_bytes=static())
+    modes = decision.modes
+    store_forward = 0.4 * measured_block_seconds()[R]  # a block's forward: about a recompute's
+    measured = measured_block_seconds()
+    for step in range(60):
+        # What the device measured this step: forward per mode, and rematerialisation. Selective's cost
+        # is half dispatch in forward, half recompute; offload's, copies in forward.
+        timed = []
+        for m in sorted(set(modes)):
+            n = modes.count(m)
+            extra = {S: 0.0, K: 0.5 * measured[K], R: 0.0, OFF: measured[OFF]}[m]
+            remat = {S: 0.0, K: 0.5 * measured[K], R: measured[R], OFF: 0.0}[m]
+            timed.append(ModeSeconds(m, n, n * remat, n * (store_forward + extra)))
+        obs = StepObservation(
+            step=step,
+            peak_bytes=predicted_peak(modes),
+            budget_bytes=target_budget,
+            static_bytes=static(),
+            shape=SHAPE,
+            mode_seconds=tuple(timed),
+        )
+        found = controller.observe(obs, modes)
+        if found is not None:
+            modes = found.modes
+    _, best = best_static(controller.config.target_bytes(target_budget))
+    assert seconds_of(modes) <= best + 1e-9, f"{seconds_of(modes) / step_s() + 1:.3f}x: {modes}"
+    assert predicted_peak(modes) <= target_budget
