@@ -34,12 +34,13 @@ from rematd.client.discovery import find_blocks
 from rematd.client.guard import Guard, free_after_oom, is_oom
 from rematd.client.hooks import AttachedHook
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
+from rematd.client.offload import Offloader
 from rematd.client.profiling import host_bandwidth
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.stream import StreamBackend
 from rematd.client.switch import SwitchableBlock
 from rematd.client.unwrap import unwrap
-from rematd.planner import Mode, Plan, Shape, Size
+from rematd.planner import Mode, Plan, Shape, Size, Term
 from rematd.records import Hello, OomReport, StepStats
 
 log = logging.getLogger("rematd.client")
@@ -83,8 +84,10 @@ class Handle:
         self._accounting.hard_limit_bytes = hard_limit
         self._blocks = [SwitchableBlock(i, name, m, self._accounting) for i, (name, m) in enumerate(found)]
         self._recompute_timer = RecomputeTimer()
+        self._offloader = Offloader(self._recompute_timer)
         for b in self._blocks:
             b.timer = self._recompute_timer
+            b.offloader = self._offloader
         self._norm_hooks = protect_running_stats([m for _, m in found])
         self._applier = PlanApplier(self._blocks)
         self.last_stats: StepStats | None = None
@@ -95,6 +98,8 @@ class Handle:
         self._step_started: float | None = None
         self._shape = Shape()
         self._static = 0
+        self._fresh_grad_bytes = 0
+        """Bytes of the gradients the profiling step creates (those of parameters without one at its start)."""
         self._memory: CudaMemory | SavedTensorMemory | None = None
         self._closed = False
         self._errors = 0
@@ -326,6 +331,9 @@ class Handle:
                 for b in self._blocks:
                     b.profiling = True
                     b.profile_shape = self._shape
+                self._fresh_grad_bytes = sum(
+                    p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad and p.grad is None
+                )
         elif (not self._safe or self._applier.has_pending()) and self._applier.apply_pending(self._shape):
             # In safe mode every block recomputes until the planner answers with a new plan.
             self._safe = False
@@ -430,10 +438,23 @@ class Handle:
             memory_source=self._memory.kind,
             margin_ratio=self.margin_ratio,
             client_version=__version__,
-            # On the CPU the profiling step's peak less the blocks' own share is what the rest of
-            # the model saves; on CUDA the allocator's peak covers it and the correction learns it.
-            other_activations=Size.linear(max(0, sample.saved_peak_bytes - sum(r.saved_bytes for r in records))),
+            other_activations=self._other_activations(sample, sum(r.saved_bytes for r in records)),
         )
+
+    def _other_activations(self, sample: MemorySample, blocks_bytes: int) -> Size:
+        """Memory at the peak outside static memory and the blocks, from the profiling step (every block
+        stored). On the CPU, bytes the rest of the model saves. On CUDA, what the allocator's peak holds
+        beyond that: logits, the loss's upcast, gradients as they accumulate, optimizer temporaries,
+        allocator rounding. Gradients of parameters that had none at the step's start do not grow with
+        the input; the rest is taken to grow with tokens."""
+        if not isinstance(self._memory, CudaMemory):
+            return Size.linear(max(0, sample.saved_peak_bytes - blocks_bytes))
+        outside = max(0, sample.peak_allocated_bytes - self._static - blocks_bytes)
+        grads = min(outside, self._fresh_grad_bytes)
+        terms = [Term(grads, 0, 0)] if grads else []
+        if outside > grads:
+            terms.append(Term(outside - grads, 1, 1))
+        return Size(tuple(terms))
 
     def report_oom(self, message: str = "") -> None:
         """Tell the planner the last step ran out of memory; a tighter plan follows."""
@@ -467,8 +488,10 @@ class Handle:
             if self._accounting.active:
                 self._accounting.active = False
                 self._hooks_cm.__exit__(None, None, None)
-            # Nothing the failed step saved is needed any more.
+            # Nothing the failed step saved is needed any more, and its timings are of a step that did not finish.
             self._accounting.forget()
+            self._recompute_timer.forget()
+            self._offloader.forget()
             self.report_oom(message)
             for b in self._blocks:
                 b.profiling = False

@@ -63,6 +63,16 @@ class RecomputeTimer:
         finally:
             self._add(mode, kind, time.perf_counter() - began)
 
+    def add_events(self, mode: Mode, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """A pair of events recorded around backward-side work of ``mode`` (offload's wait for its copies)."""
+        if self._pending < MAX_PENDING:
+            self._current.append((mode, REMAT, start, end))
+            self._pending += 1
+
+    def add_seconds(self, mode: Mode, seconds: float) -> None:
+        """Backward-side seconds of ``mode`` timed on the host clock."""
+        self._add(mode, REMAT, seconds)
+
     def _add(self, mode: Mode, kind: int, seconds: float) -> None:
         if kind == FORWARD:
             self._forward[mode] = self._forward.get(mode, 0.0) + seconds

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.offload import Offloader
 from rematd.client.profiling import BlockMeasure, Profiler
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.selective import selective_context
@@ -61,6 +62,8 @@ class SwitchableBlock:
         self._accounting = accounting
         self.timer: RecomputeTimer | None = None
         """Where rematerialisations are timed (set by the handle)."""
+        self.offloader: Offloader | None = None
+        """Where offloaded activations go (set by the handle; without one, autograd's ``save_on_cpu``)."""
         self._in_forward = False
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
@@ -102,9 +105,7 @@ class SwitchableBlock:
         if mode == Mode.STORE:
             return self._original(*args, **kwargs)
         if mode == Mode.OFFLOAD:
-            pin = any(t.is_cuda for t in tensors_in([args, kwargs]))
-            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
-                return self._original(*args, **kwargs)
+            return self._offloaded(*args, **kwargs)
         acct = self._counting()
         kept: list[torch.Tensor] | None = [] if acct is not None and mode == Mode.SELECTIVE else None
         self._in_forward = True
@@ -120,6 +121,17 @@ class SwitchableBlock:
             inputs = tensors_in([args, kwargs])
             acct.hold([*inputs, *(kept or [])], until_grad_of=inputs)
             acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), inputs)
+        return output
+
+    def _offloaded(self, *args: Any, **kwargs: Any) -> Any:
+        offloader = self.offloader
+        if offloader is None:
+            pin = any(t.is_cuda for t in tensors_in([args, kwargs]))
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return self._original(*args, **kwargs)
+        with offloader.block() as group:
+            output = self._original(*args, **kwargs)
+        offloader.on_output(group, output)
         return output
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
