@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from rematd import client
 from rematd.planner import (
     BlockCost,
     Controller,
@@ -24,6 +26,8 @@ from rematd.planner import (
 )
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.solvers import every_k_blocks
+
+from .helpers import tiny_model, train_step
 
 DATA = Path(__file__).parent / "data" / "h100_gpt2.json"
 N = 24
@@ -215,3 +219,19 @@ def test_measured_costs_move_plans_off_modes_the_profile_flattered() -> None:
     _, best = best_static(controller.config.target_bytes(target_budget))
     assert seconds_of(modes) <= best + 1e-9, f"{seconds_of(modes) / step_s() + 1:.3f}x: {modes}"
     assert predicted_peak(modes) <= target_budget
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA allocator's peak")
+def test_on_cuda_the_peak_outside_the_blocks_is_measured_and_predicted_within_10_percent() -> None:
+    model = tiny_model(n_layer=4, d_model=256).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # no optimizer state: the peak is the step's own
+    h = client.attach(model, optimizer=opt, budget_bytes=2**40)
+    for i in range(4):
+        train_step(model, opt, 256, i)
+    hello = h._backend._hello  # type: ignore[attr-defined]
+    assert hello.other_activations.bytes > 0, "logits, the loss, gradients: outside the blocks"
+    assert h.last_stats is not None and h.modes == (S,) * 4
+    predicted = h.last_stats.static_bytes + hello.other_activations.bytes + sum(b.saved_bytes for b in hello.blocks)
+    measured = h.last_stats.peak_allocated_bytes
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
+    h.close()

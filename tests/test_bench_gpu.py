@@ -1,0 +1,38 @@
+"""bench/gpu.py's smoke run: tiny Hugging Face models on the CPU, every strategy, real steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_quick_run_measures_every_strategy_and_writes_its_tables(tmp_path: Path) -> None:
+    out = tmp_path / "bench-gpu.json"
+    subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["quick"]
+    (model,) = report["models"]
+    assert [s["strategy"] for s in model["static"]] == ["none", "hf-full", "every-2nd", "every-3rd"]
+    assert all(s["step_ms"] > 0 for s in model["static"])
+    assert [r["budget"] for r in model["rows"]] == ["30%", "90%"]
+    for row in model["rows"]:
+        assert len(row["modes"]) == 4 and set(row["modes"]) <= {".", "s", "R"}, "offload is opt-in"
+        assert row["predicted_peak_mib"] > 0 and row["predicted_x"] >= 1
+        assert row["over"] == 0, f"no measured step over rematd's budget: {row}"
+    tight, loose = model["rows"]
+    assert tight["modes"].count(".") <= loose["modes"].count("."), "a tighter budget stores no more blocks"
+    runs = {r["strategy"]: r for r in report["adaptive"]["runs"]}
+    assert set(runs) == {"none", "hf-full", "every-2nd", "rematd"}
+    assert all(r["tokens_per_s"] > 0 and r["ooms"] == 0 for r in runs.values())
+    table = out.with_suffix(".md").read_text()
+    assert "| budget |" in table and "best static that fits" in table and "## Adaptive" in table
