@@ -189,8 +189,9 @@ class Context:
     job: Job
     handle: client.Handle | None = None
     """Set by rematd's strategy."""
-    step_fn: Callable[[], None] | None = None
-    """Replaces the plain forward/backward/step where the strategy needs to (a compiled model)."""
+    step_fn: Callable[[torch.Tensor], None] | None = None
+    """Replaces the plain forward, backward and optimizer step, given the step's token ids, where the
+    strategy needs to (a compiled model)."""
 
 
 Setup = Callable[[Context], None]
@@ -279,7 +280,7 @@ def _cuda(device: torch.device) -> bool:
 
 def _step(ctx: Context, data: torch.Tensor, device: torch.device) -> None:
     if ctx.step_fn is not None:
-        ctx.step_fn()
+        ctx.step_fn(data)
         return
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_cuda(device)):
         loss = ctx.model(input_ids=data, labels=data).loss

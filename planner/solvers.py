@@ -148,7 +148,8 @@ def solve(options: list[list[Option]], target: int, *, static_bytes: int = 0, ex
 
     Exact up to ``EXACT_BLOCKS`` blocks (or with ``exact=True``) under the seconds of
     :func:`pool_seconds`; otherwise the rounded greedy of :mod:`rematd.planner.knapsack`. When
-    nothing fits, the choice with the smallest predicted peak, marked ``fits=False``.
+    nothing fits, the cheapest choice within :data:`LEAN_NEAR` of the smallest predicted peak, marked
+    ``fits=False``, its ``note`` saying so.
     """
     return solve_prepared(Knapsack(options), options, target, static_bytes=static_bytes, exact=exact)
 

@@ -25,6 +25,7 @@ from rematd.planner import (
     StepObservation,
 )
 from rematd.planner.cost import choose, peak_of
+from rematd.planner.shapes import at_shape
 from rematd.planner.solvers import every_k_blocks
 
 from .helpers import tiny_model, train_step
@@ -235,3 +236,12 @@ def test_on_cuda_the_peak_outside_the_blocks_is_measured_and_predicted_within_10
     measured = h.last_stats.peak_allocated_bytes
     assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
     h.close()
+
+
+def test_a_mode_measured_slower_than_recomputing_while_freeing_less_is_never_offered_to_the_solver() -> None:
+    p = profile(modes=DEFAULT)
+    slow = ((K, 1.21),)  # selective measured 21% dearer than its price (which is at least recomputing's)
+    assert {o.mode for o in at_shape(p, None, scales=slow).options[0]} == {S, K, R}, "pricing a plan sees every mode"
+    assert {o.mode for o in at_shape(p, None, scales=slow, prune=True).options[0]} == {S, R}
+    cheap = ((K, 0.5),)
+    assert K in {o.mode for o in at_shape(p, None, scales=cheap, prune=True).options[0]}
