@@ -36,41 +36,37 @@ PRICED = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD)
 """Modes with a price to learn (storing adds nothing)."""
 
 
-def whole_step_seconds(measured: Iterable[ModeSeconds], baseline_per_block: float | None) -> dict[Mode, float]:
-    """Per mode, the seconds its blocks added to the step: rematerialisation, plus forward time beyond
-    ``baseline_per_block`` (a stored block's forward; None when no forward was timed to compare with)."""
-    out: dict[Mode, float] = {}
-    for m in measured:
-        if m.mode == Mode.STORE or m.blocks <= 0:
-            continue
-        extra_forward = 0.0
-        if baseline_per_block is not None and m.forward_seconds > 0:
-            extra_forward = m.forward_seconds - m.blocks * baseline_per_block
-        out[m.mode] = max(0.0, m.seconds + extra_forward)
-    return out
-
-
-def forward_baseline(measured: Iterable[ModeSeconds]) -> float | None:
-    """A block's forward without checkpointing, per block, from one step: the stored blocks' forward, or
-    else the recomputed blocks' rematerialisation (a forward of the block); None when neither ran."""
+def forward_baseline(measured: Iterable[ModeSeconds]) -> tuple[float, int] | None:
+    """A block's forward without checkpointing, from one step: (seconds, blocks) of the stored blocks'
+    forward, or else of the recomputed blocks' rematerialisation (a forward of the block); None when
+    neither ran."""
     by_mode = {m.mode: m for m in measured if m.blocks > 0}
     store = by_mode.get(Mode.STORE)
     if store is not None and store.forward_seconds > 0:
-        return store.forward_seconds / store.blocks
+        return store.forward_seconds, store.blocks
     rec = by_mode.get(Mode.RECOMPUTE)
     if rec is not None and rec.seconds > 0:
-        return rec.seconds / rec.blocks
+        return rec.seconds, rec.blocks
     return None
 
 
 class TimeScales:
-    """Per mode, measured / predicted extra seconds, as a running ratio of decayed sums."""
+    """Per mode, measured / predicted extra seconds, as a running ratio of decayed sums.
+
+    A mode's forward is kept apart from its rematerialisation, with the profile's forward time of the same
+    blocks: what the forward added is known only against a stored block's forward, which a step where every
+    block ran selective does not show. Until some step has shown it, a mode whose forward was timed counts
+    as not yet measured.
+    """
 
     def __init__(self) -> None:
-        self._measured: dict[Mode, float] = {}
+        self._remat: dict[Mode, float] = {}
+        self._forward: dict[Mode, float] = {}
+        self._forward_profiled: dict[Mode, float] = {}
         self._predicted: dict[Mode, float] = {}
         self._blocks: dict[Mode, int] = {}
-        self._baseline_ratio: float | None = None
+        self._base: list[float] = [0.0, 0.0]
+        """Decayed sums of a plain block forward, measured and as profiled."""
         self._scales: tuple[tuple[Mode, float], ...] = ()
 
     def observe(
@@ -82,30 +78,33 @@ class TimeScales:
     ) -> None:
         """``measured`` from one step; ``predicted_per_block``: the profile's mean extra seconds per block
         of each mode for the blocks that ran in it, at the step's shape; ``forward_per_block``: the
-        profile's mean block forward at that shape (to carry a measured forward baseline to steps
-        where no block stored or recomputed)."""
+        profile's mean block forward at that shape (0: forwards are not compared, only
+        rematerialisations count)."""
         measured = tuple(measured)
-        baseline = forward_baseline(measured)
-        if baseline is not None and forward_per_block > 0:
-            ratio = baseline / forward_per_block
-            old = self._baseline_ratio
-            self._baseline_ratio = ratio if old is None else DECAY * old + (1 - DECAY) * ratio
-        elif baseline is None and self._baseline_ratio is not None and forward_per_block > 0:
-            baseline = self._baseline_ratio * forward_per_block
-        whole = whole_step_seconds(measured, baseline)
+        base = forward_baseline(measured)
+        if base is not None and forward_per_block > 0:
+            self._base[0] = self._base[0] * DECAY + base[0]
+            self._base[1] = self._base[1] * DECAY + base[1] * forward_per_block
         for m in measured:
             expected = predicted_per_block.get(m.mode, 0.0) * m.blocks
-            seconds = whole.get(m.mode)
-            if seconds is None or expected <= 0 or not math.isfinite(seconds):
+            if m.mode == Mode.STORE or m.blocks <= 0 or expected <= 0:
                 continue
-            self._measured[m.mode] = self._measured.get(m.mode, 0.0) * DECAY + seconds
-            self._predicted[m.mode] = self._predicted.get(m.mode, 0.0) * DECAY + expected
-            self._blocks[m.mode] = self._blocks.get(m.mode, 0) + m.blocks
-        ratios = {
-            mode: min(LIMITS[1], max(LIMITS[0], self._measured[mode] / predicted))
-            for mode, predicted in self._predicted.items()
-            if self._blocks[mode] >= MIN_BLOCKS and predicted > 0
-        }
+            if not (math.isfinite(m.seconds) and math.isfinite(m.forward_seconds)):
+                continue
+            timed_forward = m.forward_seconds > 0 and forward_per_block > 0
+            mode = m.mode
+            self._remat[mode] = self._remat.get(mode, 0.0) * DECAY + m.seconds
+            self._forward[mode] = self._forward.get(mode, 0.0) * DECAY + (m.forward_seconds if timed_forward else 0.0)
+            self._forward_profiled[mode] = self._forward_profiled.get(mode, 0.0) * DECAY + (
+                m.blocks * forward_per_block if timed_forward else 0.0
+            )
+            self._predicted[mode] = self._predicted.get(mode, 0.0) * DECAY + expected
+            self._blocks[mode] = self._blocks.get(mode, 0) + m.blocks
+        ratios = {}
+        for mode in self.measured_modes:
+            whole = self._whole(mode)
+            assert whole is not None
+            ratios[mode] = min(LIMITS[1], max(LIMITS[0], whole / self._predicted[mode]))
         if ratios:
             # Untried modes: never a discount, and as far over the profile as the worst tried mode.
             worst = max(1.0, *ratios.values())
@@ -118,10 +117,26 @@ class TimeScales:
                 scales.append((mode, round(quantised, 6)))
         self._scales = tuple(scales)
 
+    def _whole(self, mode: Mode) -> float | None:
+        """The mode's decayed seconds, its forward beyond a plain forward included; None while no plain
+        forward has been measured to compare its timed forward with."""
+        profiled = self._forward_profiled.get(mode, 0.0)
+        if profiled <= 0:
+            return self._remat[mode]
+        if self._base[1] <= 0:
+            return None
+        plain = profiled * self._base[0] / self._base[1]
+        return max(0.0, self._remat[mode] + self._forward[mode] - plain)
+
     @property
     def measured_modes(self) -> frozenset[Mode]:
-        """The modes timed often enough for their own scale."""
-        return frozenset(m for m, n in self._blocks.items() if n >= MIN_BLOCKS)
+        """The modes timed often enough, and against a measured plain forward where their forward was
+        timed, for their own scale."""
+        return frozenset(
+            m
+            for m, n in self._blocks.items()
+            if n >= MIN_BLOCKS and self._predicted.get(m, 0) > 0 and self._whole(m) is not None
+        )
 
     @property
     def scales(self) -> tuple[tuple[Mode, float], ...]:

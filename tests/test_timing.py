@@ -163,3 +163,14 @@ def test_mode_seconds_cross_the_wire_and_bad_ones_are_named() -> None:
     msg.mode_seconds[0].mode = 0
     with pytest.raises(InvalidMessage, match=r"stats\.mode_seconds\[0\]\.mode"):
         wire.stats_from_pb(msg)
+
+
+def test_a_mode_whose_forward_cannot_yet_be_compared_counts_as_unmeasured() -> None:
+    t = TimeScales()
+    for _ in range(3):  # every block selective: no plain forward to compare its forward with
+        t.observe([ModeSeconds(Mode.SELECTIVE, 8, 0.008, 0.2)], {Mode.SELECTIVE: 0.005}, forward_per_block=0.01)
+    assert Mode.SELECTIVE not in t.measured_modes and t.scales == ()
+    # A step with stored blocks shows a plain forward (10 ms): selective's earlier steps now price at
+    # (25 - 10) + 1 ms a block, against 5.
+    t.observe([ModeSeconds(Mode.STORE, 8, 0.0, 0.08)], {}, forward_per_block=0.01)
+    assert dict(t.scales)[Mode.SELECTIVE] == pytest.approx(16 / 5, rel=0.06)
