@@ -32,7 +32,7 @@ DECAY = 0.9
 """Weight of the past in the running sums, per observation."""
 LIMITS = (0.1, 10.0)
 """A scale stays within these: a measurement far outside them is more likely wrong than the profile."""
-PRICED = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD)
+PRICED: tuple[Mode, ...] = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD)
 """Modes with a price to learn (storing adds nothing)."""
 
 
@@ -92,15 +92,15 @@ class TimeScales:
             if not (math.isfinite(m.seconds) and math.isfinite(m.forward_seconds)):
                 continue
             timed_forward = m.forward_seconds > 0 and forward_per_block > 0
-            mode = m.mode
-            self._remat[mode] = self._remat.get(mode, 0.0) * DECAY + m.seconds
-            self._forward[mode] = self._forward.get(mode, 0.0) * DECAY + (m.forward_seconds if timed_forward else 0.0)
-            self._forward_profiled[mode] = self._forward_profiled.get(mode, 0.0) * DECAY + (
+            k = m.mode
+            self._remat[k] = self._remat.get(k, 0.0) * DECAY + m.seconds
+            self._forward[k] = self._forward.get(k, 0.0) * DECAY + (m.forward_seconds if timed_forward else 0.0)
+            self._forward_profiled[k] = self._forward_profiled.get(k, 0.0) * DECAY + (
                 m.blocks * forward_per_block if timed_forward else 0.0
             )
-            self._predicted[mode] = self._predicted.get(mode, 0.0) * DECAY + expected
-            self._blocks[mode] = self._blocks.get(mode, 0) + m.blocks
-        ratios = {}
+            self._predicted[k] = self._predicted.get(k, 0.0) * DECAY + expected
+            self._blocks[k] = self._blocks.get(k, 0) + m.blocks
+        ratios: dict[Mode, float] = {}
         for mode in self.measured_modes:
             whole = self._whole(mode)
             assert whole is not None
