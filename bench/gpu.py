@@ -516,6 +516,11 @@ def adaptive(
     return out
 
 
+def _mib(x: float) -> str:
+    # Without an allocator to read (the CPU), only rematd counts bytes: the others have no peak.
+    return f"{x:,.1f}" if x else "n/a"
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# bench/gpu.py on {report['device']} (torch {report['torch']})", ""]
     for m in report["models"]:
@@ -529,7 +534,7 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|",
         ]
         lines += [
-            f"| {s['strategy']} | {s['step_ms']:.1f} | {s['x']:.3f} | {s['peak_mib']:,.0f} |" for s in m["static"]
+            f"| {s['strategy']} | {s['step_ms']:.1f} | {s['x']:.3f} | {_mib(s['peak_mib'])} |" for s in m["static"]
         ]
         lines += [
             "",
@@ -559,7 +564,7 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         lines += [
             f"| {r['strategy']} | {r['ooms']} | {r['recovered_ooms']} | {r['median_ms']:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['max_peak_mib']:,.0f} |"
+            f"{r['tokens_per_s']:,.0f} | {_mib(r['max_peak_mib'])} |"
             for r in a["runs"]
         ]
         if a["rematd_vs_full_tokens"] is not None:
