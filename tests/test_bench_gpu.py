@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,3 +39,15 @@ def test_the_quick_run_measures_every_strategy_and_writes_its_tables(tmp_path: P
     assert all(r["tokens_per_s"] > 0 and r["ooms"] == 0 for r in runs.values())
     table = out.with_suffix(".md").read_text()
     assert "| budget |" in table and "best static that fits" in table and "## Adaptive" in table
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA allocator's peaks")
+def test_on_cuda_a_run_reads_the_allocator_and_rematd_keeps_to_its_budget() -> None:
+    from bench.gpu import QUICK_MODELS, Job, run_job
+
+    device = torch.device("cuda")
+    none = run_job(Job(model=QUICK_MODELS[0], strategy="none", steps=3, warmup=2), device)
+    assert none["max_peak"] > none["static_bytes"] > 0
+    budget = none["static_bytes"] + (none["max_peak"] - none["static_bytes"]) // 2
+    ours = run_job(Job(model=QUICK_MODELS[0], strategy="rematd", steps=3, warmup=5, budget_bytes=budget), device)
+    assert ours["steps_over_budget"] == 0 and ours["predicted_peak"] > ours["static_bytes"]
