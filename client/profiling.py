@@ -141,7 +141,8 @@ class Profiler:
                 ModeCost(
                     mode=Mode.OFFLOAD,
                     kept=Size(),
-                    transient=store,
+                    # While its backward runs, the block before it is fetched back too (the copy overlaps).
+                    transient=Size(tuple(Term(2 * t.bytes, t.batch_exp, t.seq_exp) for t in store.terms)),
                     extra_seconds=2 * store.bytes / host_bandwidth,
                 )
             )
