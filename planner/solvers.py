@@ -26,6 +26,8 @@ LEAN_NEAR = 0.1
 """Where nothing fits, a plan whose whole predicted peak is within this fraction of the least one is as
 good as the leanest: the cheapest of them is chosen (never offload everything at several times the step
 when recomputing every block needs only a little more)."""
+LEAN_SECONDS = 0.05
+"""...and of those as fast as the cheapest, to within this fraction of its extra seconds, the leanest."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,6 +184,16 @@ def solve_prepared(
     close = _solve_fitting(knapsack, options, static_bytes + floor + near, static_bytes, exact)
     if close is None or close.extra_seconds >= leanest.extra_seconds:
         return leanest
+    # As lean again as that speed allows: the least budget whose plan costs within LEAN_SECONDS of it.
+    limit = close.extra_seconds * (1 + LEAN_SECONDS) + 1e-12
+    lo, hi = floor, floor + near
+    while hi - lo > max(1, near // 256):
+        mid = (lo + hi) // 2
+        found = _solve_fitting(knapsack, options, static_bytes + mid, static_bytes, exact)
+        if found is not None and found.extra_seconds <= limit:
+            hi, close = mid, found
+        else:
+            lo = mid
     peak = close.predicted_peak_bytes
     return dataclasses.replace(
         close,

@@ -174,14 +174,22 @@ def test_plans_are_no_slower_than_the_best_static_strategy_that_fits(
     assert decision.predicted_peak_bytes == predicted_peak(decision.modes), "the decision reports the whole peak"
 
 
-def test_where_nothing_fits_the_plan_is_lean_and_fast_and_says_so() -> None:
-    controller = Controller(profile(), ControllerConfig())  # offload opted in
-    decision = controller.initial(budget_bytes=budget(0.1), static_bytes=static())
-    assert OFF not in decision.modes or decision.modes.count(OFF) < N // 4, decision.modes
+@pytest.mark.parametrize("modes", [DEFAULT, frozenset(Mode)], ids=["default-modes", "offload-opted-in"])
+@pytest.mark.parametrize("frac", [0.1, 0.3])
+def test_where_nothing_fits_the_plan_is_lean_and_fast_and_says_so(frac: float, modes: frozenset[Mode]) -> None:
+    controller = Controller(profile(modes=modes), ControllerConfig(margin_ratio=0.1))
+    decision = controller.initial(budget_bytes=budget(frac), static_bytes=static())
+    if predicted_peak(decision.modes) <= decision.target_bytes:
+        assert OFF in modes, "only offload, opted in, can reach this target"
+        return
     full = STATIC["full"]
-    assert seconds_of(decision.modes) <= seconds_of(full) + 1e-9, "never the 5x offload of every block"
-    assert predicted_peak(decision.modes) <= 1.1 * predicted_peak((OFF,) * N), "and as lean as the leanest, near enough"
-    assert "no plan fits" in decision.reason and "within 10%" in decision.reason, decision.reason
+    # Not offload everywhere at 5x, nor a block stored for 1% of the step at 7% more memory: every block
+    # recomputes: the leanest plan without offload, and within 10% of the leanest with it.
+    assert decision.modes == full, decision.modes
+    assert predicted_peak(full) <= 1.1 * predicted_peak((OFF,) * N)
+    assert "no plan fits" in decision.reason, decision.reason
+    if OFF in modes:
+        assert "within 10% of the leanest" in decision.reason, decision.reason
 
 
 def _timed(modes: tuple[Mode, ...]) -> tuple[ModeSeconds, ...]:
