@@ -1,8 +1,8 @@
 """Checkpointing a model already does by itself: refused at ``attach``, with what to turn off.
 
 rematd checkpoints the blocks itself, per block and per step. A model whose
-library checkpoints its layers too (``gradient_checkpointing_enable()`` in
-``transformers``, ``set_grad_checkpointing()`` in ``timm``) would run every
+library checkpoints its layers too (``activation_checkpointing_enable()``, formerly
+``gradient_checkpointing_enable()``, in ``transformers``, ``set_grad_checkpointing()`` in ``timm``) would run every
 layer checkpointed inside rematd's choice: twice the recomputation, and
 profiles and plans that measure the library's checkpointing instead of the
 block's own forward.
@@ -18,8 +18,9 @@ from rematd.client.guard import UnsupportedModel
 _OWN_CHECKPOINTING = (
     (
         "gradient_checkpointing",
-        "call model.gradient_checkpointing_disable() before attach (with the Hugging Face Trainer: "
-        "TrainingArguments(gradient_checkpointing=False))",
+        "call model.activation_checkpointing_disable() (gradient_checkpointing_disable(), its older name) "
+        "before attach, and with the Hugging Face Trainer leave TrainingArguments' activation_checkpointing "
+        "(gradient_checkpointing) off",
     ),
     ("grad_checkpointing", "call model.set_grad_checkpointing(False) before attach"),
 )

@@ -110,7 +110,8 @@ def train_side_by_side(
     exact = device == "cpu"
     # rematd's training forwards run with use_cache=False (as Hugging Face's checkpointing does); so does the
     # reference. A forward that builds a cache differs in the last bits (the cache copies keys and values).
-    reference = {"use_cache": False} if "use_cache" in inspect.signature(ref.forward).parameters else {}
+    cached = any("use_cache" in inspect.signature(m.forward).parameters for m in ref.modules())
+    reference = {"use_cache": False} if cached else {}
     try:
         for step, pinned in enumerate(schedule(len(blocks), offload=offload)):
             if pinned is not None:
