@@ -187,7 +187,12 @@ CASES: dict[str, Callable[[], Case]] = {
 
 BLOCKS = {
     "gpt2-eager": ["transformer.h.0", "transformer.h.1"],
+    "gpt2-sdpa": ["transformer.h.0", "transformer.h.1"],
     "llama": ["model.layers.0", "model.layers.1"],
+    "qwen2": ["model.layers.0", "model.layers.1"],
+    "mistral": ["model.layers.0", "model.layers.1"],
+    "mixtral-moe": ["model.layers.0", "model.layers.1"],
+    "bert": ["bert.encoder.layer.0", "bert.encoder.layer.1"],
     "t5": ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"],
     "bart": ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0", "model.decoder.layers.1"],
     "vit": ["vit.layers.0", "vit.layers.1"],
@@ -197,6 +202,42 @@ BLOCKS = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_trains_bitwise_as_without_rematd(name: str) -> None:
     h = train_side_by_side(CASES[name]())
-    if name in BLOCKS:
-        assert h.blocks == BLOCKS[name]
-    assert len(h.blocks) >= 2
+    assert h.blocks == BLOCKS[name], "the blocks the README's table lists"
+
+
+class KeywordBlock(nn.Module):
+    """Called with keyword arguments only, returning a ``ModelOutput``: the shapes transformers blocks take."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * d, d))
+
+    def forward(self, *, hidden_states: torch.Tensor, scale: torch.Tensor) -> Any:
+        out = hidden_states + self.mlp(self.norm(hidden_states)) * scale
+        return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=out, hidden_states=(hidden_states,))
+
+
+class KeywordModel(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(KeywordBlock(d) for _ in range(3))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        scale = torch.ones(1, requires_grad=False) * 0.5
+        for block in self.blocks:
+            x = block(hidden_states=x, scale=scale).last_hidden_state
+        logits: torch.Tensor = self.head(x)
+        return logits
+
+
+def test_blocks_called_by_keyword_returning_model_outputs() -> None:
+    def loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        logits = model(inputs["input_ids"])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), inputs["input_ids"].flatten())
+
+    h = train_side_by_side(Case(seeded(KeywordModel), lambda seed: {"input_ids": tokens(seed)}, loss))
+    assert h.blocks == ["blocks.0", "blocks.1", "blocks.2"]
