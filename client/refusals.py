@@ -1,11 +1,11 @@
 """Checkpointing a model already does by itself: refused at ``attach``, with what to turn off.
 
 rematd checkpoints the blocks itself, per block and per step. A model whose
-library checkpoints its layers too (``activation_checkpointing_enable()``, formerly
-``gradient_checkpointing_enable()``, in ``transformers``, ``set_grad_checkpointing()`` in ``timm``) would run every
-layer checkpointed inside rematd's choice: twice the recomputation, and
-profiles and plans that measure the library's checkpointing instead of the
-block's own forward.
+library checkpoints its layers too (``activation_checkpointing_enable()``,
+formerly ``gradient_checkpointing_enable()``, in ``transformers``;
+``set_grad_checkpointing()`` in ``timm``) would run every layer checkpointed
+inside rematd's choice: twice the recomputation, and profiles and plans that
+measure the library's checkpointing instead of the block's own forward.
 """
 
 from __future__ import annotations
