@@ -60,12 +60,14 @@ def test_a_lora_model_trains_bitwise(name: str) -> None:
     assert h.blocks[0].startswith("base_model.model.") and len(h.blocks) == 2
 
 
-@pytest.mark.parametrize("name", ["llama", "resnet50"])
-def test_bf16_autocast_with_a_grad_scaler_trains_bitwise(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("llama", torch.bfloat16), ("resnet50", torch.bfloat16), ("gpt2-sdpa", torch.float16)]
+)
+def test_autocast_with_a_grad_scaler_trains_bitwise(name: str, dtype: torch.dtype) -> None:
     case = TRANSFORMERS[name]() if name in TRANSFORMERS else VISION[name]()
 
     def autocast() -> contextlib.AbstractContextManager[object]:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast("cpu", dtype=dtype)
 
     train_side_by_side(case, autocast=autocast, scaler=lambda: torch.amp.GradScaler("cpu"))
 
