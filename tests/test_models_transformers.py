@@ -67,7 +67,7 @@ def gpt2(attn: str) -> Case:
     )
 
 
-def decoder(config_cls: str, model_cls: str, **extra: Any) -> Case:
+def decoder(config_cls: str, model_cls: str, attn: str | None = None, **extra: Any) -> Case:
     cfg = getattr(transformers, config_cls)(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -80,7 +80,7 @@ def decoder(config_cls: str, model_cls: str, **extra: Any) -> Case:
         **extra,
     )
     return Case(
-        seeded(lambda: getattr(transformers, model_cls)(cfg)),
+        seeded(lambda: getattr(transformers, model_cls)(cfg), attn),
         causal_lm_batch(left_padding=True),
         hf_loss,
     )
@@ -169,6 +169,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "gpt2-eager": lambda: gpt2("eager"),
     "gpt2-sdpa": lambda: gpt2("sdpa"),
     "llama": lambda: decoder("LlamaConfig", "LlamaForCausalLM"),
+    "llama-eager": lambda: decoder("LlamaConfig", "LlamaForCausalLM", "eager"),
     "qwen2": lambda: decoder("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": lambda: decoder("MistralConfig", "MistralForCausalLM", sliding_window=None),
     "mixtral-moe": lambda: decoder(
@@ -189,6 +190,7 @@ BLOCKS = {
     "gpt2-eager": ["transformer.h.0", "transformer.h.1"],
     "gpt2-sdpa": ["transformer.h.0", "transformer.h.1"],
     "llama": ["model.layers.0", "model.layers.1"],
+    "llama-eager": ["model.layers.0", "model.layers.1"],
     "qwen2": ["model.layers.0", "model.layers.1"],
     "mistral": ["model.layers.0", "model.layers.1"],
     "mixtral-moe": ["model.layers.0", "model.layers.1"],
