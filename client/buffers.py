@@ -5,6 +5,9 @@ A recomputed block runs its forward a second time, in backward, and a
 and batch count again: the model's state (and every evaluation after) would
 differ from the same run without rematd. These hooks notice a forward that
 runs inside backward (only a recompute does) and put the statistics back.
+The copies are made outside any dispatch mode: under selective checkpointing
+the recompute must run exactly the ops the forward ran, and these are not
+among them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
 from rematd.client.hooks import AttachedHook
@@ -34,11 +38,12 @@ class _Restore:
 
     def pre(self, module: nn.Module, args: Any) -> None:
         if module.training and _in_backward():
-            self.saved = [b.clone() for b in module.buffers(recurse=False)]
+            with _disable_current_modes():
+                self.saved = [b.clone() for b in module.buffers(recurse=False)]
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.saved is not None:
-            with torch.no_grad():
+            with torch.no_grad(), _disable_current_modes():
                 for b, s in zip(module.buffers(recurse=False), self.saved, strict=True):
                     b.copy_(s)
             self.saved = None

@@ -12,6 +12,11 @@ through. Lists nested inside a block of another list (a mixture of experts'
 experts, the blocks inside a custom ``Stage`` class) are not candidates: their blocks do not all run on every forward.
 The group with the most blocks wins; block classes with submodules are
 preferred over bare layers (a list of ``nn.Linear`` is a last resort).
+Groups that tie are taken together when each lives in a submodule of its
+own, none inside another's: an encoder-decoder's ``encoder.layers`` and
+``decoder.layers`` (BART, Whisper, Marian) are all blocks, in module order
+(the encoder's first, as they run). Tied groups side by side in one module
+are ambiguous and must be chosen with ``blocks=``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,31 @@ class _Group:
         if len(self.lists) == 1:
             return f"blocks=list(model.{self.lists[0]})" if self.lists[0] else "blocks=list(model)"
         return "blocks=[" + ", ".join(f"*model.{n}" for n in self.lists) + "]"
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _home(group: _Group) -> str:
+    """The module holding all of a group's lists (the deepest common ancestor of their parents)."""
+    parts = [_parent(n).split(".") if _parent(n) else [] for n in group.lists]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _apart(groups: list[_Group]) -> bool:
+    """Whether each group sits in a submodule of its own, none inside another's (``encoder`` and ``decoder``)."""
+    homes = [_home(g) for g in groups]
+    for i, a in enumerate(homes):
+        for j, b in enumerate(homes):
+            if i != j and (a == b or a == "" or b.startswith(a + ".")):
+                return False
+    return True
 
 
 def _check_given(model: nn.Module, names: dict[int, str], chosen: list[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -117,6 +147,10 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> 
         )
     most = max(len(g.blocks) for g in pool)
     best = [g for g in pool if len(g.blocks) == most]
+    if len(best) > 1 and _apart(best):
+        # An encoder and a decoder: every block of both, in module order (the encoder's run first).
+        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        return sorted((b for g in best for b in g.blocks), key=lambda b: order[b[0]])
     if len(best) > 1:
         seen_desc = "; ".join(g.describe() for g in best)
         raise BlockDiscoveryError(

@@ -28,6 +28,7 @@ from rematd.client.arguments import (
 )
 from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.buffers import protect_running_stats
+from rematd.client.caches import train_without_cache
 from rematd.client.connection import StreamConfig
 from rematd.client.describe import block_records, dist_rank, model_fingerprint, shape_of
 from rematd.client.discovery import find_blocks
@@ -89,6 +90,7 @@ class Handle:
             b.timer = self._recompute_timer
             b.offloader = self._offloader
         self._norm_hooks = protect_running_stats([m for _, m in found])
+        self._cache_hooks = train_without_cache(model)
         self._applier = PlanApplier(self._blocks)
         self.last_stats: StepStats | None = None
         self._step = 0
@@ -274,7 +276,7 @@ class Handle:
         if self._closed:
             return
         self._closed = True
-        for h in (*self._hooks, *self._norm_hooks):
+        for h in (*self._hooks, *self._norm_hooks, *self._cache_hooks):
             h.remove()
         for b in self._blocks:
             b.restore()

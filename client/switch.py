@@ -8,6 +8,7 @@ block's own forward back instead: it is not attached.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, SupportsIndex
@@ -17,11 +18,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.caches import holds_cache
 from rematd.client.offload import Offloader
 from rematd.client.profiling import BlockMeasure, Profiler
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.selective import selective_context
 from rematd.planner import Mode, Shape
+
+log = logging.getLogger("rematd.client")
 
 
 class _SwitchedForward:
@@ -65,6 +69,7 @@ class SwitchableBlock:
         self.offloader: Offloader | None = None
         """Where offloaded activations go (set by the handle; without one, autograd's ``save_on_cpu``)."""
         self._in_forward = False
+        self._cache_logged = False
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = _SwitchedForward(self)
@@ -102,7 +107,7 @@ class SwitchableBlock:
         if self.profiling:
             return self._profiled(*args, **kwargs)
         mode = self.mode
-        if mode == Mode.STORE:
+        if mode == Mode.STORE or (mode != Mode.OFFLOAD and self._keeps_for_cache(args, kwargs)):
             return self._original(*args, **kwargs)
         if mode == Mode.OFFLOAD:
             return self._offloaded(*args, **kwargs)
@@ -133,6 +138,19 @@ class SwitchableBlock:
             output = self._original(*args, **kwargs)
         offloader.on_output(group, output)
         return output
+
+    def _keeps_for_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """A block handed a key/value cache by the caller runs once, storing: a recompute would update it again."""
+        if not holds_cache(args, kwargs):
+            return False
+        if not self._cache_logged:
+            self._cache_logged = True
+            log.warning(
+                "rematd: block %s was handed a key/value cache in a forward with gradients; it keeps its "
+                "activations in such forwards so that the cache is updated once (no cache: use_cache=False)",
+                self.name,
+            )
+        return True
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         """The block's own forward, as the checkpoint calls it: in forward, and again in backward to

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from rematd.client.guard import UnsupportedModel
+from rematd.client.refusals import refuse_own_checkpointing
 
 
 def _compiled(m: nn.Module) -> bool:
@@ -36,6 +37,7 @@ def unwrap(model: nn.Module) -> nn.Module:
                 f"{kind}{where} is sharded with FSDP, which rematd does not support yet; use "
                 "DistributedDataParallel, or FSDP's own activation checkpointing"
             )
+    refuse_own_checkpointing(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         inner: nn.Module = model.module
         return inner

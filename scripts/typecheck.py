@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / "build" / "typecheck"
-SUBPACKAGES = {"planner": "planner", "client": "client", "server": "server"}
+SUBPACKAGES = {"planner": "planner", "client": "client", "server": "server", "integrations": "integrations"}
 
 
 def stage() -> Path:
