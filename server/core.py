@@ -611,22 +611,18 @@ class AdvisorCore:
             reason = f"warm start from job {warm['job']} (same as planned)"
         else:
             # Only when it fits this job's target by the profile it sent, at every length of its
-            # table (or needs no more than this job's own plan there, where nothing fits): another
-            # budget may not hold it.
+            # table (or, where nothing fits, is as lean as any plan): another budget may not hold it.
             target = planned.target_bytes
             static = session.planner.static_bytes
             profile = session.planner.profile
-            own = {e.max_seq_len: e.modes for e in planned.shape_plans}
             try:
                 at = at_shape(profile, None)
                 if static + at.other_bytes + at.cost(modes)[0] > target:
                     return None
                 for e in table:
                     at = at_shape(profile, Shape(batch=profile.shape.batch, seq_len=e.max_seq_len, tokens=e.max_tokens))
-                    base = static + at.other_bytes
-                    peak = base + at.cost(e.modes)[0]
-                    ours = base + at.cost(own[e.max_seq_len])[0] if e.max_seq_len in own else None
-                    if peak > target and (ours is None or peak > ours):
+                    peak = at.cost(e.modes)[0]
+                    if static + at.other_bytes + peak > target and peak > at.knapsack.least_peak()[0]:
                         return None
             except ValueError:  # a mode this profile does not offer
                 return None

@@ -15,6 +15,7 @@ the package (swagger-ui-bundle), so ``/docs`` works without the internet.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -157,6 +158,19 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
     def writer(request: Request) -> None:
         same_site_write(request, open_writes=auth.token is None)
         auth.check_write(request.headers.get("authorization"))
+
+    @app.middleware("http")
+    async def _guard_writes(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        # Before the body is read: a write without the token is 401 whatever its body, even one that
+        # does not parse (the route's own dependency runs only after the body is parsed).
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            try:
+                writer(request)
+            except CrossSiteWrite as exc:
+                return await _cross_site(request, exc)
+            except Unauthenticated as exc:
+                return await _unauthenticated(request, exc)
+        return await call_next(request)
 
     read = [Depends(reader)]
     write = [Depends(writer)]
