@@ -491,7 +491,7 @@ def _recomputes_less(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...]
             continue
         was = sum(_RECOMPUTED[m] for m in old.modes)
         now = sum(_RECOMPUTED[m] for m in new.modes)
-        if now > was or any(_RECOMPUTED[n] > _RECOMPUTED[o] for o, n in zip(old.modes, new.modes, strict=True)):
+        if now > was:
             return False
         less = less or now < was
     return less
