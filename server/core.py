@@ -844,7 +844,7 @@ class AdvisorCore:
         # A copy under the lock: HTTP reads run on a thread pool while the event loop adds ranks.
         with self._lock:
             live = {
-                s.hello.rank: (plan_row(s.sent, len(s.hello.blocks)), s.planner.oom_risk)
+                s.hello.rank: (s.sent, len(s.hello.blocks), s.planner.oom_risk)
                 for s in self._by_job.get(job, {}).values()
             }
         rank_views = []
@@ -852,10 +852,16 @@ class AdvisorCore:
         for r in ranks:
             now = live.get(r["rank"])
             last = r["last_stats"] or {}
+            seq, tokens = last.get("seq_len"), (last.get("seq_len") or 0) * (last.get("batch") or 1)
             if last and (not newest or (last.get("step", -1), last.get("time", 0)) > (newest["step"], newest["time"])):
-                newest = {"step": last.get("step", -1), "time": last.get("time", 0), "seq_len": last.get("seq_len")}
-            rank_plan = now[0] if now else plan
-            force = entry_in_force(rank_plan, last.get("seq_len")) if rank_plan else None
+                newest = {"step": last.get("step", -1), "time": last.get("time", 0), "seq_len": seq, "tokens": tokens}
+            force: dict[str, Any] | None = None
+            if now is not None:
+                sent, n = now[0], now[1]
+                shape = Shape(batch=last.get("batch") or 1, seq_len=seq or 0, tokens=tokens)
+                force = {"modes": mode_names(sent.modes_for(shape, n) if seq else sent.block_modes(n))}
+            elif plan is not None:
+                force = entry_in_force(plan, seq, tokens)
             rank_views.append(
                 {
                     "rank": r["rank"],
@@ -863,12 +869,12 @@ class AdvisorCore:
                     "state": r["state"],
                     "device": r["device"],
                     "last_stats": r["last_stats"],
-                    "plan_version": now[0]["version"] if now else last.get("plan_version"),
+                    "plan_version": now[0].version if now else last.get("plan_version"),
                     # What its last step's length runs under the plan it has (or the job's last).
                     "modes": force["modes"] if force else None,
                     "checkpointed_blocks": [i for i, m in enumerate(force["modes"]) if m != "store"] if force else None,
                     # An ended job carries no live risk: what it last measured is history.
-                    "oom_risk": None if ended else (now[1] if now else last.get("oom_risk")),
+                    "oom_risk": None if ended else (now[2] if now else last.get("oom_risk")),
                 }
             )
         peaks = [r["last_stats"]["peak_bytes"] for r in ranks if r["last_stats"]]
@@ -876,7 +882,10 @@ class AdvisorCore:
         risks = [v["oom_risk"] for v in rank_views if v["oom_risk"] is not None]
         in_force = None
         if plan is not None:
-            in_force = {"seq_len": newest.get("seq_len"), **entry_in_force(plan, newest.get("seq_len"))}
+            in_force = {
+                "seq_len": newest.get("seq_len"),
+                **entry_in_force(plan, newest.get("seq_len"), newest.get("tokens") or None),
+            }
         return {
             "job": job,
             "state": state,

@@ -85,6 +85,13 @@ def _exercise(store: Store) -> None:
     core.unpin("db-job")
     other.refresh_controls()
     assert other.job_controls("db-job")["pin_every"] is None
+    # Modes and the per-length table, and pins by mode, on this database too.
+    recorded = core.job_plans("db-job")
+    assert all(len(p["modes"]) == 4 for p in recorded) and recorded[1]["shape_plans"]
+    assert recorded[1]["blocks"] == [i for i, m in enumerate(recorded[1]["modes"]) if m != "store"]
+    core.pin("db-job", modes=["recompute", "store", "store", "recompute"])
+    other.refresh_controls()
+    assert other.job_controls("db-job")["pin_modes"] == ["recompute", "store", "store", "recompute"]
 
 
 def test_sqlite_record(tmp_path: Path) -> None:
