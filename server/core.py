@@ -440,9 +440,10 @@ class AdvisorCore:
                 self._remember(session, time.time())
             self.store.set_rank_state(job=job, rank=session.hello.rank, state=ENDED if ended else DISCONNECTED)
             ranks = list(self._by_job.get(job, {}).values())
+            if ended:
+                # Every rank said goodbye (here and on other workers): the job ended now.
+                self.store.end_job_if_done(job, time.time())
             if ended and all(s.ended for s in ranks):
-                # Every rank said goodbye: the job ended now, as it would had an operator ended it.
-                self.store.end_job(job, time.time())
                 self._drop_job(job)
 
     def expire_sessions(self, now: float | None = None) -> int:

@@ -455,6 +455,14 @@ class Store:
     def end_job(self, job: str, now: float) -> None:
         self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})
 
+    def end_job_if_done(self, job: str, now: float) -> None:
+        """Mark the job ended when every rank the record has of it said goodbye (on any worker or replica)."""
+        self._write(
+            """UPDATE jobs SET ended_at=:now WHERE job=:job AND ended_at IS NULL AND NOT EXISTS
+               (SELECT 1 FROM ranks WHERE ranks.job=:job AND ranks.state <> 'ended')""",
+            {"now": now, "job": job},
+        )
+
     def add_plan(self, *, job: str, rank: int, plan: dict[str, Any], now: float) -> None:
         self._write(_ADD_PLAN, _plan_params(job, rank, plan, now))
 

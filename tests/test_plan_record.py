@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -172,7 +173,11 @@ def test_a_warm_start_keeps_the_modes_and_the_table(core: AdvisorCore) -> None:
 def test_an_ended_job_has_an_end_time_and_no_live_risk(core: AdvisorCore) -> None:
     s = run(core, "done")
     assert core.get_job("done")["oom_risk"] is not None, "a running job shows its risk"
+    # Another rank of the job, still training: its job has not ended when the first says goodbye.
+    other, _ = core.open_session(dataclasses.replace(modes_hello("done"), rank=1, world_size=2))
     core.close_session(s, ended=True)
+    assert core.get_job("done")["state"] == "running" and core.get_job("done")["ended_at"] is None
+    core.close_session(other, ended=True)
     job = core.get_job("done")
     assert job["state"] == "ended" and job["ended_at"] is not None
     assert job["oom_risk"] is None and job["ranks"][0]["oom_risk"] is None
