@@ -451,7 +451,8 @@ class Controller:
             table.append(old if keep_old and old is not None else entry)
         was = self.table
         self.table = tuple(table)
-        reason = f"tighten: out-of-memory reported at length {shape.seq_len}; {_what_changed(was, self.table)}"
+        where = f"at length {shape.seq_len}" if shape.seq_len else "(its length not reported)"
+        reason = f"tighten: out-of-memory reported {where}; {_what_changed(was, self.table)}"
         return self._decision(table, shape, target, static_bytes, reason)
 
 

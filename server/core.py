@@ -332,6 +332,8 @@ class AdvisorCore:
             raise InvalidMessage("stats.step", f"step {stats.step} does not follow step {session.last_step}")
         now = time.time()
         with self._lock:
+            # The plan the step ran with, for its own prediction (the planner may replace it below).
+            ran = session.sent if stats.plan_version == session.sent.version else None
             session.last_step = stats.step
             session.last_peak = obs.peak_bytes
             started = time.perf_counter()
@@ -360,7 +362,9 @@ class AdvisorCore:
                     "time": now,
                     "peak_bytes": obs.peak_bytes,
                     "budget_bytes": stats.budget_bytes,
-                    "predicted_peak_bytes": self._predicted_at(session, stats.shape, obs.static_bytes),
+                    "predicted_peak_bytes": self._predicted_at(
+                        session, ran or session.sent, stats.shape, obs.static_bytes
+                    ),
                     "plan_version": stats.plan_version,
                     "seq_len": stats.shape.seq_len,
                     "batch": stats.shape.batch,
@@ -550,9 +554,8 @@ class AdvisorCore:
             shape_plans=table,
         )
 
-    def _predicted_at(self, session: RankSession, shape: Shape, static_bytes: int) -> int:
-        """The peak predicted for one step: the modes in force at its shape, priced at that shape."""
-        plan = session.sent
+    def _predicted_at(self, session: RankSession, plan: Plan, shape: Shape, static_bytes: int) -> int:
+        """The peak predicted for one step: the modes ``plan`` runs at its shape, priced at that shape."""
         try:
             at = at_shape(session.planner.profile, shape if shape.seq_len else None)
             return static_bytes + at.other_bytes + at.cost(plan.modes_for(shape, len(session.hello.blocks)))[0]
