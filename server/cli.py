@@ -29,7 +29,11 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=str(default_db_path()),
         help="SQLite file, or a database URL such as postgresql://user@host/rematd (default %(default)s)",
     )
-    p.add_argument("--token-file", help="file whose first line is the bearer token writes need (else $REMATD_TOKEN)")
+    p.add_argument(
+        "--token-file",
+        help="file whose first line is the bearer token writes need (else $REMATD_TOKEN); "
+        "without a token, rematd listens on loopback only",
+    )
     p.add_argument("--public-reads", action="store_true", help="serve reads without a token on a non-loopback address")
     p.add_argument("--tls-cert", default="", help="PEM certificate chain: TLS for gRPC and HTTP")
     p.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
