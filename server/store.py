@@ -230,6 +230,26 @@ _ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, 
 _PLANS = "SELECT plans.*, jobs.num_blocks AS job_blocks FROM plans JOIN jobs ON jobs.job = plans.job"
 
 STORE, RECOMPUTE = "store", "recompute"
+# Modes are kept one letter a block, as the demo prints them: a plan of 4096 blocks with a table of
+# ten lengths is 40 KB of letters, where a JSON list of names would be ten times that.
+_LETTER = {"store": ".", "selective": "s", "recompute": "R", "offload": "O"}
+_NAME = {letter: name for name, letter in _LETTER.items()}
+
+
+def pack_modes(names: Sequence[str]) -> str:
+    return "".join(_LETTER[n] for n in names)
+
+
+def unpack_modes(letters: str) -> list[str]:
+    return [_NAME[c] for c in letters]
+
+
+def _pack_table(table: Sequence[dict[str, Any]]) -> str:
+    return json.dumps([{**e, "modes": pack_modes(e["modes"])} for e in table])
+
+
+def _unpack_table(text: str | None) -> list[dict[str, Any]]:
+    return [{**e, "modes": unpack_modes(e["modes"])} for e in json.loads(text)] if text else []
 
 
 def derived_modes(blocks: Sequence[int], num_blocks: int) -> list[str]:
@@ -242,11 +262,11 @@ def _plan_out(r: Any, drop: Sequence[str] = ("id", "job")) -> dict[str, Any]:
     d = _row(r, drop)
     n = d.pop("job_blocks", None)
     d["blocks"] = json.loads(d["blocks"])
-    if d.get("modes"):
-        d["modes"] = json.loads(d["modes"])
+    if d.get("modes") is not None:
+        d["modes"] = unpack_modes(d["modes"])
     else:
         d["modes"] = derived_modes(d["blocks"], int(n) if n is not None else max(d["blocks"], default=-1) + 1)
-    d["shape_plans"] = json.loads(d["shape_plans"]) if d.get("shape_plans") else []
+    d["shape_plans"] = _unpack_table(d.get("shape_plans"))
     return d
 
 
@@ -262,8 +282,8 @@ def _plan_params(job: str, rank: int, plan: dict[str, Any], now: float) -> dict[
         "target": plan["target_bytes"],
         "reason": plan["reason"],
         "now": now,
-        "modes": json.dumps(list(plan["modes"])) if plan.get("modes") is not None else None,
-        "table": json.dumps(list(plan.get("shape_plans") or [])),
+        "modes": pack_modes(plan["modes"]) if plan.get("modes") is not None else None,
+        "table": _pack_table(plan.get("shape_plans") or []),
     }
 
 
@@ -486,7 +506,7 @@ class Store:
             params = {
                 "job": job,
                 "pb": json.dumps(controls["pin_blocks"]) if controls.get("pin_blocks") is not None else None,
-                "pm": json.dumps(controls["pin_modes"]) if controls.get("pin_modes") is not None else None,
+                "pm": pack_modes(controls["pin_modes"]) if controls.get("pin_modes") is not None else None,
                 "pe": controls.get("pin_every"),
                 "mr": controls.get("margin_ratio"),
                 "bb": controls.get("budget_bytes"),
@@ -517,7 +537,7 @@ class Store:
             for r in rows:
                 d = dict(r)
                 d["pin_blocks"] = json.loads(d["pin_blocks"]) if d["pin_blocks"] is not None else None
-                d["pin_modes"] = json.loads(d["pin_modes"]) if d.get("pin_modes") is not None else None
+                d["pin_modes"] = unpack_modes(d["pin_modes"]) if d.get("pin_modes") is not None else None
                 out.append(d)
             return out
 
@@ -544,7 +564,7 @@ class Store:
                updated_at=excluded.updated_at, modes=excluded.modes, shape_plans=excluded.shape_plans""",
             {"fp": fingerprint, "dev": device, "bucket": bucket, "job": job, "blocks": json.dumps(list(blocks)),
              "nb": num_blocks, "budget": budget_bytes, "now": now,
-             "modes": json.dumps(list(modes)) if modes is not None else None, "table": json.dumps(list(shape_plans))},
+             "modes": pack_modes(modes) if modes is not None else None, "table": _pack_table(shape_plans)},
         )  # fmt: skip
 
     def warm_plan(self, *, fingerprint: str, device: str, bucket: int) -> dict[str, Any] | None:
@@ -557,8 +577,9 @@ class Store:
             return None
         d = dict(rows[0])
         d["blocks"] = json.loads(d["blocks"])
-        d["modes"] = json.loads(d["modes"]) if d.get("modes") else derived_modes(d["blocks"], int(d["num_blocks"]))
-        d["shape_plans"] = json.loads(d["shape_plans"]) if d.get("shape_plans") else []
+        has = d.get("modes") is not None
+        d["modes"] = unpack_modes(d["modes"]) if has else derived_modes(d["blocks"], int(d["num_blocks"]))
+        d["shape_plans"] = _unpack_table(d.get("shape_plans"))
         return d
 
     # -- housekeeping -------------------------------------------------------------

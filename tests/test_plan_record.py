@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 
 from rematd.planner import Mode, ModeCost, Shape, Size
 from rematd.records import BlockRecord, Hello, StepStats
@@ -99,6 +100,10 @@ def test_modes_and_the_table_reach_the_rest_api(core: AdvisorCore) -> None:
     )
     assert len(set(table.values())) >= 3, f"the modes change by length: {table}"
     assert any("s" in v for v in table.values()) and any("R" in v for v in table.values()), table
+    # Kept one letter a block, as the demo prints them (a large model's table stays small).
+    with core.store.engine.connect() as conn:
+        raw = conn.execute(text("SELECT modes, shape_plans FROM plans ORDER BY id DESC LIMIT 1")).one()
+    assert raw[0] == letters(last["modes"]) and f'"{letters(last["shape_plans"][-1]["modes"])}"' in raw[1]
     # Selective blocks are not lost: "blocks" lists every block that does not store.
     for p in plans:
         assert p["blocks"] == [i for i, m in enumerate(p["modes"]) if m != "store"]
