@@ -360,35 +360,46 @@ class Controller:
                 st.dwell = min(cfg.max_loosen_after_steps, st.dwell * 2)
             table = [by_seq[s] if s in tighter or s in new_rungs else current.get(s, by_seq[s]) for s in by_seq]
             cause = (
-                f"measured peak {human_bytes(obs.peak_bytes)} over target {human_bytes(target)}"
+                f"a step of length {shape.seq_len} peaked at {human_bytes(obs.peak_bytes)}, "
+                f"over the target of {human_bytes(target)}"
                 if measured_over
-                else f"predicted peak over target {human_bytes(target)}"
+                else f"steps of length {shape.seq_len} are predicted to pass the target of {human_bytes(target)}"
             )
+            before = self.table
             self.table = tuple(table)
-            return self._decision(table, shape, target, obs.static_bytes, f"tighten: {cause} at seq {shape.seq_len}")
+            reason = f"tighten: {cause}; {_what_changed(before, self.table)}"
+            return self._decision(table, shape, target, obs.static_bytes, reason)
 
         if looser:
             st.headroom_steps += 1
             if st.headroom_steps >= st.dwell:
                 st.headroom_steps = 0
                 st.last_loosen_step = obs.step
+                before = self.table
                 self.table = tuple(by_seq[s] if s in looser or s in new_rungs else current[s] for s in by_seq)
+                # "loosen" only when it recomputes less; a move to other modes that cost no more memory
+                # but were measured faster is said as what it is.
+                label = (
+                    f"loosen: {st.dwell} steps in a row had room under the target "
+                    f"(last peak {human_bytes(obs.peak_bytes)} of {human_bytes(target)})"
+                    if _recomputes_less(before, self.table)
+                    else "re-balance: the measured step times make these modes cheaper, at no more memory"
+                )
                 return self._decision(
-                    list(self.table),
-                    shape,
-                    target,
-                    obs.static_bytes,
-                    f"loosen: headroom for {st.dwell} steps "
-                    f"(measured {human_bytes(obs.peak_bytes)} of target {human_bytes(target)})",
+                    list(self.table), shape, target, obs.static_bytes, f"{label}; {_what_changed(before, self.table)}"
                 )
         else:
             st.headroom_steps = 0
 
         if new_rungs:
+            before = self.table
             self.table = tuple(by_seq[s] if s in new_rungs else current.get(s, by_seq[s]) for s in by_seq)
-            return self._decision(
-                list(self.table), shape, target, obs.static_bytes, f"extend the plan table to seq {max(by_seq)}"
+            added = ", ".join(f"up to {s}" for s in sorted(new_rungs))
+            reason = (
+                f"new sequence length {shape.seq_len}: plans added for lengths {added}; "
+                f"{_what_changed(before, self.table)}"
             )
+            return self._decision(list(self.table), shape, target, obs.static_bytes, reason)
         return None
 
     def _learn_seconds(self, obs: StepObservation, modes: tuple[Mode, ...]) -> None:
@@ -448,10 +459,11 @@ class Controller:
                 entry.modes, entry.max_seq_len
             )
             table.append(old if keep_old and old is not None else entry)
+        was = self.table
         self.table = tuple(table)
-        return self._decision(
-            table, shape, target, static_bytes, f"tighten: out-of-memory reported at seq {shape.seq_len}"
-        )
+        where = f"at length {shape.seq_len}" if shape.seq_len else "(its length not reported)"
+        reason = f"tighten: out-of-memory reported {where}; {_what_changed(was, self.table)}"
+        return self._decision(table, shape, target, static_bytes, reason)
 
 
 def _lookup(table: list[ShapePlan], shape: Shape) -> ShapePlan | None:
@@ -463,6 +475,54 @@ def _lookup(table: list[ShapePlan], shape: Shape) -> ShapePlan | None:
         if entry.covers(shape):
             return entry
     return table[-1]
+
+
+_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
+# How much of a block's forward runs again in backward: what "recomputes less" counts.
+_RECOMPUTED = {Mode.STORE: 0, Mode.OFFLOAD: 0, Mode.SELECTIVE: 1, Mode.RECOMPUTE: 2}
+
+
+def letters(modes: tuple[Mode, ...]) -> str:
+    """Modes one letter a block: . store, s selective, R recompute, O offload."""
+    return "".join(_LETTERS[m] for m in modes)
+
+
+def _changed(
+    before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...]
+) -> list[tuple[int, ShapePlan | None, ShapePlan]]:
+    old = {e.max_seq_len: e for e in before}
+    return [(e.max_seq_len, old.get(e.max_seq_len), e) for e in after if old.get(e.max_seq_len) != e]
+
+
+def _recomputes_less(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...]) -> bool:
+    """No length of the table recomputes more than before, and some length recomputes less."""
+    less = False
+    for _seq, old, new in _changed(before, after):
+        if old is None:
+            continue
+        was = sum(_RECOMPUTED[m] for m in old.modes)
+        now = sum(_RECOMPUTED[m] for m in new.modes)
+        if now > was:
+            return False
+        less = less or now < was
+    return less
+
+
+def _what_changed(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...], most: int = 4) -> str:
+    """The lengths whose modes changed, in the demo's letters, e.g. "length <= 160: RRRsRRRs -> RRRRRRRR"."""
+    parts = []
+    for seq, old, new in _changed(before, after):
+        if old is not None and old.modes == new.modes:
+            continue
+        parts.append(
+            f"length <= {seq}: {letters(old.modes)} -> {letters(new.modes)}"
+            if old is not None
+            else f"length <= {seq}: {letters(new.modes)} (new)"
+        )
+    if not parts:
+        return "modes unchanged (. store, s selective, R recompute, O offload)"
+    shown = parts[:most] + ([f"and {len(parts) - most} more"] if len(parts) > most else [])
+    return ", ".join(shown) + " (. store, s selective, R recompute, O offload)"
 
 
 def _initial_reason(choice: Choice, target: int) -> str:

@@ -62,7 +62,7 @@ class ServeConfig:
     drain_seconds: float = 0.0
     """How long health says NOT_SERVING before the servers stop, so load balancers move away first."""
     token: str | None = None
-    """Bearer token that writes (and non-loopback reads) need; None: writes are open."""
+    """Bearer token that writes (and non-loopback reads) need; None: HTTP writes are open on loopback only."""
     public_reads: bool = False
     """Serve reads without a token even when HTTP binds a non-loopback address."""
     tls_cert: str = ""
@@ -130,7 +130,8 @@ class ServeConfig:
 
     @property
     def auth(self) -> TokenAuth:
-        return TokenAuth(token=self.token, open_reads=self.public_reads or is_loopback(self.http_host))
+        loopback = is_loopback(self.http_host)
+        return TokenAuth(token=self.token, open_reads=self.public_reads or loopback, open_writes=loopback)
 
     @property
     def tls(self) -> bool:

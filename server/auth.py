@@ -33,9 +33,11 @@ class TokenAuth:
     """Who may write, and who may read."""
 
     token: str | None = None
-    """The bearer token writes need; None lets everyone write (only sensible on loopback)."""
+    """The bearer token writes need; None: HTTP writes are open only while ``open_writes``."""
     open_reads: bool = True
     """Reads need no token (true when the HTTP side binds loopback, or with --public-reads)."""
+    open_writes: bool = True
+    """With no token, HTTP writes are open (true only when the HTTP side binds loopback)."""
 
     def __post_init__(self) -> None:
         if self.token is not None and (len(self.token) < 16 or any(c.isspace() for c in self.token)):
@@ -50,6 +52,12 @@ class TokenAuth:
         scheme, _, value = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
             raise Unauthenticated("the bearer token is wrong")
+
+    def check_write(self, header: str | None) -> None:
+        """An HTTP write: the token when there is one; with none, only on a loopback service."""
+        if self.token is None and not self.open_writes:
+            raise Unauthenticated("writes need a token, and this service has none: it binds HTTP beyond loopback")
+        self.check(header)
 
     def check_read(self, header: str | None) -> None:
         if not self.open_reads:

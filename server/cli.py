@@ -29,7 +29,11 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=str(default_db_path()),
         help="SQLite file, or a database URL such as postgresql://user@host/rematd (default %(default)s)",
     )
-    p.add_argument("--token-file", help="file whose first line is the bearer token writes need (else $REMATD_TOKEN)")
+    p.add_argument(
+        "--token-file",
+        help="file whose first line is the bearer token writes need (else $REMATD_TOKEN); "
+        "without a token, rematd listens on loopback only",
+    )
     p.add_argument("--public-reads", action="store_true", help="serve reads without a token on a non-loopback address")
     p.add_argument("--tls-cert", default="", help="PEM certificate chain: TLS for gRPC and HTTP")
     p.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
@@ -94,10 +98,14 @@ def _serve(argv: list[str]) -> int:
         )
     except ValueError as err:
         parser.error(str(err))
-    if not config.auth.open_reads and config.token is None:
-        logging.getLogger("rematd.server").warning(
-            "HTTP binds %s with no token: reads and writes are open to anyone who reaches it", config.http_host
+    exposed = refused_without_token(config)
+    if exposed:
+        print(
+            f"rematd serve: {exposed} is not a loopback address, and writes there need a token: set REMATD_TOKEN "
+            "or --token-file (e.g. REMATD_TOKEN=$(openssl rand -hex 32)), or bind 127.0.0.1",
+            file=sys.stderr,
         )
+        return 2
     if args.workers > 1:
         from rematd.server.workers import serve_workers
 
@@ -106,6 +114,23 @@ def _serve(argv: list[str]) -> int:
         except StoreError as err:
             return _bad_db(config, err)
     return _run_one(config)
+
+
+def refused_without_token(config: ServeConfig) -> str:
+    """What the service would expose beyond loopback with no token ("" when nothing or a token guards it).
+
+    Without a token, anyone who reaches a port could stream into the record or pin and end jobs:
+    that is allowed on loopback only.
+    """
+    from rematd.server.app import is_loopback
+
+    if config.token is not None:
+        return ""
+    if not is_loopback(config.grpc_host):
+        return f"--grpc-host {config.grpc_host}"
+    if config.http and not is_loopback(config.http_host):
+        return f"--http-host {config.http_host}"
+    return ""
 
 
 def _bad_db(config: ServeConfig, err: Exception) -> int:

@@ -23,13 +23,17 @@ from typing import Any, TypeVar
 
 from rematd.planner import (
     ControllerConfig,
+    Mode,
     Plan,
     PlannerSession,
+    Shape,
+    ShapePlan,
+    blocks_of,
     every_k_blocks,
     frequency_of,
-    predict_overhead_ratio,
-    predict_peak_bytes,
 )
+from rematd.planner.cost import overhead_ratio
+from rematd.planner.shapes import at_shape
 from rematd.records import (
     JOB_ID_RE,
     MAX_INT,
@@ -57,10 +61,68 @@ JOB_STATES = ("running", "disconnected", "ended")
 QUIET_RISK = 0.25
 
 
-def plan_row(plan: Plan) -> dict[str, Any]:
+MODE_NAMES = {m: m.name.lower() for m in Mode}
+MODES_BY_NAME = {name: m for m, name in MODE_NAMES.items()}
+
+
+def mode_names(modes: tuple[Mode, ...]) -> list[str]:
+    return [MODE_NAMES[m] for m in modes]
+
+
+def modes_of(names: list[str], field_name: str) -> tuple[Mode, ...]:
+    bad = sorted({n for n in names if n not in MODES_BY_NAME})
+    if bad:
+        raise InvalidMessage(field_name, f"unknown mode(s) {bad}; use {', '.join(MODES_BY_NAME)}")
+    return tuple(MODES_BY_NAME[n] for n in names)
+
+
+def shape_plan_row(entry: ShapePlan) -> dict[str, Any]:
+    return {
+        "max_seq_len": entry.max_seq_len,
+        "max_tokens": entry.max_tokens,
+        "modes": mode_names(entry.modes),
+        "predicted_peak_bytes": entry.predicted_peak_bytes,
+        "predicted_overhead_ratio": entry.predicted_overhead_ratio,
+    }
+
+
+def shape_plan_of(row: dict[str, Any]) -> ShapePlan:
+    return ShapePlan(
+        max_seq_len=int(row["max_seq_len"]),
+        max_tokens=int(row["max_tokens"]),
+        modes=modes_of(list(row["modes"]), "shape_plans.modes"),
+        predicted_peak_bytes=int(row["predicted_peak_bytes"]),
+        predicted_overhead_ratio=float(row["predicted_overhead_ratio"]),
+    )
+
+
+def plan_row(plan: Plan, num_blocks: int) -> dict[str, Any]:
+    """A plan as the record and the REST API keep it: every block's mode and the per-length table."""
     row = asdict(plan)
     row["blocks"] = list(plan.blocks)
+    row["modes"] = mode_names(plan.block_modes(num_blocks))
+    row["shape_plans"] = [shape_plan_row(e) for e in plan.shape_plans]
     return row
+
+
+def entry_in_force(plan: dict[str, Any], seq_len: int | None, tokens: int | None = None) -> dict[str, Any]:
+    """Of a recorded plan, what a step of ``seq_len`` runs: the first table entry covering it, the
+    longest past the table, the plan's own modes without a table (or without a length)."""
+    table = plan.get("shape_plans") or []
+    entry = None
+    if table and seq_len:
+        entry = next(
+            (e for e in table if seq_len <= e["max_seq_len"] and (tokens is None or tokens <= e["max_tokens"])),
+            table[-1],
+        )
+    if entry is None:
+        return {
+            "max_seq_len": None,
+            "modes": plan["modes"],
+            "predicted_peak_bytes": plan["predicted_peak_bytes"],
+            "predicted_overhead_ratio": plan["predicted_overhead_ratio"],
+        }
+    return {k: entry[k] for k in ("max_seq_len", "modes", "predicted_peak_bytes", "predicted_overhead_ratio")}
 
 
 def shape_bucket(tokens: int) -> int:
@@ -103,10 +165,16 @@ class Controls:
     margin_ratio: float | None = None
     budget_bytes: int | None = None
     ended_at: float | None = None
+    pin_modes: tuple[Mode, ...] | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin_blocks is not None or self.pin_every is not None or self.pin_modes is not None
 
     def as_row(self) -> dict[str, Any]:
         return {
             "pin_blocks": list(self.pin_blocks) if self.pin_blocks is not None else None,
+            "pin_modes": mode_names(self.pin_modes) if self.pin_modes is not None else None,
             "pin_every": self.pin_every,
             "margin_ratio": self.margin_ratio,
             "budget_bytes": self.budget_bytes,
@@ -229,7 +297,7 @@ class AdvisorCore:
                 budget_bytes=hello.budget_bytes,
                 fingerprint=hello.model_fingerprint,
                 device=hello.device_name,
-                plan=plan_row(session.sent) if new_plan else None,
+                plan=plan_row(session.sent, len(hello.blocks)) if new_plan else None,
             )
             if new_plan:
                 self.metrics.plans_issued.labels(job).inc()
@@ -264,6 +332,8 @@ class AdvisorCore:
             raise InvalidMessage("stats.step", f"step {stats.step} does not follow step {session.last_step}")
         now = time.time()
         with self._lock:
+            # The plan the step ran with, for its own prediction (the planner may replace it below).
+            ran = session.sent if stats.plan_version == session.sent.version else None
             session.last_step = stats.step
             session.last_peak = obs.peak_bytes
             started = time.perf_counter()
@@ -292,7 +362,9 @@ class AdvisorCore:
                     "time": now,
                     "peak_bytes": obs.peak_bytes,
                     "budget_bytes": stats.budget_bytes,
-                    "predicted_peak_bytes": session.sent.predicted_peak_bytes,
+                    "predicted_peak_bytes": self._predicted_at(
+                        session, ran or session.sent, stats.shape, obs.static_bytes
+                    ),
                     "plan_version": stats.plan_version,
                     "seq_len": stats.shape.seq_len,
                     "batch": stats.shape.batch,
@@ -372,6 +444,9 @@ class AdvisorCore:
                 self._remember(session, time.time())
             self.store.set_rank_state(job=job, rank=session.hello.rank, state=ENDED if ended else DISCONNECTED)
             ranks = list(self._by_job.get(job, {}).values())
+            if ended:
+                # Every rank said goodbye (here and on other workers): the job ended now.
+                self.store.end_job_if_done(job, time.time())
             if ended and all(s.ended for s in ranks):
                 self._drop_job(job)
 
@@ -428,31 +503,64 @@ class AdvisorCore:
 
     def _pinned(self, session: RankSession) -> Plan | None:
         controls = self._controls.get(session.hello.job_id)
-        if controls is None or (controls.pin_blocks is None and controls.pin_every is None):
+        if controls is None or not controls.pinned:
             return None
         n = len(session.hello.blocks)
-        if controls.pin_every is not None:
+        if controls.pin_modes is not None:
+            modes = (controls.pin_modes + (Mode.STORE,) * n)[:n]
+            reason = f"pinned by an operator: modes {_letters(modes)}"
+        elif controls.pin_every is not None:
             blocks = every_k_blocks(n, controls.pin_every)
-            reason = f"pinned by an operator: every {controls.pin_every} block(s)" if blocks else "pinned: none"
+            modes = _recompute(blocks, n)
+            reason = (
+                f"pinned by an operator: every {controls.pin_every} block(s) recompute"
+                if blocks
+                else "pinned by an operator: every block stores"
+            )
         else:
             blocks = tuple(b for b in controls.pin_blocks or () if b < n)
-            reason = f"pinned by an operator: blocks {list(blocks)}"
-        return self._plan_for(session, blocks, reason)
+            modes = _recompute(blocks, n)
+            reason = f"pinned by an operator: blocks {list(blocks)} recompute"
+        return self._plan_for(session, modes, reason)
 
-    def _plan_for(self, session: RankSession, blocks: tuple[int, ...], reason: str) -> Plan:
+    def _usable(self, session: RankSession, modes: tuple[Mode, ...]) -> tuple[Mode, ...]:
+        """``modes`` with any a block's profile does not offer replaced by recomputation, which every block has."""
+        options = session.planner.profile.options_at(None)
+        return tuple(
+            m if any(o.mode == m for o in opts) else Mode.RECOMPUTE for m, opts in zip(modes, options, strict=True)
+        )
+
+    def _plan_for(
+        self, session: RankSession, modes: tuple[Mode, ...], reason: str, table: tuple[ShapePlan, ...] = ()
+    ) -> Plan:
+        """A plan of given modes (and table) sent instead of the planner's, priced by the rank's profile."""
         profile = session.planner.profile
-        planned = session.planner.plan
+        usable = self._usable(session, modes)
+        if usable != modes:
+            reason += f" (as {_letters(usable)}: the profile offers no such mode for some blocks)"
+        at = at_shape(profile, None)
+        peak, extra = at.cost(usable)
+        blocks = blocks_of(usable)
+        uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in usable)
         return Plan(
             version=session.sent.version,
             blocks=blocks,
-            checkpoint_every=frequency_of(profile.num_blocks, blocks),
-            predicted_peak_bytes=predict_peak_bytes(
-                profile, frozenset(blocks), static_bytes=session.planner.static_bytes
-            ),
-            predicted_overhead_ratio=predict_overhead_ratio(profile, blocks),
-            target_bytes=planned.target_bytes,
+            checkpoint_every=frequency_of(profile.num_blocks, blocks) if uniform else 0,
+            predicted_peak_bytes=session.planner.static_bytes + at.other_bytes + peak,
+            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
+            target_bytes=session.planner.plan.target_bytes,
             reason=reason,
+            modes=usable,
+            shape_plans=table,
         )
+
+    def _predicted_at(self, session: RankSession, plan: Plan, shape: Shape, static_bytes: int) -> int:
+        """The peak predicted for one step: the modes ``plan`` runs at its shape, priced at that shape."""
+        try:
+            at = at_shape(session.planner.profile, shape if shape.seq_len else None)
+            return static_bytes + at.other_bytes + at.cost(plan.modes_for(shape, len(session.hello.blocks)))[0]
+        except ValueError:
+            return plan.predicted_peak_bytes
 
     def _outgoing(self, session: RankSession, cause: str) -> Plan | None:
         """The plan to send when it differs from what the rank has, versioned after it."""
@@ -491,20 +599,39 @@ class AdvisorCore:
         warm = self.store.warm_plan(
             fingerprint=h.model_fingerprint, device=h.device_name, bucket=shape_bucket(h.profile_shape.tokens)
         )
-        if warm is None or warm["num_blocks"] != len(h.blocks) or warm["job"] == h.job_id:
+        n = len(h.blocks)
+        if warm is None or warm["num_blocks"] != n or warm["job"] == h.job_id:
             return None
-        blocks = tuple(int(b) for b in warm["blocks"])
-        if blocks == session.planner.plan.blocks:
+        try:
+            modes = modes_of(list(warm["modes"]), "warm_plans.modes")
+            table = tuple(shape_plan_of(e) for e in warm["shape_plans"])
+        except (InvalidMessage, KeyError, TypeError, ValueError):
+            log.warning("the warm-start plan of job %s is unreadable; planning from the profile", warm["job"])
+            return None
+        if len(modes) != n or any(len(e.modes) != n for e in table):
+            return None
+        planned = session.planner.plan
+        if modes == planned.block_modes(n) and table == planned.shape_plans:
             reason = f"warm start from job {warm['job']} (same as planned)"
         else:
-            # Only when it fits this job's target by the profile it sent: another budget may not hold it.
-            peak = predict_peak_bytes(
-                session.planner.profile, frozenset(blocks), static_bytes=session.planner.static_bytes
-            )
-            if peak > session.planner.plan.target_bytes:
+            # Only when it fits this job's target by the profile it sent, at every length of its
+            # table (or, where nothing fits, is as lean as any plan): another budget may not hold it.
+            target = planned.target_bytes
+            static = session.planner.static_bytes
+            profile = session.planner.profile
+            try:
+                at = at_shape(profile, None)
+                if static + at.other_bytes + at.cost(modes)[0] > target:
+                    return None
+                for e in table:
+                    at = at_shape(profile, Shape(batch=profile.shape.batch, seq_len=e.max_seq_len, tokens=e.max_tokens))
+                    peak = at.cost(e.modes)[0]
+                    if static + at.other_bytes + peak > target and peak > at.knapsack.least_peak()[0]:
+                        return None
+            except ValueError:  # a mode this profile does not offer
                 return None
             reason = f"warm start from job {warm['job']}"
-        return self._plan_for(session, blocks, reason)
+        return self._plan_for(session, modes, reason, table)
 
     def _remember(self, session: RankSession, now: float) -> None:
         h = session.hello
@@ -520,6 +647,8 @@ class AdvisorCore:
             num_blocks=len(h.blocks),
             budget_bytes=session.planner.budget_bytes,
             now=now,
+            modes=mode_names(session.sent.block_modes(len(h.blocks))),
+            shape_plans=[shape_plan_row(e) for e in session.sent.shape_plans],
         )
 
     def _apply_tuning(self, planner: PlannerSession, controls: Controls | None) -> None:
@@ -553,7 +682,7 @@ class AdvisorCore:
 
     def _record_plan(self, session: RankSession, plan: Plan, now: float) -> None:
         job = session.hello.job_id
-        self.store.add_plan(job=job, rank=session.hello.rank, plan=plan_row(plan), now=now)
+        self.store.add_plan(job=job, rank=session.hello.rank, plan=plan_row(plan, len(session.hello.blocks)), now=now)
         self.metrics.plans_issued.labels(job).inc()
 
     # -- the operator side: controls ------------------------------------------
@@ -571,12 +700,34 @@ class AdvisorCore:
             self._controls_revision = max(self._controls_revision, rev)
             self._apply_controls(job, controls)
 
-    def pin(self, job: str, *, checkpoint_every: int | None = None, blocks: list[int] | None = None) -> dict[str, Any]:
-        """Pin a job's plan until unpinned: every k-th block, or an explicit set of blocks."""
+    def pin(
+        self,
+        job: str,
+        *,
+        checkpoint_every: int | None = None,
+        blocks: list[int] | None = None,
+        modes: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Pin a job's plan until unpinned: every k-th block or a set of blocks recomputing, or one mode per block."""
         row = self._require_job(job)
         n = int(row["num_blocks"])
-        if (checkpoint_every is None) == (blocks is None):
-            raise InvalidMessage("body", "give exactly one of checkpoint_every or blocks")
+        if sum(x is not None for x in (checkpoint_every, blocks, modes)) != 1:
+            raise InvalidMessage("body", "give exactly one of checkpoint_every, blocks or modes")
+        pinned_modes: tuple[Mode, ...] | None = None
+        if modes is not None:
+            if len(modes) != n:
+                raise InvalidMessage("modes", f"give one mode per block: {n} for this job, got {len(modes)}")
+            pinned_modes = modes_of(list(modes), "modes")
+            with self._lock:
+                sessions = list(self._by_job.get(job, {}).values())
+            for s in sessions:
+                options = s.planner.profile.options_at(None)
+                missing = [i for i, (m, opts) in enumerate(zip(pinned_modes, options, strict=True))
+                           if not any(o.mode == m for o in opts)]  # fmt: skip
+                if missing:
+                    raise InvalidMessage(
+                        "modes", f"blocks {missing} of rank {s.hello.rank} do not offer the modes asked for them"
+                    )
         if checkpoint_every is not None and not 0 <= checkpoint_every <= n:
             raise InvalidMessage(
                 "checkpoint_every", f"must be in 0-{n} for a job of {n} blocks, got {checkpoint_every}"
@@ -588,14 +739,14 @@ class AdvisorCore:
                 raise InvalidMessage("blocks", f"indices {bad} are outside 0-{n - 1}")
             pinned = tuple(sorted(set(blocks)))
         c = dataclasses.replace(self._controls.get(job) or Controls())
-        c.pin_every, c.pin_blocks = checkpoint_every, pinned
+        c.pin_every, c.pin_blocks, c.pin_modes = checkpoint_every, pinned, pinned_modes
         self._set_controls(job, c)
         return self.job_controls(job)
 
     def unpin(self, job: str) -> dict[str, Any]:
         self._require_job(job)
         c = dataclasses.replace(self._controls.get(job) or Controls())
-        c.pin_every, c.pin_blocks = None, None
+        c.pin_every, c.pin_blocks, c.pin_modes = None, None, None
         self._set_controls(job, c)
         return self.job_controls(job)
 
@@ -641,6 +792,7 @@ class AdvisorCore:
                 job = row["job"]
                 c = Controls(
                     pin_blocks=tuple(row["pin_blocks"]) if row["pin_blocks"] is not None else None,
+                    pin_modes=modes_of(row["pin_modes"], "pin_modes") if row.get("pin_modes") is not None else None,
                     pin_every=row["pin_every"],
                     margin_ratio=row["margin_ratio"],
                     budget_bytes=row["budget_bytes"],
@@ -692,16 +844,28 @@ class AdvisorCore:
             state = "ended"
         else:
             state = "running" if CONNECTED in states else "disconnected"
+        ended = state == "ended"
         # A copy under the lock: HTTP reads run on a thread pool while the event loop adds ranks.
         with self._lock:
             live = {
-                s.hello.rank: (s.sent.version, list(s.sent.blocks), s.planner.oom_risk)
+                s.hello.rank: (s.sent, len(s.hello.blocks), s.planner.oom_risk)
                 for s in self._by_job.get(job, {}).values()
             }
         rank_views = []
+        newest: dict[str, Any] = {}
         for r in ranks:
             now = live.get(r["rank"])
             last = r["last_stats"] or {}
+            seq, tokens = last.get("seq_len"), (last.get("seq_len") or 0) * (last.get("batch") or 1)
+            if last and (not newest or (last.get("step", -1), last.get("time", 0)) > (newest["step"], newest["time"])):
+                newest = {"step": last.get("step", -1), "time": last.get("time", 0), "seq_len": seq, "tokens": tokens}
+            force: dict[str, Any] | None = None
+            if now is not None:
+                sent, n = now[0], now[1]
+                shape = Shape(batch=last.get("batch") or 1, seq_len=seq or 0, tokens=tokens)
+                force = {"modes": mode_names(sent.modes_for(shape, n) if seq else sent.block_modes(n))}
+            elif plan is not None:
+                force = entry_in_force(plan, seq, tokens)
             rank_views.append(
                 {
                     "rank": r["rank"],
@@ -709,14 +873,23 @@ class AdvisorCore:
                     "state": r["state"],
                     "device": r["device"],
                     "last_stats": r["last_stats"],
-                    "plan_version": now[0] if now else last.get("plan_version"),
-                    "checkpointed_blocks": now[1] if now else None,
-                    "oom_risk": now[2] if now else last.get("oom_risk"),
+                    "plan_version": now[0].version if now else last.get("plan_version"),
+                    # What its last step's length runs under the plan it has (or the job's last).
+                    "modes": force["modes"] if force else None,
+                    "checkpointed_blocks": [i for i, m in enumerate(force["modes"]) if m != "store"] if force else None,
+                    # An ended job carries no live risk: what it last measured is history.
+                    "oom_risk": None if ended else (now[2] if now else last.get("oom_risk")),
                 }
             )
         peaks = [r["last_stats"]["peak_bytes"] for r in ranks if r["last_stats"]]
         budget = row["budget_bytes"]
         risks = [v["oom_risk"] for v in rank_views if v["oom_risk"] is not None]
+        in_force = None
+        if plan is not None:
+            in_force = {
+                "seq_len": newest.get("seq_len"),
+                **entry_in_force(plan, newest.get("seq_len"), newest.get("tokens") or None),
+            }
         return {
             "job": job,
             "state": state,
@@ -730,9 +903,10 @@ class AdvisorCore:
             "device": row.get("device", ""),
             "ranks": rank_views,
             "plan": plan,
+            "in_force": in_force,
             "peak_bytes": max(peaks) if peaks else None,
             "headroom_ratio": (budget - max(peaks)) / budget if peaks and budget else None,
-            "oom_risk": max(risks) if risks else None,
+            "oom_risk": None if ended else (max(risks) if risks else None),
             "oom_events": ooms,
             "controls": self.job_controls(job),
         }
@@ -758,3 +932,16 @@ class AdvisorCore:
     def job_ooms(self, job: str) -> list[dict[str, Any]]:
         self._require_job(job)
         return self.store.ooms(job)
+
+
+_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
+
+
+def _letters(modes: tuple[Mode, ...]) -> str:
+    """Modes one letter a block, as the demo prints them: . store, s selective, R recompute, O offload."""
+    return "".join(_LETTERS[m] for m in modes)
+
+
+def _recompute(blocks: tuple[int, ...], n: int) -> tuple[Mode, ...]:
+    chosen = set(blocks)
+    return tuple(Mode.RECOMPUTE if i in chosen else Mode.STORE for i in range(n))

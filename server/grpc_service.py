@@ -73,7 +73,12 @@ class GrpcOptions:
 
 
 def status_of(err: BaseException) -> grpc.StatusCode:
-    """The one place domain errors become gRPC status codes."""
+    """The one place domain errors become gRPC status codes.
+
+    Only a message the client got wrong (InvalidMessage, which names the field) is INVALID_ARGUMENT,
+    which the client takes as final. Any other error, a plain ValueError from a bug included, is a
+    fault of the service: INTERNAL, which the client retries with backoff.
+    """
     if isinstance(err, Unauthenticated):
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(err, JobNotFound):
@@ -82,12 +87,12 @@ def status_of(err: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(err, ShuttingDown):
         return grpc.StatusCode.UNAVAILABLE
-    if isinstance(err, (InvalidMessage, ValueError)):
+    if isinstance(err, InvalidMessage):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
 
 
-_DOMAIN_ERRORS = (InvalidMessage, ValueError, SessionError, JobNotFound, Unauthenticated, ShuttingDown)
+_DOMAIN_ERRORS = (InvalidMessage, SessionError, JobNotFound, Unauthenticated, ShuttingDown)
 RECONNECT = "server shutting down; reconnect"
 
 
@@ -215,10 +220,12 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         ended = True
                 except _DOMAIN_ERRORS as err:
                     await self._abort(context, err)
-                except Exception:
-                    # A fault of the service (its database, a bug) ends this stream only, and says so.
+                except Exception as err:
+                    # A fault of the service (its database, a bug) ends this stream only, and says so:
+                    # INTERNAL, which the client retries, so that a bug here does not stop a rank for good.
                     log.exception("handling a %s message failed", kind)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log")
+                    core.metrics.service_faults.labels(str(kind)).inc()
+                    await context.abort(status_of(err), f"the service failed handling {kind}; see its log")
                 if kind is not None:
                     durations.labels(kind).observe(time.perf_counter() - started)
                 for m in out:

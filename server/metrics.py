@@ -176,6 +176,12 @@ class Metrics:
             "rematd_unauthenticated_requests", "Requests refused for a missing or wrong token.", ["transport"],
             registry=None,
         )  # fmt: skip
+        self.service_faults = Counter(
+            "rematd_service_faults",
+            "Messages the service failed to handle through a fault of its own (answered INTERNAL), by kind.",
+            ["kind"],
+            registry=None,
+        )
         self.summed: dict[str, tuple[Counter | Gauge, str]] = {
             "rematd_plans_issued": (self.plans_issued, "counter"),
             "rematd_oom_events": (self.oom_events, "counter"),
@@ -183,6 +189,7 @@ class Metrics:
             "rematd_invalid_messages": (self.invalid_messages, "counter"),
             "rematd_record_rejected_rows": (self.rejected_rows, "counter"),
             "rematd_unauthenticated_requests": (self.unauthenticated, "counter"),
+            "rematd_service_faults": (self.service_faults, "counter"),
             "rematd_active_streams": (self.active_streams, "gauge"),
         }
         r.register(_Summed(self))

@@ -126,6 +126,18 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX IF NOT EXISTS ooms_by_job ON oom_events (job, id)",
         ),
     ),
+    (
+        3,
+        "plans keep their modes and per-length tables; pins and warm starts by mode",
+        (
+            # NULL on rows written before: read back as their blocks recomputing and the rest storing.
+            "ALTER TABLE plans ADD COLUMN modes TEXT",
+            "ALTER TABLE plans ADD COLUMN shape_plans TEXT",
+            "ALTER TABLE job_controls ADD COLUMN pin_modes TEXT",
+            "ALTER TABLE warm_plans ADD COLUMN modes TEXT",
+            "ALTER TABLE warm_plans ADD COLUMN shape_plans TEXT",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -212,8 +224,50 @@ _UPSERT_JOB = """INSERT INTO jobs (job, created_at, updated_at, world_size, num_
 _UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state) VALUES (:job, :rank, :device, :state)
     ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state"""
 _ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
-    predicted_overhead_ratio, target_bytes, reason, created_at)
-    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now)"""
+    predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans)
+    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now, :modes, :table)"""
+# A plan's rows, with the job's block count for plans recorded before modes were kept.
+_PLANS = "SELECT plans.*, jobs.num_blocks AS job_blocks FROM plans JOIN jobs ON jobs.job = plans.job"
+
+STORE, RECOMPUTE = "store", "recompute"
+# Modes are kept one letter a block, as the demo prints them: a plan of 4096 blocks with a table of
+# ten lengths is 40 KB of letters, where a JSON list of names would be ten times that.
+_LETTER = {"store": ".", "selective": "s", "recompute": "R", "offload": "O"}
+_NAME = {letter: name for name, letter in _LETTER.items()}
+
+
+def pack_modes(names: Sequence[str]) -> str:
+    return "".join(_LETTER[n] for n in names)
+
+
+def unpack_modes(letters: str) -> list[str]:
+    return [_NAME[c] for c in letters]
+
+
+def _pack_table(table: Sequence[dict[str, Any]]) -> str:
+    return json.dumps([{**e, "modes": pack_modes(e["modes"])} for e in table])
+
+
+def _unpack_table(text: str | None) -> list[dict[str, Any]]:
+    return [{**e, "modes": unpack_modes(e["modes"])} for e in json.loads(text)] if text else []
+
+
+def derived_modes(blocks: Sequence[int], num_blocks: int) -> list[str]:
+    """The modes of a plan recorded with blocks only: those recompute, the others store."""
+    chosen = set(blocks)
+    return [RECOMPUTE if i in chosen else STORE for i in range(num_blocks)]
+
+
+def _plan_out(r: Any, drop: Sequence[str] = ("id", "job")) -> dict[str, Any]:
+    d = _row(r, drop)
+    n = d.pop("job_blocks", None)
+    d["blocks"] = json.loads(d["blocks"])
+    if d.get("modes") is not None:
+        d["modes"] = unpack_modes(d["modes"])
+    else:
+        d["modes"] = derived_modes(d["blocks"], int(n) if n is not None else max(d["blocks"], default=-1) + 1)
+    d["shape_plans"] = _unpack_table(d.get("shape_plans"))
+    return d
 
 
 def _plan_params(job: str, rank: int, plan: dict[str, Any], now: float) -> dict[str, Any]:
@@ -228,6 +282,8 @@ def _plan_params(job: str, rank: int, plan: dict[str, Any], now: float) -> dict[
         "target": plan["target_bytes"],
         "reason": plan["reason"],
         "now": now,
+        "modes": pack_modes(plan["modes"]) if plan.get("modes") is not None else None,
+        "table": _pack_table(plan.get("shape_plans") or []),
     }
 
 
@@ -419,6 +475,14 @@ class Store:
     def end_job(self, job: str, now: float) -> None:
         self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})
 
+    def end_job_if_done(self, job: str, now: float) -> None:
+        """Mark the job ended when every rank the record has of it said goodbye (on any worker or replica)."""
+        self._write(
+            """UPDATE jobs SET ended_at=:now WHERE job=:job AND ended_at IS NULL AND NOT EXISTS
+               (SELECT 1 FROM ranks WHERE ranks.job=:job AND ranks.state <> 'ended')""",
+            {"now": now, "job": job},
+        )
+
     def add_plan(self, *, job: str, rank: int, plan: dict[str, Any], now: float) -> None:
         self._write(_ADD_PLAN, _plan_params(job, rank, plan, now))
 
@@ -442,6 +506,7 @@ class Store:
             params = {
                 "job": job,
                 "pb": json.dumps(controls["pin_blocks"]) if controls.get("pin_blocks") is not None else None,
+                "pm": pack_modes(controls["pin_modes"]) if controls.get("pin_modes") is not None else None,
                 "pe": controls.get("pin_every"),
                 "mr": controls.get("margin_ratio"),
                 "bb": controls.get("budget_bytes"),
@@ -451,8 +516,10 @@ class Store:
             }
             conn.execute(
                 text(
-                    """INSERT INTO job_controls VALUES (:job, :pb, :pe, :mr, :bb, :ea, :rev, :now)
+                    """INSERT INTO job_controls (job, pin_blocks, pin_every, margin_ratio, budget_bytes, ended_at,
+                       revision, updated_at, pin_modes) VALUES (:job, :pb, :pe, :mr, :bb, :ea, :rev, :now, :pm)
                        ON CONFLICT(job) DO UPDATE SET pin_blocks=excluded.pin_blocks, pin_every=excluded.pin_every,
+                       pin_modes=excluded.pin_modes,
                        margin_ratio=excluded.margin_ratio, budget_bytes=excluded.budget_bytes,
                        ended_at=excluded.ended_at, revision=excluded.revision, updated_at=excluded.updated_at"""
                 ),
@@ -470,6 +537,7 @@ class Store:
             for r in rows:
                 d = dict(r)
                 d["pin_blocks"] = json.loads(d["pin_blocks"]) if d["pin_blocks"] is not None else None
+                d["pin_modes"] = unpack_modes(d["pin_modes"]) if d.get("pin_modes") is not None else None
                 out.append(d)
             return out
 
@@ -484,14 +552,19 @@ class Store:
         num_blocks: int,
         budget_bytes: int,
         now: float,
+        modes: Sequence[str] | None = None,
+        shape_plans: Sequence[dict[str, Any]] = (),
     ) -> None:
         self._write(
-            """INSERT INTO warm_plans VALUES (:fp, :dev, :bucket, :job, :blocks, :nb, :budget, :now)
+            """INSERT INTO warm_plans (model_fingerprint, device, shape_bucket, job, blocks, num_blocks, budget_bytes,
+               updated_at, modes, shape_plans) VALUES (:fp, :dev, :bucket, :job, :blocks, :nb, :budget, :now, :modes,
+               :table)
                ON CONFLICT(model_fingerprint, device, shape_bucket) DO UPDATE SET job=excluded.job,
                blocks=excluded.blocks, num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
-               updated_at=excluded.updated_at""",
+               updated_at=excluded.updated_at, modes=excluded.modes, shape_plans=excluded.shape_plans""",
             {"fp": fingerprint, "dev": device, "bucket": bucket, "job": job, "blocks": json.dumps(list(blocks)),
-             "nb": num_blocks, "budget": budget_bytes, "now": now},
+             "nb": num_blocks, "budget": budget_bytes, "now": now,
+             "modes": pack_modes(modes) if modes is not None else None, "table": _pack_table(shape_plans)},
         )  # fmt: skip
 
     def warm_plan(self, *, fingerprint: str, device: str, bucket: int) -> dict[str, Any] | None:
@@ -504,6 +577,9 @@ class Store:
             return None
         d = dict(rows[0])
         d["blocks"] = json.loads(d["blocks"])
+        has = d.get("modes") is not None
+        d["modes"] = unpack_modes(d["modes"]) if has else derived_modes(d["blocks"], int(d["num_blocks"]))
+        d["shape_plans"] = _unpack_table(d.get("shape_plans"))
         return d
 
     # -- housekeeping -------------------------------------------------------------
@@ -573,19 +649,16 @@ class Store:
 
     def plans(self, job: str) -> list[dict[str, Any]]:
         out = []
-        for r in self._read("SELECT * FROM plans WHERE job=:job ORDER BY id", {"job": job}, fresh=False):
-            d = _row(r)
-            d["blocks"] = json.loads(d["blocks"])
-            out.append(d)
+        for r in self._read(f"{_PLANS} WHERE plans.job=:job ORDER BY plans.id", {"job": job}, fresh=False):
+            out.append(_plan_out(r))
         return out
 
     def latest_plans(self) -> dict[str, dict[str, Any]]:
         """Each job's newest plan."""
-        rows = self._read("SELECT * FROM plans WHERE id IN (SELECT MAX(id) FROM plans GROUP BY job)", fresh=False)
+        rows = self._read(f"{_PLANS} WHERE plans.id IN (SELECT MAX(id) FROM plans GROUP BY job)", fresh=False)
         out = {}
         for r in rows:
-            d = _row(r, ("id",))
-            d["blocks"] = json.loads(d["blocks"])
+            d = _plan_out(r, ("id",))
             out[d.pop("job")] = d
         return out
 
@@ -633,15 +706,11 @@ class Store:
 
     def last_plan(self, job: str, rank: int) -> dict[str, Any] | None:
         rows = self._read(
-            "SELECT * FROM plans WHERE job=:job AND rank=:rank ORDER BY id DESC LIMIT 1",
+            f"{_PLANS} WHERE plans.job=:job AND plans.rank=:rank ORDER BY plans.id DESC LIMIT 1",
             {"job": job, "rank": rank},
             fresh=False,
         )
-        if not rows:
-            return None
-        d = _row(rows[0])
-        d["blocks"] = json.loads(d["blocks"])
-        return d
+        return _plan_out(rows[0]) if rows else None
 
     def ooms(self, job: str) -> list[dict[str, Any]]:
         return [

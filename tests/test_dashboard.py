@@ -9,15 +9,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import torch
 
 from rematd import client, wire
-from rematd.records import Hello
+from rematd.planner import Shape
+from rematd.records import Hello, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
 from .helpers import LiveServer, live_server, tiny_model, train_step
+from .test_plan_record import LENGTHS, letters, modes_hello
 from .test_service import _fields, hello, stats
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -51,6 +54,29 @@ def simulated_rank(target: str, rank: int) -> None:
         list(replies)
 
 
+def modes_rank(target: str) -> None:
+    """A rank whose blocks may store, go selective or recompute, its lengths growing: plans change modes by length."""
+    outbox: queue.Queue[pb.ClientMessage | None] = queue.Queue()
+    outbox.put(pb.ClientMessage(hello=wire.hello_to_pb(modes_hello("modes-job"))))
+    with grpc.insecure_channel(target) as ch:
+        replies = pb_grpc.AdvisorStub(ch).Session(iter(outbox.get, None), timeout=30)
+        version = next(replies).plan.version
+        for step, seq in enumerate(LENGTHS):
+            shape = Shape(batch=1, seq_len=seq, tokens=seq)
+            peak = 6000 if seq == 64 else 9000
+            msg = StepStats(step=step, saved_peak_bytes=peak, budget_bytes=10_000, shape=shape, plan_version=version)
+            outbox.put(pb.ClientMessage(stats=wire.stats_to_pb(msg)))
+            while True:
+                reply = next(replies)
+                if reply.WhichOneof("kind") == "plan":
+                    version = reply.plan.version
+                elif reply.ack.step == step:
+                    break
+        outbox.put(pb.ClientMessage(goodbye=pb.Goodbye(reason="done")))
+        outbox.put(None)
+        list(replies)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with live_server(tmp_path_factory.mktemp("dash")) as srv:
@@ -64,6 +90,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         h.close()
         for rank in (0, 1):
             simulated_rank(srv.grpc, rank)
+        modes_rank(srv.grpc)
         yield srv
 
 
@@ -90,9 +117,11 @@ def test_dashboard_renders_jobs_chart_markers_ranks_and_history(served: LiveServ
         page.wait_for_selector("body[data-ready]", timeout=15_000)
 
         rows = page.locator("#jobs-body tr[data-job]")
-        assert sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.job)")) == ["sim-job", "train-gpt"]
+        assert sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.job)")) == ["modes-job", "sim-job", "train-gpt"]
         sim = page.locator('#jobs-body tr[data-job="sim-job"]')
-        assert sim.locator("td.oom-risk").inner_text().endswith("%")
+        assert "ended" in sim.locator("td").nth(1).inner_text()
+        assert sim.locator("td.oom-risk").inner_text() == "—", "an ended job shows no live risk"
+        assert page.locator("#ranks-body td.oom-risk").all_inner_texts() == ["—", "—"]
         assert sim.locator("td").nth(9).inner_text() == "1", "the OOM count is shown"
 
         # The chart: a line per rank, plan changes and the OOM marked.
@@ -165,6 +194,144 @@ def test_dashboard_asks_for_the_token_when_reads_need_it(guarded: str) -> None:
         page.wait_for_function("document.getElementById('error-banner').textContent.includes('needs its token')")
         assert page.evaluate("sessionStorage.getItem('rematd-token')") is None
         assert errors == []
+    finally:
+        browser.close()
+        pw.stop()
+
+
+def _legend_styles(page) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    return [
+        (item["label"], item["style"])
+        for item in page.locator("#chart-legend .item").evaluate_all(
+            """items => items.map(i => {
+                 const l = i.querySelector('line');
+                 return {label: i.textContent, style: ['stroke', 'stroke-dasharray', 'stroke-width']
+                   .map(a => l.getAttribute(a) || '').join('|')};
+               })"""
+        )
+    ]
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian package 'chromium' is absent")
+def test_dashboard_shows_the_modes_in_force_by_length(served: LiveServer) -> None:
+    job = httpx.get(f"{served.url}/api/v1/jobs/modes-job", timeout=10).json()
+    plans = httpx.get(f"{served.url}/api/v1/jobs/modes-job/plans", timeout=10).json()["plans"]
+    table = plans[-1]["shape_plans"]
+    assert len({letters(e["modes"]) for e in table}) >= 3, "the job's plan changes modes by length"
+    force = job["in_force"]
+    assert force["seq_len"] == 128 and force["modes"] != table[-1]["modes"]
+    pw, browser = _browser()
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1300})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{served.url}/#job=modes-job")
+        page.wait_for_selector("body[data-ready]", timeout=15_000)
+
+        # The job row: the plan in force for the last step's length, not the table's top entry.
+        cell = page.locator('#jobs-body tr[data-job="modes-job"] td.plan')
+        assert f"len 128 (≤{force['max_seq_len']})" in cell.inner_text()
+        assert cell.locator(".strip").get_attribute("data-modes") == letters(force["modes"])
+        # The table of modes per length: a strip per length, one cell per block coloured by mode.
+        rows = page.locator("#plan-table-body tr[data-max-seq-len]")
+        assert rows.count() == len(table)
+        strips = rows.locator(".strip").evaluate_all("ss => ss.map(s => s.dataset.modes)")
+        assert strips == [letters(e["modes"]) for e in table]
+        assert page.locator("#plan-table-body .strip").first.locator(".cell").count() == 8
+        for mode in ("store", "selective", "recompute"):
+            assert page.locator(f"#plan-table-body .cell.mode-{mode}").count() >= 1, mode
+        colours = page.locator("#plan-table-body .cell").evaluate_all(
+            "cs => [...new Set(cs.map(c => c.className + '=' + getComputedStyle(c).backgroundColor))]"
+        )
+        assert len({c.split("=")[1] for c in colours}) == len({c.split("=")[0] for c in colours}) >= 3, colours
+        current = page.locator("#plan-table-body tr.in-force")
+        assert current.count() == 1 and current.get_attribute("data-max-seq-len") == str(force["max_seq_len"])
+        # The rank shows the same modes; the history has a strip per plan.
+        assert page.locator("#ranks-body .strip").get_attribute("data-modes") == letters(force["modes"])
+        history = page.locator("#plan-body tr[data-version] .strip").evaluate_all("ss => ss.map(s => s.dataset.modes)")
+
+        def at_128(p: dict) -> str:  # type: ignore[type-arg]
+            return letters(next((e["modes"] for e in p["shape_plans"] if e["max_seq_len"] >= 128), p["modes"]))
+
+        assert history == [at_128(p) for p in plans], "each plan at the length the job runs now"
+        assert "length 128" in (page.locator("#plan-history-modes").text_content() or "")
+        assert any("length <= " in r for r in page.locator("#plan-body td.reason").all_inner_texts())
+        assert not any("extend the plan table" in r for r in page.locator("#plan-body td.reason").all_inner_texts())
+        # The legend tells every series apart: no two items share a label or a style.
+        page.goto(f"{served.url}/#job=sim-job")
+        page.wait_for_function("document.body.dataset.ready === '1' && location.hash === '#job=sim-job'")
+        page.wait_for_selector("#chart line.oom-marker", state="attached", timeout=15_000)
+        styles = _legend_styles(page)
+        assert {label for label, _ in styles} >= {"budget", "OOM event", "plan change"}
+        assert len({label for label, _ in styles}) == len(styles) and len({st for _, st in styles}) == len(styles)
+        oom = page.locator("#chart line.oom-marker").first.evaluate("l => getComputedStyle(l).stroke")
+        budget = page.locator("#chart path.budget").evaluate("p => getComputedStyle(p).stroke")
+        assert oom != budget
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.goto(f"{served.url}/#job=modes-job")
+        page.wait_for_function("document.body.dataset.ready === '1' && location.hash === '#job=modes-job'")
+        page.screenshot(path=str(ARTIFACTS / "dashboard-modes-job.png"), full_page=True)
+        assert errors == []
+    finally:
+        browser.close()
+        pw.stop()
+
+
+def _refused(served: LiveServer) -> float:
+    text = httpx.get(f"{served.url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith('rematd_unauthenticated_requests_total{transport="http"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian package 'chromium' is absent")
+def test_a_page_of_another_origin_cannot_write_and_docs_render_offline(served: LiveServer) -> None:
+    port = served.http.rsplit(":", 1)[1]
+    pw, browser = _browser()
+    try:
+        page = browser.new_page()
+        # Another origin (another host name for the same machine) tries what a hostile page would.
+        page.goto(f"http://localhost:{port}/healthz")
+        before = _refused(served)
+        page.evaluate(
+            """async base => {
+                 await fetch(base + '/api/v1/jobs/modes-job/end', {method: 'POST', mode: 'no-cors'});
+                 await fetch(base + '/api/v1/jobs/modes-job/pin', {method: 'POST', mode: 'no-cors',
+                   headers: {'content-type': 'text/plain'}, body: JSON.stringify({checkpoint_every: 1})});
+               }""",
+            f"http://127.0.0.1:{port}",
+        )
+        assert _refused(served) == before + 2, "both writes reached the service and were refused"
+        controls = httpx.get(f"{served.url}/api/v1/jobs/modes-job", timeout=10).json()["controls"]
+        assert controls["ended_at"] is None and controls["pin_every"] is None
+        # The dashboard's own origin may write (an operator's page or tool on the service's machine).
+        page.goto(f"http://127.0.0.1:{port}/healthz")
+        status = page.evaluate(
+            """async () => (await fetch('/api/v1/jobs/modes-job/pin', {method: 'POST',
+                 headers: {'content-type': 'application/json'}, body: JSON.stringify({checkpoint_every: 2})})).status"""
+        )
+        assert status == 200
+        assert (
+            page.evaluate("async () => (await fetch('/api/v1/jobs/modes-job/pin', {method: 'DELETE'})).status") == 200
+        )
+
+        # /docs with every request off the service refused: it renders from the service's own files.
+        elsewhere: list[str] = []
+
+        def local_only(route) -> None:  # type: ignore[no-untyped-def]
+            if route.request.url.startswith(f"http://127.0.0.1:{port}/"):
+                route.continue_()
+            else:
+                elsewhere.append(route.request.url)
+                route.abort()
+
+        page.route("**/*", local_only)
+        page.goto(f"http://127.0.0.1:{port}/docs")
+        page.wait_for_selector(".swagger-ui .opblock", timeout=15_000)
+        assert page.locator(".swagger-ui .opblock").count() >= 8
+        assert "/api/v1/jobs/{job}/pin" in page.locator(".swagger-ui").inner_text()
+        assert elsewhere == []
     finally:
         browser.close()
         pw.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,94 @@ def test_writes_need_the_token(core: AdvisorCore) -> None:
             assert r.headers["www-authenticate"] == "Bearer" and r.json()["detail"]
     # Reads stay open on loopback.
     assert http.get("/api/v1/jobs").status_code == 200
+
+
+WRITES = [
+    ("POST", "/api/v1/jobs/known/pin", {"checkpoint_every": 2}),
+    ("DELETE", "/api/v1/jobs/known/pin", None),
+    ("PATCH", "/api/v1/jobs/known", {"margin_ratio": 0.2}),
+    ("POST", "/api/v1/jobs/known/end", None),
+]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"{not json",
+        b'{"checkpoint_every": "two"}',
+        b'{"modes": ["sideways"], "blocks": [-1], "extra": 1}',
+        b"[" * 5000,
+        b'{"checkpoint_every": 2}',
+    ],
+    ids=["empty", "not-json", "wrong-type", "invalid-fields", "deep", "valid"],
+)
+def test_with_a_token_every_write_without_it_is_401_whatever_its_body(core: AdvisorCore, content: bytes) -> None:
+    http = TestClient(create_app(core, TokenAuth(token=TOKEN)))
+    for method, url, _ in WRITES:
+        r = http.request(method, url, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 401, (method, url, content[:40], r.text)
+    assert core.job_controls("known")["pin_every"] is None and core.get_job("known")["state"] == "running"
+
+
+def test_with_no_token_writes_are_open_on_loopback_only(core: AdvisorCore) -> None:
+    # As a script or curl on the machine calls it: open.
+    local = TestClient(create_app(core, TokenAuth()), base_url="http://127.0.0.1:8080")
+    r = local.post("/api/v1/jobs/known/pin", json={"checkpoint_every": 2})
+    assert r.status_code == 200 and r.json()["pin_every"] == 2
+    assert (
+        TestClient(create_app(core, TokenAuth()), base_url="http://localhost:8080")
+        .delete("/api/v1/jobs/known/pin")
+        .status_code
+        == 200
+    )
+    # A page whose own name resolves to 127.0.0.1 (DNS rebinding) sends its name as Host: refused.
+    rebound = TestClient(create_app(core, TokenAuth()), base_url="http://attacker.example:8080")
+    r = rebound.post("/api/v1/jobs/known/pin", json={"checkpoint_every": 1})
+    assert r.status_code == 403 and "loopback" in r.json()["detail"]
+    # A service that binds beyond loopback with no token takes no writes at all.
+    exposed = TestClient(create_app(core, TokenAuth(open_writes=False)), base_url="http://127.0.0.1:8080")
+    for method, url, body in WRITES:
+        r = exposed.request(method, url, json=body)
+        assert r.status_code == 401 and "token" in r.json()["detail"], (method, url, r.text)
+    assert core.job_controls("known")["pin_every"] is None
+
+
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_writes_from_another_site_are_refused(core: AdvisorCore, token: str | None) -> None:
+    http = TestClient(create_app(core, TokenAuth(token=token)), base_url="http://127.0.0.1:8080")
+    auth = AUTH if token else {}
+    cross = [
+        {"sec-fetch-site": "cross-site"},
+        {"sec-fetch-site": "same-site"},
+        {"origin": "http://attacker.example"},
+        {"origin": "http://127.0.0.1:9999"},
+        {"origin": "null"},
+    ]
+    for headers in cross:
+        for method, url, body in WRITES:
+            r = http.request(method, url, json=body, headers={**auth, **headers})
+            assert r.status_code == 403, (headers, method, url, r.text)
+            assert "another" in r.json()["detail"]
+    assert core.job_controls("known")["pin_every"] is None and core.get_job("known")["state"] == "running"
+    # The dashboard's own origin, and a browser's address bar, may write.
+    for headers in ({"origin": "http://127.0.0.1:8080", "sec-fetch-site": "same-origin"}, {"sec-fetch-site": "none"}):
+        r = http.post("/api/v1/jobs/known/pin", json={"checkpoint_every": 2}, headers={**auth, **headers})
+        assert r.status_code == 200, (headers, r.text)
+    # Reads are not writes: a cross-site read is answered (the browser keeps it from the page).
+    assert http.get("/api/v1/jobs", headers={**auth, "sec-fetch-site": "cross-site"}).status_code == 200
+
+
+def test_the_api_docs_are_served_without_the_internet(core: AdvisorCore) -> None:
+    http = TestClient(create_app(core))
+    page = http.get("/docs")
+    assert page.status_code == 200
+    refs = re.findall(r"""(?:src|href|url)\s*[:=]\s*['"]([^'"]+)['"]""", page.text)
+    assert refs and not [u for u in refs if "//" in u], f"every asset is the service's own: {refs}"
+    for url in refs:
+        r = http.get(url)
+        assert r.status_code == 200 and r.content, url
+    assert http.get("/redoc").status_code == 404, "no page that loads its script from elsewhere"
 
 
 def test_reads_need_the_token_off_loopback(core: AdvisorCore) -> None:

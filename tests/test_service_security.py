@@ -18,6 +18,8 @@ from cryptography.x509.oid import NameOID
 from rematd import wire
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.auth import load_token
+from rematd.server.cli import main as cli_main
+from rematd.server.errors import Unauthenticated
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -119,3 +121,35 @@ def test_settings_are_checked_early(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert load_token(str(tmp_path / "tok")) == TOKEN
     monkeypatch.setenv("REMATD_TOKEN", TOKEN)
     assert load_token(None) == TOKEN
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--http-host", "0.0.0.0"], "--http-host 0.0.0.0"),
+        (["--grpc-host", "0.0.0.0"], "--grpc-host 0.0.0.0"),
+        (["--http-host", "10.1.2.3", "--public-reads"], "--http-host 10.1.2.3"),
+    ],
+)
+def test_serve_refuses_to_listen_beyond_loopback_without_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], named: str
+) -> None:
+    monkeypatch.delenv("REMATD_TOKEN", raising=False)
+    db = tmp_path / "r.db"
+    code = cli_main(["serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert named in err and "token" in err and "REMATD_TOKEN" in err
+    assert not db.exists(), "refused before anything was opened"
+
+
+def test_writes_without_a_token_are_open_only_while_http_binds_loopback() -> None:
+    assert ServeConfig().auth.open_writes and ServeConfig(http_host="localhost").auth.open_writes
+    exposed = ServeConfig(http_host="0.0.0.0", public_reads=True).auth
+    assert not exposed.open_writes and exposed.open_reads
+    with pytest.raises(Unauthenticated, match="writes need a token"):
+        exposed.check_write(None)
+    guarded = ServeConfig(http_host="0.0.0.0", token=TOKEN).auth
+    guarded.check_write(f"Bearer {TOKEN}")
+    with pytest.raises(Unauthenticated):
+        guarded.check_write(None)

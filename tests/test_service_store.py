@@ -18,10 +18,11 @@ import httpx
 import pytest
 
 from rematd import wire
+from rematd.planner import Mode
 from rematd.records import BlockRecord, Hello
 from rematd.server.core import AdvisorCore
 from rematd.server.metrics import Metrics
-from rematd.server.store import SCHEMA_VERSION, Store, StoreConfig, database_url
+from rematd.server.store import _TYPES, MIGRATIONS, SCHEMA_VERSION, Store, StoreConfig, database_url
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -84,6 +85,13 @@ def _exercise(store: Store) -> None:
     core.unpin("db-job")
     other.refresh_controls()
     assert other.job_controls("db-job")["pin_every"] is None
+    # Modes and the per-length table, and pins by mode, on this database too.
+    recorded = core.job_plans("db-job")
+    assert all(len(p["modes"]) == 4 for p in recorded) and recorded[1]["shape_plans"]
+    assert recorded[1]["blocks"] == [i for i, m in enumerate(recorded[1]["modes"]) if m != "store"]
+    core.pin("db-job", modes=["recompute", "store", "store", "recompute"])
+    other.refresh_controls()
+    assert other.job_controls("db-job")["pin_modes"] == ["recompute", "store", "store", "recompute"]
 
 
 def test_sqlite_record(tmp_path: Path) -> None:
@@ -132,6 +140,57 @@ def test_a_record_from_before_migrations_is_upgraded(tmp_path: Path) -> None:
     con.close()
     with pytest.raises(RuntimeError, match="999"):
         Store(db)
+
+
+def test_a_record_of_schema_2_is_upgraded_and_its_plans_read_back_with_modes(tmp_path: Path) -> None:
+    """A record written before plans kept their modes: migrations 1-2 as they shipped, rows as rematd wrote them."""
+    db = tmp_path / "v2.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE schema_version (version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at REAL)")
+    for version, description, statements in MIGRATIONS[:2]:
+        for sql in statements:
+            con.execute(sql.format(**_TYPES["sqlite"]))
+        con.execute("INSERT INTO schema_version VALUES (?, ?, 0)", (version, description))
+    con.executescript(
+        """INSERT INTO jobs (job, created_at, updated_at, world_size, num_blocks, budget_bytes, model_fingerprint,
+               device, ended_at) VALUES ('old-job', 1.0, 2.0, 1, 4, 10000, 'abc', 'cpu', NULL);
+        INSERT INTO ranks VALUES ('old-job', 0, 'cpu', 'disconnected', NULL);
+        INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
+               predicted_overhead_ratio, target_bytes, reason, created_at)
+           VALUES ('old-job', 0, 1, 0, '[]', 4000, 0.0, 9000, 'initial plan from profile', 1.0),
+                  ('old-job', 0, 2, 2, '[0, 2]', 3000, 0.2, 9000, 'tighten: predicted peak over target', 2.0);
+        INSERT INTO job_controls VALUES ('old-job', '[1, 3]', NULL, NULL, NULL, NULL, 1, 2.0);
+        INSERT INTO warm_plans VALUES ('abc', 'cpu', 7, 'old-job', '[1, 3]', 4, 10000, 2.0);"""
+    )
+    con.commit()
+    con.close()
+
+    store = Store(db)
+    assert store.schema_version() == SCHEMA_VERSION >= 3
+    plans = store.plans("old-job")
+    assert [p["modes"] for p in plans] == [
+        ["store"] * 4,
+        ["recompute", "store", "recompute", "store"],
+    ], "blocks recompute, the others store"
+    assert [p["shape_plans"] for p in plans] == [[], []]
+    assert plans[1]["blocks"] == [0, 2] and plans[1]["reason"].startswith("tighten")
+    assert store.latest_plans()["old-job"]["modes"] == plans[1]["modes"]
+    assert store.last_plan("old-job", 0) == plans[1]
+    warm = store.warm_plan(fingerprint="abc", device="cpu", bucket=7)
+    assert warm is not None and warm["modes"] == ["store", "recompute", "store", "recompute"]
+    # The old pin still holds, and a new job of that model starts warm from the old record's plan.
+    core = AdvisorCore(store, Metrics())
+    assert core.job_controls("old-job")["pin_blocks"] == [1, 3] and core.job_controls("old-job")["pin_modes"] is None
+    s, plan = core.open_session(hello(job="new-job"))
+    assert plan.reason.startswith("warm start from job old-job"), plan.reason
+    assert plan.block_modes(4) == (Mode.STORE, Mode.RECOMPUTE, Mode.STORE, Mode.RECOMPUTE)
+    core.close_session(s, ended=True)
+    # New rows keep their own modes next to the old ones.
+    assert store.plans("new-job")[0]["modes"] == ["store", "recompute", "store", "recompute"]
+    store.close()
+    again = Store(db)
+    assert again.schema_version() == SCHEMA_VERSION and len(again.plans("old-job")) == 2
+    again.close()
 
 
 def test_a_month_long_job_stays_small(tmp_path: Path) -> None:

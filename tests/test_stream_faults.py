@@ -47,7 +47,7 @@ def test_an_oom_reported_while_away_reaches_the_fallback_planner_with_its_shape(
         return pending.reason if pending is not None and "out-of-memory" in pending.reason else ""
 
     assert wait_for(lambda: bool(answer())), "the fallback planner answered the OOM with a tighter plan"
-    assert "seq 64" in answer(), answer()
+    assert "length 64" in answer(), answer()
     h.close()
 
 
