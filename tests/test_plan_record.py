@@ -24,19 +24,23 @@ def letters(names: list[str]) -> str:
     return "".join(LETTERS[n] for n in names)
 
 
-def three_mode_block(i: int, *, offload: bool = False) -> BlockRecord:
+def mode_block(i: int, *, selective: bool = True, recompute: bool = True, offload: bool = False) -> BlockRecord:
     """A block that may store, keep its matmul outputs (selective) or recompute, as the client profiles one."""
     saved, kept_selective, inputs, seconds = 1000, 400, 100, 0.01
-    modes = [
-        ModeCost(mode=Mode.STORE, kept=Size.linear(saved)),
-        ModeCost(
-            mode=Mode.SELECTIVE,
-            kept=Size.linear(kept_selective),
-            transient=Size.linear(saved - kept_selective),
-            extra_seconds=seconds / 4,
-        ),
-        ModeCost(mode=Mode.RECOMPUTE, kept=Size.linear(inputs), transient=Size.linear(saved), extra_seconds=seconds),
-    ]
+    modes = [ModeCost(mode=Mode.STORE, kept=Size.linear(saved))]
+    if selective:
+        modes.append(
+            ModeCost(
+                mode=Mode.SELECTIVE,
+                kept=Size.linear(kept_selective),
+                transient=Size.linear(saved - kept_selective),
+                extra_seconds=seconds / 4,
+            )
+        )
+    if recompute:
+        modes.append(
+            ModeCost(mode=Mode.RECOMPUTE, kept=Size.linear(inputs), transient=Size.linear(saved), extra_seconds=seconds)
+        )
     if offload:
         modes.append(ModeCost(mode=Mode.OFFLOAD, kept=Size(), transient=Size.linear(saved), extra_seconds=seconds))
     return BlockRecord(
@@ -45,9 +49,11 @@ def three_mode_block(i: int, *, offload: bool = False) -> BlockRecord:
 
 
 def modes_hello(job: str, *, fingerprint: str = "modes-fp") -> Hello:
+    # Blocks 0, 1, 4, 5 offer selective and the others recompute: a block offering both would have
+    # selective priced as recomputing until a step measured it, and the plans would never show it.
     return Hello(
         job_id=job,
-        blocks=tuple(three_mode_block(i) for i in range(8)),
+        blocks=tuple(mode_block(i, selective=i % 4 < 2, recompute=i % 4 >= 2) for i in range(8)),
         profile_shape=Shape(batch=1, seq_len=64, tokens=64),
         budget_bytes=10_000,
         model_fingerprint=fingerprint,
