@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from rematd.client.profiling import BlockMeasure, Profiler
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.selective import selective_context
 from rematd.planner import Mode, Shape
+
+if TYPE_CHECKING:
+    from rematd.client.compiled import CompiledBlocks
 
 
 class _SwitchedForward:
@@ -62,6 +65,8 @@ class SwitchableBlock:
         self.timer: RecomputeTimer | None = None
         """Where rematerialisations are timed (set by the handle)."""
         self._in_forward = False
+        self.compiled: CompiledBlocks | None = None
+        """The compiled variants this block runs (``attach(..., compile=...)``); None: eager."""
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = _SwitchedForward(self)
@@ -91,6 +96,8 @@ class SwitchableBlock:
         if self.profiling:
             return self._profiled(*args, **kwargs)
         mode = self.mode
+        if self.compiled is not None and self.compiled.covers(mode):
+            return self.compiled.run(self, mode, args, kwargs)
         if mode == Mode.STORE:
             return self._original(*args, **kwargs)
         if mode == Mode.OFFLOAD:

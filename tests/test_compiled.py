@@ -1,0 +1,147 @@
+"""``attach(model, compile=...)``: compiled block variants switched between steps, on the CPU.
+
+Compiling is slow on a small CPU machine, so one tiny model (2 blocks, width 32,
+lengths 8-16) serves every test. Most tests use the ``aot_eager`` backend, which
+runs everything compile does (dynamo's capture and guards, the checkpoint as a
+higher-order op, AOT autograd's joint graph and partitioner) but Inductor's code
+generation; one test runs Inductor itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rematd import client
+from rematd.client import compiled as compiled_module
+from rematd.client.folding import fold
+from rematd.client.guard import UnsupportedModel
+from rematd.client.models import TinyGPT, lm_loss
+from rematd.planner import Mode, Shape
+from rematd.records import InvalidMessage, StepStats
+from rematd.wire import stats_from_pb, stats_to_pb
+from tests.helpers import batch, tiny_model
+
+# Steps of the switching scenario: (sequence length, modes pinned for the two blocks; None: the
+# profiling step). Lengths 8, 12, 16: the second length makes the shapes dynamic, the third costs nothing.
+SCENARIO: list[tuple[int, list[str] | None]] = [
+    (8, None),
+    (8, ["store", "store"]),
+    (8, ["recompute", "selective"]),
+    (12, ["selective", "recompute"]),
+    (16, ["store", "recompute"]),
+    (16, ["offload", "selective"]),
+    (12, ["recompute", "recompute"]),
+]
+
+
+Run = tuple[list[list[torch.Tensor]], client.Handle, list[StepStats]]
+
+
+def _train(compile: bool | str, steps: list[tuple[int, list[str] | None]], modes: list[str] | None = None) -> Run:
+    """Train ``steps``; every step's gradients, the handle, every step's stats."""
+    model = tiny_model(n_layer=2, d_model=32)
+    h = client.attach(model, compile=compile, modes=modes)
+    grads = []
+    stats = []
+    for i, (seq, pin) in enumerate(steps):
+        h.pin_modes(pin)
+        lm_loss(model, batch(seq, seed=i)).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        h.step()
+        if pin is not None:
+            assert h.modes == tuple(Mode[m.upper()] for m in pin)
+        assert h.last_stats is not None and h.last_stats.step == i
+        stats.append(h.last_stats)
+    return grads, h, stats
+
+
+def _largest_relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def eager_grads() -> list[list[torch.Tensor]]:
+    return _train(False, SCENARIO)[0]
+
+
+def test_compiled_variants_switch_share_graphs_and_match_eager(eager_grads: list[list[torch.Tensor]]) -> None:
+    grads, h, step_stats = _train("aot_eager", SCENARIO)
+    # aot_eager runs the same aten ops as eager rematd: every step's gradients are equal.
+    for step, (g, e) in enumerate(zip(grads, eager_grads, strict=True)):
+        assert _largest_relative_error(g, e) == 0.0, step
+    per_step = [s.recompiles for s in step_stats]
+    # Profiling runs eagerly; the next step compiles store, selective and recompute ahead, one graph
+    # each for both blocks (a graph per block instance would be 6); then a new length recompiles each
+    # mode at its next use, dynamic from then on; a third length and offload (store under save_on_cpu)
+    # compile nothing.
+    assert per_step == [0, 3, 0, 2, 1, 0, 0]
+    stats = h.compile_stats
+    assert stats is not None
+    assert stats.graphs == 6
+    assert stats.by_mode == {Mode.STORE: 2, Mode.SELECTIVE: 2, Mode.RECOMPUTE: 2}
+    assert stats.capped_modes == frozenset()
+    assert stats.seconds > 0
+    h.close()
+
+
+def test_inductor_gradients_within_compile_tolerance(eager_grads: list[list[torch.Tensor]]) -> None:
+    # Inductor reorders and fuses float32 arithmetic: its gradients differ from eager's by rounding.
+    steps = SCENARIO[:3]
+    grads, h, step_stats = _train(True, steps)
+    for step, (g, e) in enumerate(zip(grads, eager_grads[:3], strict=True)):
+        assert _largest_relative_error(g, e) < 1e-5, step
+    assert [s.recompiles for s in step_stats] == [0, 3, 0]
+    assert h.compile_stats is not None and h.compile_stats.seconds > 0
+    h.close()
+
+
+def test_a_mode_at_its_graph_bound_compiles_no_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled_module, "MAX_GRAPHS_PER_MODE", 1)
+    steps = [(8, None), (8, ["recompute", "store"]), (12, ["recompute", "store"]), (8, ["store", "recompute"])]
+    grads, h, step_stats = _train("aot_eager", steps)
+    eager = _train(False, steps)[0]
+    stats = h.compile_stats
+    assert stats is not None
+    # The ahead compile reached the bound of 1 graph for every mode; the new length ran eagerly
+    # instead of recompiling, the first length again ran the graphs built for it.
+    assert [s.recompiles for s in step_stats] == [0, 3, 0, 0]
+    assert stats.capped_modes == {Mode.RECOMPUTE, Mode.STORE, Mode.SELECTIVE}
+    assert stats.graphs == 3
+    for g, e in zip(grads, eager, strict=True):
+        assert _largest_relative_error(g, e) == 0.0
+    h.close()
+
+
+def test_whole_model_compile_is_refused_pointing_at_compile_true() -> None:
+    model = torch.compile(tiny_model(n_layer=2, d_model=32))
+    with pytest.raises(UnsupportedModel, match=r"compile=True"):
+        client.attach(model)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [("no-such-backend", ValueError, "no-such-backend"), (1, TypeError, "compile must be"), ("", TypeError, "compile")],
+)
+def test_bad_compile_argument_names_itself(value: object, error: type[Exception], match: str) -> None:
+    model = tiny_model(n_layer=2, d_model=32)
+    with pytest.raises(error, match=match):
+        client.attach(model, compile=value)  # type: ignore[arg-type]
+    assert isinstance(model, TinyGPT) and "forward" not in model.h[0].__dict__  # left untouched
+
+
+def test_recompiles_cross_the_wire_and_fold() -> None:
+    stats = StepStats(
+        step=3, shape=Shape(batch=2, seq_len=8, tokens=16), budget_bytes=10, recompiles=2, compile_seconds=1.5
+    )
+    back = stats_from_pb(stats_to_pb(stats))
+    assert (back.recompiles, back.compile_seconds) == (2, 1.5)
+    later = StepStats(step=4, shape=stats.shape, budget_bytes=10, recompiles=1, compile_seconds=0.25)
+    folded = fold(stats, later)
+    assert (folded.recompiles, folded.compile_seconds) == (3, 1.75)
+    with pytest.raises(InvalidMessage, match="compile_seconds"):
+        StepStats(step=1, budget_bytes=10, compile_seconds=-1.0).validate()
+    with pytest.raises(InvalidMessage, match="recompiles"):
+        StepStats(step=1, budget_bytes=10, recompiles=-1).validate()
