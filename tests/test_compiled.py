@@ -9,17 +9,23 @@ generation; one test runs Inductor itself.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import grpc
+import httpx
 import pytest
 import torch
 
-from rematd import client
+from rematd import client, wire
 from rematd.client import compiled as compiled_module
 from rematd.client.folding import fold
 from rematd.client.guard import UnsupportedModel
 from rematd.client.models import TinyGPT, lm_loss
 from rematd.planner import Mode, Shape
-from rematd.records import InvalidMessage, StepStats
-from rematd.wire import stats_from_pb, stats_to_pb
+from rematd.records import BlockRecord, Hello, InvalidMessage, StepStats
+from rematd.server import ServeConfig, ServiceThread
+from rematd.v1 import advisor_pb2 as pb
+from rematd.v1 import advisor_pb2_grpc as pb_grpc
 from tests.helpers import batch, tiny_model
 
 # Steps of the switching scenario: (sequence length, modes pinned for the two blocks; None: the
@@ -87,14 +93,19 @@ def test_compiled_variants_switch_share_graphs_and_match_eager(eager_grads: list
     h.close()
 
 
-def test_inductor_gradients_within_compile_tolerance(eager_grads: list[list[torch.Tensor]]) -> None:
-    # Inductor reorders and fuses float32 arithmetic: its gradients differ from eager's by rounding.
-    steps = SCENARIO[:3]
-    grads, h, step_stats = _train(True, steps)
-    for step, (g, e) in enumerate(zip(grads, eager_grads[:3], strict=True)):
+def test_inductor_gradients_within_compile_tolerance() -> None:
+    # Inductor fuses and reorders float32 arithmetic: its gradients differ from eager rematd's by
+    # rounding (measured up to 1.0e-6 of each tensor's largest value over the whole scenario).
+    # Two modes offered (store, recompute) keep its compile time down.
+    steps = [(8, None), (8, ["store", "store"]), (8, ["recompute", "store"])]
+    grads, h, step_stats = _train(True, steps, modes=["recompute"])
+    eager = _train(False, steps, modes=["recompute"])[0]
+    for step, (g, e) in enumerate(zip(grads, eager, strict=True)):
         assert _largest_relative_error(g, e) < 1e-5, step
-    assert [s.recompiles for s in step_stats] == [0, 3, 0]
-    assert h.compile_stats is not None and h.compile_stats.seconds > 0
+    assert [s.recompiles for s in step_stats] == [0, 2, 0]
+    stats = h.compile_stats
+    assert stats is not None and stats.seconds > 0
+    assert stats.by_mode == {Mode.STORE: 1, Mode.SELECTIVE: 0, Mode.RECOMPUTE: 1}
     h.close()
 
 
@@ -136,7 +147,7 @@ def test_recompiles_cross_the_wire_and_fold() -> None:
     stats = StepStats(
         step=3, shape=Shape(batch=2, seq_len=8, tokens=16), budget_bytes=10, recompiles=2, compile_seconds=1.5
     )
-    back = stats_from_pb(stats_to_pb(stats))
+    back = wire.stats_from_pb(wire.stats_to_pb(stats))
     assert (back.recompiles, back.compile_seconds) == (2, 1.5)
     later = StepStats(step=4, shape=stats.shape, budget_bytes=10, recompiles=1, compile_seconds=0.25)
     folded = fold(stats, later)
@@ -145,3 +156,30 @@ def test_recompiles_cross_the_wire_and_fold() -> None:
         StepStats(step=1, budget_bytes=10, compile_seconds=-1.0).validate()
     with pytest.raises(InvalidMessage, match="recompiles"):
         StepStats(step=1, budget_bytes=10, recompiles=-1).validate()
+
+
+def test_service_counts_a_jobs_recompiles(tmp_path: Path) -> None:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    svc.start()
+    try:
+        bound = svc.service.bound
+        assert bound is not None
+        blocks = tuple(
+            BlockRecord(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
+            for i in range(2)
+        )
+        shape = Shape(batch=1, seq_len=8, tokens=8)
+        hello = Hello(job_id="compiled-job", blocks=blocks, profile_shape=shape, budget_bytes=10_000)
+        reports = [StepStats(step=i, shape=shape, budget_bytes=10_000, recompiles=n) for i, n in enumerate((0, 3, 2))]
+        messages = [pb.ClientMessage(hello=wire.hello_to_pb(hello))]
+        messages += [pb.ClientMessage(stats=wire.stats_to_pb(r)) for r in reports]
+        # No goodbye: a job's count lives as long as the job is live on the service (a stream that
+        # ends without one leaves the rank disconnected, able to resume).
+        with grpc.insecure_channel(bound.grpc) as channel:
+            list(pb_grpc.AdvisorStub(channel).Session(iter(messages), timeout=10))
+        job = httpx.get(f"http://{bound.http}/api/v1/jobs/compiled-job", timeout=10).json()
+        assert job["recompiles"] == 5
+        scraped = httpx.get(f"http://{bound.http}/metrics", timeout=10).text
+        assert 'rematd_recompiles_total{job="compiled-job"} 5.0' in scraped
+    finally:
+        svc.stop()
