@@ -68,16 +68,17 @@ def _largest_relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> flo
     return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b, strict=True))
 
 
-@pytest.fixture(scope="module")
-def eager_grads() -> list[list[torch.Tensor]]:
-    return _train(False, SCENARIO)[0]
-
-
-def test_compiled_variants_switch_share_graphs_and_match_eager(eager_grads: list[list[torch.Tensor]]) -> None:
+def test_compiled_variants_switch_share_graphs_and_match_eager() -> None:
+    eager_grads, _, eager_stats = _train(False, SCENARIO)
     grads, h, step_stats = _train("aot_eager", SCENARIO)
     # aot_eager runs the same aten ops as eager rematd: every step's gradients are equal.
     for step, (g, e) in enumerate(zip(grads, eager_grads, strict=True)):
         assert _largest_relative_error(g, e) == 0.0, step
+    # What the compiled functions save passes the accounting's hooks, so the CPU budget still binds.
+    # The partitioner saves its own choice: measured 5% more than eager autograd under store, up to
+    # 22% less with selective blocks (it keeps only the kept outputs backward reads).
+    for step, (c, e) in enumerate(zip(step_stats, eager_stats, strict=True)):
+        assert 0.5 * e.saved_peak_bytes < c.saved_peak_bytes <= 1.1 * e.saved_peak_bytes, step
     per_step = [s.recompiles for s in step_stats]
     # Profiling runs eagerly; the next step compiles store, selective and recompute ahead, one graph
     # each for both blocks (a graph per block instance would be 6); then a new length recompiles each
