@@ -110,6 +110,39 @@ def test_inductor_gradients_within_compile_tolerance() -> None:
     h.close()
 
 
+def test_hugging_face_gpt2_blocks_compile_and_switch() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def run(compile: bool | str) -> tuple[list[list[torch.Tensor]], client.Handle, list[int]]:
+        torch.manual_seed(0)
+        config = GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=32, use_cache=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = GPT2LMHeadModel(config)
+        h = client.attach(model, compile=compile)
+        grads, recompiles = [], []
+        steps = [(16, None), (16, None), (16, ["recompute", "selective"]), (24, ["store", "store"])]
+        for i, (seq, pin) in enumerate(steps):
+            h.pin_modes(pin)
+            ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(i))
+            model(input_ids=ids, labels=ids).loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            model.zero_grad(set_to_none=True)
+            h.step()
+            assert h.last_stats is not None
+            recompiles.append(h.last_stats.recompiles)
+        return grads, h, recompiles
+
+    eager = run(False)[0]
+    grads, h, recompiles = run("aot_eager")
+    for g, e in zip(grads, eager, strict=True):
+        assert _largest_relative_error(g, e) == 0.0
+    # Both GPT2Block instances share each mode's graph; back to store at a new length: one recompile.
+    assert recompiles == [0, 3, 0, 1]
+    h.close()
+
+
 def test_a_mode_at_its_graph_bound_compiles_no_more(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled_module, "MAX_GRAPHS_PER_MODE", 1)
     steps = [(8, None), (8, ["recompute", "store"]), (12, ["recompute", "store"]), (8, ["store", "recompute"])]
