@@ -13,10 +13,11 @@ Each handle compiles fresh copies of the functions (new code objects), so
 dynamo's per-function recompile limit counts one handle's graphs only.
 
 Every offered mode is compiled ahead, at the first step after profiling, on a
-detached copy of that step's input to the first block: a plan switch never
-waits for a compile, so the planner needs no price for one. Sequence lengths
-are dynamic after the second one seen (dynamo's automatic dynamic shapes): one
-recompile per mode, none after. A mode whose graphs reach
+detached copy of that step's input to the first block, and again whenever one
+mode recompiles for a new shape: a plan switch never waits for a compile, so
+the planner needs no price for one. Sequence lengths are dynamic after the
+second one seen (dynamo's automatic dynamic shapes): one recompile per mode,
+all at that step, none after. A mode whose graphs reach
 :data:`MAX_GRAPHS_PER_MODE` compiles no more (logged once): its graphs still serve the
 shapes they cover, any other shape runs eagerly, so rematd never drives dynamo to
 its recompile limit.
@@ -163,12 +164,17 @@ class CompiledBlocks:
             self._warm = True
             self._warm_up(block, args, kwargs)
         variant = self._variant(mode)
+        before = self._by_mode[variant]
         if mode == Mode.OFFLOAD:
             pin = any(t.is_cuda for t in tensors_in([args, kwargs]))
             with torch.autograd.graph.save_on_cpu(pin_memory=pin):
                 output = self._call(variant, block.module, args, kwargs)
         else:
             output = self._call(variant, block.module, args, kwargs)
+        if self._by_mode[variant] != before:
+            # A new shape (most often the second length, which makes the graphs dynamic): the other
+            # modes would recompile at their next use, so they compile now and a switch waits for none.
+            self._warm_up(block, args, kwargs, skip=variant)
         acct = block._counting()
         if acct is not None and variant != Mode.STORE:
             # The compiled function's saved tensors pass the accounting's hooks; what backward
@@ -201,15 +207,18 @@ class CompiledBlocks:
                 self._by_mode[variant],
             )
 
-    def _warm_up(self, block: SwitchableBlock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Compile every offered mode's forward and backward on a detached copy of this input.
+    def _warm_up(
+        self, block: SwitchableBlock, args: tuple[Any, ...], kwargs: dict[str, Any], skip: Mode | None = None
+    ) -> None:
+        """Compile every offered mode's forward and backward (but ``skip``, and modes at their bound)
+        on a detached copy of this input.
 
         Gradients are taken with ``torch.autograd.grad`` (nothing accumulates into ``.grad``),
         under saved-tensor hooks of its own (the step's accounting does not see it), with the
         random state and the block's buffers put back afterwards (the step's numbers do not change).
         """
         module = block.module
-        modes = {self._variant(m) for m in block.offer if m in COMPILED_MODES}
+        modes = {self._variant(m) for m in block.offer if m in COMPILED_MODES} - self._capped - {skip}
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
         devices = sorted(
             {t.device.index for t in tensors_in([args, kwargs]) if t.is_cuda and t.device.index is not None}
