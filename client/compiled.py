@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch._dynamo.exc
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -56,6 +57,7 @@ COMPILED_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFF
 saved-tensor hooks outside the graph, which compose with any compiled function."""
 
 _SELECTIVE = selective_context(None)
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,)
 _handles = itertools.count()
 
 
@@ -94,6 +96,8 @@ class CompileStats:
     capped_modes: frozenset[Mode]
     """Modes that reached :data:`MAX_GRAPHS_PER_MODE`: they compile no more graphs, and a shape
     their graphs do not cover runs eagerly."""
+    failed_modes: frozenset[Mode]
+    """Modes whose compile failed: they run eagerly (the step goes on)."""
 
 
 class _Counting:
@@ -106,8 +110,9 @@ class _Counting:
         self.inner = torch._dynamo.lookup_backend(name)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiled = self.inner(gm, example_inputs)
         self.owner._graph_compiled()
-        return self.inner(gm, example_inputs)
+        return compiled
 
 
 class CompiledBlocks:
@@ -126,6 +131,7 @@ class CompiledBlocks:
         self._taken = (0, 0.0)
         self._compiling: Mode = Mode.STORE
         self._capped: set[Mode] = set()
+        self._failed: set[Mode] = set()
         self._warm = False
 
     @staticmethod
@@ -133,9 +139,8 @@ class CompiledBlocks:
         """A forward set on the instance (not the class's) is not the block's own: left eager."""
         return not block._had_instance_forward
 
-    @staticmethod
-    def covers(mode: Mode) -> bool:
-        return mode in COMPILED_MODES
+    def covers(self, mode: Mode) -> bool:
+        return mode in COMPILED_MODES and self._variant(mode) not in self._failed
 
     @staticmethod
     def _variant(mode: Mode) -> Mode:
@@ -147,6 +152,7 @@ class CompiledBlocks:
             seconds=self._seconds,
             by_mode=dict(self._by_mode),
             capped_modes=frozenset(self._capped),
+            failed_modes=frozenset(self._failed),
         )
 
     def take(self) -> tuple[int, float]:
@@ -165,12 +171,17 @@ class CompiledBlocks:
             self._warm_up(block, args, kwargs)
         variant = self._variant(mode)
         before = self._by_mode[variant]
-        if mode == Mode.OFFLOAD:
-            pin = any(t.is_cuda for t in tensors_in([args, kwargs]))
-            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        try:
+            if mode == Mode.OFFLOAD:
+                pin = any(t.is_cuda for t in tensors_in([args, kwargs]))
+                with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                    output = self._call(variant, block.module, args, kwargs)
+            else:
                 output = self._call(variant, block.module, args, kwargs)
-        else:
-            output = self._call(variant, block.module, args, kwargs)
+        except _COMPILE_ERRORS as err:
+            # Compiling happens before the graph runs: nothing of this forward happened yet.
+            self._fail(variant, err)
+            return block._forward(*args, **kwargs)
         if self._by_mode[variant] != before:
             # A new shape (most often the second length, which makes the graphs dynamic): the other
             # modes would recompile at their next use, so they compile now and a switch waits for none.
@@ -196,6 +207,15 @@ class CompiledBlocks:
             self._seconds += time.perf_counter() - start
             self._cap(variant)
         return output
+
+    def _fail(self, variant: Mode, err: BaseException) -> None:
+        self._failed.add(variant)
+        log.warning(
+            "rematd: compiling the %s variant failed (%s: %s); blocks run it eagerly from now on",
+            variant.name.lower(),
+            type(err).__name__,
+            str(err)[:300],
+        )
 
     def _cap(self, variant: Mode) -> None:
         if self._by_mode[variant] >= MAX_GRAPHS_PER_MODE and variant not in self._capped:
@@ -235,16 +255,19 @@ class CompiledBlocks:
                     before = self._graphs
                     start = time.perf_counter()
                     self._compiling = variant
-                    output = self._fns[variant](module, *copies)
-                    outs = [t for t in tensors_in([output]) if t.requires_grad]
-                    if outs and inputs:
-                        torch.autograd.grad(outs, inputs, [torch.ones_like(t) for t in outs], allow_unused=True)
+                    try:
+                        output = self._fns[variant](module, *copies)
+                        outs = [t for t in tensors_in([output]) if t.requires_grad]
+                        if outs and inputs:
+                            torch.autograd.grad(outs, inputs, [torch.ones_like(t) for t in outs], allow_unused=True)
+                    except _COMPILE_ERRORS as err:
+                        self._fail(variant, err)
                     if self._graphs != before:
                         self._seconds += time.perf_counter() - start
                         self._cap(variant)
-        except Exception:
-            # The step goes on: a mode that failed to compile ahead compiles (or fails) at its first use.
-            log.exception("rematd: compiling the blocks' variants ahead failed")
+        except Exception as err:
+            # The step goes on; a mode not compiled ahead compiles at its first use.
+            log.warning("rematd: compiling the blocks' variants ahead failed (%s: %s)", type(err).__name__, err)
         finally:
             with torch.no_grad():
                 for b, saved in buffers:

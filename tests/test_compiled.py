@@ -160,6 +160,26 @@ def test_a_mode_at_its_graph_bound_compiles_no_more(monkeypatch: pytest.MonkeyPa
     h.close()
 
 
+def test_a_backend_that_fails_leaves_the_blocks_eager(caplog: pytest.LogCaptureFixture) -> None:
+    import torch._dynamo
+
+    def failing(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
+        raise RuntimeError("this backend cannot compile")
+
+    if "rematd_test_failing" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(failing, name="rematd_test_failing")
+    steps = [(8, None), (8, ["recompute", "selective"]), (12, ["store", "recompute"])]
+    grads, h, step_stats = _train("rematd_test_failing", steps)
+    eager = _train(False, steps)[0]
+    for g, e in zip(grads, eager, strict=True):
+        assert _largest_relative_error(g, e) == 0.0
+    stats = h.compile_stats
+    assert stats is not None and stats.failed_modes == {Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE}
+    assert stats.graphs == 0 and [s.recompiles for s in step_stats] == [0, 0, 0]
+    assert "this backend cannot compile" in caplog.text
+    h.close()
+
+
 def test_whole_model_compile_is_refused_pointing_at_compile_true() -> None:
     model = torch.compile(tiny_model(n_layer=2, d_model=32))
     with pytest.raises(UnsupportedModel, match=r"compile=True"):
