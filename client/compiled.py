@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch._dynamo.exc
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -57,7 +56,6 @@ COMPILED_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFF
 saved-tensor hooks outside the graph, which compose with any compiled function."""
 
 _SELECTIVE = selective_context(None)
-_COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,)
 _handles = itertools.count()
 
 
@@ -119,7 +117,11 @@ class CompiledBlocks:
     """One handle's compiled variants, shared by all its blocks."""
 
     def __init__(self, backend: str) -> None:
+        import torch._dynamo.exc  # only with compile=: importing dynamo takes seconds
+
         self.backend = backend
+        self._errors: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,)
+        """What a failed compile raises (dynamo wraps the backend's errors in them)."""
         tag = next(_handles)
         counting = _Counting(self, backend)
         self._fns = {
@@ -178,7 +180,7 @@ class CompiledBlocks:
                     output = self._call(variant, block.module, args, kwargs)
             else:
                 output = self._call(variant, block.module, args, kwargs)
-        except _COMPILE_ERRORS as err:
+        except self._errors as err:
             # Compiling happens before the graph runs: nothing of this forward happened yet.
             self._fail(variant, err)
             return block._forward(*args, **kwargs)
@@ -260,7 +262,7 @@ class CompiledBlocks:
                         outs = [t for t in tensors_in([output]) if t.requires_grad]
                         if outs and inputs:
                             torch.autograd.grad(outs, inputs, [torch.ones_like(t) for t in outs], allow_unused=True)
-                    except _COMPILE_ERRORS as err:
+                    except self._errors as err:
                         self._fail(variant, err)
                     if self._graphs != before:
                         self._seconds += time.perf_counter() - start
