@@ -237,3 +237,15 @@ def test_service_counts_a_jobs_recompiles(tmp_path: Path) -> None:
         assert 'rematd_recompiles_total{job="compiled-job"} 5.0' in scraped
     finally:
         svc.stop()
+
+
+def test_compiled_benchmark_runs_its_strategies_on_the_cpu() -> None:
+    from bench import compiled as bench
+
+    setup = bench.Setup(**{**bench.QUICK, "steps": 1, "warmup": 1}, device="cpu", backend="aot_eager", bf16=False)
+    every_2nd = bench.measure(setup, "block-every-2nd")
+    # Two kinds (checkpointed, plain), each one graph for the blocks that run it.
+    assert every_2nd["graphs"] == 2 and every_2nd["peak_mib"] > 0
+    rows = bench.rematd_through(setup, [2**30, 1])
+    assert [r["graphs"] for r in rows] == [3, 3]
+    assert rows[0]["modes"] == ".." and rows[1]["modes"] == "RR"
