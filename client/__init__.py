@@ -4,6 +4,7 @@ from rematd import client
 h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
 """
 
+from rematd.client.compiled import CompileStats
 from rematd.client.connection import StreamConfig
 from rematd.client.discovery import BlockDiscoveryError, find_blocks
 from rematd.client.guard import Guard, OutOfMemory, UnsupportedModel
@@ -12,6 +13,7 @@ from rematd.planner import Plan
 
 __all__ = [
     "BlockDiscoveryError",
+    "CompileStats",
     "Guard",
     "Handle",
     "OutOfMemory",

@@ -133,3 +133,20 @@ def parse_modes(names: object) -> frozenset[Mode]:
     if names is None:
         return DEFAULT_MODES
     return frozenset({Mode.STORE, *mode_sequence("modes", names)})
+
+
+def check_compile(value: object) -> str | None:
+    """``compile``: False (eager), True (Inductor) or the name of a ``torch.compile`` backend."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "inductor"
+    accepted = "True, False or a torch.compile backend's name"
+    if isinstance(value, str) and value:
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if value not in known:
+            raise ValueError(f"compile must be {accepted} (one of {', '.join(sorted(known))}); got {value!r}")
+        return value
+    raise TypeError(f"compile must be {accepted}, got {type(value).__name__} {value!r}")

@@ -59,6 +59,8 @@ def fold(earlier: StepStats, later: StepStats) -> StepStats:
         peak_reserved_bytes=max(earlier.peak_reserved_bytes, later.peak_reserved_bytes),
         saved_peak_bytes=max(earlier.saved_peak_bytes, later.saved_peak_bytes),
         step_seconds=(earlier.step_seconds * earlier.steps + later.step_seconds * later.steps) / steps,
+        recompiles=earlier.recompiles + later.recompiles,
+        compile_seconds=earlier.compile_seconds + later.compile_seconds,
     )
 
 

@@ -18,6 +18,7 @@ from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.applier import PlanApplier
 from rematd.client.arguments import (
     check_bytes,
+    check_compile,
     check_flag,
     check_job,
     check_margin,
@@ -29,6 +30,7 @@ from rematd.client.arguments import (
 from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.buffers import protect_running_stats
 from rematd.client.caches import train_without_cache
+from rematd.client.compiled import CompiledBlocks, CompileStats
 from rematd.client.connection import StreamConfig
 from rematd.client.describe import block_records, dist_rank, model_fingerprint, shape_of
 from rematd.client.discovery import find_blocks
@@ -65,6 +67,7 @@ class Handle:
         modes: Sequence[str | Mode] | None = None,
         stream: StreamConfig | None = None,
         hard_limit_bytes: int | None = None,
+        compile: bool | str = False,
     ) -> None:
         # Every argument is checked before anything is hooked: a bad one leaves the model untouched.
         server = check_server(server)
@@ -74,6 +77,7 @@ class Handle:
         self._modes = parse_modes(modes)
         hard_limit = check_bytes("hard_limit_bytes", hard_limit_bytes)
         optimizer = check_optimizer(optimizer)
+        backend = check_compile(compile)
         model = unwrap(model)
         self.model = model
         self._optimizer = optimizer
@@ -89,6 +93,8 @@ class Handle:
         for b in self._blocks:
             b.timer = self._recompute_timer
             b.offloader = self._offloader
+        self._compiled = CompiledBlocks(backend) if backend is not None else None
+        self._attach_compiled()
         self._norm_hooks = protect_running_stats([m for _, m in found])
         self._cache_hooks = train_without_cache(model)
         self._applier = PlanApplier(self._blocks)
@@ -124,7 +130,21 @@ class Handle:
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_post_hook(AttachedHook(self._optimizer_stepped)))
 
+    def _attach_compiled(self) -> None:
+        if self._compiled is None:
+            return
+        for b in self._blocks:
+            if CompiledBlocks.supports(b):
+                b.compiled = self._compiled
+            else:
+                log.warning("rematd: block %r has a forward set on the instance; it runs eagerly", b.name)
+
     # -- public -----------------------------------------------------------
+
+    @property
+    def compile_stats(self) -> CompileStats | None:
+        """Graphs compiled for the blocks' variants and their seconds (None without ``compile=``)."""
+        return self._compiled.stats() if self._compiled is not None else None
 
     @property
     def plan(self) -> Plan:
@@ -382,6 +402,7 @@ class Handle:
         if self._budget_bytes is None:
             self._budget_bytes = self._default_budget(sample)
         elapsed = time.perf_counter() - self._step_started if self._step_started else 0.0
+        recompiles, compile_seconds = self._compiled.take() if self._compiled is not None else (0, 0.0)
         if not self._profiled and self._profile_complete():
             self._profiled = True
             self._backend.open(self._hello(sample))
@@ -406,6 +427,8 @@ class Handle:
             static_bytes=self._static,
             inactive_split_bytes=sample.inactive_split_bytes,
             mode_seconds=self._recompute_timer.take(),
+            recompiles=recompiles,
+            compile_seconds=compile_seconds,
         )
         self.last_stats = stats
         self._step += 1
@@ -527,6 +550,7 @@ def attach(
     root_certificates: str | os.PathLike[str] | bytes | None = None,
     fallback_after_s: float | None = 60.0,
     hard_limit_bytes: int | None = None,
+    compile: bool | str = False,
 ) -> Handle:
     """Attach rematd to ``model`` and return the handle that applies its plans.
 
@@ -566,6 +590,15 @@ def attach(
         hard_limit_bytes: on the CPU, a step whose bytes saved for backward
             would cross this raises :class:`rematd.client.OutOfMemory`
             (recovered from by :meth:`Handle.run_step` / :meth:`Handle.guard`).
+        compile: ``True`` compiles each block with Inductor, one compiled
+            function per mode with the checkpoint inside it, shared by blocks
+            of the same class; a string names another ``torch.compile``
+            backend (``"aot_eager"``). Every offered mode is compiled at the
+            step after profiling; graphs compiled are in
+            :attr:`Handle.compile_stats` and each step's ``recompiles``.
+            Do not compile the model itself (``torch.compile(model)`` is
+            refused, and so is a compiled submodule); compile the rest as
+            functions (``torch.compile(loss_fn)``).
     """
     server = check_server(server)
     stream = (
@@ -589,4 +622,5 @@ def attach(
         modes=modes,
         stream=stream,
         hard_limit_bytes=hard_limit_bytes,
+        compile=compile,
     )

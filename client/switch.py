@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from rematd.client.profiling import BlockMeasure, Profiler
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.selective import selective_context
 from rematd.planner import Mode, Shape
+
+if TYPE_CHECKING:
+    from rematd.client.compiled import CompiledBlocks
 
 log = logging.getLogger("rematd.client")
 
@@ -70,6 +73,8 @@ class SwitchableBlock:
         """Where offloaded activations go (set by the handle; without one, autograd's ``save_on_cpu``)."""
         self._in_forward = False
         self._cache_logged = False
+        self.compiled: CompiledBlocks | None = None
+        """The compiled variants this block runs (``attach(..., compile=...)``); None: eager."""
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = _SwitchedForward(self)
@@ -107,7 +112,11 @@ class SwitchableBlock:
         if self.profiling:
             return self._profiled(*args, **kwargs)
         mode = self.mode
-        if mode == Mode.STORE or (mode != Mode.OFFLOAD and self._keeps_for_cache(args, kwargs)):
+        if mode not in (Mode.STORE, Mode.OFFLOAD) and self._keeps_for_cache(args, kwargs):
+            mode = Mode.STORE
+        if self.compiled is not None and self.compiled.covers(mode):
+            return self.compiled.run(self, mode, args, kwargs)
+        if mode == Mode.STORE:
             return self._original(*args, **kwargs)
         if mode == Mode.OFFLOAD:
             return self._offloaded(*args, **kwargs)

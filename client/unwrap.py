@@ -28,7 +28,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         if _compiled(m):
             raise UnsupportedModel(
                 f"{kind}{where} is compiled with torch.compile or .compile(); rematd switches checkpointing "
-                "between steps, which a compiled graph does not see. Attach to the model without compiling it."
+                "between steps, which a compiled graph does not see. Attach to the model without compiling it and "
+                "pass compile=True: attach(model, compile=True) compiles each block with its mode switch inside."
             )
         if kind in ("FullyShardedDataParallel", "FSDPModule") or any(
             c.__name__ == "FSDPModule" for c in type(m).__mro__

@@ -374,6 +374,8 @@ class AdvisorCore:
             )
             session.has_stats = True
             self.metrics.steps.labels(job).inc(stats.steps)
+            if stats.recompiles:
+                self.metrics.recompiles.labels(job).inc(stats.recompiles)
         return plan
 
     def report_interval(self, session: RankSession) -> float:
@@ -908,6 +910,7 @@ class AdvisorCore:
             "headroom_ratio": (budget - max(peaks)) / budget if peaks and budget else None,
             "oom_risk": None if ended else (max(risks) if risks else None),
             "oom_events": ooms,
+            "recompiles": self.metrics.job_recompiles(job),
             "controls": self.job_controls(job),
         }
 

@@ -152,6 +152,10 @@ class Metrics:
         self.plans_issued = Counter("rematd_plans_issued", "Plans sent to training ranks.", ["job"], registry=None)
         self.oom_events = Counter("rematd_oom_events", "Out-of-memory events reported.", ["job"], registry=None)
         self.steps = Counter("rematd_steps", "Training steps reported.", ["job"], registry=None)
+        self.recompiles = Counter(
+            "rematd_recompiles", "Graphs compiled for the blocks' variants (attach(..., compile=True)).", ["job"],
+            registry=None,
+        )  # fmt: skip
         self.active_streams = Gauge("rematd_active_streams", "Training ranks connected now.", registry=None)
         self.invalid_messages = Counter("rematd_invalid_messages", "Messages refused as invalid.", registry=None)
         self.rejected_rows = Counter(
@@ -186,6 +190,7 @@ class Metrics:
             "rematd_plans_issued": (self.plans_issued, "counter"),
             "rematd_oom_events": (self.oom_events, "counter"),
             "rematd_steps": (self.steps, "counter"),
+            "rematd_recompiles": (self.recompiles, "counter"),
             "rematd_invalid_messages": (self.invalid_messages, "counter"),
             "rematd_record_rejected_rows": (self.rejected_rows, "counter"),
             "rematd_unauthenticated_requests": (self.unauthenticated, "counter"),
@@ -193,7 +198,7 @@ class Metrics:
             "rematd_active_streams": (self.active_streams, "gauge"),
         }
         r.register(_Summed(self))
-        self._per_job = (self.plans_issued, self.oom_events, self.steps)
+        self._per_job = (self.plans_issued, self.oom_events, self.steps, self.recompiles)
 
     def local_counts(self) -> dict[str, dict[str, float]]:
         """This process's counts, by metric and labels (a JSON list), for the worker serving HTTP."""
@@ -207,6 +212,10 @@ class Metrics:
 
     def peer_samples(self) -> list[RankSample]:
         return [RankSample(**s) for state in self._peer_states() for s in state.get("samples", ())]
+
+    def job_recompiles(self, job: str) -> int:
+        """Graphs the job's ranks compiled, as this process counted them."""
+        return int(dict(_values(self.recompiles)).get(json.dumps([job]), 0))
 
     def forget_job(self, job: str) -> None:
         """Remove a job's counters; its gauges go with its sessions."""

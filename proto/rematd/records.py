@@ -221,6 +221,10 @@ class StepStats:
     """Steps the report covers, ending with ``step``: steady steps folded into one report."""
     mode_seconds: tuple[ModeSeconds, ...] = ()
     """Measured rematerialisation seconds per mode (summed over blocks and steps)."""
+    recompiles: int = 0
+    """Graphs compiled for the blocks' variants during the steps covered (``attach(..., compile=True)``)."""
+    compile_seconds: float = 0.0
+    """Seconds those compiles took."""
 
     def validate(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_INT:
@@ -249,10 +253,12 @@ class StepStats:
             "saved_peak_bytes",
             "budget_bytes",
             "static_bytes",
+            "recompiles",
         ):
             _uint(f"stats.{name}", getattr(self, name))
         _shape("stats.shape", self.shape)
         _seconds("stats.step_seconds", self.step_seconds)
+        _seconds("stats.compile_seconds", self.compile_seconds)
         if self.budget_bytes == 0:
             raise InvalidMessage("stats.budget_bytes", "must be positive")
 

@@ -21,6 +21,8 @@ _SOURCE_FROM_PB = {v: k for k, v in _SOURCE_TO_PB.items()}
 
 _STATS_FIELDS = (
     "step",
+    "recompiles",
+    "compile_seconds",
     "peak_allocated_bytes",
     "peak_reserved_bytes",
     "allocated_bytes",
