@@ -196,6 +196,14 @@ def _why(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
+def redact_url(url: str) -> str:
+    """A database URL without its password, for messages and logs."""
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
 def _row(r: Any, drop: Sequence[str] = ("id", "job")) -> dict[str, Any]:
     d = dict(r)
     for k in drop:
@@ -242,6 +250,7 @@ class Store:
         # SQLite has one writer; PostgreSQL gets the same serialisation per process, which is cheap
         # because the write-behind buffer turns many small writes into few transactions.
         self._lock = threading.RLock()
+        self._wal = False
         try:
             self.engine = self._engine(url)
             self.migrate()
@@ -257,6 +266,7 @@ class Store:
     def _engine(self, url: str) -> Engine:
         if self.dialect == "sqlite":
             memory = url.endswith(":memory:")
+            self._wal = not memory
             database = make_url(url).database
             if database and not memory:
                 Path(database).parent.mkdir(parents=True, exist_ok=True)
@@ -268,9 +278,8 @@ class Store:
 
             @event.listens_for(engine, "connect")
             def _pragmas(dbapi: Any, _record: Any) -> None:
+                # No journal mode here: it is the file's, set once the file is known to be rematd's.
                 cur = dbapi.cursor()
-                if not memory:
-                    cur.execute("PRAGMA journal_mode=WAL")
                 cur.execute("PRAGMA synchronous=NORMAL")
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()
@@ -288,14 +297,29 @@ class Store:
             return self._version(conn)
 
     def _version(self, conn: Connection) -> int:
-        has = conn.dialect.has_table(conn, "schema_version")
-        if not has:
-            # A record from before numbered migrations: its tables are migration 1's.
-            if conn.dialect.has_table(conn, "meta"):
-                return 1
+        """The record's schema version; 0 for an empty database; StoreError for another application's."""
+        tables = set(conn.dialect.get_table_names(conn))
+        if not tables:
             return 0
-        v = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar()
-        return int(v or 0)
+        if "schema_version" in tables:
+            columns = {c["name"] for c in conn.dialect.get_columns(conn, "schema_version")}
+            first = None
+            if {"version", "description", "applied_at"} <= columns:
+                first = conn.execute(text("SELECT description FROM schema_version WHERE version = 1")).scalar()
+            if first != MIGRATIONS[0][1]:
+                raise StoreError(self._foreign(tables))
+            return int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0)
+        if {"meta", "jobs", "plans"} <= tables:
+            # A record from before numbered migrations: its tables are migration 1's.
+            return 1
+        raise StoreError(self._foreign(tables))
+
+    def _foreign(self, tables: set[str]) -> str:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        return (
+            f"database {redact_url(self.path)} is not a rematd record (it holds tables {shown}); "
+            "left untouched: give rematd a database of its own"
+        )
 
     @contextlib.contextmanager
     def _migration_lock(self) -> Iterator[None]:
@@ -311,40 +335,66 @@ class Store:
         else:
             yield
 
-    def migrate(self) -> None:
-        """Bring the schema up to date; refuse a record written by a newer rematd."""
-        with self._lock, self._migration_lock(), self.engine.begin() as conn:
-            if self.dialect == "postgresql":
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Connection]:
+        """One transaction that DDL cannot leave: pysqlite commits before DDL on its own, so SQLite's is
+        opened and closed by hand on a connection the driver does not manage."""
+        if self.dialect != "sqlite":
+            with self.engine.begin() as conn:
                 # Held to the end of the transaction: replicas starting together migrate one after another.
                 conn.execute(text("SELECT pg_advisory_xact_lock(736572)"))
-            conn.execute(
-                text(
-                    self._ddl(
-                        "CREATE TABLE IF NOT EXISTS schema_version "
-                        "(version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at {FLOAT} NOT NULL)"
+                yield conn
+            return
+        with self.engine.connect() as plain:
+            conn = plain.execution_options(isolation_level="AUTOCOMMIT")
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.exec_driver_sql("ROLLBACK")
+                raise
+            conn.exec_driver_sql("COMMIT")
+
+    def migrate(self) -> None:
+        """Bring the schema up to date, one transaction per migration.
+
+        Nothing is altered (not even SQLite's journal mode) before the database is known to be
+        rematd's: empty, or with rematd's ``schema_version``. A migration that fails leaves the
+        version before it intact, and the next start tries it again.
+        """
+        create = self._ddl(
+            "CREATE TABLE IF NOT EXISTS schema_version "
+            "(version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at {FLOAT} NOT NULL)"
+        )
+        with self._lock, self._migration_lock():
+            with self._transaction() as conn:
+                current = self._version(conn)
+                if current > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"database {redact_url(self.path)} has schema version {current}; "
+                        f"this rematd knows up to {SCHEMA_VERSION}"
                     )
-                )
-            )
-            legacy = conn.dialect.has_table(conn, "meta")
-            current = int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0)
-            if current == 0 and legacy:
-                conn.execute(
-                    text("INSERT INTO schema_version VALUES (1, :d, :t)"), {"d": MIGRATIONS[0][1], "t": time.time()}
-                )
-                current = 1
-            if current > SCHEMA_VERSION:
-                raise StoreError(
-                    f"database {self.path} has schema version {current}; this rematd knows up to {SCHEMA_VERSION}"
-                )
+                if current == 1 and not conn.dialect.has_table(conn, "schema_version"):
+                    conn.execute(text(create))
+                    conn.execute(
+                        text("INSERT INTO schema_version VALUES (1, :d, :t)"), {"d": MIGRATIONS[0][1], "t": time.time()}
+                    )
             for version, description, statements in MIGRATIONS:
                 if version <= current:
                     continue
-                for sql in statements:
-                    conn.execute(text(self._ddl(sql)))
-                conn.execute(
-                    text("INSERT INTO schema_version VALUES (:v, :d, :t)"),
-                    {"v": version, "d": description, "t": time.time()},
-                )
+                with self._transaction() as conn:
+                    conn.execute(text(create))
+                    if int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0) >= version:
+                        continue  # another process applied it while this one waited
+                    for sql in statements:
+                        conn.execute(text(self._ddl(sql)))
+                    conn.execute(
+                        text("INSERT INTO schema_version VALUES (:v, :d, :t)"),
+                        {"v": version, "d": description, "t": time.time()},
+                    )
+            if self._wal:
+                with self.engine.connect() as plain:
+                    plain.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("PRAGMA journal_mode=WAL")
 
     def close(self) -> None:
         if self._closed.is_set():
