@@ -8,6 +8,7 @@ so generic tools (grpcurl, grpc_health_probe, Kubernetes gRPC probes) work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -21,10 +22,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from rematd import wire
-from rematd.records import InvalidMessage
+from rematd.planner import Plan
+from rematd.records import JOB_ID_RE, MAX_BLOCKS, InvalidMessage
 from rematd.server.auth import METADATA_KEY, TokenAuth
 from rematd.server.core import AdvisorCore, RankSession
 from rematd.server.errors import JobNotFound, SessionError, ShuttingDown, Unauthenticated
+from rematd.server.http_guard import bounded
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -91,6 +94,38 @@ _DOMAIN_ERRORS = (InvalidMessage, ValueError, SessionError, JobNotFound, Unauthe
 RECONNECT = "server shutting down; reconnect"
 
 
+_MAX_NAME_CHARS = 256
+_MAX_MODES = len(pb.Mode.values())
+
+
+def precheck_hello(msg: pb.Hello) -> None:
+    """What costs nothing to check, before a block is converted or a planner built.
+
+    A hello is converted block by block, then validated, then planned: all work in proportion to
+    its size. Counts and lengths are read off the message as it arrived, so one with too many
+    blocks (or a name too long to be one) is refused at once, whatever else it carries.
+    """
+    if len(msg.job_id) > 128 or not JOB_ID_RE.match(msg.job_id):
+        raise InvalidMessage(
+            "hello.job_id",
+            f"{bounded(repr(msg.job_id), 80)} is not a safe name "
+            "(1-128 of letters, digits, '.', '_', '-', starting alphanumeric)",
+        )
+    n = len(msg.blocks)
+    if not 0 < n <= MAX_BLOCKS:
+        raise InvalidMessage("hello.blocks", f"{n} blocks; a profile has 1-{MAX_BLOCKS}")
+    for name in ("device_name", "model_fingerprint", "client_version"):
+        if len(getattr(msg, name)) > _MAX_NAME_CHARS:
+            raise InvalidMessage(f"hello.{name}", f"longer than {_MAX_NAME_CHARS} characters")
+    for i, b in enumerate(msg.blocks):
+        if len(b.modes) > _MAX_MODES:
+            raise InvalidMessage(f"hello.blocks[{i}].modes", f"{len(b.modes)} entries for {_MAX_MODES} modes")
+        if len(b.name) > _MAX_NAME_CHARS:
+            raise InvalidMessage(f"hello.blocks[{i}].name", f"longer than {_MAX_NAME_CHARS} characters")
+    if msg.HasField("plan") and (len(msg.plan.checkpoint_blocks) > n or len(msg.plan.block_modes) > n):
+        raise InvalidMessage("hello.plan", f"names more blocks than the profile's {n}")
+
+
 class _OpenStream:
     """What shutdown needs to know of one open stream."""
 
@@ -135,14 +170,51 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, RECONNECT)
         raise AssertionError("unreachable")  # context.abort raises
 
-    async def _abort(
-        self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage], err: BaseException
-    ) -> NoReturn:
+    def _failure(self, err: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status a domain error ends a stream with; its details bounded (they travel in a header)."""
         code = status_of(err)
         if code == grpc.StatusCode.UNAUTHENTICATED:
             self.core.metrics.unauthenticated.labels("grpc").inc()
-        await context.abort(code, str(err))
+        return code, bounded(str(err))
+
+    async def _abort(
+        self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage], err: BaseException
+    ) -> NoReturn:
+        failure = self._failure(err)
+        del err
+        await context.abort(*failure)
         raise AssertionError("unreachable")  # context.abort raises
+
+    def _hello_blocking(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
+        """Open a session, or say why not as plain data: an exception carried back to the loop would
+        keep the message alive through its traceback, in a cycle only the collector breaks."""
+        try:
+            try:
+                precheck_hello(hello)
+            except InvalidMessage:
+                self.core.metrics.invalid_messages.inc()
+                raise
+            return self.core.open_session(wire.hello_from_pb(hello))
+        except _DOMAIN_ERRORS as err:
+            return self._failure(err)
+        except Exception:
+            log.exception("handling a hello message failed")
+            return grpc.StatusCode.INTERNAL, "the service failed handling hello; see its log"
+
+    async def _hello(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
+        """A rank's hello, converted and planned off the event loop: its work grows with the profile,
+        and every other stream (and /healthz) waits while the loop is held."""
+        work = asyncio.ensure_future(asyncio.to_thread(self._hello_blocking, hello))
+        del hello
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The stream went while its hello was planned: a session opened meanwhile must still close.
+            opened = await work
+            if isinstance(opened[0], RankSession):
+                with contextlib.suppress(Exception):
+                    self.core.close_session(opened[0], ended=False)
+            raise
 
     async def Session(
         self,
@@ -184,12 +256,18 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                 started = time.perf_counter()
                 kind = msg.WhichOneof("kind")
                 out: Sequence[pb.ServerMessage] = ()
+                failure: tuple[grpc.StatusCode, str] | None = None
                 try:
                     if kind == "hello":
                         if session is not None:
                             raise InvalidMessage("hello", "sent twice on one stream")
-                        session, plan = core.open_session(wire.hello_from_pb(msg.hello))
-                        out = (pb.ServerMessage(plan=wire.plan_to_pb(plan)),)
+                        opened = await self._hello(msg.hello)
+                        if isinstance(opened[0], RankSession) and isinstance(opened[1], Plan):
+                            session = opened[0]
+                            out = (pb.ServerMessage(plan=wire.plan_to_pb(opened[1])),)
+                        elif isinstance(opened[0], grpc.StatusCode) and isinstance(opened[1], str):
+                            failure = opened[0], opened[1]
+                        del opened
                     elif kind is None:
                         core.metrics.invalid_messages.inc()
                         raise InvalidMessage("kind", "empty message: set one of hello, stats, oom, goodbye")
@@ -214,13 +292,18 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                     elif kind == "goodbye":
                         ended = True
                 except _DOMAIN_ERRORS as err:
-                    await self._abort(context, err)
+                    failure = self._failure(err)
                 except Exception:
                     # A fault of the service (its database, a bug) ends this stream only, and says so.
                     log.exception("handling a %s message failed", kind)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log")
+                    failure = (grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log")
                 if kind is not None:
                     durations.labels(kind).observe(time.perf_counter() - started)
+                if failure is not None:
+                    # The abort's exception keeps this frame (through its traceback) for as long as the
+                    # transport holds it, and the collector runs seldom: the message must not be in it.
+                    del msg
+                    await context.abort(*failure)
                 for m in out:
                     yield m
                 if ended:

@@ -19,6 +19,7 @@ from rematd.records import InvalidMessage
 from rematd.server.auth import TokenAuth
 from rematd.server.core import JOB_STATES, AdvisorCore
 from rematd.server.errors import JobNotFound, SessionError, Unauthenticated
+from rematd.server.http_guard import bounded, install
 
 _MAX_INT = 2**63 - 1
 _MAX_BLOCKS = 4096
@@ -62,14 +63,15 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
     auth = auth or TokenAuth()
     app = FastAPI(title="rematd", version=__version__, summary="Activation-checkpointing plans for training jobs")
     page = _dashboard()
+    install(app, auth=auth, on_unauthenticated=core.metrics.unauthenticated.labels("http").inc)
 
     @app.exception_handler(JobNotFound)
     async def _not_found(request: Request, exc: JobNotFound) -> JSONResponse:
-        return JSONResponse(status_code=404, content={"detail": str(exc), "job": exc.job})
+        return JSONResponse(status_code=404, content={"detail": bounded(str(exc)), "job": bounded(exc.job)})
 
     @app.exception_handler(InvalidMessage)
     async def _invalid(request: Request, exc: InvalidMessage) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"detail": str(exc), "field": exc.field})
+        return JSONResponse(status_code=422, content={"detail": bounded(str(exc)), "field": exc.field})
 
     @app.exception_handler(Unauthenticated)
     async def _unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
