@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -25,11 +26,13 @@ from rematd.planner import (
     ControllerConfig,
     Plan,
     PlannerSession,
+    Profile,
     every_k_blocks,
     frequency_of,
     predict_overhead_ratio,
     predict_peak_bytes,
 )
+from rematd.planner.shapes import forget as forget_prepared
 from rematd.records import (
     JOB_ID_RE,
     MAX_INT,
@@ -55,6 +58,17 @@ ENDED = "ended"
 JOB_STATES = ("running", "disconnected", "ended")
 # Below this out-of-memory risk a rank's steady steps may be folded into fewer reports.
 QUIET_RISK = 0.25
+
+
+MAX_INTERNED_BYTES = 64 << 20
+"""What the shared profiles may take in all."""
+_BYTES_PER_BLOCK = 600
+"""A block's record in a hello, or its costs in a profile, with its modes (measured, rounded up)."""
+
+
+def _interned_bytes(value: object) -> int:
+    blocks = value.num_blocks if isinstance(value, Profile) else len(value) if isinstance(value, tuple) else 1
+    return 256 + blocks * _BYTES_PER_BLOCK
 
 
 def plan_row(plan: Plan) -> dict[str, Any]:
@@ -153,6 +167,7 @@ class AdvisorCore:
         self._controls: dict[str, Controls] = {}
         self._controls_revision = 0
         self._interned: dict[Any, Any] = {}
+        self._interned_bytes = 0
         self.metrics.snapshot = self.rank_samples
         self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
         self.refresh_controls()
@@ -395,6 +410,8 @@ class AdvisorCore:
             for job in {s.hello.job_id for s in gone}:
                 if all(r.ended for r in self._by_job.get(job, {}).values()):
                     self._drop_job(job)
+            if gone:
+                self._forget_unused(gone)
         for job, n in collections.Counter(s.hello.job_id for s in gone).items():
             log.info(
                 "job %s: %d rank(s) forgotten, their streams lost over %.0f s ago",
@@ -405,19 +422,44 @@ class AdvisorCore:
         return len(gone)
 
     def _drop_job(self, job: str) -> None:
-        for s in self._by_job.pop(job, {}).values():
+        dropped = list(self._by_job.pop(job, {}).values())
+        for s in dropped:
             self._sessions.pop(s.key, None)
         self.metrics.forget_job(job)
+        self._forget_unused(dropped)
 
     def _shared(self, value: _T) -> _T:
         """One copy of a profile (or its blocks) for every rank that sends the same one.
 
         The ranks of a job, and the jobs of one model, send the same profile: sharing it is most of
-        a session's memory at thousands of ranks. Bounded, since a key lives as long as the table.
+        a session's memory at thousands of ranks. Bounded by the bytes its entries take (a value
+        past the bound is used unshared), and emptied of what no session uses as jobs end.
         """
-        if len(self._interned) > 4096:
-            self._interned.clear()
-        return self._interned.setdefault(value, value)  # type: ignore[no-any-return]
+        with self._lock:
+            hit = self._interned.get(value)
+            if hit is not None:
+                return hit  # type: ignore[no-any-return]
+            cost = _interned_bytes(value)
+            if self._interned_bytes + cost > MAX_INTERNED_BYTES:
+                return value
+            self._interned[value] = value
+            self._interned_bytes += cost
+            return value
+
+    def _forget_unused(self, dropped: Iterable[RankSession] = ()) -> None:
+        """Drop shared profiles no session uses any more, and what the planner prepared for them
+        (and for the profiles of ``dropped`` sessions, shared or not)."""
+        with self._lock:
+            live = {id(v) for s in self._sessions.values() for v in (s.hello.blocks, s.planner.profile)}
+            gone = [v for v in self._interned if id(v) not in live]
+            for v in gone:
+                del self._interned[v]
+                self._interned_bytes -= _interned_bytes(v)
+        profiles = {id(v): v for v in gone if isinstance(v, Profile)}
+        profiles.update((id(s.planner.profile), s.planner.profile) for s in dropped)
+        for key, profile in profiles.items():
+            if key not in live:
+                forget_prepared(profile)
 
     def _planner(self, hello: Hello, first_version: int = 1) -> PlannerSession:
         """The planner for a rank over a profile shared with every rank that sent the same one."""

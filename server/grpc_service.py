@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -139,6 +140,43 @@ class _OpenStream:
         """Interrupted by shutdown, not by the rank."""
 
 
+class _Collections:
+    """Collections soon after streams end: of the young generations at most one per ``interval`` seconds,
+    and a full one once the streams that ended since the last received ``full_after_bytes``.
+
+    A stream leaves its call's objects, the buffers of the messages it received among them, in
+    reference cycles inside gRPC. The service raises the collector's thresholds (``rematd.server.cli``),
+    so a flood of streams that allocate few objects each but hold a message's worth of memory (a
+    rejected 1 MiB hello) would wait long for a collection; and what was alive at a young collection
+    moves to the oldest generation, which only a full one visits. Counting bytes keeps full
+    collections as rare as the traffic that needs them.
+    """
+
+    def __init__(self, interval: float = 0.25, full_after_bytes: int = 16 << 20) -> None:
+        self.interval = interval
+        self.full_after_bytes = full_after_bytes
+        self._due = False
+        self._last = 0.0
+        self._bytes = 0
+
+    def request(self, received_bytes: int) -> None:
+        self._bytes += received_bytes
+        if self._due:
+            return
+        self._due = True
+        delay = max(0.0, self._last + self.interval - time.monotonic())
+        asyncio.get_running_loop().call_later(delay, self._collect)
+
+    def _collect(self) -> None:
+        self._due = False
+        self._last = time.monotonic()
+        if self._bytes >= self.full_after_bytes:
+            self._bytes = 0
+            gc.collect()
+        else:
+            gc.collect(1)
+
+
 class AdvisorServicer(pb_grpc.AdvisorServicer):
     """Maps domain errors to gRPC status codes; all logic lives in the core."""
 
@@ -150,6 +188,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         self.flushed = asyncio.Event()
         """Set once what the open streams sent is in the record; they are told to reconnect after it."""
         self._open: set[_OpenStream] = set()
+        self._collections = _Collections()
 
     def close_streams(self) -> None:
         """Tell every open stream to reconnect elsewhere (UNAVAILABLE), once ``flushed`` is set.
@@ -163,12 +202,9 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                 stream.told = True
                 stream.task.cancel()
 
-    async def _tell_to_reconnect(
-        self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage]
-    ) -> NoReturn:
+    async def _told_to_reconnect(self) -> tuple[grpc.StatusCode, str]:
         await self.flushed.wait()
-        await context.abort(grpc.StatusCode.UNAVAILABLE, RECONNECT)
-        raise AssertionError("unreachable")  # context.abort raises
+        return grpc.StatusCode.UNAVAILABLE, RECONNECT
 
     def _failure(self, err: BaseException) -> tuple[grpc.StatusCode, str]:
         """The status a domain error ends a stream with; its details bounded (they travel in a header)."""
@@ -177,13 +213,18 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             self.core.metrics.unauthenticated.labels("grpc").inc()
         return code, bounded(str(err))
 
-    async def _abort(
-        self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage], err: BaseException
-    ) -> NoReturn:
-        failure = self._failure(err)
-        del err
-        await context.abort(*failure)
-        raise AssertionError("unreachable")  # context.abort raises
+    @staticmethod
+    def _end(
+        context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage], failure: tuple[grpc.StatusCode, str]
+    ) -> None:
+        """End the stream with ``failure`` once the handler returns.
+
+        Not ``context.abort``: its exception is kept by the call's state, which its traceback's frames
+        keep in turn, a cycle that holds the call (and the message it received) until the collector
+        runs, and the collector runs seldom in this service.
+        """
+        context.set_code(failure[0])
+        context.set_details(failure[1])
 
     def _hello_blocking(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
         """Open a session, or say why not as plain data: an exception carried back to the loop would
@@ -227,18 +268,21 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             header = next((v for k, v in (context.invocation_metadata() or ()) if k == METADATA_KEY), None)
             self.auth.check(header if isinstance(header, str) else None)
         except _DOMAIN_ERRORS as err:
-            await self._abort(context, err)
+            self._end(context, self._failure(err))
+            return
         core = self.core
         durations = core.metrics.message_duration
         session: RankSession | None = None
         ended = False
+        received = 0
         messages = aiter(request_iterator)
         stream = _OpenStream(asyncio.current_task())
         self._open.add(stream)
         try:
             while True:
                 if self.closing:
-                    await self._tell_to_reconnect(context)
+                    self._end(context, await self._told_to_reconnect())
+                    return
                 stream.reading = True
                 try:
                     msg = await anext(messages)
@@ -246,14 +290,18 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                     return
                 except DecodeError as err:
                     core.metrics.invalid_messages.inc()
-                    await self._abort(context, InvalidMessage("message", f"not a rematd.v1.ClientMessage ({err})"))
+                    bad = InvalidMessage("message", f"not a rematd.v1.ClientMessage ({err})")
+                    self._end(context, self._failure(bad))
+                    return
                 except asyncio.CancelledError:
                     if not stream.told:
                         raise
-                    await self._tell_to_reconnect(context)
+                    self._end(context, await self._told_to_reconnect())
+                    return
                 finally:
                     stream.reading = False
                 started = time.perf_counter()
+                received += msg.ByteSize()
                 kind = msg.WhichOneof("kind")
                 out: Sequence[pb.ServerMessage] = ()
                 failure: tuple[grpc.StatusCode, str] | None = None
@@ -300,16 +348,15 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                 if kind is not None:
                     durations.labels(kind).observe(time.perf_counter() - started)
                 if failure is not None:
-                    # The abort's exception keeps this frame (through its traceback) for as long as the
-                    # transport holds it, and the collector runs seldom: the message must not be in it.
-                    del msg
-                    await context.abort(*failure)
+                    self._end(context, failure)
+                    return
                 for m in out:
                     yield m
                 if ended:
                     return
         finally:
             self._open.discard(stream)
+            self._collections.request(received)
             if session is not None:
                 try:
                     core.close_session(session, ended=ended)
