@@ -148,6 +148,8 @@ class RankSession:
     opened_at: float = field(default_factory=time.time)
     disconnected_at: float | None = None
     """When (monotonic) its last stream went without a goodbye; None while connected or ended."""
+    planning: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Held while its planner works, which the core's lock is not."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -278,12 +280,15 @@ class AdvisorCore:
             self.metrics.invalid_messages.inc()
             raise InvalidMessage("stats.step", f"step {stats.step} does not follow step {session.last_step}")
         now = time.time()
-        with self._lock:
+        # Planning is the session's own work, done under its own lock: under the core's, one large
+        # profile's step would hold up every other rank (and the event loop) while it is planned.
+        with session.planning:
             session.last_step = stats.step
             session.last_peak = obs.peak_bytes
             started = time.perf_counter()
             changed = session.planner.observe(obs)
             self.metrics.plan_duration.observe(time.perf_counter() - started)
+        with self._lock:
             if changed is not None:
                 self._check_fits(session.planner.plan, "stats.shape")
                 session.base = session.planner.plan
@@ -352,7 +357,10 @@ class AdvisorCore:
             )
             self.metrics.oom_events.labels(job).inc()
             session.oom_on_plan = True
-            if session.planner.report_oom(oom.shape) is not None:
+        with session.planning:
+            changed = session.planner.report_oom(oom.shape)
+        with self._lock:
+            if changed is not None:
                 self._check_fits(session.planner.plan, "oom.shape")
                 session.base = session.planner.plan
             plan = self._outgoing(session, "oom.shape")

@@ -95,6 +95,9 @@ _DOMAIN_ERRORS = (InvalidMessage, ValueError, SessionError, JobNotFound, Unauthe
 RECONNECT = "server shutting down; reconnect"
 
 
+# Steps of profiles this large are planned on a worker thread: planning grows with the blocks, and
+# a 4,096-block step can take a quarter of a second; smaller ones cost less than the thread hop.
+OFF_LOOP_BLOCKS = 512
 _MAX_NAME_CHARS = 256
 _MAX_MODES = len(pb.Mode.values())
 
@@ -323,7 +326,10 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         raise SessionError(f"send hello before {kind}")
                     elif kind == "stats":
                         stats = wire.stats_from_pb(msg.stats)
-                        new = core.on_stats(session, stats)
+                        if len(session.hello.blocks) >= OFF_LOOP_BLOCKS:
+                            new = await asyncio.to_thread(core.on_stats, session, stats)
+                        else:
+                            new = core.on_stats(session, stats)
                         ack = pb.ServerMessage(
                             ack=pb.StepAck(
                                 step=stats.step,
@@ -334,7 +340,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         )
                         out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
                     elif kind == "oom":
-                        new = core.on_oom(session, wire.oom_from_pb(msg.oom))
+                        new = await asyncio.to_thread(core.on_oom, session, wire.oom_from_pb(msg.oom))
                         if new is not None:
                             out = (pb.ServerMessage(plan=wire.plan_to_pb(new)),)
                     elif kind == "goodbye":
