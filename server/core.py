@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Iterable
@@ -43,7 +45,7 @@ from rematd.records import (
     observation,
     open_planner,
 )
-from rematd.server.errors import JobNotFound, SessionError
+from rematd.server.errors import JobEnded, JobNotFound, SessionError, SessionTaken
 from rematd.server.metrics import Metrics, RankSample
 from rematd.server.store import Store
 
@@ -69,6 +71,10 @@ _BYTES_PER_BLOCK = 600
 def _interned_bytes(value: object) -> int:
     blocks = value.num_blocks if isinstance(value, Profile) else len(value) if isinstance(value, tuple) else 1
     return 256 + blocks * _BYTES_PER_BLOCK
+
+
+def _same_secret(given: str, issued: str) -> bool:
+    return bool(given) and hmac.compare_digest(given.encode(), issued.encode())
 
 
 def plan_row(plan: Plan) -> dict[str, Any]:
@@ -148,6 +154,8 @@ class RankSession:
     opened_at: float = field(default_factory=time.time)
     disconnected_at: float | None = None
     """When (monotonic) its last stream went without a goodbye; None while connected or ended."""
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False, compare=False)
+    """Proves a reconnecting stream is this rank's: issued in a stream's first ack, presented in its hello."""
     planning: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Held while its planner works, which the core's lock is not."""
 
@@ -194,8 +202,18 @@ class AdvisorCore:
         job = hello.job_id
         with self._lock:
             existing = self._sessions.get((job, hello.rank))
+            owner = existing is not None and _same_secret(hello.session_secret, existing.secret)
+            if existing is not None and existing.streams > 0 and not owner:
+                # The model fingerprint, job and rank can all be read over REST: only the secret the
+                # live stream was given proves a hello is that rank's.
+                self.metrics.invalid_messages.inc()
+                raise SessionTaken(
+                    f"rank {hello.rank} of job {job!r} is live on another stream; a reconnect must present "
+                    "the session secret from that stream's first acknowledgement (retry once it has ended)"
+                )
             resumed = (
                 existing is not None
+                and owner
                 and hello.plan_version > 0
                 and existing.hello.model_fingerprint == hello.model_fingerprint
                 and len(existing.hello.blocks) == len(hello.blocks)
@@ -268,7 +286,7 @@ class AdvisorCore:
         job = session.hello.job_id
         controls = self._controls.get(job)
         if controls is not None and controls.ended_at is not None:
-            raise SessionError(f"job {job!r} was ended by an operator")
+            raise JobEnded(f"job {job!r} was ended by an operator; this rank's reports are no longer taken")
         if controls is not None and controls.budget_bytes is not None and stats.budget_bytes:
             stats = dataclasses.replace(stats, budget_bytes=controls.budget_bytes)
         try:

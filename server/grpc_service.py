@@ -27,7 +27,7 @@ from rematd.planner import Plan
 from rematd.records import JOB_ID_RE, MAX_BLOCKS, InvalidMessage
 from rematd.server.auth import METADATA_KEY, TokenAuth
 from rematd.server.core import AdvisorCore, RankSession
-from rematd.server.errors import JobNotFound, SessionError, ShuttingDown, Unauthenticated
+from rematd.server.errors import JobNotFound, SessionError, SessionTaken, ShuttingDown, Unauthenticated
 from rematd.server.http_guard import bounded
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
@@ -84,6 +84,9 @@ def status_of(err: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(err, SessionError):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(err, SessionTaken):
+        # Retried by clients: once the other stream has ended, the rank may start a session of its own.
+        return grpc.StatusCode.ABORTED
     if isinstance(err, ShuttingDown):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(err, (InvalidMessage, ValueError)):
@@ -91,7 +94,7 @@ def status_of(err: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-_DOMAIN_ERRORS = (InvalidMessage, ValueError, SessionError, JobNotFound, Unauthenticated, ShuttingDown)
+_DOMAIN_ERRORS = (InvalidMessage, ValueError, SessionError, SessionTaken, JobNotFound, Unauthenticated, ShuttingDown)
 RECONNECT = "server shutting down; reconnect"
 
 
@@ -277,6 +280,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         durations = core.metrics.message_duration
         session: RankSession | None = None
         ended = False
+        secret_sent = False
         received = 0
         messages = aiter(request_iterator)
         stream = _OpenStream(asyncio.current_task())
@@ -336,8 +340,10 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                                 plan_version=session.sent.version,
                                 oom_risk=session.planner.oom_risk,
                                 report_interval_seconds=core.report_interval(session),
+                                session_secret="" if secret_sent else session.secret,
                             )
                         )
+                        secret_sent = True
                         out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
                     elif kind == "oom":
                         new = await asyncio.to_thread(core.on_oom, session, wire.oom_from_pb(msg.oom))

@@ -120,6 +120,8 @@ class Hello:
     other_activations: Size = field(default_factory=Size)
     plan: Plan | None = None
     """The plan in force, for reconnects (its version is ``plan_version``)."""
+    session_secret: str = field(default="", repr=False)
+    """The secret the service issued to this rank's earlier stream, for reconnects ("" on the first)."""
 
     def validate(self) -> None:
         if not JOB_ID_RE.match(self.job_id):
