@@ -180,6 +180,7 @@ class AdvisorCore:
         self._interned_bytes = 0
         self.metrics.snapshot = self.rank_samples
         self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
+        self.store.on_write_failure = self.metrics.record_write_failures.inc
         self.refresh_controls()
 
     # -- the training side ----------------------------------------------------

@@ -6,6 +6,7 @@ field), Unauthenticated 401, SessionError 409; every body is JSON.
 
 from __future__ import annotations
 
+import time
 from importlib import resources
 from typing import Annotated, Any
 
@@ -99,6 +100,21 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
+
+    @app.get("/readyz", responses={503: {"description": "the record cannot be written"}})
+    def readyz() -> JSONResponse:
+        """Ready to take training ranks: the record takes writes. Liveness is /healthz."""
+        store = core.store
+        if store.writable():
+            return JSONResponse({"status": "ready"})
+        since = store.failing_since
+        return JSONResponse(
+            status_code=503,
+            content={
+                "detail": bounded(f"the record cannot be written: {store.last_failure}"),
+                "failing_seconds": round(time.monotonic() - since, 1) if since is not None else 0.0,
+            },
+        )
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

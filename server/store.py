@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,19 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX IF NOT EXISTS stats_by_rank_step ON stats (job, rank, step)",
             "CREATE INDEX IF NOT EXISTS stats_by_time ON stats (job, time)",
             "CREATE INDEX IF NOT EXISTS ooms_by_job ON oom_events (job, id)",
+        ),
+    ),
+    (
+        4,
+        "what each rank's controller learned; a row readiness rewrites to find out the record takes writes",
+        (
+            """CREATE TABLE IF NOT EXISTS learned_state (
+                job TEXT NOT NULL,
+                rank BIGINT NOT NULL,
+                state TEXT NOT NULL,
+                updated_at {FLOAT} NOT NULL,
+                PRIMARY KEY (job, rank))""",
+            "CREATE TABLE IF NOT EXISTS write_probe (id BIGINT PRIMARY KEY, written_at {FLOAT} NOT NULL)",
         ),
     ),
 )
@@ -251,6 +264,12 @@ class Store:
         # because the write-behind buffer turns many small writes into few transactions.
         self._lock = threading.RLock()
         self._wal = False
+        self.failing_since: float | None = None
+        """When (monotonic) writes to the record began to fail; None while they succeed."""
+        self.last_failure = ""
+        self.on_write_failure: Callable[[], None] | None = None
+        """Called once per failed write (the core counts them in a metric)."""
+        self._last_probe = 0.0
         try:
             self.engine = self._engine(url)
             self.migrate()
@@ -397,39 +416,94 @@ class Store:
                     plain.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("PRAGMA journal_mode=WAL")
 
     def close(self) -> None:
+        """Write what is buffered and let go of the database; a record that cannot be written loses the
+        buffered rows, said in one line of the log, rather than failing the shutdown."""
         if self._closed.is_set():
             return
         self._closed.set()
         self._flusher.join(5)
-        self.flush()
+        pending = self.pending()
+        try:
+            self.flush()
+        except Exception as err:
+            log.error("the record cannot be written (%s): %d buffered step report(s) are lost", _why(err), pending)
         self.engine.dispose()
+
+    # -- health -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Track whether writes succeed: readiness and a metric show a record that cannot be written."""
+        try:
+            yield
+        except Exception as err:
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+            self.last_failure = _why(err)
+            if self.on_write_failure is not None:
+                self.on_write_failure()
+            raise
+
+    def writable(self, probe_every: float = 1.0) -> bool:
+        """Whether the record takes writes. While writes fail, a probe write (at most one per
+        ``probe_every`` seconds) finds out when it takes them again, with or without traffic: only
+        the probe clears a failure, since a write that changed nothing succeeds on a full disk too."""
+        if self.failing_since is None:
+            return True
+        now = time.monotonic()
+        if now - self._last_probe >= probe_every:
+            self._last_probe = now
+            with contextlib.suppress(Exception), self._writing(), self._lock, self.engine.begin() as conn:
+                # A new value each time: SQLite skips a write that leaves a row as it was.
+                conn.execute(
+                    text(
+                        "INSERT INTO write_probe VALUES (1, :t) "
+                        "ON CONFLICT(id) DO UPDATE SET written_at = excluded.written_at"
+                    ),
+                    {"t": time.time()},
+                )
+                self.failing_since = None
+        return self.failing_since is None
 
     # -- plumbing -----------------------------------------------------------------
 
     def _write(self, sql: str, params: dict[str, Any] | list[dict[str, Any]]) -> None:
-        with self._lock, self.engine.begin() as conn:
+        with self._writing(), self._lock, self.engine.begin() as conn:
             conn.execute(text(sql), params)
 
     def _read(self, sql: str, params: dict[str, Any] | None = None, *, fresh: bool = True) -> list[Any]:
         """Rows of a query; ``fresh`` (for what the buffer holds) writes the buffer first."""
         if fresh:
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # a record that cannot be written can still be read: without the buffered rows
+                log.warning("reading the record without its buffered rows: %s", self.last_failure)
         with self.engine.connect() as conn:
             return list(conn.execute(text(sql), params or {}).mappings().all())
 
     def _flush_loop(self) -> None:
+        failing = False
         while not self._closed.wait(self.config.flush_seconds):
             try:
                 self.flush()
             except Exception:  # the next round tries again; a lost database must not kill the thread
-                log.exception("flushing statistics failed")
+                if not failing:  # once per outage, not four times a second
+                    log.error("writing step reports to the record failed (%s); retrying", self.last_failure)
+                failing = True
+            else:
+                if failing and self.failing_since is None:
+                    log.info("the record takes writes again")
+                    failing = False
 
     def pending(self) -> int:
         return self.buffer.pending()
 
     def flush(self) -> None:
         """Write buffered statistics in one transaction (rows the database refuses are set aside)."""
-        self.buffer.flush()
+        if not self.buffer.pending():
+            return
+        with self._writing():
+            self.buffer.flush()
 
     # -- writes -------------------------------------------------------------------
 
@@ -447,7 +521,7 @@ class Store:
         plan: dict[str, Any] | None = None,
     ) -> None:
         """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on."""
-        with self._lock, self.engine.begin() as conn:
+        with self._writing(), self._lock, self.engine.begin() as conn:
             conn.execute(
                 text(_UPSERT_JOB),
                 {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
@@ -487,7 +561,7 @@ class Store:
 
     def set_controls(self, job: str, controls: dict[str, Any], now: float) -> int:
         """Replace a job's operator controls; returns their new revision."""
-        with self._lock, self.engine.begin() as conn:
+        with self._writing(), self._lock, self.engine.begin() as conn:
             rev = int(conn.execute(text("SELECT COALESCE(MAX(revision), 0) FROM job_controls")).scalar() or 0) + 1
             params = {
                 "job": job,
@@ -591,7 +665,7 @@ class Store:
                 )
             ]
             for job in idle:
-                for table in ("stats", "oom_events", "plans", "ranks", "job_controls", "jobs"):
+                for table in ("stats", "oom_events", "plans", "learned_state", "ranks", "job_controls", "jobs"):
                     conn.execute(text(f"DELETE FROM {table} WHERE job=:j"), {"j": job})
             conn.execute(text("DELETE FROM warm_plans WHERE updated_at < :c"), {"c": cutoff})
         return {"downsampled": sampled, "expired_stats": old_stats, "expired_ooms": old_ooms, "expired_jobs": len(idle)}
