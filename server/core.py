@@ -238,6 +238,7 @@ class AdvisorCore:
                     last = self.store.last_plan_version(job, hello.rank)
                     if hello.plan is not None:
                         planner.continue_from(hello.plan)
+                        self._restore_learned(planner, job, hello.rank)
                         if last > hello.plan_version:
                             planner.renumber_after(last)
                         recorded = last == hello.plan_version
@@ -413,6 +414,12 @@ class AdvisorCore:
             ):
                 self._remember(session, time.time())
             self.store.set_rank_state(job=job, rank=session.hello.rank, state=ENDED if ended else DISCONNECTED)
+            try:
+                self._save_learned(session, time.time())
+            except Exception as err:  # the rank's end still counts; the last plan's state stays recorded
+                log.warning(
+                    "job %s rank %d: what its controller learned was not saved: %s", job, session.hello.rank, err
+                )
             ranks = list(self._by_job.get(job, {}).values())
             if ended and all(s.ended for s in ranks):
                 self._drop_job(job)
@@ -624,6 +631,25 @@ class AdvisorCore:
         job = session.hello.job_id
         self.store.add_plan(job=job, rank=session.hello.rank, plan=plan_row(plan), now=now)
         self.metrics.plans_issued.labels(job).inc()
+        self._save_learned(session, now)
+
+    # -- what controllers learned, across restarts ------------------------------
+
+    def _save_learned(self, session: RankSession, now: float) -> None:
+        """Kept with each plan and when a stream ends: a restarted service continues from it instead of
+        relearning by issuing the same loosening (and its undoing) again."""
+        self.store.save_learned(
+            job=session.hello.job_id, rank=session.hello.rank, state=session.planner.controller.export_state(), now=now
+        )
+
+    def _restore_learned(self, planner: PlannerSession, job: str, rank: int) -> None:
+        state = self.store.learned(job=job, rank=rank)
+        if state is None:
+            return
+        try:
+            planner.controller.restore_state(state)
+        except ValueError as err:  # a record from another rematd: plan afresh rather than refuse the rank
+            log.warning("job %s rank %d: what its controller learned cannot be restored (%s)", job, rank, err)
 
     # -- the operator side: controls ------------------------------------------
 

@@ -630,6 +630,23 @@ class Store:
         d["blocks"] = json.loads(d["blocks"])
         return d
 
+    def save_learned(self, *, job: str, rank: int, state: dict[str, Any], now: float) -> None:
+        """What a rank's controller learned, kept beside its plan history for a restarted service."""
+        self._write(
+            """INSERT INTO learned_state VALUES (:job, :rank, :state, :now)
+               ON CONFLICT(job, rank) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at""",
+            {"job": job, "rank": rank, "state": json.dumps(state), "now": now},
+        )
+
+    def learned(self, *, job: str, rank: int) -> dict[str, Any] | None:
+        rows = self._read(
+            "SELECT state FROM learned_state WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}, fresh=False
+        )
+        if not rows:
+            return None
+        state = json.loads(rows[0]["state"])
+        return state if isinstance(state, dict) else None
+
     # -- housekeeping -------------------------------------------------------------
 
     def compact(self, now: float | None = None) -> dict[str, int]:
