@@ -54,7 +54,8 @@ def test_the_profile_cache_is_bounded_in_bytes_and_emptied_as_jobs_end(monkeypat
         assert core._interned_bytes <= core_mod.MAX_INTERNED_BYTES
     profiles = [s.planner.profile for s in sessions]
     # Ranks of one model still share: a second rank of job-0 gets job-0's copy.
-    other, _ = core.open_session(dataclasses.replace(_profile_hello("job-0", 64, 0), rank=0, world_size=1))
+    again = dataclasses.replace(_profile_hello("job-0", 64, 0), session_secret=sessions[0].secret)
+    other, _ = core.open_session(again)
     assert other.planner.profile is profiles[0]
     assert any(v.profile is profiles[0] for v in shapes._CACHE.values())
     for s in [*sessions, other]:
