@@ -232,6 +232,15 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         context.set_code(failure[0])
         context.set_details(failure[1])
 
+    def _log_fault(self, kind: str) -> None:
+        """A bug gets its traceback; a record that cannot be written (counted, alerted on) one line each."""
+        if self.core.store.failing_since is not None:
+            log.error(
+                "handling a %s message failed: the record cannot be written (%s)", kind, self.core.store.last_failure
+            )
+        else:
+            log.exception("handling a %s message failed", kind)
+
     def _hello_blocking(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
         """Open a session, or say why not as plain data: an exception carried back to the loop would
         keep the message alive through its traceback, in a cycle only the collector breaks."""
@@ -245,7 +254,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         except _DOMAIN_ERRORS as err:
             return self._failure(err)
         except Exception:
-            log.exception("handling a hello message failed")
+            self._log_fault("hello")
             return grpc.StatusCode.INTERNAL, "the service failed handling hello; see its log"
 
     async def _hello(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
@@ -355,7 +364,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                     failure = self._failure(err)
                 except Exception:
                     # A fault of the service (its database, a bug) ends this stream only, and says so.
-                    log.exception("handling a %s message failed", kind)
+                    self._log_fault(kind or "")
                     failure = (grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log")
                 if kind is not None:
                     durations.labels(kind).observe(time.perf_counter() - started)
@@ -372,8 +381,11 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             if session is not None:
                 try:
                     core.close_session(session, ended=ended)
-                except Exception:
-                    log.exception("recording the end of a stream failed")
+                except Exception as err:
+                    if core.store.failing_since is not None:  # the record's fault, already counted and alerted on
+                        log.error("recording the end of a stream failed: %s", core.store.last_failure or err)
+                    else:
+                        log.exception("recording the end of a stream failed")
 
 
 class Health:

@@ -93,6 +93,9 @@ def test_a_full_disk_fails_readiness_counts_failures_and_shuts_down_cleanly(tmp_
         assert proc.wait(30) == 0
         shutdown = log.read_bytes()[before:].decode(errors="replace")
         assert "Traceback" not in shutdown, shutdown
+        # The outage is said in one line per failure, not a traceback each (those are for bugs).
+        whole = log.read_text(errors="replace")
+        assert "Traceback" not in whole and "the record cannot be written" in whole, whole[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
