@@ -121,7 +121,7 @@ def precheck_hello(msg: pb.Hello) -> None:
     n = len(msg.blocks)
     if not 0 < n <= MAX_BLOCKS:
         raise InvalidMessage("hello.blocks", f"{n} blocks; a profile has 1-{MAX_BLOCKS}")
-    for name in ("device_name", "model_fingerprint", "client_version"):
+    for name in ("device_name", "model_fingerprint", "client_version", "session_secret"):
         if len(getattr(msg, name)) > _MAX_NAME_CHARS:
             raise InvalidMessage(f"hello.{name}", f"longer than {_MAX_NAME_CHARS} characters")
     for i, b in enumerate(msg.blocks):

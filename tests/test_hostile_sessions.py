@@ -78,6 +78,8 @@ def test_a_live_rank_cannot_be_joined_without_its_secret(service: Bound) -> None
         assert victim.send(_stats(1)).ack.session_secret == "", "and only the first"
         version = plan.plan.version
         # Everything REST shows (job, rank, fingerprint, plan version) is not enough.
+        err = _refused(service.grpc, _hello(session_secret="s" * 100_000))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_secret" in (err.details() or "")
         for attempt in (
             _hello(),
             _hello(plan_version=version),
