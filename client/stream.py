@@ -57,6 +57,9 @@ TERMINAL = frozenset(
     }
 )
 
+# How the service words a stream it ends because an operator ended the job.
+ENDED_BY_OPERATOR = "was ended by an operator"
+
 # The longest report interval taken from a service; anything else is taken as 0 (report every step).
 MAX_INTERVAL_S = 3600.0
 # Failures in a row after which the in-process planner is given up until the service answers again.
@@ -106,6 +109,8 @@ class StreamBackend:
         self._hello_updates: dict[str, Any] = {}
         self._plan_version = 0
         self._plan_in_force: Plan | None = None
+        self._session_secret = ""
+        """What proves this rank's next stream is its own; never logged."""
         self._last_blocks: tuple[int, ...] | None = None
         self._folder = Folder()
         self._flush_now = threading.Event()
@@ -211,6 +216,7 @@ class StreamBackend:
         plan = self._plan_in_force
         return dataclasses.replace(
             self._hello,
+            session_secret=self._session_secret,
             plan_version=self._plan_version,
             plan=plan if plan is not None and plan.version == self._plan_version else None,
             **updates,
@@ -304,7 +310,15 @@ class StreamBackend:
             self.last_error = f"{code.name}: {detail}"
             if self._stopping.is_set():
                 return answered
-            if code in TERMINAL:
+            if code == grpc.StatusCode.FAILED_PRECONDITION and ENDED_BY_OPERATOR in (detail or ""):
+                # Not a fault: an operator's decision, which the training job's log must show.
+                log.warning(
+                    "rematd: an operator ended this job at %s (%s); reports stop, the plan in force stays",
+                    self.target,
+                    detail,
+                )
+                self._stop()
+            elif code in TERMINAL:
                 log.error("rematd service refused the stream (%s); keeping the plan in force", self.last_error)
                 self._stop()
             else:
@@ -410,6 +424,9 @@ class StreamBackend:
         if kind == "plan":
             self._deliver(wire.plan_from_pb(msg.plan))
         elif kind == "ack":
+            if msg.ack.session_secret:
+                with self._lock:
+                    self._session_secret = msg.ack.session_secret
             interval = msg.ack.report_interval_seconds
             self._folder.interval = interval if math.isfinite(interval) and 0 <= interval <= MAX_INTERVAL_S else 0.0
             self._ack(msg.ack.step)

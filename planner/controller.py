@@ -13,6 +13,7 @@ import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from rematd.planner.cost import overhead_ratio
 from rematd.planner.model import Mode, Option, Profile, Shape, ShapePlan, StepObservation
@@ -464,6 +465,75 @@ class Controller:
         where = f"at length {shape.seq_len}" if shape.seq_len else "(its length not reported)"
         reason = f"tighten: out-of-memory reported {where}; {_what_changed(was, self.table)}"
         return self._decision(table, shape, target, static_bytes, reason)
+
+    # -- what it learned, across restarts of the service ----------------------
+
+    def export_state(self) -> dict[str, Any]:
+        """What this controller learned from measurements, as plain JSON-able data: per bucket the
+        recent measured/predicted ratios, OOM boost, remembered crossing and cap; the dwell and when
+        it last loosened; the lengths and batch seen. ``restore_state`` takes it back."""
+        st = self._state
+        return {
+            "v": 1,
+            "buckets": [
+                [seq, list(b.ratios), b.boost, b.crossing, b.crossing_step, b.ceiling]
+                for seq, b in sorted(st.buckets.items())
+            ],
+            "headroom_steps": st.headroom_steps,
+            "dwell": st.dwell,
+            "last_loosen_step": st.last_loosen_step,
+            "seqs": sorted(self._seqs),
+            "batch": self._batch,
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Continue from what ``export_state`` gave (another process's controller over the same profile);
+        ValueError, leaving this controller as it was, for anything else."""
+        cfg = self.config
+
+        def num(value: Any, what: str, *, lo: float = 0.0, hi: float = math.inf) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise ValueError(f"state: {what} must be a number in [{lo}, {hi}], got {value!r}")
+            return value
+
+        def whole(value: Any, what: str, *, lo: int = 0) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"state: {what} must be an integer >= {lo}, got {value!r}")
+            return value
+
+        if not isinstance(state, dict) or state.get("v") != 1:
+            raise ValueError("state: not a controller state of version 1")
+        buckets: dict[int, _Bucket] = {}
+        for entry in state.get("buckets", []):
+            if not isinstance(entry, list) or len(entry) != 6:
+                raise ValueError(
+                    f"state: a bucket must be [seq, ratios, boost, crossing, step, ceiling], got {entry!r}"
+                )
+            seq, ratios, boost, crossing, crossing_step, ceiling = entry
+            if not isinstance(ratios, list):
+                raise ValueError(f"state: ratios must be a list, got {ratios!r}")
+            buckets[whole(seq, "bucket", lo=1)] = _Bucket(
+                deque((num(r, "ratio", hi=cfg.max_correction) for r in ratios), maxlen=cfg.correction_window),
+                boost=num(boost, "boost", lo=1.0, hi=cfg.max_correction),
+                crossing=num(crossing, "crossing", lo=1.0, hi=cfg.max_correction),
+                crossing_step=whole(crossing_step, "crossing_step"),
+                ceiling=None if ceiling is None else whole(ceiling, "ceiling"),
+            )
+        seqs = state.get("seqs", [])
+        if not isinstance(seqs, list) or len(seqs) > 64:
+            raise ValueError("state: seqs must be a list of at most 64 lengths")
+        restored = _State(
+            buckets=buckets,
+            headroom_steps=whole(state.get("headroom_steps", 0), "headroom_steps"),
+            dwell=min(cfg.max_loosen_after_steps, max(cfg.loosen_after_steps, whole(state.get("dwell"), "dwell"))),
+            last_loosen_step=int(num(state.get("last_loosen_step", -(10**9)), "last_loosen_step", lo=-(10**9))),
+        )
+        lengths = {whole(q, "seq", lo=1) for q in seqs}
+        batch = whole(state.get("batch", self._batch), "batch", lo=1)
+        self._state = restored
+        self._seqs |= lengths
+        self._batch = batch
+        self._cache.clear()
 
 
 def _lookup(table: list[ShapePlan], shape: Shape) -> ShapePlan | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from rematd.planner.cost import choose, peak_of
@@ -86,6 +87,8 @@ def _undominated(opts: list[Option]) -> list[Option]:
 
 _CACHE: OrderedDict[tuple[int, Shape | None, frozenset[Mode] | None, Scales, bool], AtShape] = OrderedDict()
 _cached_blocks = 0
+# Services plan hellos on worker threads while the event loop plans steps: the table is shared.
+_LOCK = threading.Lock()
 
 
 def at_shape(
@@ -107,21 +110,32 @@ def at_shape(
     if shape == profile.shape:
         shape = None
     key = (id(profile), shape, allowed, scales, prune)
-    hit = _CACHE.get(key)
-    # The identity check guards against a dead profile's id being reused.
-    if hit is not None and hit.profile is profile:
-        _CACHE.move_to_end(key)
-        return hit
+    with _LOCK:
+        hit = _CACHE.get(key)
+        # The identity check guards against a dead profile's id being reused.
+        if hit is not None and hit.profile is profile:
+            _CACHE.move_to_end(key)
+            return hit
     if prune:
         entry = AtShape(profile, shape, allowed, (), at_shape(profile, shape, allowed, scales), prune=True)
     else:
         base = at_shape(profile, shape, allowed) if scales else None
         entry = AtShape(profile, shape, allowed, scales, base)
-    if hit is not None:
-        _cached_blocks -= hit.profile.num_blocks
-    _CACHE[key] = entry
-    _cached_blocks += profile.num_blocks
-    while _cached_blocks > MAX_CACHED_BLOCKS and len(_CACHE) > 1:
-        _, old = _CACHE.popitem(last=False)
-        _cached_blocks -= old.profile.num_blocks
+    with _LOCK:
+        old = _CACHE.pop(key, None)
+        if old is not None:
+            _cached_blocks -= old.profile.num_blocks
+        _CACHE[key] = entry
+        _cached_blocks += profile.num_blocks
+        while _cached_blocks > MAX_CACHED_BLOCKS and len(_CACHE) > 1:
+            _, evicted = _CACHE.popitem(last=False)
+            _cached_blocks -= evicted.profile.num_blocks
     return entry
+
+
+def forget(profile: Profile) -> None:
+    """Drop what was prepared for ``profile``: no session uses it any more."""
+    global _cached_blocks
+    with _LOCK:
+        for key in [k for k, v in _CACHE.items() if v.profile is profile]:
+            _cached_blocks -= _CACHE.pop(key).profile.num_blocks

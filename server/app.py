@@ -292,10 +292,16 @@ class Service:
             # Open streams are told to reconnect elsewhere now, rather than cut off when the grace
             # ends; what they sent is written first, so the replica they reach next has it.
             servicer.close_streams()
+            pending = self.store.pending()
             try:
                 await asyncio.to_thread(self.store.flush)
             except Exception:
-                log.exception("writing buffered statistics at shutdown failed")
+                # Said in one line: a failing disk is an operator's problem, not a bug with a traceback.
+                log.error(
+                    "the record cannot be written at shutdown (%s): %d buffered step report(s) are lost",
+                    self.store.last_failure,
+                    pending,
+                )
             servicer.flushed.set()
             await server.stop(cfg.grace_seconds)
             if web_task is not None:

@@ -167,6 +167,8 @@ def _run_one(config: ServeConfig, *, announce: bool = True) -> int:
         await task
 
     # Fewer, larger young-generation collections: a busy service allocates many short-lived messages.
+    # Memory that ended streams held does not wait for these thresholds: the gRPC servicer asks for a
+    # collection soon after streams end (rematd.server.grpc_service).
     gc.set_threshold(50_000, 20, 100)
     try:
         asyncio.run(main())

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import logging
 import math
+import secrets
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -26,6 +29,7 @@ from rematd.planner import (
     Mode,
     Plan,
     PlannerSession,
+    Profile,
     Shape,
     ShapePlan,
     blocks_of,
@@ -34,6 +38,7 @@ from rematd.planner import (
 )
 from rematd.planner.cost import overhead_ratio
 from rematd.planner.shapes import at_shape
+from rematd.planner.shapes import forget as forget_prepared
 from rematd.records import (
     JOB_ID_RE,
     MAX_INT,
@@ -44,7 +49,7 @@ from rematd.records import (
     observation,
     open_planner,
 )
-from rematd.server.errors import JobNotFound, SessionError
+from rematd.server.errors import JobEnded, JobNotFound, SessionError, SessionTaken
 from rematd.server.metrics import Metrics, RankSample
 from rematd.server.store import Store
 
@@ -94,6 +99,21 @@ def shape_plan_of(row: dict[str, Any]) -> ShapePlan:
         predicted_peak_bytes=int(row["predicted_peak_bytes"]),
         predicted_overhead_ratio=float(row["predicted_overhead_ratio"]),
     )
+
+
+MAX_INTERNED_BYTES = 64 << 20
+"""What the shared profiles may take in all."""
+_BYTES_PER_BLOCK = 600
+"""A block's record in a hello, or its costs in a profile, with its modes (measured, rounded up)."""
+
+
+def _interned_bytes(value: object) -> int:
+    blocks = value.num_blocks if isinstance(value, Profile) else len(value) if isinstance(value, tuple) else 1
+    return 256 + blocks * _BYTES_PER_BLOCK
+
+
+def _same_secret(given: str, issued: str) -> bool:
+    return bool(given) and hmac.compare_digest(given.encode(), issued.encode())
 
 
 def plan_row(plan: Plan, num_blocks: int) -> dict[str, Any]:
@@ -202,6 +222,10 @@ class RankSession:
     opened_at: float = field(default_factory=time.time)
     disconnected_at: float | None = None
     """When (monotonic) its last stream went without a goodbye; None while connected or ended."""
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False, compare=False)
+    """Proves a reconnecting stream is this rank's: issued in a stream's first ack, presented in its hello."""
+    planning: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Held while its planner works, which the core's lock is not."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -221,8 +245,10 @@ class AdvisorCore:
         self._controls: dict[str, Controls] = {}
         self._controls_revision = 0
         self._interned: dict[Any, Any] = {}
+        self._interned_bytes = 0
         self.metrics.snapshot = self.rank_samples
         self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
+        self.store.on_write_failure = self.metrics.record_write_failures.inc
         self.refresh_controls()
 
     # -- the training side ----------------------------------------------------
@@ -245,8 +271,18 @@ class AdvisorCore:
         job = hello.job_id
         with self._lock:
             existing = self._sessions.get((job, hello.rank))
+            owner = existing is not None and _same_secret(hello.session_secret, existing.secret)
+            if existing is not None and existing.streams > 0 and not owner:
+                # The model fingerprint, job and rank can all be read over REST: only the secret the
+                # live stream was given proves a hello is that rank's.
+                self.metrics.invalid_messages.inc()
+                raise SessionTaken(
+                    f"rank {hello.rank} of job {job!r} is live on another stream; a reconnect must present "
+                    "the session secret from that stream's first acknowledgement (retry once it has ended)"
+                )
             resumed = (
                 existing is not None
+                and owner
                 and hello.plan_version > 0
                 and existing.hello.model_fingerprint == hello.model_fingerprint
                 and len(existing.hello.blocks) == len(hello.blocks)
@@ -270,6 +306,7 @@ class AdvisorCore:
                     last = self.store.last_plan_version(job, hello.rank)
                     if hello.plan is not None:
                         planner.continue_from(hello.plan)
+                        self._restore_learned(planner, job, hello.rank)
                         if last > hello.plan_version:
                             planner.renumber_after(last)
                         recorded = last == hello.plan_version
@@ -319,7 +356,7 @@ class AdvisorCore:
         job = session.hello.job_id
         controls = self._controls.get(job)
         if controls is not None and controls.ended_at is not None:
-            raise SessionError(f"job {job!r} was ended by an operator")
+            raise JobEnded(f"job {job!r} was ended by an operator; this rank's reports are no longer taken")
         if controls is not None and controls.budget_bytes is not None and stats.budget_bytes:
             stats = dataclasses.replace(stats, budget_bytes=controls.budget_bytes)
         try:
@@ -331,7 +368,9 @@ class AdvisorCore:
             self.metrics.invalid_messages.inc()
             raise InvalidMessage("stats.step", f"step {stats.step} does not follow step {session.last_step}")
         now = time.time()
-        with self._lock:
+        # Planning is the session's own work, done under its own lock: under the core's, one large
+        # profile's step would hold up every other rank (and the event loop) while it is planned.
+        with session.planning:
             # The plan the step ran with, for its own prediction (the planner may replace it below).
             ran = session.sent if stats.plan_version == session.sent.version else None
             session.last_step = stats.step
@@ -339,6 +378,7 @@ class AdvisorCore:
             started = time.perf_counter()
             changed = session.planner.observe(obs)
             self.metrics.plan_duration.observe(time.perf_counter() - started)
+        with self._lock:
             if changed is not None:
                 self._check_fits(session.planner.plan, "stats.shape")
                 session.base = session.planner.plan
@@ -411,7 +451,10 @@ class AdvisorCore:
             )
             self.metrics.oom_events.labels(job).inc()
             session.oom_on_plan = True
-            if session.planner.report_oom(oom.shape) is not None:
+        with session.planning:
+            changed = session.planner.report_oom(oom.shape)
+        with self._lock:
+            if changed is not None:
                 self._check_fits(session.planner.plan, "oom.shape")
                 session.base = session.planner.plan
             plan = self._outgoing(session, "oom.shape")
@@ -445,6 +488,12 @@ class AdvisorCore:
             ):
                 self._remember(session, time.time())
             self.store.set_rank_state(job=job, rank=session.hello.rank, state=ENDED if ended else DISCONNECTED)
+            try:
+                self._save_learned(session, time.time())
+            except Exception as err:  # the rank's end still counts; the last plan's state stays recorded
+                log.warning(
+                    "job %s rank %d: what its controller learned was not saved: %s", job, session.hello.rank, err
+                )
             ranks = list(self._by_job.get(job, {}).values())
             if ended:
                 # Every rank said goodbye (here and on other workers): the job ended now.
@@ -472,6 +521,8 @@ class AdvisorCore:
             for job in {s.hello.job_id for s in gone}:
                 if all(r.ended for r in self._by_job.get(job, {}).values()):
                     self._drop_job(job)
+            if gone:
+                self._forget_unused(gone)
         for job, n in collections.Counter(s.hello.job_id for s in gone).items():
             log.info(
                 "job %s: %d rank(s) forgotten, their streams lost over %.0f s ago",
@@ -482,19 +533,44 @@ class AdvisorCore:
         return len(gone)
 
     def _drop_job(self, job: str) -> None:
-        for s in self._by_job.pop(job, {}).values():
+        dropped = list(self._by_job.pop(job, {}).values())
+        for s in dropped:
             self._sessions.pop(s.key, None)
         self.metrics.forget_job(job)
+        self._forget_unused(dropped)
 
     def _shared(self, value: _T) -> _T:
         """One copy of a profile (or its blocks) for every rank that sends the same one.
 
         The ranks of a job, and the jobs of one model, send the same profile: sharing it is most of
-        a session's memory at thousands of ranks. Bounded, since a key lives as long as the table.
+        a session's memory at thousands of ranks. Bounded by the bytes its entries take (a value
+        past the bound is used unshared), and emptied of what no session uses as jobs end.
         """
-        if len(self._interned) > 4096:
-            self._interned.clear()
-        return self._interned.setdefault(value, value)  # type: ignore[no-any-return]
+        with self._lock:
+            hit = self._interned.get(value)
+            if hit is not None:
+                return hit  # type: ignore[no-any-return]
+            cost = _interned_bytes(value)
+            if self._interned_bytes + cost > MAX_INTERNED_BYTES:
+                return value
+            self._interned[value] = value
+            self._interned_bytes += cost
+            return value
+
+    def _forget_unused(self, dropped: Iterable[RankSession] = ()) -> None:
+        """Drop shared profiles no session uses any more, and what the planner prepared for them
+        (and for the profiles of ``dropped`` sessions, shared or not)."""
+        with self._lock:
+            live = {id(v) for s in self._sessions.values() for v in (s.hello.blocks, s.planner.profile)}
+            gone = [v for v in self._interned if id(v) not in live]
+            for v in gone:
+                del self._interned[v]
+                self._interned_bytes -= _interned_bytes(v)
+        profiles = {id(v): v for v in gone if isinstance(v, Profile)}
+        profiles.update((id(s.planner.profile), s.planner.profile) for s in dropped)
+        for key, profile in profiles.items():
+            if key not in live:
+                forget_prepared(profile)
 
     def _planner(self, hello: Hello, first_version: int = 1) -> PlannerSession:
         """The planner for a rank over a profile shared with every rank that sent the same one."""
@@ -686,6 +762,25 @@ class AdvisorCore:
         job = session.hello.job_id
         self.store.add_plan(job=job, rank=session.hello.rank, plan=plan_row(plan, len(session.hello.blocks)), now=now)
         self.metrics.plans_issued.labels(job).inc()
+        self._save_learned(session, now)
+
+    # -- what controllers learned, across restarts ------------------------------
+
+    def _save_learned(self, session: RankSession, now: float) -> None:
+        """Kept with each plan and when a stream ends: a restarted service continues from it instead of
+        relearning by issuing the same loosening (and its undoing) again."""
+        self.store.save_learned(
+            job=session.hello.job_id, rank=session.hello.rank, state=session.planner.controller.export_state(), now=now
+        )
+
+    def _restore_learned(self, planner: PlannerSession, job: str, rank: int) -> None:
+        state = self.store.learned(job=job, rank=rank)
+        if state is None:
+            return
+        try:
+            planner.controller.restore_state(state)
+        except ValueError as err:  # a record from another rematd: plan afresh rather than refuse the rank
+            log.warning("job %s rank %d: what its controller learned cannot be restored (%s)", job, rank, err)
 
     # -- the operator side: controls ------------------------------------------
 

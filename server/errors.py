@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from rematd.records import InvalidMessage
 
-__all__ = ["InvalidMessage", "JobNotFound", "SessionError", "ShuttingDown", "Unauthenticated"]
+__all__ = [
+    "InvalidMessage",
+    "JobEnded",
+    "JobNotFound",
+    "SessionError",
+    "SessionTaken",
+    "ShuttingDown",
+    "Unauthenticated",
+]
 
 
 class JobNotFound(LookupError):
@@ -17,6 +25,14 @@ class JobNotFound(LookupError):
 
 class SessionError(RuntimeError):
     """A message that does not fit the session's state (stats before hello, a job ended by an operator)."""
+
+
+class JobEnded(SessionError):
+    """An operator ended the job: its ranks are told so, and stop reporting."""
+
+
+class SessionTaken(RuntimeError):
+    """A hello for a rank whose session is live on another stream, without that session's secret."""
 
 
 class Unauthenticated(PermissionError):

@@ -8,11 +8,13 @@ so generic tools (grpcurl, grpc_health_probe, Kubernetes gRPC probes) work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -21,10 +23,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from rematd import wire
-from rematd.records import InvalidMessage
+from rematd.planner import Plan
+from rematd.records import JOB_ID_RE, MAX_BLOCKS, InvalidMessage
 from rematd.server.auth import METADATA_KEY, TokenAuth
 from rematd.server.core import AdvisorCore, RankSession
-from rematd.server.errors import JobNotFound, SessionError, ShuttingDown, Unauthenticated
+from rematd.server.errors import JobNotFound, SessionError, SessionTaken, ShuttingDown, Unauthenticated
+from rematd.server.http_guard import bounded
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -85,6 +89,9 @@ def status_of(err: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(err, SessionError):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(err, SessionTaken):
+        # Retried by clients: once the other stream has ended, the rank may start a session of its own.
+        return grpc.StatusCode.ABORTED
     if isinstance(err, ShuttingDown):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(err, InvalidMessage):
@@ -92,8 +99,43 @@ def status_of(err: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-_DOMAIN_ERRORS = (InvalidMessage, SessionError, JobNotFound, Unauthenticated, ShuttingDown)
+_DOMAIN_ERRORS = (InvalidMessage, SessionError, SessionTaken, JobNotFound, Unauthenticated, ShuttingDown)
 RECONNECT = "server shutting down; reconnect"
+
+
+# Steps of profiles this large are planned on a worker thread: planning grows with the blocks, and
+# a 4,096-block step can take a quarter of a second; smaller ones cost less than the thread hop.
+OFF_LOOP_BLOCKS = 512
+_MAX_NAME_CHARS = 256
+_MAX_MODES = len(pb.Mode.values())
+
+
+def precheck_hello(msg: pb.Hello) -> None:
+    """What costs nothing to check, before a block is converted or a planner built.
+
+    A hello is converted block by block, then validated, then planned: all work in proportion to
+    its size. Counts and lengths are read off the message as it arrived, so one with too many
+    blocks (or a name too long to be one) is refused at once, whatever else it carries.
+    """
+    if len(msg.job_id) > 128 or not JOB_ID_RE.match(msg.job_id):
+        raise InvalidMessage(
+            "hello.job_id",
+            f"{bounded(repr(msg.job_id), 80)} is not a safe name "
+            "(1-128 of letters, digits, '.', '_', '-', starting alphanumeric)",
+        )
+    n = len(msg.blocks)
+    if not 0 < n <= MAX_BLOCKS:
+        raise InvalidMessage("hello.blocks", f"{n} blocks; a profile has 1-{MAX_BLOCKS}")
+    for name in ("device_name", "model_fingerprint", "client_version", "session_secret"):
+        if len(getattr(msg, name)) > _MAX_NAME_CHARS:
+            raise InvalidMessage(f"hello.{name}", f"longer than {_MAX_NAME_CHARS} characters")
+    for i, b in enumerate(msg.blocks):
+        if len(b.modes) > _MAX_MODES:
+            raise InvalidMessage(f"hello.blocks[{i}].modes", f"{len(b.modes)} entries for {_MAX_MODES} modes")
+        if len(b.name) > _MAX_NAME_CHARS:
+            raise InvalidMessage(f"hello.blocks[{i}].name", f"longer than {_MAX_NAME_CHARS} characters")
+    if msg.HasField("plan") and (len(msg.plan.checkpoint_blocks) > n or len(msg.plan.block_modes) > n):
+        raise InvalidMessage("hello.plan", f"names more blocks than the profile's {n}")
 
 
 class _OpenStream:
@@ -109,6 +151,43 @@ class _OpenStream:
         """Interrupted by shutdown, not by the rank."""
 
 
+class _Collections:
+    """Collections soon after streams end: of the young generations at most one per ``interval`` seconds,
+    and a full one once the streams that ended since the last received ``full_after_bytes``.
+
+    A stream leaves its call's objects, the buffers of the messages it received among them, in
+    reference cycles inside gRPC. The service raises the collector's thresholds (``rematd.server.cli``),
+    so a flood of streams that allocate few objects each but hold a message's worth of memory (a
+    rejected 1 MiB hello) would wait long for a collection; and what was alive at a young collection
+    moves to the oldest generation, which only a full one visits. Counting bytes keeps full
+    collections as rare as the traffic that needs them.
+    """
+
+    def __init__(self, interval: float = 0.25, full_after_bytes: int = 16 << 20) -> None:
+        self.interval = interval
+        self.full_after_bytes = full_after_bytes
+        self._due = False
+        self._last = 0.0
+        self._bytes = 0
+
+    def request(self, received_bytes: int) -> None:
+        self._bytes += received_bytes
+        if self._due:
+            return
+        self._due = True
+        delay = max(0.0, self._last + self.interval - time.monotonic())
+        asyncio.get_running_loop().call_later(delay, self._collect)
+
+    def _collect(self) -> None:
+        self._due = False
+        self._last = time.monotonic()
+        if self._bytes >= self.full_after_bytes:
+            self._bytes = 0
+            gc.collect()
+        else:
+            gc.collect(1)
+
+
 class AdvisorServicer(pb_grpc.AdvisorServicer):
     """Maps domain errors to gRPC status codes; all logic lives in the core."""
 
@@ -120,6 +199,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         self.flushed = asyncio.Event()
         """Set once what the open streams sent is in the record; they are told to reconnect after it."""
         self._open: set[_OpenStream] = set()
+        self._collections = _Collections()
 
     def close_streams(self) -> None:
         """Tell every open stream to reconnect elsewhere (UNAVAILABLE), once ``flushed`` is set.
@@ -133,21 +213,69 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                 stream.told = True
                 stream.task.cancel()
 
-    async def _tell_to_reconnect(
-        self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage]
-    ) -> NoReturn:
+    async def _told_to_reconnect(self) -> tuple[grpc.StatusCode, str]:
         await self.flushed.wait()
-        await context.abort(grpc.StatusCode.UNAVAILABLE, RECONNECT)
-        raise AssertionError("unreachable")  # context.abort raises
+        return grpc.StatusCode.UNAVAILABLE, RECONNECT
 
-    async def _abort(
-        self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage], err: BaseException
-    ) -> NoReturn:
+    def _failure(self, err: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status a domain error ends a stream with; its details bounded (they travel in a header)."""
         code = status_of(err)
         if code == grpc.StatusCode.UNAUTHENTICATED:
             self.core.metrics.unauthenticated.labels("grpc").inc()
-        await context.abort(code, str(err))
-        raise AssertionError("unreachable")  # context.abort raises
+        return code, bounded(str(err))
+
+    @staticmethod
+    def _end(
+        context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage], failure: tuple[grpc.StatusCode, str]
+    ) -> None:
+        """End the stream with ``failure`` once the handler returns.
+
+        Not ``context.abort``: its exception is kept by the call's state, which its traceback's frames
+        keep in turn, a cycle that holds the call (and the message it received) until the collector
+        runs, and the collector runs seldom in this service.
+        """
+        context.set_code(failure[0])
+        context.set_details(failure[1])
+
+    def _log_fault(self, kind: str) -> None:
+        """A bug gets its traceback; a record that cannot be written (counted, alerted on) one line each."""
+        if self.core.store.failing_since is not None:
+            log.error(
+                "handling a %s message failed: the record cannot be written (%s)", kind, self.core.store.last_failure
+            )
+        else:
+            log.exception("handling a %s message failed", kind)
+
+    def _hello_blocking(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
+        """Open a session, or say why not as plain data: an exception carried back to the loop would
+        keep the message alive through its traceback, in a cycle only the collector breaks."""
+        try:
+            try:
+                precheck_hello(hello)
+            except InvalidMessage:
+                self.core.metrics.invalid_messages.inc()
+                raise
+            return self.core.open_session(wire.hello_from_pb(hello))
+        except _DOMAIN_ERRORS as err:
+            return self._failure(err)
+        except Exception:
+            self._log_fault("hello")
+            return grpc.StatusCode.INTERNAL, "the service failed handling hello; see its log"
+
+    async def _hello(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
+        """A rank's hello, converted and planned off the event loop: its work grows with the profile,
+        and every other stream (and /healthz) waits while the loop is held."""
+        work = asyncio.ensure_future(asyncio.to_thread(self._hello_blocking, hello))
+        del hello
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The stream went while its hello was planned: a session opened meanwhile must still close.
+            opened = await work
+            if isinstance(opened[0], RankSession):
+                with contextlib.suppress(Exception):
+                    self.core.close_session(opened[0], ended=False)
+            raise
 
     async def Session(
         self,
@@ -160,18 +288,22 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             header = next((v for k, v in (context.invocation_metadata() or ()) if k == METADATA_KEY), None)
             self.auth.check(header if isinstance(header, str) else None)
         except _DOMAIN_ERRORS as err:
-            await self._abort(context, err)
+            self._end(context, self._failure(err))
+            return
         core = self.core
         durations = core.metrics.message_duration
         session: RankSession | None = None
         ended = False
+        secret_sent = False
+        received = 0
         messages = aiter(request_iterator)
         stream = _OpenStream(asyncio.current_task())
         self._open.add(stream)
         try:
             while True:
                 if self.closing:
-                    await self._tell_to_reconnect(context)
+                    self._end(context, await self._told_to_reconnect())
+                    return
                 stream.reading = True
                 try:
                     msg = await anext(messages)
@@ -179,22 +311,32 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                     return
                 except DecodeError as err:
                     core.metrics.invalid_messages.inc()
-                    await self._abort(context, InvalidMessage("message", f"not a rematd.v1.ClientMessage ({err})"))
+                    bad = InvalidMessage("message", f"not a rematd.v1.ClientMessage ({err})")
+                    self._end(context, self._failure(bad))
+                    return
                 except asyncio.CancelledError:
                     if not stream.told:
                         raise
-                    await self._tell_to_reconnect(context)
+                    self._end(context, await self._told_to_reconnect())
+                    return
                 finally:
                     stream.reading = False
                 started = time.perf_counter()
+                received += msg.ByteSize()
                 kind = msg.WhichOneof("kind")
                 out: Sequence[pb.ServerMessage] = ()
+                failure: tuple[grpc.StatusCode, str] | None = None
                 try:
                     if kind == "hello":
                         if session is not None:
                             raise InvalidMessage("hello", "sent twice on one stream")
-                        session, plan = core.open_session(wire.hello_from_pb(msg.hello))
-                        out = (pb.ServerMessage(plan=wire.plan_to_pb(plan)),)
+                        opened = await self._hello(msg.hello)
+                        if isinstance(opened[0], RankSession) and isinstance(opened[1], Plan):
+                            session = opened[0]
+                            out = (pb.ServerMessage(plan=wire.plan_to_pb(opened[1])),)
+                        elif isinstance(opened[0], grpc.StatusCode) and isinstance(opened[1], str):
+                            failure = opened[0], opened[1]
+                        del opened
                     elif kind is None:
                         core.metrics.invalid_messages.inc()
                         raise InvalidMessage("kind", "empty message: set one of hello, stats, oom, goodbye")
@@ -202,43 +344,55 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         raise SessionError(f"send hello before {kind}")
                     elif kind == "stats":
                         stats = wire.stats_from_pb(msg.stats)
-                        new = core.on_stats(session, stats)
+                        if len(session.hello.blocks) >= OFF_LOOP_BLOCKS:
+                            new = await asyncio.to_thread(core.on_stats, session, stats)
+                        else:
+                            new = core.on_stats(session, stats)
                         ack = pb.ServerMessage(
                             ack=pb.StepAck(
                                 step=stats.step,
                                 plan_version=session.sent.version,
                                 oom_risk=session.planner.oom_risk,
                                 report_interval_seconds=core.report_interval(session),
+                                session_secret="" if secret_sent else session.secret,
                             )
                         )
+                        secret_sent = True
                         out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
                     elif kind == "oom":
-                        new = core.on_oom(session, wire.oom_from_pb(msg.oom))
+                        new = await asyncio.to_thread(core.on_oom, session, wire.oom_from_pb(msg.oom))
                         if new is not None:
                             out = (pb.ServerMessage(plan=wire.plan_to_pb(new)),)
                     elif kind == "goodbye":
                         ended = True
                 except _DOMAIN_ERRORS as err:
-                    await self._abort(context, err)
-                except Exception as err:
+                    failure = self._failure(err)
+                except Exception:
                     # A fault of the service (its database, a bug) ends this stream only, and says so:
                     # INTERNAL, which the client retries, so that a bug here does not stop a rank for good.
-                    log.exception("handling a %s message failed", kind)
+                    self._log_fault(kind or "")
                     core.metrics.service_faults.labels(str(kind)).inc()
-                    await context.abort(status_of(err), f"the service failed handling {kind}; see its log")
+                    failure = (grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log")
                 if kind is not None:
                     durations.labels(kind).observe(time.perf_counter() - started)
+                if failure is not None:
+                    self._end(context, failure)
+                    return
                 for m in out:
                     yield m
                 if ended:
                     return
         finally:
             self._open.discard(stream)
+            self._collections.request(received)
             if session is not None:
                 try:
                     core.close_session(session, ended=ended)
-                except Exception:
-                    log.exception("recording the end of a stream failed")
+                except Exception as err:
+                    if core.store.failing_since is not None:  # the record's fault, already counted and alerted on
+                        log.error("recording the end of a stream failed: %s", core.store.last_failure or err)
+                    else:
+                        log.exception("recording the end of a stream failed")
 
 
 class Health:

@@ -161,6 +161,11 @@ class Metrics:
         self.rejected_rows = Counter(
             "rematd_record_rejected_rows", "Buffered statistics rows the record refused, set aside.", registry=None
         )
+        self.record_write_failures = Counter(
+            "rematd_record_write_failures",
+            "Writes to the record that failed (a full or failing disk, a lost database); see /readyz.",
+            registry=None,
+        )
         self.message_duration = Histogram(
             "rematd_message_duration_seconds",
             "Time to handle one message from a training rank, by kind of message.",
@@ -193,6 +198,7 @@ class Metrics:
             "rematd_recompiles": (self.recompiles, "counter"),
             "rematd_invalid_messages": (self.invalid_messages, "counter"),
             "rematd_record_rejected_rows": (self.rejected_rows, "counter"),
+            "rematd_record_write_failures": (self.record_write_failures, "counter"),
             "rematd_unauthenticated_requests": (self.unauthenticated, "counter"),
             "rematd_service_faults": (self.service_faults, "counter"),
             "rematd_active_streams": (self.active_streams, "gauge"),

@@ -15,6 +15,7 @@ the package (swagger-ui-bundle), so ``/docs`` works without the internet.
 from __future__ import annotations
 
 import ipaddress
+import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Annotated, Any, Literal
@@ -33,6 +34,7 @@ from rematd.records import InvalidMessage
 from rematd.server.auth import TokenAuth
 from rematd.server.core import JOB_STATES, AdvisorCore
 from rematd.server.errors import JobNotFound, SessionError, Unauthenticated
+from rematd.server.http_guard import bounded, install
 
 DOCS_ASSETS = "/docs-assets"
 
@@ -130,13 +132,15 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
         )
 
+    install(app, auth=auth, on_unauthenticated=core.metrics.unauthenticated.labels("http").inc)
+
     @app.exception_handler(JobNotFound)
     async def _not_found(request: Request, exc: JobNotFound) -> JSONResponse:
-        return JSONResponse(status_code=404, content={"detail": str(exc), "job": exc.job})
+        return JSONResponse(status_code=404, content={"detail": bounded(str(exc)), "job": bounded(exc.job)})
 
     @app.exception_handler(InvalidMessage)
     async def _invalid(request: Request, exc: InvalidMessage) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"detail": str(exc), "field": exc.field})
+        return JSONResponse(status_code=422, content={"detail": bounded(str(exc)), "field": exc.field})
 
     @app.exception_handler(Unauthenticated)
     async def _unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
@@ -184,6 +188,21 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
+
+    @app.get("/readyz", responses={503: {"description": "the record cannot be written"}})
+    def readyz() -> JSONResponse:
+        """Ready to take training ranks: the record takes writes. Liveness is /healthz."""
+        store = core.store
+        if store.writable():
+            return JSONResponse({"status": "ready"})
+        since = store.failing_since
+        return JSONResponse(
+            status_code=503,
+            content={
+                "detail": bounded(f"the record cannot be written: {store.last_failure}"),
+                "failing_seconds": round(time.monotonic() - since, 1) if since is not None else 0.0,
+            },
+        )
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

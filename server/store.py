@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,6 +138,19 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE warm_plans ADD COLUMN shape_plans TEXT",
         ),
     ),
+    (
+        4,
+        "what each rank's controller learned; a row readiness rewrites to find out the record takes writes",
+        (
+            """CREATE TABLE IF NOT EXISTS learned_state (
+                job TEXT NOT NULL,
+                rank BIGINT NOT NULL,
+                state TEXT NOT NULL,
+                updated_at {FLOAT} NOT NULL,
+                PRIMARY KEY (job, rank))""",
+            "CREATE TABLE IF NOT EXISTS write_probe (id BIGINT PRIMARY KEY, written_at {FLOAT} NOT NULL)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -206,6 +219,14 @@ def _why(err: BaseException) -> str:
     if isinstance(err, OSError):
         return f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}"
     return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def redact_url(url: str) -> str:
+    """A database URL without its password, for messages and logs."""
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
 
 
 def _row(r: Any, drop: Sequence[str] = ("id", "job")) -> dict[str, Any]:
@@ -298,6 +319,13 @@ class Store:
         # SQLite has one writer; PostgreSQL gets the same serialisation per process, which is cheap
         # because the write-behind buffer turns many small writes into few transactions.
         self._lock = threading.RLock()
+        self._wal = False
+        self.failing_since: float | None = None
+        """When (monotonic) writes to the record began to fail; None while they succeed."""
+        self.last_failure = ""
+        self.on_write_failure: Callable[[], None] | None = None
+        """Called once per failed write (the core counts them in a metric)."""
+        self._last_probe = 0.0
         try:
             self.engine = self._engine(url)
             self.migrate()
@@ -313,6 +341,7 @@ class Store:
     def _engine(self, url: str) -> Engine:
         if self.dialect == "sqlite":
             memory = url.endswith(":memory:")
+            self._wal = not memory
             database = make_url(url).database
             if database and not memory:
                 Path(database).parent.mkdir(parents=True, exist_ok=True)
@@ -324,9 +353,8 @@ class Store:
 
             @event.listens_for(engine, "connect")
             def _pragmas(dbapi: Any, _record: Any) -> None:
+                # No journal mode here: it is the file's, set once the file is known to be rematd's.
                 cur = dbapi.cursor()
-                if not memory:
-                    cur.execute("PRAGMA journal_mode=WAL")
                 cur.execute("PRAGMA synchronous=NORMAL")
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()
@@ -344,14 +372,29 @@ class Store:
             return self._version(conn)
 
     def _version(self, conn: Connection) -> int:
-        has = conn.dialect.has_table(conn, "schema_version")
-        if not has:
-            # A record from before numbered migrations: its tables are migration 1's.
-            if conn.dialect.has_table(conn, "meta"):
-                return 1
+        """The record's schema version; 0 for an empty database; StoreError for another application's."""
+        tables = set(conn.dialect.get_table_names(conn))
+        if not tables:
             return 0
-        v = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar()
-        return int(v or 0)
+        if "schema_version" in tables:
+            columns = {c["name"] for c in conn.dialect.get_columns(conn, "schema_version")}
+            first = None
+            if {"version", "description", "applied_at"} <= columns:
+                first = conn.execute(text("SELECT description FROM schema_version WHERE version = 1")).scalar()
+            if first != MIGRATIONS[0][1]:
+                raise StoreError(self._foreign(tables))
+            return int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0)
+        if {"meta", "jobs", "plans"} <= tables:
+            # A record from before numbered migrations: its tables are migration 1's.
+            return 1
+        raise StoreError(self._foreign(tables))
+
+    def _foreign(self, tables: set[str]) -> str:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        return (
+            f"database {redact_url(self.path)} is not a rematd record (it holds tables {shown}); "
+            "left untouched: give rematd a database of its own"
+        )
 
     @contextlib.contextmanager
     def _migration_lock(self) -> Iterator[None]:
@@ -367,75 +410,156 @@ class Store:
         else:
             yield
 
-    def migrate(self) -> None:
-        """Bring the schema up to date; refuse a record written by a newer rematd."""
-        with self._lock, self._migration_lock(), self.engine.begin() as conn:
-            if self.dialect == "postgresql":
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Connection]:
+        """One transaction that DDL cannot leave: pysqlite commits before DDL on its own, so SQLite's is
+        opened and closed by hand on a connection the driver does not manage."""
+        if self.dialect != "sqlite":
+            with self.engine.begin() as conn:
                 # Held to the end of the transaction: replicas starting together migrate one after another.
                 conn.execute(text("SELECT pg_advisory_xact_lock(736572)"))
-            conn.execute(
-                text(
-                    self._ddl(
-                        "CREATE TABLE IF NOT EXISTS schema_version "
-                        "(version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at {FLOAT} NOT NULL)"
+                yield conn
+            return
+        with self.engine.connect() as plain:
+            conn = plain.execution_options(isolation_level="AUTOCOMMIT")
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.exec_driver_sql("ROLLBACK")
+                raise
+            conn.exec_driver_sql("COMMIT")
+
+    def migrate(self) -> None:
+        """Bring the schema up to date, one transaction per migration.
+
+        Nothing is altered (not even SQLite's journal mode) before the database is known to be
+        rematd's: empty, or with rematd's ``schema_version``. A migration that fails leaves the
+        version before it intact, and the next start tries it again.
+        """
+        create = self._ddl(
+            "CREATE TABLE IF NOT EXISTS schema_version "
+            "(version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at {FLOAT} NOT NULL)"
+        )
+        with self._lock, self._migration_lock():
+            with self._transaction() as conn:
+                current = self._version(conn)
+                if current > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"database {redact_url(self.path)} has schema version {current}; "
+                        f"this rematd knows up to {SCHEMA_VERSION}"
                     )
-                )
-            )
-            legacy = conn.dialect.has_table(conn, "meta")
-            current = int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0)
-            if current == 0 and legacy:
-                conn.execute(
-                    text("INSERT INTO schema_version VALUES (1, :d, :t)"), {"d": MIGRATIONS[0][1], "t": time.time()}
-                )
-                current = 1
-            if current > SCHEMA_VERSION:
-                raise StoreError(
-                    f"database {self.path} has schema version {current}; this rematd knows up to {SCHEMA_VERSION}"
-                )
+                if current == 1 and not conn.dialect.has_table(conn, "schema_version"):
+                    conn.execute(text(create))
+                    conn.execute(
+                        text("INSERT INTO schema_version VALUES (1, :d, :t)"), {"d": MIGRATIONS[0][1], "t": time.time()}
+                    )
             for version, description, statements in MIGRATIONS:
                 if version <= current:
                     continue
-                for sql in statements:
-                    conn.execute(text(self._ddl(sql)))
-                conn.execute(
-                    text("INSERT INTO schema_version VALUES (:v, :d, :t)"),
-                    {"v": version, "d": description, "t": time.time()},
-                )
+                with self._transaction() as conn:
+                    conn.execute(text(create))
+                    if int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0) >= version:
+                        continue  # another process applied it while this one waited
+                    for sql in statements:
+                        conn.execute(text(self._ddl(sql)))
+                    conn.execute(
+                        text("INSERT INTO schema_version VALUES (:v, :d, :t)"),
+                        {"v": version, "d": description, "t": time.time()},
+                    )
+            if self._wal:
+                with self.engine.connect() as plain:
+                    plain.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("PRAGMA journal_mode=WAL")
 
     def close(self) -> None:
+        """Write what is buffered and let go of the database; a record that cannot be written loses the
+        buffered rows, said in one line of the log, rather than failing the shutdown."""
         if self._closed.is_set():
             return
         self._closed.set()
         self._flusher.join(5)
-        self.flush()
+        pending = self.pending()
+        try:
+            self.flush()
+        except Exception as err:
+            log.error("the record cannot be written (%s): %d buffered step report(s) are lost", _why(err), pending)
         self.engine.dispose()
+
+    # -- health -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Track whether writes succeed: readiness and a metric show a record that cannot be written."""
+        try:
+            yield
+        except Exception as err:
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+            self.last_failure = _why(err)
+            if self.on_write_failure is not None:
+                self.on_write_failure()
+            raise
+
+    def writable(self, probe_every: float = 1.0) -> bool:
+        """Whether the record takes writes. While writes fail, a probe write (at most one per
+        ``probe_every`` seconds) finds out when it takes them again, with or without traffic: only
+        the probe clears a failure, since a write that changed nothing succeeds on a full disk too."""
+        if self.failing_since is None:
+            return True
+        now = time.monotonic()
+        if now - self._last_probe >= probe_every:
+            self._last_probe = now
+            with contextlib.suppress(Exception), self._writing(), self._lock, self.engine.begin() as conn:
+                # A new value each time: SQLite skips a write that leaves a row as it was.
+                conn.execute(
+                    text(
+                        "INSERT INTO write_probe VALUES (1, :t) "
+                        "ON CONFLICT(id) DO UPDATE SET written_at = excluded.written_at"
+                    ),
+                    {"t": time.time()},
+                )
+                self.failing_since = None
+        return self.failing_since is None
 
     # -- plumbing -----------------------------------------------------------------
 
     def _write(self, sql: str, params: dict[str, Any] | list[dict[str, Any]]) -> None:
-        with self._lock, self.engine.begin() as conn:
+        with self._writing(), self._lock, self.engine.begin() as conn:
             conn.execute(text(sql), params)
 
     def _read(self, sql: str, params: dict[str, Any] | None = None, *, fresh: bool = True) -> list[Any]:
         """Rows of a query; ``fresh`` (for what the buffer holds) writes the buffer first."""
         if fresh:
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # a record that cannot be written can still be read: without the buffered rows
+                log.warning("reading the record without its buffered rows: %s", self.last_failure)
         with self.engine.connect() as conn:
             return list(conn.execute(text(sql), params or {}).mappings().all())
 
     def _flush_loop(self) -> None:
+        failing = False
         while not self._closed.wait(self.config.flush_seconds):
             try:
                 self.flush()
             except Exception:  # the next round tries again; a lost database must not kill the thread
-                log.exception("flushing statistics failed")
+                if not failing:  # once per outage, not four times a second
+                    log.error("writing step reports to the record failed (%s); retrying", self.last_failure)
+                failing = True
+            else:
+                if failing and self.failing_since is None:
+                    log.info("the record takes writes again")
+                    failing = False
 
     def pending(self) -> int:
         return self.buffer.pending()
 
     def flush(self) -> None:
         """Write buffered statistics in one transaction (rows the database refuses are set aside)."""
-        self.buffer.flush()
+        if not self.buffer.pending():
+            return
+        with self._writing():
+            self.buffer.flush()
 
     # -- writes -------------------------------------------------------------------
 
@@ -453,7 +577,7 @@ class Store:
         plan: dict[str, Any] | None = None,
     ) -> None:
         """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on."""
-        with self._lock, self.engine.begin() as conn:
+        with self._writing(), self._lock, self.engine.begin() as conn:
             conn.execute(
                 text(_UPSERT_JOB),
                 {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
@@ -501,7 +625,7 @@ class Store:
 
     def set_controls(self, job: str, controls: dict[str, Any], now: float) -> int:
         """Replace a job's operator controls; returns their new revision."""
-        with self._lock, self.engine.begin() as conn:
+        with self._writing(), self._lock, self.engine.begin() as conn:
             rev = int(conn.execute(text("SELECT COALESCE(MAX(revision), 0) FROM job_controls")).scalar() or 0) + 1
             params = {
                 "job": job,
@@ -582,6 +706,23 @@ class Store:
         d["shape_plans"] = _unpack_table(d.get("shape_plans"))
         return d
 
+    def save_learned(self, *, job: str, rank: int, state: dict[str, Any], now: float) -> None:
+        """What a rank's controller learned, kept beside its plan history for a restarted service."""
+        self._write(
+            """INSERT INTO learned_state VALUES (:job, :rank, :state, :now)
+               ON CONFLICT(job, rank) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at""",
+            {"job": job, "rank": rank, "state": json.dumps(state), "now": now},
+        )
+
+    def learned(self, *, job: str, rank: int) -> dict[str, Any] | None:
+        rows = self._read(
+            "SELECT state FROM learned_state WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}, fresh=False
+        )
+        if not rows:
+            return None
+        state = json.loads(rows[0]["state"])
+        return state if isinstance(state, dict) else None
+
     # -- housekeeping -------------------------------------------------------------
 
     def compact(self, now: float | None = None) -> dict[str, int]:
@@ -617,7 +758,7 @@ class Store:
                 )
             ]
             for job in idle:
-                for table in ("stats", "oom_events", "plans", "ranks", "job_controls", "jobs"):
+                for table in ("stats", "oom_events", "plans", "learned_state", "ranks", "job_controls", "jobs"):
                     conn.execute(text(f"DELETE FROM {table} WHERE job=:j"), {"j": job})
             conn.execute(text("DELETE FROM warm_plans WHERE updated_at < :c"), {"c": cutoff})
         return {"downsampled": sampled, "expired_stats": old_stats, "expired_ooms": old_ooms, "expired_jobs": len(idle)}

@@ -77,7 +77,8 @@ def test_deployment_probes_resources_security_and_token() -> None:
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"grpc": 50051, "http": 8080}
 
-    assert c["readinessProbe"]["grpc"]["port"] == ports["grpc"], "ready when grpc.health.v1 answers"
+    ready = c["readinessProbe"]["httpGet"]
+    assert ready["path"] == "/readyz" and ready["port"] in ("http", ports["http"]), "ready when the record is writable"
     for probe in ("livenessProbe", "startupProbe"):
         get = c[probe]["httpGet"]
         assert get["path"] == "/healthz" and get["port"] in ("http", ports["http"])

@@ -141,7 +141,9 @@ def test_resumed_rank_keeps_its_plan(tmp_path: Path) -> None:
     core.on_stats(s, stats(0, 9500, seq=128))
     version = s.planner.plan.version
     core.close_session(s, ended=False)
-    resumed, plan = core.open_session(Hello(**{**_fields(hello()), "plan_version": version}))
+    resumed, plan = core.open_session(
+        Hello(**{**_fields(hello()), "plan_version": version, "session_secret": s.secret})
+    )
     assert resumed is s and plan.version == version
     assert [p["version"] for p in core.job_plans("job-a")] == [1, 2], "a resume records no new plan"
     with pytest.raises(InvalidMessage, match=r"stats\.step"):
@@ -184,6 +186,6 @@ def test_rank_that_planned_on_its_own_gets_versions_above_its_own(tmp_path: Path
     s, first = core.open_session(hello())
     core.close_session(s, ended=False)
     # Cut off, the client's fallback planner went on to version 7; the service must not send less.
-    again, plan = core.open_session(Hello(**{**_fields(hello()), "plan_version": 7}))
+    again, plan = core.open_session(Hello(**{**_fields(hello()), "plan_version": 7, "session_secret": s.secret}))
     assert again is s and plan.version == 8 and plan.blocks == first.blocks
     assert [p["version"] for p in core.job_plans("job-a")] == [1, 8]

@@ -19,6 +19,7 @@ from rematd import wire
 from rematd.records import Hello
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.core import AdvisorCore, CoreConfig
+from rematd.server.errors import SessionTaken
 from rematd.server.metrics import Metrics
 from rematd.server.store import Store, StoreConfig, database_url
 from rematd.v1 import advisor_pb2 as pb
@@ -93,21 +94,24 @@ def test_a_hello_the_record_refuses_leaves_no_connected_rank(tmp_path: Path) -> 
         svc.stop()
 
 
-def test_a_rank_that_restarts_before_its_old_stream_is_found_dead_stays_connected(core: AdvisorCore) -> None:
+def test_a_rank_that_restarts_before_its_old_stream_is_found_dead_gets_in_once_it_is(core: AdvisorCore) -> None:
     old, _ = core.open_session(hello(job="j", rank=0))
-    # The process restarted and says hello afresh while the old stream still looks open.
+    # The process restarted and says hello afresh (without the old stream's secret) while the old stream
+    # still looks open: refused for now (ABORTED, which clients retry), since it could be anyone.
+    with pytest.raises(SessionTaken):
+        core.open_session(hello(job="j", rank=0))
+    core.close_session(old, ended=False)  # keepalive finally notices the old stream is gone
     new, _ = core.open_session(hello(job="j", rank=0))
     core.on_stats(new, stats(0, 500))
-    core.close_session(old, ended=False)  # keepalive finally notices the old stream is gone
     job = core.get_job("j")
     assert job["state"] == "running" and job["ranks"][0]["state"] == "connected"
     assert new.streams == 1 and core.metrics.registry.get_sample_value("rematd_active_streams") == 1.0
     samples = core.rank_samples()
     assert [(s.rank, s.connected) for s in samples] == [(0, True)]
-    # The same holds when the old stream says goodbye: it must not end the new session's job.
+    # A reconnect that presents the secret joins at once: the old stream's end must not end the job.
     older, _ = core.open_session(hello(job="k", rank=0))
-    newer, _ = core.open_session(hello(job="k", rank=0))
-    core.close_session(older, ended=True)
+    newer, _ = core.open_session(dataclasses.replace(hello(job="k", rank=0), session_secret=older.secret))
+    core.close_session(older, ended=False)
     assert core.get_job("k")["state"] == "running" and any(s.job == "k" for s in core.rank_samples())
     core.close_session(newer, ended=True)
     assert core.get_job("k")["state"] == "ended"

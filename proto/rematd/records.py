@@ -44,6 +44,11 @@ class InvalidMessage(ValueError):
         self.field = field_name
 
 
+def _quoted(value: str, limit: int = 64) -> str:
+    """``value`` as it is named in an error: cut short, since an error must not carry unbounded input back."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def _uint(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
         raise InvalidMessage(name, f"must be an integer in 0-{MAX_INT}, got {value!r}")
@@ -115,12 +120,15 @@ class Hello:
     other_activations: Size = field(default_factory=Size)
     plan: Plan | None = None
     """The plan in force, for reconnects (its version is ``plan_version``)."""
+    session_secret: str = field(default="", repr=False)
+    """The secret the service issued to this rank's earlier stream, for reconnects ("" on the first)."""
 
     def validate(self) -> None:
         if not JOB_ID_RE.match(self.job_id):
             raise InvalidMessage(
                 "hello.job_id",
-                f"{self.job_id!r} is not a safe name (1-128 of letters, digits, '.', '_', '-', starting alphanumeric)",
+                f"{_quoted(self.job_id)} is not a safe name "
+                "(1-128 of letters, digits, '.', '_', '-', starting alphanumeric)",
             )
         _uint("hello.rank", self.rank)
         _uint("hello.world_size", self.world_size)
@@ -145,7 +153,9 @@ class Hello:
             raise InvalidMessage("hello.budget_bytes", "must be positive")
         _uint("hello.static_bytes", self.static_bytes)
         if self.memory_source not in MEMORY_SOURCES:
-            raise InvalidMessage("hello.memory_source", f"must be one of {MEMORY_SOURCES}, got {self.memory_source!r}")
+            raise InvalidMessage(
+                "hello.memory_source", f"must be one of {MEMORY_SOURCES}, got {_quoted(self.memory_source)}"
+            )
         _size("hello.other_activations", self.other_activations)
         if not (isinstance(self.margin_ratio, (int, float)) and 0.0 <= self.margin_ratio < 1.0):
             raise InvalidMessage("hello.margin_ratio", f"must be in [0, 1), got {self.margin_ratio!r}")

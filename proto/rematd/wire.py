@@ -127,6 +127,7 @@ def hello_to_pb(hello: Hello) -> pb.Hello:
         plan_version=hello.plan_version,
         other_activations=_size_to_pb(hello.other_activations),
         plan=plan_to_pb(hello.plan) if hello.plan is not None else None,
+        session_secret=hello.session_secret,
     )
 
 
@@ -158,6 +159,7 @@ def hello_from_pb(msg: pb.Hello) -> Hello:
         plan_version=msg.plan_version,
         other_activations=_size_from_pb("hello.other_activations", msg.other_activations),
         plan=plan_from_pb(msg.plan, "hello.plan") if msg.HasField("plan") else None,
+        session_secret=msg.session_secret,
     )
 
 

@@ -78,7 +78,7 @@ class BlockProfile(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., modes: _Optional[_Iterable[_Union[ModeCost, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version", "other_activations", "plan")
+    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version", "other_activations", "plan", "session_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class Hello(_message.Message):
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     OTHER_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -111,7 +112,8 @@ class Hello(_message.Message):
     plan_version: int
     other_activations: _containers.RepeatedCompositeFieldContainer[SizeTerm]
     plan: Plan
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ..., other_activations: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
+    session_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ..., other_activations: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("step", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes", "reserved_bytes", "alloc_retries", "oom_count", "free_bytes", "total_bytes", "step_seconds", "plan_version", "shape", "saved_peak_bytes", "budget_bytes", "static_bytes", "inactive_split_bytes", "steps", "mode_seconds", "recompiles", "compile_seconds")
@@ -236,16 +238,18 @@ class ShapePlan(_message.Message):
     def __init__(self, max_seq_len: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_modes: _Optional[_Iterable[_Union[Mode, str]]] = ..., predicted_peak_bytes: _Optional[int] = ..., predicted_overhead_ratio: _Optional[float] = ...) -> None: ...
 
 class StepAck(_message.Message):
-    __slots__ = ("step", "plan_version", "oom_risk", "report_interval_seconds")
+    __slots__ = ("step", "plan_version", "oom_risk", "report_interval_seconds", "session_secret")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     OOM_RISK_FIELD_NUMBER: _ClassVar[int]
     REPORT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
     oom_risk: float
     report_interval_seconds: float
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., oom_risk: _Optional[float] = ..., report_interval_seconds: _Optional[float] = ...) -> None: ...
+    session_secret: str
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., oom_risk: _Optional[float] = ..., report_interval_seconds: _Optional[float] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("plan", "ack")

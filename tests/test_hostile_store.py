@@ -1,0 +1,193 @@
+"""A record that is rematd's or refused: atomic migrations, foreign databases left untouched (SQLite, PostgreSQL)."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from rematd.server import store as store_mod
+from rematd.server.store import SCHEMA_VERSION, Store, StoreConfig, StoreError, database_url
+
+from .test_service_store import postgres_url  # noqa: F401  (a fixture)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _serve(db: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", db],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _columns(db: Path, table: str) -> set[str]:
+    con = sqlite3.connect(db)
+    try:
+        return {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
+    finally:
+        con.close()
+
+
+_SHIPPED = store_mod.MIGRATIONS
+
+
+def _broken(last: str) -> tuple[tuple[int, str, tuple[str, ...]], ...]:
+    """The shipped migrations plus one whose last statement is ``last``."""
+    return (
+        *_SHIPPED,
+        (
+            SCHEMA_VERSION + 1,
+            "a test migration",
+            ("ALTER TABLE jobs ADD COLUMN probe TEXT", "CREATE TABLE probe_table (x BIGINT)", last),
+        ),
+    )
+
+
+def test_a_migration_failing_on_its_last_statement_leaves_the_previous_version_and_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "r.db"
+    Store(db).close()
+    monkeypatch.setattr(store_mod, "MIGRATIONS", _broken("THIS IS NOT SQL"))
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    for _ in range(2):  # and again: the failure repeats as itself, not as "duplicate column name"
+        with pytest.raises(StoreError, match="syntax error"):
+            Store(db)
+        assert "probe" not in _columns(db, "jobs")
+        assert not _columns(db, "probe_table")
+        con = sqlite3.connect(db)
+        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == SCHEMA_VERSION
+        con.close()
+    # The fixed migration applies on the next start.
+    monkeypatch.setattr(store_mod, "MIGRATIONS", _broken("CREATE INDEX probe_index ON probe_table (x)"))
+    store = Store(db)
+    assert store.schema_version() == SCHEMA_VERSION + 1
+    store.close()
+    assert "probe" in _columns(db, "jobs")
+
+
+def test_a_fresh_record_failing_in_its_second_migration_keeps_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = _SHIPPED[0], _SHIPPED[1]
+    broken = (first, (second[0], second[1], (*second[2], "ALTER TABLE nowhere ADD COLUMN x TEXT")))
+    monkeypatch.setattr(store_mod, "MIGRATIONS", (*broken, *_SHIPPED[2:]))
+    db = tmp_path / "r.db"
+    with pytest.raises(StoreError, match="nowhere"):
+        Store(db)
+    assert "device" not in _columns(db, "jobs") and not _columns(db, "job_controls")
+    monkeypatch.undo()
+    store = Store(db)
+    assert store.schema_version() == SCHEMA_VERSION
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "ddl",
+    [
+        "CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT); INSERT INTO users VALUES (1, 'ann')",
+        "CREATE TABLE jobs (id INTEGER PRIMARY KEY, cron TEXT); INSERT INTO jobs VALUES (1, '* * * * *')",
+        "CREATE TABLE schema_version (version INTEGER, name TEXT); INSERT INTO schema_version VALUES (7, 'theirs')",
+    ],
+    ids=["users", "own-jobs", "own-schema-version"],
+)
+def test_another_applications_sqlite_file_is_refused_untouched(tmp_path: Path, ddl: str) -> None:
+    db = tmp_path / "theirs.db"
+    con = sqlite3.connect(db)
+    con.executescript(ddl)
+    con.close()
+    before = _digest(db)
+    with pytest.raises(StoreError, match="not a rematd record"):
+        Store(db)
+    assert _digest(db) == before
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    con.close()
+    assert not Path(f"{db}-wal").exists()
+
+
+def test_serve_exits_2_on_a_foreign_sqlite_file(tmp_path: Path) -> None:
+    db = tmp_path / "theirs.db"
+    con = sqlite3.connect(db)
+    con.executescript("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT); INSERT INTO users VALUES (1, 'ann')")
+    con.close()
+    before = _digest(db)
+    done = _serve(str(db))
+    assert done.returncode == 2, done.stderr
+    assert "not a rematd record" in done.stderr and "users" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert _digest(db) == before
+
+
+def test_a_non_database_file_is_refused_with_status_2(tmp_path: Path) -> None:
+    db = tmp_path / "notes.txt"
+    db.write_bytes(b"not a database at all\n" * 100)
+    before = _digest(db)
+    done = _serve(str(db))
+    assert done.returncode == 2, done.stderr
+    assert _digest(db) == before
+
+
+def _pg_db(url: str, name: str) -> str:
+    """A new database on the fixture's cluster, for one test."""
+    engine = create_engine(database_url(url), isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {name}"))
+        conn.execute(text(f"CREATE DATABASE {name}"))
+    engine.dispose()
+    base, query = url.split("?", 1)
+    return f"{base.rsplit('/', 1)[0]}/{name}?{query}"
+
+
+def _pg_tables(url: str) -> set[str]:
+    engine = create_engine(database_url(url))
+    with engine.connect() as conn:
+        names = {r[0] for r in conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'"))}
+    engine.dispose()
+    return names
+
+
+def test_another_applications_postgresql_database_is_refused_untouched(postgres_url: str) -> None:  # noqa: F811
+    url = _pg_db(postgres_url, "theirs")
+    engine = create_engine(database_url(url))
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE jobs (id BIGINT PRIMARY KEY, cron TEXT)"))
+    engine.dispose()
+    with pytest.raises(StoreError, match="not a rematd record"):
+        Store(StoreConfig(url=database_url(url)))
+    assert _pg_tables(url) == {"jobs"}
+    done = _serve(url)
+    assert done.returncode == 2, done.stderr
+    assert _pg_tables(url) == {"jobs"}
+
+
+def test_a_postgresql_migration_is_one_transaction(postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    url = _pg_db(postgres_url, "halfway")
+    Store(StoreConfig(url=database_url(url))).close()
+    monkeypatch.setattr(store_mod, "MIGRATIONS", _broken("THIS IS NOT SQL"))
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    with pytest.raises(StoreError):
+        Store(StoreConfig(url=database_url(url)))
+    assert "probe_table" not in _pg_tables(url)
+    monkeypatch.setattr(store_mod, "MIGRATIONS", _broken("CREATE INDEX probe_index ON probe_table (x)"))
+    store = Store(StoreConfig(url=database_url(url)))
+    assert store.schema_version() == SCHEMA_VERSION + 1
+    store.close()
+
+
+def test_a_rematd_record_is_still_switched_to_wal(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    Store(db).close()
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    con.close()
