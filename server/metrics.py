@@ -191,6 +191,8 @@ class Metrics:
             ["kind"],
             registry=None,
         )
+        for kind in ("hello", "stats", "oom", "goodbye"):
+            self.service_faults.labels(kind)  # present at 0, so that a rate over it is defined from the start
         self.summed: dict[str, tuple[Counter | Gauge, str]] = {
             "rematd_plans_issued": (self.plans_issued, "counter"),
             "rematd_oom_events": (self.oom_events, "counter"),

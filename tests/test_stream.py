@@ -121,7 +121,10 @@ def test_training_survives_a_killed_and_restarted_service(tmp_path: Path, monkey
         print(
             f"late steps: {late}; control: {len(control_late)}; outage median {statistics.median(outage) * 1e3:.1f} ms"
         )
-        assert statistics.median(outage) < 1.5 * median, [round(t * 1e3) for t in outage]
+        # Against the control run's steps of the same window: a restarting service (or another test) taking
+        # the cores for a while slows both alike; a wait on the network slows only the attached model.
+        outage_ratio = statistics.median(outage) / statistics.median(control_times[30:60])
+        assert outage_ratio < 1.5 * median / control_median, [round(t * 1e3) for t in outage]
         assert len(late) <= 2 * len(control_late) + 10, f"median {median * 1e3:.1f} ms; late: {late}"
         assert max(times) < 2.0, f"a step took {max(times):.2f}s"
         # The restarted service went on from the plan in force (the hello carries it): no new plan was needed.
