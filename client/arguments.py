@@ -139,13 +139,17 @@ def check_compile(value: object) -> str | None:
     """``compile``: False (eager), True (Inductor) or the name of a ``torch.compile`` backend."""
     if value is None or value is False:
         return None
+    if value is True or (isinstance(value, str) and value):
+        from rematd.client.compiled import check_torch_version
+
+        check_torch_version(torch.__version__)
     if value is True:
         return "inductor"
     accepted = "True, False or a torch.compile backend's name"
     if isinstance(value, str) and value:
-        import torch._dynamo
+        from torch import _dynamo
 
-        known = torch._dynamo.list_backends(exclude_tags=())
+        known = _dynamo.list_backends(exclude_tags=())
         if value not in known:
             raise ValueError(f"compile must be {accepted} (one of {', '.join(sorted(known))}); got {value!r}")
         return value

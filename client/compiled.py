@@ -13,14 +13,23 @@ Each handle compiles fresh copies of the functions (new code objects), so
 dynamo's per-function recompile limit counts one handle's graphs only.
 
 Every offered mode is compiled ahead, at the first step after profiling, on a
-detached copy of that step's input to the first block, and again whenever one
-mode recompiles for a new shape: a plan switch never waits for a compile, so
-the planner needs no price for one. Sequence lengths are dynamic after the
-second one seen (dynamo's automatic dynamic shapes): one recompile per mode,
-all at that step, none after. A mode whose graphs reach
-:data:`MAX_GRAPHS_PER_MODE` compiles no more (logged once): its graphs still serve the
-shapes they cover, any other shape runs eagerly, so rematd never drives dynamo to
-its recompile limit.
+detached copy of that step's input to the first block that runs compiled, and
+again whenever one mode recompiles for a new shape: for a model of one block
+class a plan switch seldom waits for a compile. Blocks of another class (an
+encoder-decoder's decoder layers) compile each mode at their first use, and a
+shape not seen ahead compiles when it arrives, so a step can still compile.
+The planner prices no compile: a step in which any graph was compiled reports
+no mode timings (they would carry the compile), and the compiled checkpoint
+variants' forwards are never timed (their rematerialisation in backward runs
+inside the graph, out of the timer's reach), so those modes keep the profile's
+price. Sequence lengths are dynamic after the second one seen (dynamo's
+automatic dynamic shapes). A mode whose graphs, counted over every block class
+together, reach :data:`MAX_GRAPHS_PER_MODE` compiles no more (logged once): its
+graphs still serve the shapes they cover, any other shape runs eagerly, so
+rematd never drives dynamo to its recompile limit.
+
+``compile=`` needs torch 2.6 or later (``torch.compiler.set_stance``); ``attach``
+refuses it on older torch.
 """
 
 from __future__ import annotations
@@ -52,8 +61,24 @@ the dynamic recompile at the second length, and room for a graph break or a dtyp
 (dynamo's own limit per function, ``torch._dynamo.config.recompile_limit``, is 8)."""
 
 COMPILED_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD})
-"""Offload is the compiled store variant run under ``save_on_cpu``: its host copies are
+"""Offload is the compiled store variant run under the block's offloader: its host copies are
 saved-tensor hooks outside the graph, which compose with any compiled function."""
+
+MIN_TORCH = (2, 6)
+"""``compile=`` needs ``torch.compiler.set_stance`` (to run a capped mode's new shapes eagerly)."""
+
+
+def check_torch_version(version: str) -> None:
+    """ValueError naming ``compile`` when ``version`` (``torch.__version__``) is older than :data:`MIN_TORCH`."""
+    parts = version.split("+")[0].split(".")
+    try:
+        have = (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0))
+    except (IndexError, ValueError):
+        return  # a version string of an unknown form: let torch itself tell
+    if have < MIN_TORCH:
+        need = ".".join(map(str, MIN_TORCH))
+        raise ValueError(f"compile= needs torch >= {need} (torch.compiler.set_stance); this is torch {version}")
+
 
 _SELECTIVE = selective_context(None)
 _handles = itertools.count()
@@ -172,18 +197,19 @@ class CompiledBlocks:
             self._warm = True
             self._warm_up(block, args, kwargs)
         variant = self._variant(mode)
+        if variant in self._failed:
+            return block.eager_forward(mode, args, kwargs)  # it failed ahead: no second try, no second log
         before = self._by_mode[variant]
         try:
             if mode == Mode.OFFLOAD:
-                pin = any(t.is_cuda for t in tensors_in([args, kwargs]))
-                with torch.autograd.graph.save_on_cpu(pin_memory=pin):
-                    output = self._call(variant, block.module, args, kwargs)
+                output = self._offloaded(block, args, kwargs)
             else:
                 output = self._call(variant, block.module, args, kwargs)
         except self._errors as err:
-            # Compiling happens before the graph runs: nothing of this forward happened yet.
+            # Compiling happens before the graph runs: nothing of this forward happened yet. The caller
+            # is already timing this forward: the eager run goes untimed, or the block would count twice.
             self._fail(variant, err)
-            return block._forward(*args, **kwargs)
+            return block.eager_forward(mode, args, kwargs)
         if self._by_mode[variant] != before:
             # A new shape (most often the second length, which makes the graphs dynamic): the other
             # modes would recompile at their next use, so they compile now and a switch waits for none.
@@ -193,6 +219,19 @@ class CompiledBlocks:
             # The compiled function's saved tensors pass the accounting's hooks; what backward
             # brings back does not, so it comes from the profile as in eager checkpointing.
             acct.rematerialise(block._transient_bytes(mode), tensors_in([output]), tensors_in([args, kwargs]))
+        return output
+
+    def _offloaded(self, block: SwitchableBlock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The compiled store variant with its saved tensors sent to the host by the block's offloader
+        (side stream, prefetch, timed wait), as an eager offloaded block's are."""
+        offloader = block.offloader
+        if offloader is None:
+            pin = any(t.is_cuda for t in tensors_in([args, kwargs]))
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return self._call(Mode.STORE, block.module, args, kwargs)
+        with offloader.block() as group:
+            output = self._call(Mode.STORE, block.module, args, kwargs)
+        offloader.on_output(group, output)
         return output
 
     def _call(self, variant: Mode, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

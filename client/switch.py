@@ -8,6 +8,7 @@ block's own forward back instead: it is not attached.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -99,23 +100,37 @@ class SwitchableBlock:
         return acct if acct is not None and acct.active else None
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        timer = self.timer
-        if timer is None or self.profiling or not torch.is_grad_enabled():
-            return self._mode_forward(*args, **kwargs)
-        # Every mode's forward is timed, storing's too: the baseline the others' forward costs are taken against.
-        cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
-        return timer.forward(self.mode, self._mode_forward, cuda, *args, **kwargs)
-
-    def _mode_forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._original(*args, **kwargs)
         if self.profiling:
             return self._profiled(*args, **kwargs)
+        mode = self._mode_to_run(args, kwargs)
+        timer = self.timer
+        if timer is None or self._compiled_checkpoint(mode):
+            # A compiled checkpoint rematerialises inside its graph, out of the timer's reach: with its
+            # forward timed alone it would look free in backward, so it keeps the profile's price.
+            return self._mode_forward(mode, args, kwargs)
+        # Every mode's forward is timed, storing's too: the baseline the others' forward costs are taken against.
+        cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
+        return timer.forward(mode, self._mode_forward, cuda, mode, args, kwargs)
+
+    def _mode_to_run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Mode:
+        """The mode this forward runs in: the block's, but storing when the caller handed it a cache."""
         mode = self.mode
         if mode not in (Mode.STORE, Mode.OFFLOAD) and self._keeps_for_cache(args, kwargs):
-            mode = Mode.STORE
+            return Mode.STORE
+        return mode
+
+    def _compiled_checkpoint(self, mode: Mode) -> bool:
+        return mode in (Mode.SELECTIVE, Mode.RECOMPUTE) and self.compiled is not None and self.compiled.covers(mode)
+
+    def _mode_forward(self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.compiled is not None and self.compiled.covers(mode):
             return self.compiled.run(self, mode, args, kwargs)
+        return self.eager_forward(mode, args, kwargs)
+
+    def eager_forward(self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The block's forward in ``mode`` without compiling and without timing it."""
         if mode == Mode.STORE:
             return self._original(*args, **kwargs)
         if mode == Mode.OFFLOAD:
@@ -125,9 +140,15 @@ class SwitchableBlock:
         self._in_forward = True
         try:
             if mode == Mode.SELECTIVE:
-                output = checkpoint(self._run, *args, use_reentrant=False, context_fn=selective_context(kept), **kwargs)
+                output = checkpoint(
+                    functools.partial(self._run, mode),
+                    *args,
+                    use_reentrant=False,
+                    context_fn=selective_context(kept),
+                    **kwargs,
+                )
             else:
-                output = checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+                output = checkpoint(functools.partial(self._run, mode), *args, use_reentrant=False, **kwargs)
         finally:
             self._in_forward = False
         if acct is not None:
@@ -161,13 +182,13 @@ class SwitchableBlock:
             )
         return True
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
+    def _run(self, mode: Mode, *args: Any, **kwargs: Any) -> Any:
         """The block's own forward, as the checkpoint calls it: in forward, and again in backward to
         rematerialise what it did not keep, which is timed for the planner."""
         if self._in_forward or self.timer is None:
             return self._original(*args, **kwargs)
         cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
-        return self.timer.run(self.mode, self._original, cuda, *args, **kwargs)
+        return self.timer.run(mode, self._original, cuda, *args, **kwargs)
 
     def _transient_bytes(self, mode: Mode) -> int:
         if self.measure is None:

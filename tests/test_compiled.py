@@ -177,7 +177,45 @@ def test_a_backend_that_fails_leaves_the_blocks_eager(caplog: pytest.LogCaptureF
     assert stats is not None and stats.failed_modes == {Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE}
     assert stats.graphs == 0 and [s.recompiles for s in step_stats] == [0, 0, 0]
     assert "this backend cannot compile" in caplog.text
+    # A forward that fell back to eager is timed once at most: two blocks, at most two timed forwards.
+    for s in step_stats[1:]:
+        assert sum(m.blocks for m in s.mode_seconds) <= 2, s.mode_seconds
+    assert sum(m.blocks for m in step_stats[2].mode_seconds) == 2, "eager from then on: both timed"
     h.close()
+
+
+def test_compiled_steps_report_no_compile_time_and_scales_stay_sane() -> None:
+    """A step that compiled reports no mode timings (its forwards carry the compile), and the compiled
+    checkpoint variants are never timed (their rematerialisation runs inside the graph, out of reach),
+    so the planner keeps the profile's price for them instead of learning a free or a 10x dear recompute."""
+    steps: list[tuple[int, list[str] | None]] = [
+        (8, None),
+        (8, ["recompute", "recompute"]),
+        (8, ["recompute", "recompute"]),
+        (8, ["selective", "recompute"]),
+        (8, ["store", "store"]),
+        (12, ["recompute", "recompute"]),
+        (12, ["store", "recompute"]),
+    ]
+    _, h, step_stats = _train("eager", steps)
+    assert sum(s.recompiles for s in step_stats) > 0, "the scenario compiles"
+    for s in step_stats:
+        if s.recompiles:
+            assert s.mode_seconds == (), (s.step, s.mode_seconds)
+        timed = {m.mode for m in s.mode_seconds}
+        assert not timed & {Mode.SELECTIVE, Mode.RECOMPUTE}, (s.step, s.mode_seconds)
+    assert any(m.mode == Mode.STORE for s in step_stats for m in s.mode_seconds), "stored forwards still timed"
+    session = h._backend._session  # type: ignore[attr-defined]
+    assert session is not None
+    assert session.controller.timing.scales == (), "no mode's price was learnt from compile time"
+    h.close()
+
+
+def test_compile_needs_a_torch_with_set_stance() -> None:
+    compiled_module.check_torch_version("2.6.0+cpu")
+    compiled_module.check_torch_version(torch.__version__)
+    with pytest.raises(ValueError, match=r"compile= needs torch >= 2\.6.*2\.5\.1"):
+        compiled_module.check_torch_version("2.5.1+cu121")
 
 
 def test_whole_model_compile_is_refused_pointing_at_compile_true() -> None:

@@ -128,6 +128,26 @@ def test_a_cache_the_caller_passes_is_updated_once_and_gradients_match() -> None
     h.close()
 
 
+def test_a_block_run_storing_for_a_cache_is_timed_as_storing() -> None:
+    """A block pinned to recompute that stores because it was handed a cache must not report a free recompute."""
+    model = gpt2("eager", n_layer=2)
+    h = client.attach(model)
+    b = ids(0)
+    model(input_ids=b, labels=b).loss.backward()
+    h.step()
+    model.zero_grad()
+    h.pin_modes([Mode.RECOMPUTE] * len(h.blocks))
+    with torch.no_grad():
+        cache = model(input_ids=ids(1, seq=4), use_cache=True).past_key_values
+    b = ids(2, seq=8)
+    model(input_ids=b, labels=b, past_key_values=cache, use_cache=True).loss.backward()
+    h.step()
+    assert h.last_stats is not None
+    ((timed,),) = (h.last_stats.mode_seconds,)
+    assert timed.mode == Mode.STORE and timed.blocks == 2 and timed.seconds == 0
+    h.close()
+
+
 def test_the_hooks_go_with_close() -> None:
     model = gpt2("eager", n_layer=2)
     h = client.attach(model)
