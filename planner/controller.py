@@ -104,6 +104,10 @@ class _Bucket:
     """Predicted activation bytes of a plan that ran out of memory here: later plans stay below."""
 
 
+_MAX_STEP = 2**53
+"""Bound on a restored step count or length: beyond it a float loses whole numbers."""
+
+
 @dataclass(slots=True)
 class _State:
     buckets: dict[int, _Bucket] = field(default_factory=dict)
@@ -471,7 +475,8 @@ class Controller:
     def export_state(self) -> dict[str, Any]:
         """What this controller learned from measurements, as plain JSON-able data: per bucket the
         recent measured/predicted ratios, OOM boost, remembered crossing and cap; the dwell and when
-        it last loosened; the lengths and batch seen. ``restore_state`` takes it back."""
+        it last loosened; the lengths and batch seen; the modes' measured prices (the sums behind
+        :attr:`timing`). ``restore_state`` takes it back."""
         st = self._state
         return {
             "v": 1,
@@ -484,6 +489,7 @@ class Controller:
             "last_loosen_step": st.last_loosen_step,
             "seqs": sorted(self._seqs),
             "batch": self._batch,
+            "timing": self.timing.export_state(),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -491,20 +497,24 @@ class Controller:
         ValueError, leaving this controller as it was, for anything else."""
         cfg = self.config
 
-        def num(value: Any, what: str, *, lo: float = 0.0, hi: float = math.inf) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-                raise ValueError(f"state: {what} must be a number in [{lo}, {hi}], got {value!r}")
-            return value
+        def num(value: Any, what: str, *, lo: float = 0.0, hi: float = 1e12) -> float:
+            ok = not isinstance(value, bool) and isinstance(value, (int, float))
+            if not ok or (isinstance(value, float) and math.isnan(value)) or not lo <= value <= hi:
+                raise ValueError(f"state: {what} must be a finite number in [{lo}, {hi}], got {value!r}")
+            return float(value)
 
         def whole(value: Any, what: str, *, lo: int = 0) -> int:
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"state: {what} must be an integer >= {lo}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _MAX_STEP:
+                raise ValueError(f"state: {what} must be an integer in [{lo}, {_MAX_STEP}], got {value!r}")
             return value
 
         if not isinstance(state, dict) or state.get("v") != 1:
             raise ValueError("state: not a controller state of version 1")
+        entries = state.get("buckets", [])
+        if not isinstance(entries, list):
+            raise ValueError(f"state: buckets must be a list, got {type(entries).__name__}")
         buckets: dict[int, _Bucket] = {}
-        for entry in state.get("buckets", []):
+        for entry in entries:
             if not isinstance(entry, list) or len(entry) != 6:
                 raise ValueError(
                     f"state: a bucket must be [seq, ratios, boost, crossing, step, ceiling], got {entry!r}"
@@ -526,10 +536,14 @@ class Controller:
             buckets=buckets,
             headroom_steps=whole(state.get("headroom_steps", 0), "headroom_steps"),
             dwell=min(cfg.max_loosen_after_steps, max(cfg.loosen_after_steps, whole(state.get("dwell"), "dwell"))),
-            last_loosen_step=int(num(state.get("last_loosen_step", -(10**9)), "last_loosen_step", lo=-(10**9))),
+            last_loosen_step=whole(state.get("last_loosen_step", -(10**9)), "last_loosen_step", lo=-(10**9)),
         )
         lengths = {whole(q, "seq", lo=1) for q in seqs}
         batch = whole(state.get("batch", self._batch), "batch", lo=1)
+        timing = TimeScales()
+        if "timing" in state:
+            timing.restore_state(state["timing"])
+        self.timing = timing
         self._state = restored
         self._seqs |= lengths
         self._batch = batch

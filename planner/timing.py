@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 from rematd.planner.model import Mode, ModeSeconds
 
@@ -32,6 +33,8 @@ DECAY = 0.9
 """Weight of the past in the running sums, per observation."""
 LIMITS = (0.1, 10.0)
 """A scale stays within these: a measurement far outside them is more likely wrong than the profile."""
+MAX_SUM = 1e12
+"""Bound on a restored decayed sum (seconds or blocks): anything larger is not a measurement."""
 PRICED: tuple[Mode, ...] = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD)
 """Modes with a price to learn (storing adds nothing)."""
 
@@ -68,6 +71,58 @@ class TimeScales:
         self._base: list[float] = [0.0, 0.0]
         """Decayed sums of a plain block forward, measured and as profiled."""
         self._scales: tuple[tuple[Mode, float], ...] = ()
+
+    def export_state(self) -> dict[str, Any]:
+        """The decayed sums, as plain JSON-able data (mode names as keys); :meth:`restore_state` takes it back."""
+
+        def named(d: dict[Mode, float] | dict[Mode, int]) -> dict[str, float]:
+            return {m.name.lower(): v for m, v in sorted(d.items())}
+
+        return {
+            "remat": named(self._remat),
+            "forward": named(self._forward),
+            "forward_profiled": named(self._forward_profiled),
+            "predicted": named(self._predicted),
+            "blocks": named(self._blocks),
+            "base": list(self._base),
+        }
+
+    def restore_state(self, state: Any) -> None:
+        """Continue from what :meth:`export_state` gave; ValueError naming the field, leaving these scales
+        as they were, for anything else."""
+        if not isinstance(state, dict):
+            raise ValueError(f"state: timing must be an object, got {type(state).__name__}")
+
+        def number(value: Any, what: str) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"state: {what} must be a number, got {value!r}")
+            if (isinstance(value, float) and math.isnan(value)) or not 0 <= value <= MAX_SUM:
+                raise ValueError(f"state: {what} must be a finite number in [0, {MAX_SUM:g}], got {value!r}")
+            return float(value)
+
+        def sums(key: str) -> dict[Mode, float]:
+            raw = state.get(key, {})
+            if not isinstance(raw, dict):
+                raise ValueError(f"state: timing.{key} must be an object of modes, got {raw!r}")
+            out: dict[Mode, float] = {}
+            for name, value in raw.items():
+                mode = Mode.__members__.get(name.upper()) if isinstance(name, str) else None
+                if mode is None:
+                    raise ValueError(f"state: timing.{key} has an unknown mode {name!r}")
+                out[mode] = number(value, f"timing.{key}.{name}")
+            return out
+
+        remat, forward, profiled, predicted = (sums(k) for k in ("remat", "forward", "forward_profiled", "predicted"))
+        blocks = {m: int(v) for m, v in sums("blocks").items()}
+        base = state.get("base", [0.0, 0.0])
+        if not isinstance(base, list) or len(base) != 2:
+            raise ValueError(f"state: timing.base must be [measured, profiled], got {base!r}")
+        base_sums = [number(v, "timing.base") for v in base]
+        if not set(remat) == set(predicted) == set(forward) == set(profiled) == set(blocks):
+            raise ValueError("state: timing's sums must name the same modes")
+        self._remat, self._forward, self._forward_profiled = remat, forward, profiled
+        self._predicted, self._blocks, self._base = predicted, blocks, base_sums
+        self.observe((), {})
 
     def observe(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from rematd import client, wire
 from rematd.planner import (
     BlockCost,
+    Controller,
     ControllerConfig,
     Mode,
     ModeCost,
@@ -174,3 +176,60 @@ def test_a_mode_whose_forward_cannot_yet_be_compared_counts_as_unmeasured() -> N
     # (25 - 10) + 1 ms a block, against 5.
     t.observe([ModeSeconds(Mode.STORE, 8, 0.0, 0.08)], {}, forward_per_block=0.01)
     assert dict(t.scales)[Mode.SELECTIVE] == pytest.approx(16 / 5, rel=0.06)
+
+
+def _learnt_controller() -> tuple[PlannerSession, Profile]:
+    session = PlannerSession(_profile(), budget_bytes=10**12)
+    # Recomputing measured at 50 ms a block where the profile says 10.
+    session.controller.timing.observe([ModeSeconds(Mode.RECOMPUTE, 8, 0.4)], {Mode.RECOMPUTE: 0.01})
+    return session, session.controller.profile
+
+
+def test_measured_prices_survive_a_restart_of_the_planner() -> None:
+    session, profile = _learnt_controller()
+    learnt = session.controller.timing.scales
+    assert learnt and dict(learnt)[Mode.RECOMPUTE] > 1, "recompute measured dearer than profiled"
+    state = json.loads(json.dumps(session.controller.export_state()))
+    fresh = Controller(profile, ControllerConfig())
+    assert fresh.timing.scales == ()
+    fresh.restore_state(state)
+    assert fresh.timing.scales == learnt
+    assert fresh.timing.measured_modes == session.controller.timing.measured_modes
+    assert fresh.export_state() == state
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("last_loosen_step", math.inf),
+        ("last_loosen_step", math.nan),
+        ("last_loosen_step", 10**400),
+        ("headroom_steps", 10**30),
+        ("dwell", math.inf),
+        ("batch", -math.inf),
+        ("buckets", 5),
+        ("timing", {"remat": {"recompute": math.inf}}),
+        ("timing", {"remat": {"recompute": math.nan}}),
+        ("timing", {"remat": {"recompute": 1e300}}),
+        ("timing", {"remat": {"teleport": 1.0}}),
+        ("timing", {"base": [1.0]}),
+        ("timing", "fast"),
+    ],
+)
+def test_a_malformed_planner_state_is_a_value_error_naming_the_field(field: str, value: object) -> None:
+    session, profile = _learnt_controller()
+    state = session.controller.export_state()
+    fresh = Controller(profile, ControllerConfig())
+    before = fresh.export_state()
+    with pytest.raises(ValueError, match=field):
+        fresh.restore_state({**state, field: value})
+    assert fresh.export_state() == before, "a refused state changes nothing"
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 1e309, 10**400])
+def test_a_bucket_with_a_number_out_of_range_is_refused(value: object) -> None:
+    session, profile = _learnt_controller()
+    state = session.controller.export_state()
+    fresh = Controller(profile, ControllerConfig())
+    with pytest.raises(ValueError, match="boost"):
+        fresh.restore_state({**state, "buckets": [[128, [1.0], value, 1.0, 0, None]]})
