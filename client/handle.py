@@ -403,6 +403,7 @@ class Handle:
             self._budget_bytes = self._default_budget(sample)
         elapsed = time.perf_counter() - self._step_started if self._step_started else 0.0
         recompiles, compile_seconds = self._compiled.take() if self._compiled is not None else (0, 0.0)
+        self._offloader.end_step()
         if recompiles:
             # The forwards that compiled were timed with their compile: seconds, not what the mode costs.
             self._recompute_timer.forget()

@@ -179,6 +179,12 @@ class Offloader:
             s.fetched = None
         return back
 
+    def end_step(self) -> None:
+        """At a step's end: let go of the groups still listed. Those of a forward whose backward never ran
+        (evaluation with gradients on) hold host copies nothing will read; a backward still pending keeps
+        its groups through its own graph (the saved-tensor hooks hold them), so it still finds them."""
+        self._groups.clear()
+
     def forget(self) -> None:
         """Drop the groups of a step that failed."""
         self._groups.clear()

@@ -3,6 +3,9 @@ backward, the timing); the overlap itself needs CUDA (tests/test_cuda.py runs ev
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -57,3 +60,37 @@ def test_small_tensors_and_parameters_stay_on_the_device() -> None:
     assert group.saved == [], "a parameter and tensors under 64 KiB are not worth a copy"
     y.backward()
     assert x.grad is not None and w.grad is not None
+
+
+def test_groups_of_forwards_without_backward_go_at_the_step_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward with gradients on whose backward never runs leaves its host copies behind only until the
+    step ends; a backward still pending then finds its own."""
+    monkeypatch.setattr(offload, "MIN_BYTES", 0)
+    off = offload.Offloader()
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def two_blocks() -> torch.Tensor:
+        with off.block() as first:
+            y = (x @ w).sin()
+        off.on_output(first, y)
+        with off.block() as second:
+            z = (y @ w).cos()
+        off.on_output(second, z)
+        return z.sum()
+
+    pending = two_blocks()
+    with off.block() as unused:
+        _ = (x @ w).sin().sum()  # evaluated, never backpropagated
+    host = weakref.ref(unused.saved[0].host)
+    del unused, _
+    assert len(off._groups) == 3
+    off.end_step()
+    gc.collect()
+    assert off._groups == [] and host() is None, "the unused forward's host copies are gone"
+    pending.backward()  # the pending backward still has what it saved
+    assert off.prefetched == 2 and off.late == 0
+    grads = x.grad.clone(), w.grad.clone()  # type: ignore[union-attr]
+    x.grad = w.grad = None
+    ((x @ w).sin() @ w).cos().sum().backward()
+    assert torch.allclose(grads[0], x.grad) and torch.allclose(grads[1], w.grad)  # type: ignore[arg-type]
