@@ -10,13 +10,16 @@ the model's module order, which is its execution order for these models.
 Lists of bare containers (a ``stages`` list of ``nn.Sequential``) are looked
 through. Lists nested inside a block of another list (a mixture of experts'
 experts, the blocks inside a custom ``Stage`` class) are not candidates: their blocks do not all run on every forward.
-The group with the most blocks wins; block classes with submodules are
-preferred over bare layers (a list of ``nn.Linear`` is a last resort).
-Groups that tie are taken together when each lives in a submodule of its
-own, none inside another's: an encoder-decoder's ``encoder.layers`` and
-``decoder.layers`` (BART, Whisper, Marian) are all blocks, in module order
-(the encoder's first, as they run). Tied groups side by side in one module
-are ambiguous and must be chosen with ``blocks=``.
+Block classes with submodules are preferred over bare layers (a list of
+``nn.Linear`` is a last resort). Groups of such classes (two or more blocks
+each, or one block in a list named as one of theirs) are taken together when
+each lives in a submodule of its own, none inside another's, whatever their
+lengths: an encoder-decoder's
+``encoder.layers`` and ``decoder.layers`` (BART, Whisper, Marian, and the
+distilled ones with a shorter decoder) are all blocks, in module order (the
+encoder's first, as they run). Otherwise the group with the most blocks wins;
+groups that tie side by side in one module are ambiguous and must be chosen
+with ``blocks=``.
 """
 
 from __future__ import annotations
@@ -78,6 +81,13 @@ def _apart(groups: list[_Group]) -> bool:
             if i != j and (a == b or a == "" or b.startswith(a + ".")):
                 return False
     return True
+
+
+def _stacks(rich: list[_Group], single: list[_Group]) -> list[_Group]:
+    """The groups that may be stacks of one model: every group of two or more blocks, and a one-block group
+    whose list is named as one of theirs (a one-layer ``decoder.layers`` beside ``encoder.layers``)."""
+    names = {n.rpartition(".")[2] for g in rich for n in g.lists}
+    return rich + [g for g in single if any(n.rpartition(".")[2] in names for n in g.lists)]
 
 
 def _check_given(model: nn.Module, names: dict[int, str], chosen: list[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -145,12 +155,14 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> 
             f"found no list of two or more same-class blocks in {type(model).__name__} (saw: {seen}); "
             "pass the blocks to checkpoint explicitly, e.g. attach(model, blocks=list(model.layers))"
         )
+    stacks = _stacks(rich, [g for g in groups.values() if not _is_leaf(g.blocks[0][1]) and len(g.blocks) == 1])
+    if len(stacks) > 1 and _apart(stacks):
+        # An encoder and a decoder, of any depths (distilbart's 12 and 6): every block of both, in module
+        # order (the encoder's run first).
+        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        return sorted((b for g in stacks for b in g.blocks), key=lambda b: order[b[0]])
     most = max(len(g.blocks) for g in pool)
     best = [g for g in pool if len(g.blocks) == most]
-    if len(best) > 1 and _apart(best):
-        # An encoder and a decoder: every block of both, in module order (the encoder's run first).
-        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-        return sorted((b for g in best for b in g.blocks), key=lambda b: order[b[0]])
     if len(best) > 1:
         seen_desc = "; ".join(g.describe() for g in best)
         raise BlockDiscoveryError(

@@ -240,6 +240,21 @@ class EncoderDecoder(nn.Module):
         self.decoder_layers = nn.ModuleList(LlamaDecoderLayer(d) for _ in range(2))
 
 
+class Stack(nn.Module):
+    def __init__(self, block: type[nn.Module], d: int, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(block(d) for _ in range(n))
+
+
+class DistilledSeq2Seq(nn.Module):
+    """distilbart-12-6's shape: a decoder shallower than its encoder, each stack in its own submodule."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.encoder = Stack(GPT2Block, d, 3)
+        self.decoder = Stack(LlamaDecoderLayer, d, 2)
+
+
 # -- the tests ----------------------------------------------------------------
 
 
@@ -260,6 +275,10 @@ def images(seed: int = 0) -> torch.Tensor:
         (ResNetLike, ["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.0", "layer4.0"]),
         (StagedResNet, ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1", "stages.1.2"]),
         (TinyMoE, ["layers.0", "layers.1"]),
+        (
+            DistilledSeq2Seq,
+            ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2", "decoder.layers.0", "decoder.layers.1"],
+        ),
     ],
 )
 def test_finds_the_blocks_of_common_model_shapes(make: type[nn.Module], expected: list[str]) -> None:

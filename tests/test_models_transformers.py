@@ -243,3 +243,27 @@ def test_blocks_called_by_keyword_returning_model_outputs() -> None:
 
     h = train_side_by_side(Case(seeded(KeywordModel), lambda seed: {"input_ids": tokens(seed)}, loss))
     assert h.blocks == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_an_encoder_decoder_of_unequal_depths_gets_every_block() -> None:
+    """distilbart-12-6, distil-whisper-32-2: a shorter decoder's blocks are planned too, in the order they run."""
+    from rematd import client
+
+    cfg = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    model = transformers.BartForConditionalGeneration(cfg)
+    h = client.attach(model)
+    assert h.blocks == ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0"]
+    model(**seq2seq_batch(0)).loss.backward()
+    h.step()
+    assert h.last_stats is not None and h.last_stats.step == 0
+    h.close()
