@@ -36,14 +36,14 @@ from rematd.client.describe import block_records, dist_rank, model_fingerprint, 
 from rematd.client.discovery import find_blocks
 from rematd.client.guard import Guard, free_after_oom, is_oom
 from rematd.client.hooks import AttachedHook
-from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory
+from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
 from rematd.client.offload import Offloader
 from rematd.client.profiling import host_bandwidth
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.stream import StreamBackend
 from rematd.client.switch import SwitchableBlock
 from rematd.client.unwrap import unwrap
-from rematd.planner import Mode, Plan, Shape, Size, Term
+from rematd.planner import Mode, Plan, Shape, Size
 from rematd.records import Hello, OomReport, StepStats
 
 log = logging.getLogger("rematd.client")
@@ -475,15 +475,17 @@ class Handle:
         stored). On the CPU, bytes the rest of the model saves. On CUDA, what the allocator's peak holds
         beyond that: logits, the loss's upcast, gradients as they accumulate, optimizer temporaries,
         allocator rounding. Gradients of parameters that had none at the step's start do not grow with
-        the input; the rest is taken to grow with tokens."""
+        the input; what the step created and kept (optimizer state) is later steps' static memory; the
+        rest is taken to grow with tokens (:func:`rematd.client.memory.outside_blocks`)."""
         if not isinstance(self._memory, CudaMemory):
             return Size.linear(max(0, sample.saved_peak_bytes - blocks_bytes))
-        outside = max(0, sample.peak_allocated_bytes - self._static - blocks_bytes)
-        grads = min(outside, self._fresh_grad_bytes)
-        terms = [Term(grads, 0, 0)] if grads else []
-        if outside > grads:
-            terms.append(Term(outside - grads, 1, 1))
-        return Size(tuple(terms))
+        return outside_blocks(
+            peak=sample.peak_allocated_bytes,
+            static=self._static,
+            blocks=blocks_bytes,
+            allocated_after=sample.allocated_bytes,
+            fresh_grads=self._fresh_grad_bytes,
+        )
 
     def report_oom(self, message: str = "") -> None:
         """Tell the planner the last step ran out of memory; a tighter plan follows."""

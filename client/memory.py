@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rematd.client.accounting import SavedTensorAccounting
+from rematd.planner import Size, Term
 from rematd.records import MEMORY_CUDA, MEMORY_SAVED
 
 
@@ -26,6 +27,29 @@ class MemorySample:
     saved_peak_bytes: int = 0
     inactive_split_bytes: int = 0
     """Bytes in cached blocks split for a smaller request and not in use: fragmentation."""
+
+
+def outside_blocks(*, peak: int, static: int, blocks: int, allocated_after: int, fresh_grads: int) -> Size:
+    """The profiling step's memory at its peak outside static memory and the blocks, on CUDA, as the planner
+    models it for other steps.
+
+    ``peak``: the step's peak allocated bytes; ``static``: allocated at its start; ``blocks``: what the
+    blocks saved; ``allocated_after``: allocated at its end; ``fresh_grads``: bytes of the gradients of
+    parameters that had none at its start. What the step created and kept (``allocated_after - static``:
+    optimizer state, gradients kept by ``zero_grad(set_to_none=False)``) is in later steps' static memory:
+    it is taken out, not modelled as growing with tokens. The fresh gradients stay, as a constant: with
+    ``zero_grad()`` (set to None) a later step creates them again on top of its static memory.
+    """
+    outside = max(0, peak - static - blocks)
+    persisted = max(0, allocated_after - static)
+    grads = min(outside, fresh_grads)
+    # The persisted gradients are the same bytes as ``grads``: only what else persisted is taken out.
+    kept = min(outside - grads, max(0, persisted - fresh_grads))
+    grows = outside - grads - kept
+    terms = [Term(grads, 0, 0)] if grads else []
+    if grows:
+        terms.append(Term(grows, 1, 1))
+    return Size(tuple(terms))
 
 
 class CudaMemory:

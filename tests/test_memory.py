@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rematd.client.memory import CudaMemory
-from rematd.planner import Mode
+from rematd.client.memory import CudaMemory, outside_blocks
+from rematd.planner import Mode, Shape, Size, Term
 from rematd.records import MEMORY_CUDA
 
 
@@ -182,3 +182,22 @@ def test_cpu_peak_counts_what_a_recomputed_block_rematerialises_in_backward() ->
     measured = h.last_stats.saved_peak_bytes
     assert kept + 0.9 * transient <= measured <= 1.1 * (kept + transient), (measured, kept, transient)
     h.close()
+
+
+def test_what_the_profiling_step_creates_and_keeps_is_not_modelled_as_growing_with_tokens() -> None:
+    # Static 1000 at the start; blocks saved 300; the step created 100 of gradients (params had none)
+    # and 200 of optimizer state, all still allocated at its end; 50 of logits at the peak.
+    size = outside_blocks(peak=1650, static=1000, blocks=300, allocated_after=1300, fresh_grads=100)
+    assert size == Size((Term(100, 0, 0), Term(50, 1, 1))), "gradients constant, the state out, logits grow"
+    at = Shape(batch=2, seq_len=16, tokens=32)
+    doubled = Shape(batch=2, seq_len=32, tokens=64)
+    assert size.at(at, doubled) == 100 + 100
+    # Nothing kept (a later step, or an optimizer with no state): the rest grows with tokens as before.
+    assert outside_blocks(peak=1650, static=1000, blocks=300, allocated_after=1100, fresh_grads=100) == Size(
+        (Term(100, 0, 0), Term(250, 1, 1))
+    )
+    # The allocator freed more than it kept, or the peak was under static plus blocks: never negative.
+    assert outside_blocks(peak=1200, static=1000, blocks=300, allocated_after=900, fresh_grads=100) == Size(())
+    assert outside_blocks(peak=1450, static=1000, blocks=300, allocated_after=1900, fresh_grads=100) == Size(
+        (Term(100, 0, 0),)
+    )
