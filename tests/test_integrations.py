@@ -159,3 +159,37 @@ def test_rematd_imports_without_the_frameworks() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.startswith("refused"), out.stdout + out.stderr
+
+
+def test_a_failed_hugging_face_training_closes_the_handle(tmp_path: Any) -> None:
+    """The Trainer calls no callback when training fails: the model must not be left with rematd's hooks."""
+    from rematd.integrations import RematdTrainerCallback
+
+    class Failing(transformers.Trainer):  # type: ignore[misc]
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loss: torch.Tensor = super().training_step(*args, **kwargs)
+            if self.state.global_step == 1:
+                raise RuntimeError("a bad batch")
+            return loss
+
+    model = TRANSFORMERS["llama"]().build()
+    rematd = RematdTrainerCallback(budget_bytes=2**40)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=3,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Failing(model=model, args=args, train_dataset=Tokens(), callbacks=[rematd])
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        trainer.train()
+    h = rematd.handle
+    assert h is not None and h.step_count == 1, "it failed in the second step"
+    assert h._closed, "closed when training failed"
+    assert "forward" not in model.model.layers[0].__dict__, "the blocks' own forward is back"
+    assert not model._forward_pre_hooks and not model._forward_hooks, "no hook left on the model"
+    assert "training_step" not in trainer.__dict__, "the trainer is as it was"
