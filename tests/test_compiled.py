@@ -83,8 +83,10 @@ def test_compiled_variants_switch_share_graphs_and_match_eager() -> None:
     # Profiling runs eagerly; the next step compiles store, selective and recompute ahead, one graph
     # each for both blocks (a graph per block instance would be 6); the second length recompiles the
     # mode in use and, ahead, the other two, dynamic from then on; a third length and offload (store
-    # under save_on_cpu) compile nothing.
+    # under the offloader's hooks) compile nothing.
     assert per_step == [0, 3, 0, 3, 0, 0, 0]
+    # The compiled offloaded block went through the side-stream offloader, fetched back ahead of its backward.
+    assert h._offloader.prefetched >= 1 and h._offloader.late == 0
     stats = h.compile_stats
     assert stats is not None
     assert stats.graphs == 6
