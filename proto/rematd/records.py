@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import get_type_hints
 
 from rematd.planner import (
     BlockCost,
@@ -248,33 +249,23 @@ class StepStats:
             _uint(f"{where}.blocks", m.blocks)
             _seconds(f"{where}.seconds", m.seconds)
             _seconds(f"{where}.forward_seconds", m.forward_seconds)
-        for name in (
-            "inactive_split_bytes",
-            "step",
-            "peak_allocated_bytes",
-            "peak_reserved_bytes",
-            "allocated_bytes",
-            "reserved_bytes",
-            "alloc_retries",
-            "oom_count",
-            "free_bytes",
-            "total_bytes",
-            "plan_version",
-            "saved_peak_bytes",
-            "budget_bytes",
-            "static_bytes",
-            "recompiles",
-        ):
+        for name in _STATS_COUNTS:
             _uint(f"stats.{name}", getattr(self, name))
         _shape("stats.shape", self.shape)
-        _seconds("stats.step_seconds", self.step_seconds)
-        _seconds("stats.compile_seconds", self.compile_seconds)
+        for name in _STATS_SECONDS:
+            _seconds(f"stats.{name}", getattr(self, name))
         if self.budget_bytes == 0:
             raise InvalidMessage("stats.budget_bytes", "must be positive")
 
     def peak_bytes(self, memory_source: str) -> int:
         """The peak of the quantity the budget caps."""
         return self.peak_allocated_bytes if memory_source == MEMORY_CUDA else self.saved_peak_bytes
+
+
+_STATS_TYPES = get_type_hints(StepStats)
+_STATS_COUNTS = tuple(name for name, kind in _STATS_TYPES.items() if kind is int and name != "steps")
+"""StepStats' integer fields, each 0 to ``MAX_INT`` (``steps`` is at least 1)."""
+_STATS_SECONDS = tuple(name for name, kind in _STATS_TYPES.items() if kind is float)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

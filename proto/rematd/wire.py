@@ -2,16 +2,68 @@
 
 The only module besides the gRPC adapters that touches protobuf, so that
 protobuf never leaks into the public API.
+
+Each record is paired with its message in ``WIRE_RECORDS``. Fields that share
+a name and are plain scalars on the wire are copied by name, read off the
+descriptor, so a new scalar field needs no edit here; messages, enums and
+repeated fields are converted below, and fields the two sides name
+differently are listed in ``RENAMED``. ``tests/test_wire.py`` holds the
+pairs against the descriptors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
+
+from google.protobuf.message import Message
 
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
 from rematd.records import MEMORY_CUDA, MEMORY_SAVED, BlockRecord, Hello, InvalidMessage, OomReport, StepStats
 from rematd.v1 import advisor_pb2 as pb
+
+WIRE_RECORDS: Mapping[type, type[Message]] = {
+    Shape: pb.Shape,
+    Term: pb.SizeTerm,
+    ModeCost: pb.ModeCost,
+    ModeSeconds: pb.ModeSeconds,
+    BlockRecord: pb.BlockProfile,
+    Hello: pb.Hello,
+    StepStats: pb.StepStats,
+    OomReport: pb.OomEvent,
+    Plan: pb.Plan,
+    ShapePlan: pb.ShapePlan,
+}
+"""Each transport-neutral record and the message it travels as (``Size`` travels as repeated ``SizeTerm``)."""
+
+RENAMED: Mapping[tuple[str, str], tuple[str, str]] = {
+    ("Plan", "checkpoint_blocks"): (
+        "blocks",
+        "the wire says what the blocks do; the record holds them as a set, sorted and deduplicated on the way in",
+    ),
+    ("Plan", "block_modes"): ("modes", "the wire's name says they are per block; the record's tuple is of Mode"),
+    ("ShapePlan", "block_modes"): ("modes", "as Plan.block_modes"),
+}
+"""(message, wire field): (record field, why the names differ). Every other field has one name on both sides."""
+
+
+def _copied(record: type, message: type[Message]) -> tuple[str, ...]:
+    names = {f.name for f in dataclasses.fields(record)}
+    return tuple(
+        f.name
+        for f in message.DESCRIPTOR.fields
+        if f.name in names and not f.is_repeated and f.type not in (f.TYPE_MESSAGE, f.TYPE_ENUM, f.TYPE_GROUP)
+    )
+
+
+COPIED: Mapping[type, tuple[str, ...]] = {record: _copied(record, msg) for record, msg in WIRE_RECORDS.items()}
+"""The fields copied by name: scalar on the wire, the same name in the record."""
+
+
+def _copy(record: type, source: object) -> dict[str, Any]:
+    return {name: getattr(source, name) for name in COPIED[record]}
+
 
 _SOURCE_TO_PB = {
     MEMORY_CUDA: pb.MEMORY_SOURCE_CUDA_ALLOCATOR,
@@ -19,43 +71,22 @@ _SOURCE_TO_PB = {
 }
 _SOURCE_FROM_PB = {v: k for k, v in _SOURCE_TO_PB.items()}
 
-_STATS_FIELDS = (
-    "step",
-    "recompiles",
-    "compile_seconds",
-    "peak_allocated_bytes",
-    "peak_reserved_bytes",
-    "allocated_bytes",
-    "reserved_bytes",
-    "alloc_retries",
-    "oom_count",
-    "free_bytes",
-    "total_bytes",
-    "step_seconds",
-    "plan_version",
-    "saved_peak_bytes",
-    "budget_bytes",
-    "static_bytes",
-    "inactive_split_bytes",
-    "steps",
-)
-
 
 def shape_to_pb(shape: Shape) -> pb.Shape:
-    return pb.Shape(batch=shape.batch, seq_len=shape.seq_len, tokens=shape.tokens)
+    return pb.Shape(**_copy(Shape, shape))
 
 
 def shape_from_pb(msg: pb.Shape) -> Shape:
-    return Shape(batch=msg.batch, seq_len=msg.seq_len, tokens=msg.tokens)
+    return Shape(**_copy(Shape, msg))
 
 
 def _size_to_pb(size: Size) -> list[pb.SizeTerm]:
-    return [pb.SizeTerm(bytes=t.bytes, batch_exp=t.batch_exp, seq_exp=t.seq_exp) for t in size.terms]
+    return [pb.SizeTerm(**_copy(Term, t)) for t in size.terms]
 
 
 def _size_from_pb(field: str, terms: Sequence[pb.SizeTerm]) -> Size:
     try:
-        return Size(tuple(Term(t.bytes, t.batch_exp, t.seq_exp) for t in terms))
+        return Size(tuple(Term(**_copy(Term, t)) for t in terms))
     except ValueError as err:
         raise InvalidMessage(field, str(err)) from err
 
@@ -73,7 +104,7 @@ def _modes_to_pb(modes: tuple[ModeCost, ...]) -> list[pb.ModeCost]:
             mode=cast(Any, int(m.mode)),
             kept=_size_to_pb(m.kept),
             transient=_size_to_pb(m.transient),
-            extra_seconds=m.extra_seconds,
+            **_copy(ModeCost, m),
         )
         for m in modes
     ]
@@ -89,7 +120,7 @@ def _modes_from_pb(field: str, modes: Sequence[pb.ModeCost]) -> tuple[ModeCost, 
                     mode=_mode_from_pb(f"{where}.mode", m.mode),
                     kept=_size_from_pb(f"{where}.kept", m.kept),
                     transient=_size_from_pb(f"{where}.transient", m.transient),
-                    extra_seconds=m.extra_seconds,
+                    **_copy(ModeCost, m),
                 )
             )
         except ValueError as err:
@@ -101,90 +132,51 @@ def _modes_from_pb(field: str, modes: Sequence[pb.ModeCost]) -> tuple[ModeCost, 
 
 def hello_to_pb(hello: Hello) -> pb.Hello:
     return pb.Hello(
-        job_id=hello.job_id,
-        rank=hello.rank,
-        world_size=hello.world_size,
-        device_name=hello.device_name,
-        device_total_bytes=hello.device_total_bytes,
-        model_fingerprint=hello.model_fingerprint,
-        blocks=[
-            pb.BlockProfile(
-                index=b.index,
-                name=b.name,
-                saved_bytes=b.saved_bytes,
-                input_bytes=b.input_bytes,
-                forward_seconds=b.forward_seconds,
-                modes=_modes_to_pb(b.modes),
-            )
-            for b in hello.blocks
-        ],
+        blocks=[pb.BlockProfile(modes=_modes_to_pb(b.modes), **_copy(BlockRecord, b)) for b in hello.blocks],
         profile_shape=shape_to_pb(hello.profile_shape),
-        budget_bytes=hello.budget_bytes,
-        static_bytes=hello.static_bytes,
         memory_source=_SOURCE_TO_PB[hello.memory_source],
-        margin_ratio=hello.margin_ratio,
-        client_version=hello.client_version,
-        plan_version=hello.plan_version,
         other_activations=_size_to_pb(hello.other_activations),
         plan=plan_to_pb(hello.plan) if hello.plan is not None else None,
-        session_secret=hello.session_secret,
+        **_copy(Hello, hello),
     )
 
 
 def hello_from_pb(msg: pb.Hello) -> Hello:
     return Hello(
-        job_id=msg.job_id,
-        rank=msg.rank,
-        world_size=msg.world_size,
-        device_name=msg.device_name,
-        device_total_bytes=msg.device_total_bytes,
-        model_fingerprint=msg.model_fingerprint,
         blocks=tuple(
-            BlockRecord(
-                index=b.index,
-                name=b.name,
-                saved_bytes=b.saved_bytes,
-                input_bytes=b.input_bytes,
-                forward_seconds=b.forward_seconds,
-                modes=_modes_from_pb(f"hello.blocks[{i}].modes", b.modes),
-            )
+            BlockRecord(modes=_modes_from_pb(f"hello.blocks[{i}].modes", b.modes), **_copy(BlockRecord, b))
             for i, b in enumerate(msg.blocks)
         ),
         profile_shape=shape_from_pb(msg.profile_shape),
-        budget_bytes=msg.budget_bytes,
-        static_bytes=msg.static_bytes,
         memory_source=_SOURCE_FROM_PB.get(msg.memory_source, "unspecified"),
-        margin_ratio=msg.margin_ratio,
-        client_version=msg.client_version,
-        plan_version=msg.plan_version,
         other_activations=_size_from_pb("hello.other_activations", msg.other_activations),
         plan=plan_from_pb(msg.plan, "hello.plan") if msg.HasField("plan") else None,
-        session_secret=msg.session_secret,
+        **_copy(Hello, msg),
     )
 
 
 def stats_to_pb(stats: StepStats) -> pb.StepStats:
-    msg = pb.StepStats(shape=shape_to_pb(stats.shape))
-    for name in _STATS_FIELDS:
-        setattr(msg, name, getattr(stats, name))
-    for m in stats.mode_seconds:
-        msg.mode_seconds.add(
-            mode=cast(Any, int(m.mode)), blocks=m.blocks, seconds=m.seconds, forward_seconds=m.forward_seconds
-        )
-    return msg
+    return pb.StepStats(
+        shape=shape_to_pb(stats.shape),
+        mode_seconds=[pb.ModeSeconds(mode=cast(Any, int(m.mode)), **_copy(ModeSeconds, m)) for m in stats.mode_seconds],
+        **_copy(StepStats, stats),
+    )
 
 
 def stats_from_pb(msg: pb.StepStats) -> StepStats:
-    values: dict[str, Any] = {name: getattr(msg, name) for name in _STATS_FIELDS}
+    values = _copy(StepStats, msg)
     values["steps"] = msg.steps or 1  # a client that does not fold leaves it unset
-    values["mode_seconds"] = tuple(_mode_seconds_from_pb(k, m) for k, m in enumerate(msg.mode_seconds))
-    return StepStats(shape=shape_from_pb(msg.shape), **values)
+    return StepStats(
+        shape=shape_from_pb(msg.shape),
+        mode_seconds=tuple(_mode_seconds_from_pb(k, m) for k, m in enumerate(msg.mode_seconds)),
+        **values,
+    )
 
 
 def _mode_seconds_from_pb(k: int, m: pb.ModeSeconds) -> ModeSeconds:
     where = f"stats.mode_seconds[{k}]"
     try:
-        return ModeSeconds(_mode_from_pb(f"{where}.mode", m.mode), m.blocks, m.seconds, m.forward_seconds)
+        return ModeSeconds(mode=_mode_from_pb(f"{where}.mode", m.mode), **_copy(ModeSeconds, m))
     except ValueError as err:
         if isinstance(err, InvalidMessage):
             raise
@@ -193,54 +185,36 @@ def _mode_seconds_from_pb(k: int, m: pb.ModeSeconds) -> ModeSeconds:
 
 
 def oom_to_pb(oom: OomReport) -> pb.OomEvent:
-    return pb.OomEvent(step=oom.step, shape=shape_to_pb(oom.shape), plan_version=oom.plan_version, message=oom.message)
+    return pb.OomEvent(shape=shape_to_pb(oom.shape), **_copy(OomReport, oom))
 
 
 def oom_from_pb(msg: pb.OomEvent) -> OomReport:
-    return OomReport(step=msg.step, shape=shape_from_pb(msg.shape), plan_version=msg.plan_version, message=msg.message)
+    return OomReport(shape=shape_from_pb(msg.shape), **_copy(OomReport, msg))
+
+
+def _block_modes(modes: tuple[Mode, ...]) -> Any:
+    return [int(m) for m in modes]
 
 
 def plan_to_pb(plan: Plan) -> pb.Plan:
     return pb.Plan(
-        version=plan.version,
-        checkpoint_every=plan.checkpoint_every,
         checkpoint_blocks=list(plan.blocks),
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        predicted_overhead_ratio=plan.predicted_overhead_ratio,
-        reason=plan.reason,
-        target_bytes=plan.target_bytes,
-        block_modes=cast(Any, [int(m) for m in plan.modes]),
-        shape_plans=[
-            pb.ShapePlan(
-                max_seq_len=e.max_seq_len,
-                max_tokens=e.max_tokens,
-                block_modes=cast(Any, [int(m) for m in e.modes]),
-                predicted_peak_bytes=e.predicted_peak_bytes,
-                predicted_overhead_ratio=e.predicted_overhead_ratio,
-            )
-            for e in plan.shape_plans
-        ],
+        block_modes=_block_modes(plan.modes),
+        shape_plans=[pb.ShapePlan(block_modes=_block_modes(e.modes), **_copy(ShapePlan, e)) for e in plan.shape_plans],
+        **_copy(Plan, plan),
     )
 
 
 def plan_from_pb(msg: pb.Plan, where: str = "plan") -> Plan:
     return Plan(
-        version=msg.version,
         blocks=tuple(sorted(set(msg.checkpoint_blocks))),
-        checkpoint_every=msg.checkpoint_every,
-        predicted_peak_bytes=msg.predicted_peak_bytes,
-        predicted_overhead_ratio=msg.predicted_overhead_ratio,
-        target_bytes=msg.target_bytes,
-        reason=msg.reason,
         modes=tuple(_mode_from_pb(f"{where}.block_modes", m) for m in msg.block_modes),
         shape_plans=tuple(
             ShapePlan(
-                max_seq_len=e.max_seq_len,
-                max_tokens=e.max_tokens,
                 modes=tuple(_mode_from_pb(f"{where}.shape_plans.block_modes", m) for m in e.block_modes),
-                predicted_peak_bytes=e.predicted_peak_bytes,
-                predicted_overhead_ratio=e.predicted_overhead_ratio,
+                **_copy(ShapePlan, e),
             )
             for e in msg.shape_plans
         ),
+        **_copy(Plan, msg),
     )
