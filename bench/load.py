@@ -60,6 +60,8 @@ PEAK_BYTES = (20 << 30) + BLOCKS * (64 << 20)
 PROBE_SECONDS = 0.01
 HELLOS_IN_FLIGHT = 16
 """Hellos a generator process has unanswered at once: the ramp goes at the pace the service answers them."""
+GROW_SECONDS = 180.0
+"""How long a level's new ranks may take to connect (the service plans for each hello)."""
 MAX_STREAMS = 6
 """Streams one rank opens at most: the first and five more after failures."""
 
@@ -75,6 +77,8 @@ class Level:
     live: int
     """Ranks with an open stream at the end of the measurement."""
     failed_streams: int
+    ramp_s: float
+    """Seconds this level's new ranks took to connect (hellos answered)."""
     """Streams that failed at this level, its ramp included (each rank opens another after a backoff)."""
     gave_up: int
     """Ranks that stopped after ``MAX_STREAMS`` failed streams, since the start."""
@@ -343,7 +347,7 @@ async def _client_main(target: str, conn: Any, index: int, interval: float, fold
                     tasks.append(asyncio.create_task(_rank(session, hello.SerializeToString(), gen)))
                     if n % 100 == 99:
                         await asyncio.sleep(0)  # the ranks already connected keep their schedule
-                until = min(deadline, time.monotonic() + 90)
+                until = min(deadline, time.monotonic() + GROW_SECONDS)
                 while gen.live + gen.gave_up < want and time.monotonic() < until:
                     await asyncio.sleep(0.1)
                 gc.collect()
@@ -519,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.01 <= args.interval <= 60:
         p.error("interval must be in 0.01-60 seconds")
 
-    grow_timeout = 150.0
+    grow_timeout = GROW_SECONDS + 30
     failed_before = 0
     budget = len(levels) * (grow_timeout + args.settle + args.seconds + 30) + 60
     tmp = Path(tempfile.mkdtemp(prefix="rematd-load-"))
@@ -550,12 +554,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         print(
-            f"{'':>7} {'':>6} {'stream':>6} {'':>6} {'':>7} {'service latency, ms':>26} {'':>7} {'':>5}  "
+            f"{'':>7} {'':>6} {'':>6} {'stream':>6} {'':>6} {'':>7} {'service latency, ms':>26} {'':>7} {'':>5}  "
             f"{'server':^19}   {'generator':^39}",
             flush=True,
         )
         print(
-            f"{'ranks':>7} {'live':>6} {'fails':>6} {'msg/s':>6} {'steps/s':>7} {'p50':>8} {'p99':>8} {'max':>8} "
+            f"{'ranks':>7} {'live':>6} {'ramp s':>6} {'fails':>6} {'msg/s':>6} {'steps/s':>7} "
+            f"{'p50':>8} {'p99':>8} {'max':>8} "
             f"{'stale s':>7} {'errs':>5}  {'cores':>5} {'MiB':>6} {'KiB/rk':>6}   {'cores':>5} {'lag p50':>7} "
             f"{'p99':>6} {'max':>6} {'loop p99':>8}  ok",
             flush=True,
@@ -564,8 +569,10 @@ def main(argv: list[str] | None = None) -> int:
             share = [n // args.clients + (1 if i < n % args.clients else 0) for i in range(args.clients)]
             for conn, want in zip(pipes, share, strict=True):
                 conn.send(("grow", want))
+            t_grow = time.monotonic()
             for conn in pipes:
                 _recv(conn, grow_timeout, "grow")
+            ramp = time.monotonic() - t_grow
             time.sleep(args.settle)
             pids = _proc_tree(server.proc.pid)
             cpu0, t0 = _cpu_seconds(pids), time.monotonic()
@@ -601,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             level = Level(
                 ranks=n, seconds=args.seconds, sent=sum(g["sent"] for g in got), acked=acked, errors=errors, live=live,
-                failed_streams=failed_streams, gave_up=gave_up,
+                failed_streams=failed_streams, gave_up=gave_up, ramp_s=round(ramp, 1),
                 rate_per_s=round(rate, 1), steps_per_s=round(steps, 1), p50_ms=round(_pct(lat, 0.5), 2),
                 p99_ms=round(p99, 2), max_ms=round(max(lat) * 1000 if lat else 0, 1), stale_s=round(stale, 2),
                 server_cpu_cores=round(cpu, 2), server_rss_mib=round(rss / 2**20, 1),
@@ -612,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             results.append(level)
             print(
-                f"{n:>7} {live:>6} {failed_streams:>6} {rate:>6.0f} {steps:>7.0f} {level.p50_ms:>8.2f} "
+                f"{n:>7} {live:>6} {ramp:>6.1f} {failed_streams:>6} {rate:>6.0f} {steps:>7.0f} {level.p50_ms:>8.2f} "
                 f"{level.p99_ms:>8.2f} {level.max_ms:>8.1f} {stale:>7.1f} {errors:>5}  {cpu:>5.2f} "
                 f"{rss / 2**20:>6.0f} {kib:>6.1f}   {level.gen_cpu_cores:>5.2f} {level.gen_lag_p50_ms:>7.2f} "
                 f"{level.gen_lag_p99_ms:>6.1f} {level.gen_lag_max_ms:>6.1f} {level.gen_loop_p99_ms:>8.2f}  "
