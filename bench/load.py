@@ -371,8 +371,8 @@ async def _client_main(target: str, conn: Any, index: int, interval: float, fold
         for task in [*tasks, probe]:
             task.cancel()
         await asyncio.wait([*tasks, probe], timeout=10)
-        for ch in channels:
-            await ch.close(grace=None)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(ch.close(grace=None) for ch in channels)), 10)
         with contextlib.suppress(OSError):
             conn.send(("stopped", None))
 
