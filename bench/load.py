@@ -96,6 +96,8 @@ class Level:
     gen_lag_p99_ms: float
     gen_lag_max_ms: float
     gen_loop_p99_ms: float
+    load_1m: float
+    """The machine's load average at the end of the measurement: other work competes for the same cores."""
     ok: bool
 
 
@@ -562,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'ranks':>7} {'live':>6} {'ramp s':>6} {'fails':>6} {'msg/s':>6} {'steps/s':>7} "
             f"{'p50':>8} {'p99':>8} {'max':>8} "
             f"{'stale s':>7} {'errs':>5}  {'cores':>5} {'MiB':>6} {'KiB/rk':>6}   {'cores':>5} {'lag p50':>7} "
-            f"{'p99':>6} {'max':>6} {'loop p99':>8}  ok",
+            f"{'p99':>6} {'max':>6} {'loop p99':>8} {'load':>6}  ok",
             flush=True,
         )
         for n in levels:
@@ -615,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                 server_kib_per_rank=round(kib, 1), gen_cpu_cores=round(sum(g["cpu"] for g in got), 2),
                 gen_lag_p50_ms=round(_pct(lag, 0.5), 2), gen_lag_p99_ms=round(_pct(lag, 0.99), 2),
                 gen_lag_max_ms=round(max(lag) * 1000 if lag else 0, 1), gen_loop_p99_ms=round(_pct(loop, 0.99), 2),
+                load_1m=round(os.getloadavg()[0], 2),
                 ok=ok,
             )  # fmt: skip
             results.append(level)
@@ -622,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n:>7} {live:>6} {ramp:>6.1f} {failed_streams:>6} {rate:>6.0f} {steps:>7.0f} {level.p50_ms:>8.2f} "
                 f"{level.p99_ms:>8.2f} {level.max_ms:>8.1f} {stale:>7.1f} {errors:>5}  {cpu:>5.2f} "
                 f"{rss / 2**20:>6.0f} {kib:>6.1f}   {level.gen_cpu_cores:>5.2f} {level.gen_lag_p50_ms:>7.2f} "
-                f"{level.gen_lag_p99_ms:>6.1f} {level.gen_lag_max_ms:>6.1f} {level.gen_loop_p99_ms:>8.2f}  "
+                f"{level.gen_lag_p99_ms:>6.1f} {level.gen_lag_max_ms:>6.1f} {level.gen_loop_p99_ms:>8.2f} "
+                f"{level.load_1m:>6.2f}  "
                 f"{'yes' if ok else 'NO'}",
                 flush=True,
             )
