@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -24,6 +20,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from bench.served import served
 from rematd import wire
 from rematd.planner import Mode, ModeCost, Shape, Size
 from rematd.records import MAX_BLOCKS, BlockRecord, Hello, StepStats
@@ -103,32 +100,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     db = Path(tempfile.mkdtemp(prefix="rematd-bench-")) / "r.db"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        grpc_target = http = None
-        while (grpc_target is None or http is None) and (line := proc.stdout.readline()):
-            if m := re.search(r"serving gRPC on (\S+)", line):
-                grpc_target = m.group(1)
-            if m := re.search(r"REST on (https?://[^/\s]+)/", line):
-                http = m.group(1)
-        if grpc_target is None or http is None:
-            print("rematd serve did not start", file=sys.stderr)
-            return 1
-        print(json.dumps(measure(grpc_target, http, args.steps), indent=2))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with served(db) as srv:
+        print(json.dumps(measure(srv.grpc, srv.http, args.steps), indent=2))
     return 0
 
 

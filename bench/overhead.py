@@ -3,18 +3,14 @@
 Streams to a live ``rematd serve`` subprocess on loopback, with a budget that never changes the plan.
 Attached and unattached steps alternate so machine noise hits both alike; figures are medians.
 
-    .venv/bin/python bench/overhead.py [--steps 400] [--out bench/overhead.json]
+    .venv/bin/python -m bench.overhead [--steps 400] [--out bench/overhead.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,23 +20,9 @@ from typing import Any
 
 import torch
 
+from bench.served import served
 from rematd import client
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
-
-
-def serve(db: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if m := re.search(r"serving gRPC on (\S+)", line):
-            return proc, m.group(1)
-    raise RuntimeError("rematd serve did not start")
 
 
 def make(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -126,16 +108,11 @@ def main() -> int:
         parser.error("--steps must be at least 10")
     torch.set_num_threads(1)
     spent = timed_hooks()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, server = serve(Path(tmp) / "bench.db")
-        try:
-            rows = {
-                "hooks only (as on CUDA)": run(server, args.steps, False, spent),
-                "CPU saved-tensor accounting": run(server, args.steps, True, spent),
-            }
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(15)
+    with tempfile.TemporaryDirectory() as tmp, served(Path(tmp) / "bench.db") as srv:
+        rows = {
+            "hooks only (as on CUDA)": run(srv.grpc, args.steps, False, spent),
+            "CPU saved-tensor accounting": run(srv.grpc, args.steps, True, spent),
+        }
     print(
         f"{'configuration':30s} {'plain µs':>10s} {'attached µs':>12s} {'overhead µs':>12s} {'ratio':>8s} "
         f"{'in rematd µs':>13s}"

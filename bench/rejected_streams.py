@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.served import served
 from rematd import wire
 from rematd.planner import Shape
 from rematd.records import BlockRecord, Hello
@@ -94,30 +91,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=1000)
     args = parser.parse_args()
     db = Path(tempfile.mkdtemp(prefix="rematd-bench-")) / "r.db"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        target = None
-        while target is None and (line := proc.stdout.readline()):
-            if m := re.search(r"serving gRPC on (\S+)", line):
-                target = m.group(1)
-        if target is None:
-            print("rematd serve did not start", file=sys.stderr)
-            return 1
-        print(json.dumps(measure(target, proc.pid, args.streams), indent=2))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with served(db) as srv:
+        print(json.dumps(measure(srv.grpc, srv.proc.pid, args.streams), indent=2))
     return 0
 
 
