@@ -157,11 +157,14 @@ def test_a_hello_with_too_many_blocks_is_refused_before_conversion(server: LiveS
     stop = threading.Event()
 
     def probe() -> None:
+        # At least one probe, even when the refusal comes before the first answer.
         with httpx.Client(base_url=server.url, timeout=30) as http:
-            while not stop.is_set():
+            while True:
                 t = time.perf_counter()
                 http.get("/healthz")
                 lags.append(time.perf_counter() - t)
+                if stop.is_set():
+                    break
 
     prober = threading.Thread(target=probe)
     prober.start()
