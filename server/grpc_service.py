@@ -29,6 +29,7 @@ from rematd.server.auth import METADATA_KEY, TokenAuth
 from rematd.server.core import AdvisorCore, RankSession
 from rematd.server.errors import JobNotFound, SessionError, SessionTaken, ShuttingDown, Unauthenticated
 from rematd.server.http_guard import bounded
+from rematd.server.store import is_record_error
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -237,14 +238,20 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         context.set_code(failure[0])
         context.set_details(failure[1])
 
-    def _log_fault(self, kind: str) -> None:
-        """A bug gets its traceback; a record that cannot be written (counted, alerted on) one line each."""
-        if self.core.store.failing_since is not None:
-            log.error(
-                "handling a %s message failed: the record cannot be written (%s)", kind, self.core.store.last_failure
-            )
+    def _fault(self, kind: str, err: Exception) -> tuple[grpc.StatusCode, str]:
+        """The one place a fault of the service (its database, a bug) becomes INTERNAL: logged, counted,
+        and said so to the client, which retries, so that a bug does not stop a rank for good.
+
+        A failing record (counted and alerted on by itself) gets one line per fault; anything else,
+        while the record fails too, is still a bug and gets its traceback.
+        """
+        store = self.core.store
+        if store.failing_since is not None and is_record_error(err):
+            log.error("handling a %s message failed: the record cannot be written (%s)", kind, store.last_failure)
         else:
-            log.exception("handling a %s message failed", kind)
+            log.error("handling a %s message failed", kind, exc_info=err)
+        self.core.metrics.service_faults.labels(kind).inc()
+        return grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log"
 
     def _hello_blocking(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
         """Open a session, or say why not as plain data: an exception carried back to the loop would
@@ -258,9 +265,8 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             return self.core.open_session(wire.hello_from_pb(hello))
         except _DOMAIN_ERRORS as err:
             return self._failure(err)
-        except Exception:
-            self._log_fault("hello")
-            return grpc.StatusCode.INTERNAL, "the service failed handling hello; see its log"
+        except Exception as err:
+            return self._fault("hello", err)
 
     async def _hello(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
         """A rank's hello, converted and planned off the event loop: its work grows with the profile,
@@ -367,12 +373,9 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         ended = True
                 except _DOMAIN_ERRORS as err:
                     failure = self._failure(err)
-                except Exception:
-                    # A fault of the service (its database, a bug) ends this stream only, and says so:
-                    # INTERNAL, which the client retries, so that a bug here does not stop a rank for good.
-                    self._log_fault(kind or "")
-                    core.metrics.service_faults.labels(str(kind)).inc()
-                    failure = (grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log")
+                except Exception as err:
+                    # Ends this stream only: the rank reconnects.
+                    failure = self._fault(str(kind), err)
                 if kind is not None:
                     durations.labels(kind).observe(time.perf_counter() - started)
                 if failure is not None:
@@ -389,7 +392,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                 try:
                     core.close_session(session, ended=ended)
                 except Exception as err:
-                    if core.store.failing_since is not None:  # the record's fault, already counted and alerted on
+                    if core.store.failing_since is not None and is_record_error(err):  # counted and alerted on
                         log.error("recording the end of a stream failed: %s", core.store.last_failure or err)
                     else:
                         log.exception("recording the end of a stream failed")

@@ -191,6 +191,11 @@ class StoreError(RuntimeError):
     """The record cannot be opened: a URL rematd cannot use, a database out of reach, a file it cannot create."""
 
 
+def is_record_error(err: BaseException) -> bool:
+    """Whether ``err`` came from the database (or the disk under it), not from a bug in rematd."""
+    return isinstance(err, (sa_exc.SQLAlchemyError, StoreError, OSError))
+
+
 def database_url(db: str | Path) -> str:
     """A SQLAlchemy URL from ``--db``: a URL stays as it is, anything else is a SQLite path."""
     s = str(db)
