@@ -227,7 +227,7 @@ class Service:
             http_port = sock.getsockname()[1]
             web = _QuietServer(
                 uvicorn.Config(
-                    create_app(self.core, cfg.auth),
+                    create_app(self.core, cfg.auth, serving=lambda: self.serving),
                     log_level="warning",
                     lifespan="off",
                     access_log=False,

@@ -110,7 +110,10 @@ class TuneBody(BaseModel):
         return self
 
 
-def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
+def create_app(
+    core: AdvisorCore, auth: TokenAuth | None = None, *, serving: Callable[[], bool] = lambda: True
+) -> FastAPI:
+    """The HTTP app; ``serving`` says whether the service takes new ranks (false while it drains and stops)."""
     auth = auth or TokenAuth()
     app = FastAPI(
         title="rematd",
@@ -189,9 +192,17 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    @app.get("/readyz", responses={503: {"description": "the record cannot be written"}})
+    @app.get("/readyz", responses={503: {"description": "draining or shutting down, or the record cannot be written"}})
     def readyz() -> JSONResponse:
-        """Ready to take training ranks: the record takes writes. Liveness is /healthz."""
+        """Ready to take training ranks: serving (not draining) and the record takes writes. Liveness is /healthz.
+
+        Not ready from the start of a shutdown, as gRPC health says NOT_SERVING then: load balancers
+        and Kubernetes move new ranks to other replicas during ``--drain-seconds``.
+        """
+        if not serving():
+            return JSONResponse(
+                status_code=503, content={"detail": "draining: the service is shutting down and takes no new ranks"}
+            )
         store = core.store
         if store.writable():
             return JSONResponse({"status": "ready"})

@@ -206,3 +206,22 @@ def test_a_hello_does_not_wait_for_other_jobs_buffered_statistics(tmp_path: Path
     assert [r["peak_bytes"] for r in core.job_stats("busy")] == [500]
     assert store.pending() == 0
     store.close()
+
+
+def test_readiness_turns_503_as_the_service_starts_draining(tmp_path: Path) -> None:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), drain_seconds=3.0))
+    bound = svc.start()
+    try:
+        ready = httpx.get(f"http://{bound.http}/readyz", timeout=10)
+        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+        svc.begin_stop()
+        # Within the drain: the record still takes writes, HTTP still answers, and balancers are told to go.
+        got: list[httpx.Response] = []
+        assert wait_for(
+            lambda: got.append(httpx.get(f"http://{bound.http}/readyz", timeout=10)) or got[-1].status_code == 503,
+            timeout=2.5,
+        ), [r.status_code for r in got]
+        assert "draining" in got[-1].json()["detail"]
+        assert httpx.get(f"http://{bound.http}/healthz", timeout=10).status_code == 200, "still alive while draining"
+    finally:
+        svc.stop()
