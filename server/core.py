@@ -240,6 +240,8 @@ class AdvisorCore:
         self.metrics = metrics or Metrics()
         self.config = config or CoreConfig()
         self._lock = threading.RLock()
+        self._transitions = threading.Lock()
+        """Orders a rank's hello and its stream's end in the record; taken before ``_lock``, never under it."""
         self._sessions: dict[tuple[str, int], RankSession] = {}
         self._by_job: dict[str, dict[int, RankSession]] = {}
         self._controls: dict[str, Controls] = {}
@@ -269,7 +271,7 @@ class AdvisorCore:
         hello = dataclasses.replace(hello, blocks=self._shared(hello.blocks))
         now = time.time()
         job = hello.job_id
-        with self._lock:
+        with self._transitions, self._lock:
             existing = self._sessions.get((job, hello.rank))
             owner = existing is not None and _same_secret(hello.session_secret, existing.secret)
             if existing is not None and existing.streams > 0 and not owner:
@@ -378,6 +380,7 @@ class AdvisorCore:
             started = time.perf_counter()
             changed = session.planner.observe(obs)
             self.metrics.plan_duration.observe(time.perf_counter() - started)
+        remember = False
         with self._lock:
             if changed is not None:
                 self._check_fits(session.planner.plan, "stats.shape")
@@ -385,37 +388,37 @@ class AdvisorCore:
             plan = self._outgoing(session, "stats.shape")
             if plan is not None:
                 session.sent = plan
-                self._record_plan(session, plan, now)
             else:
                 session.steps_on_plan += stats.steps
-                if (
+                remember = (
                     session.steps_on_plan >= self.config.warm_after_steps
                     and not session.oom_on_plan
                     and session.remembered != session.sent.version
-                ):
-                    self._remember(session, now)
-            self.store.add_stats(
-                job=job,
-                rank=session.hello.rank,
-                row={
-                    "step": stats.step,
-                    "time": now,
-                    "peak_bytes": obs.peak_bytes,
-                    "budget_bytes": stats.budget_bytes,
-                    "predicted_peak_bytes": self._predicted_at(
-                        session, ran or session.sent, stats.shape, obs.static_bytes
-                    ),
-                    "plan_version": stats.plan_version,
-                    "seq_len": stats.shape.seq_len,
-                    "batch": stats.shape.batch,
-                    "step_seconds": stats.step_seconds,
-                    "oom_risk": session.planner.oom_risk,
-                },
-            )
+                )
+                if remember:
+                    session.remembered = session.sent.version
+            row = {
+                "step": stats.step,
+                "time": now,
+                "peak_bytes": obs.peak_bytes,
+                "budget_bytes": stats.budget_bytes,
+                "predicted_peak_bytes": self._predicted_at(session, ran or session.sent, stats.shape, obs.static_bytes),
+                "plan_version": stats.plan_version,
+                "seq_len": stats.shape.seq_len,
+                "batch": stats.shape.batch,
+                "step_seconds": stats.step_seconds,
+                "oom_risk": session.planner.oom_risk,
+            }
             session.has_stats = True
             self.metrics.steps.labels(job).inc(stats.steps)
             if stats.recompiles:
                 self.metrics.recompiles.labels(job).inc(stats.recompiles)
+        # Written after the core's lock is let go: a slow record holds up this rank's stream, not every other's.
+        if plan is not None:
+            self._record_plan(session, plan, now)
+        elif remember:
+            self._remember(session, now)
+        self.store.add_stats(job=job, rank=session.hello.rank, row=row)
         return plan
 
     def report_interval(self, session: RankSession) -> float:
@@ -436,19 +439,19 @@ class AdvisorCore:
             raise
         job = session.hello.job_id
         now = time.time()
+        self.store.add_oom(
+            job=job,
+            rank=session.hello.rank,
+            row={
+                "step": oom.step,
+                "time": now,
+                "seq_len": oom.shape.seq_len,
+                "batch": oom.shape.batch,
+                "plan_version": oom.plan_version,
+                "message": oom.message[:1000],
+            },
+        )
         with self._lock:
-            self.store.add_oom(
-                job=job,
-                rank=session.hello.rank,
-                row={
-                    "step": oom.step,
-                    "time": now,
-                    "seq_len": oom.shape.seq_len,
-                    "batch": oom.shape.batch,
-                    "plan_version": oom.plan_version,
-                    "message": oom.message[:1000],
-                },
-            )
             self.metrics.oom_events.labels(job).inc()
             session.oom_on_plan = True
         with session.planning:
@@ -460,32 +463,41 @@ class AdvisorCore:
             plan = self._outgoing(session, "oom.shape")
             if plan is not None:
                 session.sent = plan
-                self._record_plan(session, plan, now)
+        if plan is not None:
+            self._record_plan(session, plan, now)
         return plan
 
-    def ack_version(self, session: RankSession) -> int:
-        return session.sent.version
-
     def close_session(self, session: RankSession, *, ended: bool) -> None:
-        """A rank's stream closed: ``ended`` when it said goodbye, else it was lost."""
+        """A rank's stream closed: ``ended`` when it said goodbye, else it was lost.
+
+        Blocking (it writes the record): the servicer calls it off the event loop. The writes come
+        after the core's lock is let go, so a slow record does not hold up every other rank's steps;
+        ``_transitions`` keeps them in order with a hello of the same rank, which writes it connected.
+        """
         job = session.hello.job_id
-        with self._lock:
-            session.streams -= 1
-            self.metrics.active_streams.dec()
-            if session.streams > 0:
-                return
-            if self._sessions.get(session.key) is not session:
-                # The rank came back as a new session before this stream was found dead (or it
-                # expired): the rank's state is the newer session's, not this one's.
-                return
-            session.ended = ended
-            session.disconnected_at = None if ended else time.monotonic()
-            if (
-                ended
-                and not session.oom_on_plan
-                and session.steps_on_plan > 0
-                and session.remembered != session.sent.version
-            ):
+        with self._transitions:
+            with self._lock:
+                session.streams -= 1
+                self.metrics.active_streams.dec()
+                if session.streams > 0:
+                    return
+                if self._sessions.get(session.key) is not session:
+                    # The rank came back as a new session before this stream was found dead (or it
+                    # expired): the rank's state is the newer session's, not this one's.
+                    return
+                session.ended = ended
+                session.disconnected_at = None if ended else time.monotonic()
+                remember = (
+                    ended
+                    and not session.oom_on_plan
+                    and session.steps_on_plan > 0
+                    and session.remembered != session.sent.version
+                )
+                if remember:
+                    session.remembered = session.sent.version
+                if ended and all(s.ended for s in self._by_job.get(job, {}).values()):
+                    self._drop_job(job)
+            if remember:
                 self._remember(session, time.time())
             self.store.set_rank_state(job=job, rank=session.hello.rank, state=ENDED if ended else DISCONNECTED)
             try:
@@ -494,12 +506,9 @@ class AdvisorCore:
                 log.warning(
                     "job %s rank %d: what its controller learned was not saved: %s", job, session.hello.rank, err
                 )
-            ranks = list(self._by_job.get(job, {}).values())
             if ended:
                 # Every rank said goodbye (here and on other workers): the job ended now.
                 self.store.end_job_if_done(job, time.time())
-            if ended and all(s.ended for s in ranks):
-                self._drop_job(job)
 
     def expire_sessions(self, now: float | None = None) -> int:
         """Forget ranks whose stream has been gone longer than the expiry; returns how many.
@@ -713,7 +722,6 @@ class AdvisorCore:
 
     def _remember(self, session: RankSession, now: float) -> None:
         h = session.hello
-        session.remembered = session.sent.version
         if not h.model_fingerprint:
             return
         self.store.remember_warm_plan(
@@ -769,9 +777,9 @@ class AdvisorCore:
     def _save_learned(self, session: RankSession, now: float) -> None:
         """Kept with each plan and when a stream ends: a restarted service continues from it instead of
         relearning by issuing the same loosening (and its undoing) again."""
-        self.store.save_learned(
-            job=session.hello.job_id, rank=session.hello.rank, state=session.planner.controller.export_state(), now=now
-        )
+        with session.planning:
+            state = session.planner.controller.export_state()
+        self.store.save_learned(job=session.hello.job_id, rank=session.hello.rank, state=state, now=now)
 
     def _restore_learned(self, planner: PlannerSession, job: str, rank: int) -> None:
         state = self.store.learned(job=job, rank=rank)

@@ -8,7 +8,6 @@ so generic tools (grpcurl, grpc_health_probe, Kubernetes gRPC probes) work.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import time
@@ -279,9 +278,23 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             # The stream went while its hello was planned: a session opened meanwhile must still close.
             opened = await work
             if isinstance(opened[0], RankSession):
-                with contextlib.suppress(Exception):
-                    self.core.close_session(opened[0], ended=False)
+                await self._close(opened[0], ended=False)
             raise
+
+    def _close_blocking(self, session: RankSession, ended: bool) -> None:
+        try:
+            self.core.close_session(session, ended=ended)
+        except Exception as err:
+            store = self.core.store
+            if store.failing_since is not None and is_record_error(err):  # counted and alerted on
+                log.error("recording the end of a stream failed: %s", store.last_failure or err)
+            else:
+                log.exception("recording the end of a stream failed")
+
+    async def _close(self, session: RankSession, *, ended: bool) -> None:
+        """Close a rank's session off the event loop (it writes the record), to the end even when the
+        stream's task is cancelled meanwhile: a session left open would refuse the rank's reconnect."""
+        await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(self._close_blocking, session, ended)))
 
     async def Session(
         self,
@@ -389,13 +402,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             self._open.discard(stream)
             self._collections.request(received)
             if session is not None:
-                try:
-                    core.close_session(session, ended=ended)
-                except Exception as err:
-                    if core.store.failing_since is not None and is_record_error(err):  # counted and alerted on
-                        log.error("recording the end of a stream failed: %s", core.store.last_failure or err)
-                    else:
-                        log.exception("recording the end of a stream failed")
+                await self._close(session, ended=ended)
 
 
 class Health:

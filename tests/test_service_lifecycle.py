@@ -225,3 +225,40 @@ def test_readiness_turns_503_as_the_service_starts_draining(tmp_path: Path) -> N
         assert httpx.get(f"http://{bound.http}/healthz", timeout=10).status_code == 200, "still alive while draining"
     finally:
         svc.stop()
+
+
+def test_a_slow_record_at_one_streams_end_does_not_hold_up_another_streams_acks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    bound = svc.start()
+    store = svc.service.core.store
+    real = store.set_rank_state
+    writing = threading.Event()
+    delay = 0.5
+
+    def slow(*, job: str, rank: int | None = None, state: str) -> None:
+        if job == "leaving":
+            writing.set()
+            time.sleep(delay)  # as a record on a slow disk takes its time
+        real(job=job, rank=rank, state=state)
+
+    monkeypatch.setattr(store, "set_rank_state", slow)
+    try:
+        with grpc.insecure_channel(bound.grpc) as ch:
+            leaving = OpenStream(ch, hello(job="leaving"))
+            busy = OpenStream(ch, hello(job="busy"))
+            busy.step(0)
+            leaving.outbox.put(pb.ClientMessage(goodbye=pb.Goodbye()))
+            leaving.outbox.put(None)
+            assert writing.wait(10), "the leaving rank's end is being written"
+            latencies = []
+            for step in range(1, 4):
+                started = time.monotonic()
+                busy.step(step)
+                latencies.append(time.monotonic() - started)
+            assert max(latencies) < delay / 2, f"acks took {latencies} while another stream's end was written"
+            assert wait_for(lambda: {r["state"] for r in store.ranks("leaving")} == {"ended"}, timeout=5)
+            busy.outbox.put(None)
+    finally:
+        svc.stop()
