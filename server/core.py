@@ -296,8 +296,11 @@ class AdvisorCore:
                 session.hello = hello
                 if hello.plan_version > session.sent.version:
                     # The rank planned on its own while cut off: continue above its versions.
-                    session.planner.renumber_after(hello.plan_version)
-                    session.base = session.planner.plan
+                    # Under its planning lock (taken inside the core's, never the other way round): a
+                    # stats thread of its old stream may still be planning.
+                    with session.planning:
+                        session.planner.renumber_after(hello.plan_version)
+                        session.base = session.planner.plan
                     session.sent = self._pinned(session) or session.base
                     jumped = session.sent.version > hello.plan_version
             else:
@@ -803,7 +806,8 @@ class AdvisorCore:
         with self._lock:
             self._controls[job] = controls
             self._controls_revision = max(self._controls_revision, rev)
-            self._apply_controls(job, controls)
+            retune = self._apply_controls(job, controls)
+        self._retune(retune)
 
     def pin(
         self,
@@ -892,6 +896,7 @@ class AdvisorCore:
         changed = self.store.controls_since(self._controls_revision)
         if not changed:
             return
+        retune: list[tuple[RankSession, float]] = []
         with self._lock:
             for row in changed:
                 job = row["job"]
@@ -905,19 +910,32 @@ class AdvisorCore:
                 )
                 self._controls[job] = c
                 self._controls_revision = max(self._controls_revision, int(row["revision"]))
-                self._apply_controls(job, c)
+                retune.extend(self._apply_controls(job, c))
+        self._retune(retune)
 
-    def _apply_controls(self, job: str, c: Controls) -> None:
-        for s in self._by_job.get(job, {}).values():
-            margin = (
-                c.margin_ratio
-                if c.margin_ratio is not None
-                else (s.hello.margin_ratio or ControllerConfig().margin_ratio)
-            )
-            if s.planner.controller.config.margin_ratio != margin:
-                s.planner.controller.config = dataclasses.replace(s.planner.controller.config, margin_ratio=margin)
+    def _apply_controls(self, job: str, c: Controls) -> list[tuple[RankSession, float]]:
+        """Under the core's lock: drop an ended job; returns the job's ranks and the margin each now plans with."""
         if c.ended_at is not None and job in self._by_job:
             self._drop_job(job)
+            return []
+        return [
+            (
+                s,
+                c.margin_ratio
+                if c.margin_ratio is not None
+                else (s.hello.margin_ratio or ControllerConfig().margin_ratio),
+            )
+            for s in self._by_job.get(job, {}).values()
+        ]
+
+    @staticmethod
+    def _retune(margins: list[tuple[RankSession, float]]) -> None:
+        """Change ranks' planners under their own planning lock (a planning thread may be using them),
+        after the core's lock is let go: planning can take a while, and the two locks never nest this way."""
+        for s, margin in margins:
+            with s.planning:
+                if s.planner.controller.config.margin_ratio != margin:
+                    s.planner.controller.config = dataclasses.replace(s.planner.controller.config, margin_ratio=margin)
 
     # -- the operator side: reads ---------------------------------------------
 

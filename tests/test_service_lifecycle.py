@@ -262,3 +262,30 @@ def test_a_slow_record_at_one_streams_end_does_not_hold_up_another_streams_acks(
             busy.outbox.put(None)
     finally:
         svc.stop()
+
+
+def test_operator_changes_and_a_resume_wait_for_the_ranks_planning(core: AdvisorCore) -> None:
+    s, _ = core.open_session(hello(job="tuned"))
+    core.on_stats(s, stats(0, 500))
+    done: list[str] = []
+    with s.planning:  # as a stats thread of a large profile holds it while it plans
+        tune = threading.Thread(target=lambda: done.append(str(core.tune("tuned", {"margin_ratio": 0.3}))))
+        tune.start()
+        tune.join(0.3)
+        assert tune.is_alive(), "the margin changed under a planner at work"
+        assert core._lock.acquire(timeout=2), "the core's lock is held while waiting for the planner"
+        core._lock.release()
+    tune.join(10)
+    assert done and s.planner.controller.config.margin_ratio == 0.3
+    # The rank comes back with versions of its own (it planned while cut off): renumbered under the same lock.
+    back = dataclasses.replace(hello(job="tuned"), plan_version=s.sent.version + 5, session_secret=s.secret)
+    resumed: list[object] = []
+    with s.planning:
+        opener = threading.Thread(target=lambda: resumed.append(core.open_session(back)))
+        opener.start()
+        opener.join(0.3)
+        assert opener.is_alive(), "the planner was renumbered while at work"
+    opener.join(10)
+    assert resumed and s.sent.version > back.plan_version
+    core.close_session(s, ended=True)
+    core.close_session(s, ended=True)
