@@ -8,12 +8,13 @@ so generic tools (grpcurl, grpc_health_probe, Kubernetes gRPC probes) work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -34,6 +35,7 @@ from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rematd.server")
 
+_R = TypeVar("_R")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Advisor"].full_name
 
 
@@ -136,6 +138,19 @@ def precheck_hello(msg: pb.Hello) -> None:
             raise InvalidMessage(f"hello.blocks[{i}].name", f"longer than {_MAX_NAME_CHARS} characters")
     if msg.HasField("plan") and (len(msg.plan.checkpoint_blocks) > n or len(msg.plan.block_modes) > n):
         raise InvalidMessage("hello.plan", f"names more blocks than the profile's {n}")
+
+
+async def _to_the_end(fn: Callable[..., _R], *args: Any) -> _R:
+    """``fn`` on a worker thread, waited for to its end even when the stream is cancelled meanwhile:
+    the stream's session is closed after it, never while its planning thread may still set what the
+    rank was sent or record a plan."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await work
+        raise
 
 
 class _OpenStream:
@@ -364,7 +379,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                     elif kind == "stats":
                         stats = wire.stats_from_pb(msg.stats)
                         if len(session.hello.blocks) >= OFF_LOOP_BLOCKS:
-                            new = await asyncio.to_thread(core.on_stats, session, stats)
+                            new = await _to_the_end(core.on_stats, session, stats)
                         else:
                             new = core.on_stats(session, stats)
                         ack = pb.ServerMessage(
@@ -379,7 +394,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         secret_sent = True
                         out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
                     elif kind == "oom":
-                        new = await asyncio.to_thread(core.on_oom, session, wire.oom_from_pb(msg.oom))
+                        new = await _to_the_end(core.on_oom, session, wire.oom_from_pb(msg.oom))
                         if new is not None:
                             out = (pb.ServerMessage(plan=wire.plan_to_pb(new)),)
                     elif kind == "goodbye":

@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from rematd import wire
-from rematd.records import Hello
+from rematd.planner import Plan
+from rematd.records import Hello, StepStats
 from rematd.server import ServeConfig, ServiceThread
-from rematd.server.core import AdvisorCore, CoreConfig
+from rematd.server.core import AdvisorCore, CoreConfig, RankSession
 from rematd.server.errors import SessionTaken
 from rematd.server.metrics import Metrics
 from rematd.server.store import Store, StoreConfig, database_url
@@ -289,3 +290,43 @@ def test_operator_changes_and_a_resume_wait_for_the_ranks_planning(core: Advisor
     assert resumed and s.sent.version > back.plan_version
     core.close_session(s, ended=True)
     core.close_session(s, ended=True)
+
+
+def test_a_cancelled_stream_closes_its_session_only_after_its_planning_thread_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rematd.server import grpc_service
+
+    monkeypatch.setattr(grpc_service, "OFF_LOOP_BLOCKS", 1)  # every step planned on a worker thread
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    bound = svc.start()
+    core = svc.service.core
+    real_stats, real_close = core.on_stats, core.close_session
+    planning = threading.Event()
+    order: list[str] = []
+
+    def slow_stats(session: RankSession, st: StepStats) -> Plan | None:
+        if order == []:
+            planning.set()
+            time.sleep(0.5)  # as a 4,096-block step takes its time
+            order.append("planned")
+        return real_stats(session, st)
+
+    def close(session: RankSession, *, ended: bool) -> None:
+        order.append("closed")
+        real_close(session, ended=ended)
+
+    monkeypatch.setattr(core, "on_stats", slow_stats)
+    monkeypatch.setattr(core, "close_session", close)
+    try:
+        with grpc.insecure_channel(bound.grpc) as ch:
+            rank = OpenStream(ch, hello(job="cancelled"))
+            rank.outbox.put(pb.ClientMessage(stats=wire.stats_to_pb(stats(0, 500))))
+            assert planning.wait(10)
+            rank.call.cancel()
+            assert wait_for(lambda: "closed" in order, timeout=5)
+            assert order == ["planned", "closed"], "the session was closed while its step was being planned"
+            assert wait_for(lambda: {r["state"] for r in core.store.ranks("cancelled")} == {"disconnected"})
+            rank.outbox.put(None)
+    finally:
+        svc.stop()
