@@ -41,6 +41,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class ExposedWithoutToken(ValueError):
+    """A service that would listen beyond loopback with no token: anyone who reaches a port could stream
+    into the record, or pin and end jobs."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
     """Where the service listens, who may do what, and how it keeps its record."""
@@ -119,6 +124,23 @@ class ServeConfig:
         TokenAuth(token=self.token)
         GrpcOptions(max_message_bytes=self.max_message_bytes)
         self.store_config()
+        # Here, so that every way of starting the service (the CLI, Service, ServiceThread) refuses it.
+        exposed = self._exposed_without_token()
+        if exposed:
+            raise ExposedWithoutToken(
+                f"{exposed} is not a loopback address, and writes there need a token: set REMATD_TOKEN "
+                "or --token-file (e.g. REMATD_TOKEN=$(openssl rand -hex 32)), or bind 127.0.0.1"
+            )
+
+    def _exposed_without_token(self) -> str:
+        """What would listen beyond loopback with no token, as the flag that set it ("" when nothing)."""
+        if self.token is not None:
+            return ""
+        if not is_loopback(self.grpc_host):
+            return f"--grpc-host {self.grpc_host}"
+        if self.http and not is_loopback(self.http_host):
+            return f"--http-host {self.http_host}"
+        return ""
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(
