@@ -394,6 +394,10 @@ class Store:
             return 1
         raise StoreError(self._foreign(tables))
 
+    @staticmethod
+    def _applied(conn: Connection) -> set[int]:
+        return {int(v) for v in conn.execute(text("SELECT version FROM schema_version")).scalars()}
+
     def _foreign(self, tables: set[str]) -> str:
         shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
         return (
@@ -459,12 +463,14 @@ class Store:
                     conn.execute(
                         text("INSERT INTO schema_version VALUES (1, :d, :t)"), {"d": MIGRATIONS[0][1], "t": time.time()}
                     )
+                applied = self._applied(conn) if current else set()
+            # Each one missing, not only those above the highest applied: a record may lack one below it.
             for version, description, statements in MIGRATIONS:
-                if version <= current:
+                if version in applied:
                     continue
                 with self._transaction() as conn:
                     conn.execute(text(create))
-                    if int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0) >= version:
+                    if version in self._applied(conn):
                         continue  # another process applied it while this one waited
                     for sql in statements:
                         conn.execute(text(self._ddl(sql)))
