@@ -22,7 +22,7 @@ from rematd.server.core import AdvisorCore, CoreConfig
 from rematd.server.grpc_service import GrpcOptions, build_server
 from rematd.server.metrics import Metrics
 from rematd.server.rest import create_app
-from rematd.server.store import Store, StoreConfig, database_url
+from rematd.server.store import Store, StoreConfig, database_url, redact_url
 
 log = logging.getLogger("rematd.server")
 
@@ -182,14 +182,6 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
-def redact(url: str) -> str:
-    """A database URL without its password, for messages and logs."""
-    if "://" in url and "@" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
-
-
 class Service:
     """The running service. ``await run(stop)`` serves until ``stop`` is set."""
 
@@ -293,7 +285,7 @@ class Service:
         self.bound = Bound(
             grpc=f"{cfg.grpc_host}:{grpc_port}",
             http=f"{cfg.http_host}:{http_port}",
-            db=redact(self.store.path if "://" in (cfg.db or "") else self.db_path),
+            db=redact_url(self.store.path if "://" in (cfg.db or "") else self.db_path),
             tls=cfg.tls,
         )
         if ready is not None:

@@ -112,9 +112,10 @@ def _serve(argv: list[str]) -> int:
 
 
 def _bad_db(config: ServeConfig, err: Exception) -> int:
-    from rematd.server.app import default_db_path, redact
+    from rematd.server.app import default_db_path
+    from rematd.server.store import redact_url
 
-    print(f"rematd serve: --db {redact(config.db or str(default_db_path()))}: {err}", file=sys.stderr)
+    print(f"rematd serve: --db {redact_url(config.db or str(default_db_path()))}: {err}", file=sys.stderr)
     return 2
 
 

@@ -946,9 +946,18 @@ class AdvisorCore:
         for r in self.store.all_ranks():
             ranks.setdefault(r["job"], []).append(r)
         plans = self.store.latest_plans()
+        rank_plans: dict[str, dict[int, dict[str, Any]]] = {}
+        for (job, rank), p in self.store.latest_rank_plans().items():
+            rank_plans.setdefault(job, {})[rank] = p
         ooms = self.store.oom_counts()
         views = [
-            self._job_view(row, ranks.get(row["job"], []), plans.get(row["job"]), ooms.get(row["job"], 0))
+            self._job_view(
+                row,
+                ranks.get(row["job"], []),
+                plans.get(row["job"]),
+                ooms.get(row["job"], 0),
+                rank_plans.get(row["job"], {}),
+            )
             for row in self.store.jobs()
         ]
         return [v for v in views if state is None or v["state"] == state]
@@ -956,11 +965,18 @@ class AdvisorCore:
     def get_job(self, job: str) -> dict[str, Any]:
         row = self._require_job(job)
         plans = self.store.plans(job)
-        return self._job_view(row, self.store.ranks(job), plans[-1] if plans else None, len(self.store.ooms(job)))
+        own = {int(p["rank"]): p for p in plans}  # in the order they were made: each rank's last wins
+        return self._job_view(row, self.store.ranks(job), plans[-1] if plans else None, len(self.store.ooms(job)), own)
 
     def _job_view(
-        self, row: dict[str, Any], ranks: list[dict[str, Any]], plan: dict[str, Any] | None, ooms: int
+        self,
+        row: dict[str, Any],
+        ranks: list[dict[str, Any]],
+        plan: dict[str, Any] | None,
+        ooms: int,
+        rank_plans: dict[int, dict[str, Any]],
     ) -> dict[str, Any]:
+        """A job as the REST API shows it; ``plan`` is the job's newest, ``rank_plans`` each rank's own newest."""
         job = row["job"]
         states = {r["state"] for r in ranks}
         if row.get("ended_at") is not None or (states and states == {ENDED}):
@@ -987,8 +1003,9 @@ class AdvisorCore:
                 sent, n = now[0], now[1]
                 shape = Shape(batch=last.get("batch") or 1, seq_len=seq or 0, tokens=tokens)
                 force = {"modes": mode_names(sent.modes_for(shape, n) if seq else sent.block_modes(n))}
-            elif plan is not None:
-                force = entry_in_force(plan, seq, tokens)
+            elif r["rank"] in rank_plans:
+                # Not live: what the rank's own last plan runs (the job's newest may be another rank's).
+                force = entry_in_force(rank_plans[r["rank"]], seq, tokens)
             rank_views.append(
                 {
                     "rank": r["rank"],
@@ -997,7 +1014,7 @@ class AdvisorCore:
                     "device": r["device"],
                     "last_stats": r["last_stats"],
                     "plan_version": now[0].version if now else last.get("plan_version"),
-                    # What its last step's length runs under the plan it has (or the job's last).
+                    # What its last step's length runs under the plan it has (or its own last one).
                     "modes": force["modes"] if force else None,
                     "checkpointed_blocks": [i for i, m in enumerate(force["modes"]) if m != "store"] if force else None,
                     # An ended job carries no live risk: what it last measured is history.

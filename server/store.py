@@ -805,6 +805,15 @@ class Store:
             out.append(_plan_out(r))
         return out
 
+    def latest_rank_plans(self) -> dict[tuple[str, int], dict[str, Any]]:
+        """Each rank's newest plan, by (job, rank)."""
+        rows = self._read(f"{_PLANS} WHERE plans.id IN (SELECT MAX(id) FROM plans GROUP BY job, rank)", fresh=False)
+        out = {}
+        for r in rows:
+            d = _plan_out(r, ("id",))
+            out[(d.pop("job"), int(d["rank"]))] = d
+        return out
+
     def latest_plans(self) -> dict[str, dict[str, Any]]:
         """Each job's newest plan."""
         rows = self._read(f"{_PLANS} WHERE plans.id IN (SELECT MAX(id) FROM plans GROUP BY job)", fresh=False)

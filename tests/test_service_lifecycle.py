@@ -330,3 +330,23 @@ def test_a_cancelled_stream_closes_its_session_only_after_its_planning_thread_en
             rank.outbox.put(None)
     finally:
         svc.stop()
+
+
+def test_a_rank_no_longer_live_shows_its_own_last_plan_not_another_ranks(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.db")
+    core = AdvisorCore(store, Metrics())
+    _, roomy_plan = core.open_session(hello(job="mixed", rank=0, budget=100_000))
+    _, tight_plan = core.open_session(hello(job="mixed", rank=1, budget=2_500))
+    assert roomy_plan.blocks != tight_plan.blocks, "the two ranks plan differently"
+    store.close()
+    # A restarted service: neither rank is live; the job's newest plan is rank 1's.
+    store = Store(tmp_path / "r.db")
+    try:
+        core = AdvisorCore(store, Metrics())
+        assert store.plans("mixed")[-1]["rank"] == 1
+        for view in (core.get_job("mixed"), core.list_jobs()[0]):
+            ranks = {r["rank"]: r for r in view["ranks"]}
+            assert ranks[0]["checkpointed_blocks"] == list(roomy_plan.blocks), view
+            assert ranks[1]["checkpointed_blocks"] == list(tight_plan.blocks), view
+    finally:
+        store.close()
