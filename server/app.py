@@ -22,7 +22,7 @@ from rematd.server.core import AdvisorCore, CoreConfig
 from rematd.server.grpc_service import GrpcOptions, build_server
 from rematd.server.metrics import Metrics
 from rematd.server.rest import create_app
-from rematd.server.store import Store, StoreConfig, database_url
+from rematd.server.store import Store, StoreConfig, database_url, redact_url
 
 log = logging.getLogger("rematd.server")
 
@@ -39,6 +39,11 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class ExposedWithoutToken(ValueError):
+    """A service that would listen beyond loopback with no token: anyone who reaches a port could stream
+    into the record, or pin and end jobs."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,6 +124,23 @@ class ServeConfig:
         TokenAuth(token=self.token)
         GrpcOptions(max_message_bytes=self.max_message_bytes)
         self.store_config()
+        # Here, so that every way of starting the service (the CLI, Service, ServiceThread) refuses it.
+        exposed = self._exposed_without_token()
+        if exposed:
+            raise ExposedWithoutToken(
+                f"{exposed} is not a loopback address, and writes there need a token: set REMATD_TOKEN "
+                "or --token-file (e.g. REMATD_TOKEN=$(openssl rand -hex 32)), or bind 127.0.0.1"
+            )
+
+    def _exposed_without_token(self) -> str:
+        """What would listen beyond loopback with no token, as the flag that set it ("" when nothing)."""
+        if self.token is not None:
+            return ""
+        if not is_loopback(self.grpc_host):
+            return f"--grpc-host {self.grpc_host}"
+        if self.http and not is_loopback(self.http_host):
+            return f"--http-host {self.http_host}"
+        return ""
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(
@@ -158,14 +180,6 @@ class _QuietServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def redact(url: str) -> str:
-    """A database URL without its password, for messages and logs."""
-    if "://" in url and "@" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
 
 
 class Service:
@@ -227,7 +241,7 @@ class Service:
             http_port = sock.getsockname()[1]
             web = _QuietServer(
                 uvicorn.Config(
-                    create_app(self.core, cfg.auth),
+                    create_app(self.core, cfg.auth, serving=lambda: self.serving),
                     log_level="warning",
                     lifespan="off",
                     access_log=False,
@@ -271,7 +285,7 @@ class Service:
         self.bound = Bound(
             grpc=f"{cfg.grpc_host}:{grpc_port}",
             http=f"{cfg.http_host}:{http_port}",
-            db=redact(self.store.path if "://" in (cfg.db or "") else self.db_path),
+            db=redact_url(self.store.path if "://" in (cfg.db or "") else self.db_path),
             tls=cfg.tls,
         )
         if ready is not None:

@@ -64,7 +64,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def _serve(argv: list[str]) -> int:
-    from rematd.server.app import ServeConfig
+    from rematd.server.app import ExposedWithoutToken, ServeConfig
     from rematd.server.auth import load_token
     from rematd.server.store import StoreError
 
@@ -96,16 +96,11 @@ def _serve(argv: list[str]) -> int:
             max_report_interval_seconds=args.max_report_interval_seconds,
             reuse_port=args.workers > 1,
         )
+    except ExposedWithoutToken as err:
+        print(f"rematd serve: {err}", file=sys.stderr)
+        return 2
     except ValueError as err:
         parser.error(str(err))
-    exposed = refused_without_token(config)
-    if exposed:
-        print(
-            f"rematd serve: {exposed} is not a loopback address, and writes there need a token: set REMATD_TOKEN "
-            "or --token-file (e.g. REMATD_TOKEN=$(openssl rand -hex 32)), or bind 127.0.0.1",
-            file=sys.stderr,
-        )
-        return 2
     if args.workers > 1:
         from rematd.server.workers import serve_workers
 
@@ -116,27 +111,11 @@ def _serve(argv: list[str]) -> int:
     return _run_one(config)
 
 
-def refused_without_token(config: ServeConfig) -> str:
-    """What the service would expose beyond loopback with no token ("" when nothing or a token guards it).
-
-    Without a token, anyone who reaches a port could stream into the record or pin and end jobs:
-    that is allowed on loopback only.
-    """
-    from rematd.server.app import is_loopback
-
-    if config.token is not None:
-        return ""
-    if not is_loopback(config.grpc_host):
-        return f"--grpc-host {config.grpc_host}"
-    if config.http and not is_loopback(config.http_host):
-        return f"--http-host {config.http_host}"
-    return ""
-
-
 def _bad_db(config: ServeConfig, err: Exception) -> int:
-    from rematd.server.app import default_db_path, redact
+    from rematd.server.app import default_db_path
+    from rematd.server.store import redact_url
 
-    print(f"rematd serve: --db {redact(config.db or str(default_db_path()))}: {err}", file=sys.stderr)
+    print(f"rematd serve: --db {redact_url(config.db or str(default_db_path()))}: {err}", file=sys.stderr)
     return 2
 
 

@@ -240,6 +240,8 @@ class AdvisorCore:
         self.metrics = metrics or Metrics()
         self.config = config or CoreConfig()
         self._lock = threading.RLock()
+        self._transitions = threading.Lock()
+        """Orders a rank's hello and its stream's end in the record; taken before ``_lock``, never under it."""
         self._sessions: dict[tuple[str, int], RankSession] = {}
         self._by_job: dict[str, dict[int, RankSession]] = {}
         self._controls: dict[str, Controls] = {}
@@ -269,7 +271,7 @@ class AdvisorCore:
         hello = dataclasses.replace(hello, blocks=self._shared(hello.blocks))
         now = time.time()
         job = hello.job_id
-        with self._lock:
+        with self._transitions, self._lock:
             existing = self._sessions.get((job, hello.rank))
             owner = existing is not None and _same_secret(hello.session_secret, existing.secret)
             if existing is not None and existing.streams > 0 and not owner:
@@ -294,8 +296,11 @@ class AdvisorCore:
                 session.hello = hello
                 if hello.plan_version > session.sent.version:
                     # The rank planned on its own while cut off: continue above its versions.
-                    session.planner.renumber_after(hello.plan_version)
-                    session.base = session.planner.plan
+                    # Under its planning lock (taken inside the core's, never the other way round): a
+                    # stats thread of its old stream may still be planning.
+                    with session.planning:
+                        session.planner.renumber_after(hello.plan_version)
+                        session.base = session.planner.plan
                     session.sent = self._pinned(session) or session.base
                     jumped = session.sent.version > hello.plan_version
             else:
@@ -378,6 +383,7 @@ class AdvisorCore:
             started = time.perf_counter()
             changed = session.planner.observe(obs)
             self.metrics.plan_duration.observe(time.perf_counter() - started)
+        remember = False
         with self._lock:
             if changed is not None:
                 self._check_fits(session.planner.plan, "stats.shape")
@@ -385,37 +391,37 @@ class AdvisorCore:
             plan = self._outgoing(session, "stats.shape")
             if plan is not None:
                 session.sent = plan
-                self._record_plan(session, plan, now)
             else:
                 session.steps_on_plan += stats.steps
-                if (
+                remember = (
                     session.steps_on_plan >= self.config.warm_after_steps
                     and not session.oom_on_plan
                     and session.remembered != session.sent.version
-                ):
-                    self._remember(session, now)
-            self.store.add_stats(
-                job=job,
-                rank=session.hello.rank,
-                row={
-                    "step": stats.step,
-                    "time": now,
-                    "peak_bytes": obs.peak_bytes,
-                    "budget_bytes": stats.budget_bytes,
-                    "predicted_peak_bytes": self._predicted_at(
-                        session, ran or session.sent, stats.shape, obs.static_bytes
-                    ),
-                    "plan_version": stats.plan_version,
-                    "seq_len": stats.shape.seq_len,
-                    "batch": stats.shape.batch,
-                    "step_seconds": stats.step_seconds,
-                    "oom_risk": session.planner.oom_risk,
-                },
-            )
+                )
+                if remember:
+                    session.remembered = session.sent.version
+            row = {
+                "step": stats.step,
+                "time": now,
+                "peak_bytes": obs.peak_bytes,
+                "budget_bytes": stats.budget_bytes,
+                "predicted_peak_bytes": self._predicted_at(session, ran or session.sent, stats.shape, obs.static_bytes),
+                "plan_version": stats.plan_version,
+                "seq_len": stats.shape.seq_len,
+                "batch": stats.shape.batch,
+                "step_seconds": stats.step_seconds,
+                "oom_risk": session.planner.oom_risk,
+            }
             session.has_stats = True
             self.metrics.steps.labels(job).inc(stats.steps)
             if stats.recompiles:
                 self.metrics.recompiles.labels(job).inc(stats.recompiles)
+        # Written after the core's lock is let go: a slow record holds up this rank's stream, not every other's.
+        if plan is not None:
+            self._record_plan(session, plan, now)
+        elif remember:
+            self._remember(session, now)
+        self.store.add_stats(job=job, rank=session.hello.rank, row=row)
         return plan
 
     def report_interval(self, session: RankSession) -> float:
@@ -436,19 +442,19 @@ class AdvisorCore:
             raise
         job = session.hello.job_id
         now = time.time()
+        self.store.add_oom(
+            job=job,
+            rank=session.hello.rank,
+            row={
+                "step": oom.step,
+                "time": now,
+                "seq_len": oom.shape.seq_len,
+                "batch": oom.shape.batch,
+                "plan_version": oom.plan_version,
+                "message": oom.message[:1000],
+            },
+        )
         with self._lock:
-            self.store.add_oom(
-                job=job,
-                rank=session.hello.rank,
-                row={
-                    "step": oom.step,
-                    "time": now,
-                    "seq_len": oom.shape.seq_len,
-                    "batch": oom.shape.batch,
-                    "plan_version": oom.plan_version,
-                    "message": oom.message[:1000],
-                },
-            )
             self.metrics.oom_events.labels(job).inc()
             session.oom_on_plan = True
         with session.planning:
@@ -460,32 +466,41 @@ class AdvisorCore:
             plan = self._outgoing(session, "oom.shape")
             if plan is not None:
                 session.sent = plan
-                self._record_plan(session, plan, now)
+        if plan is not None:
+            self._record_plan(session, plan, now)
         return plan
 
-    def ack_version(self, session: RankSession) -> int:
-        return session.sent.version
-
     def close_session(self, session: RankSession, *, ended: bool) -> None:
-        """A rank's stream closed: ``ended`` when it said goodbye, else it was lost."""
+        """A rank's stream closed: ``ended`` when it said goodbye, else it was lost.
+
+        Blocking (it writes the record): the servicer calls it off the event loop. The writes come
+        after the core's lock is let go, so a slow record does not hold up every other rank's steps;
+        ``_transitions`` keeps them in order with a hello of the same rank, which writes it connected.
+        """
         job = session.hello.job_id
-        with self._lock:
-            session.streams -= 1
-            self.metrics.active_streams.dec()
-            if session.streams > 0:
-                return
-            if self._sessions.get(session.key) is not session:
-                # The rank came back as a new session before this stream was found dead (or it
-                # expired): the rank's state is the newer session's, not this one's.
-                return
-            session.ended = ended
-            session.disconnected_at = None if ended else time.monotonic()
-            if (
-                ended
-                and not session.oom_on_plan
-                and session.steps_on_plan > 0
-                and session.remembered != session.sent.version
-            ):
+        with self._transitions:
+            with self._lock:
+                session.streams -= 1
+                self.metrics.active_streams.dec()
+                if session.streams > 0:
+                    return
+                if self._sessions.get(session.key) is not session:
+                    # The rank came back as a new session before this stream was found dead (or it
+                    # expired): the rank's state is the newer session's, not this one's.
+                    return
+                session.ended = ended
+                session.disconnected_at = None if ended else time.monotonic()
+                remember = (
+                    ended
+                    and not session.oom_on_plan
+                    and session.steps_on_plan > 0
+                    and session.remembered != session.sent.version
+                )
+                if remember:
+                    session.remembered = session.sent.version
+                if ended and all(s.ended for s in self._by_job.get(job, {}).values()):
+                    self._drop_job(job)
+            if remember:
                 self._remember(session, time.time())
             self.store.set_rank_state(job=job, rank=session.hello.rank, state=ENDED if ended else DISCONNECTED)
             try:
@@ -494,12 +509,9 @@ class AdvisorCore:
                 log.warning(
                     "job %s rank %d: what its controller learned was not saved: %s", job, session.hello.rank, err
                 )
-            ranks = list(self._by_job.get(job, {}).values())
             if ended:
                 # Every rank said goodbye (here and on other workers): the job ended now.
                 self.store.end_job_if_done(job, time.time())
-            if ended and all(s.ended for s in ranks):
-                self._drop_job(job)
 
     def expire_sessions(self, now: float | None = None) -> int:
         """Forget ranks whose stream has been gone longer than the expiry; returns how many.
@@ -713,7 +725,6 @@ class AdvisorCore:
 
     def _remember(self, session: RankSession, now: float) -> None:
         h = session.hello
-        session.remembered = session.sent.version
         if not h.model_fingerprint:
             return
         self.store.remember_warm_plan(
@@ -769,9 +780,9 @@ class AdvisorCore:
     def _save_learned(self, session: RankSession, now: float) -> None:
         """Kept with each plan and when a stream ends: a restarted service continues from it instead of
         relearning by issuing the same loosening (and its undoing) again."""
-        self.store.save_learned(
-            job=session.hello.job_id, rank=session.hello.rank, state=session.planner.controller.export_state(), now=now
-        )
+        with session.planning:
+            state = session.planner.controller.export_state()
+        self.store.save_learned(job=session.hello.job_id, rank=session.hello.rank, state=state, now=now)
 
     def _restore_learned(self, planner: PlannerSession, job: str, rank: int) -> None:
         state = self.store.learned(job=job, rank=rank)
@@ -795,7 +806,8 @@ class AdvisorCore:
         with self._lock:
             self._controls[job] = controls
             self._controls_revision = max(self._controls_revision, rev)
-            self._apply_controls(job, controls)
+            retune = self._apply_controls(job, controls)
+        self._retune(retune)
 
     def pin(
         self,
@@ -884,6 +896,7 @@ class AdvisorCore:
         changed = self.store.controls_since(self._controls_revision)
         if not changed:
             return
+        retune: list[tuple[RankSession, float]] = []
         with self._lock:
             for row in changed:
                 job = row["job"]
@@ -897,19 +910,32 @@ class AdvisorCore:
                 )
                 self._controls[job] = c
                 self._controls_revision = max(self._controls_revision, int(row["revision"]))
-                self._apply_controls(job, c)
+                retune.extend(self._apply_controls(job, c))
+        self._retune(retune)
 
-    def _apply_controls(self, job: str, c: Controls) -> None:
-        for s in self._by_job.get(job, {}).values():
-            margin = (
-                c.margin_ratio
-                if c.margin_ratio is not None
-                else (s.hello.margin_ratio or ControllerConfig().margin_ratio)
-            )
-            if s.planner.controller.config.margin_ratio != margin:
-                s.planner.controller.config = dataclasses.replace(s.planner.controller.config, margin_ratio=margin)
+    def _apply_controls(self, job: str, c: Controls) -> list[tuple[RankSession, float]]:
+        """Under the core's lock: drop an ended job; returns the job's ranks and the margin each now plans with."""
         if c.ended_at is not None and job in self._by_job:
             self._drop_job(job)
+            return []
+        return [
+            (
+                s,
+                c.margin_ratio
+                if c.margin_ratio is not None
+                else (s.hello.margin_ratio or ControllerConfig().margin_ratio),
+            )
+            for s in self._by_job.get(job, {}).values()
+        ]
+
+    @staticmethod
+    def _retune(margins: list[tuple[RankSession, float]]) -> None:
+        """Change ranks' planners under their own planning lock (a planning thread may be using them),
+        after the core's lock is let go: planning can take a while, and the two locks never nest this way."""
+        for s, margin in margins:
+            with s.planning:
+                if s.planner.controller.config.margin_ratio != margin:
+                    s.planner.controller.config = dataclasses.replace(s.planner.controller.config, margin_ratio=margin)
 
     # -- the operator side: reads ---------------------------------------------
 
@@ -920,9 +946,18 @@ class AdvisorCore:
         for r in self.store.all_ranks():
             ranks.setdefault(r["job"], []).append(r)
         plans = self.store.latest_plans()
+        rank_plans: dict[str, dict[int, dict[str, Any]]] = {}
+        for (job, rank), p in self.store.latest_rank_plans().items():
+            rank_plans.setdefault(job, {})[rank] = p
         ooms = self.store.oom_counts()
         views = [
-            self._job_view(row, ranks.get(row["job"], []), plans.get(row["job"]), ooms.get(row["job"], 0))
+            self._job_view(
+                row,
+                ranks.get(row["job"], []),
+                plans.get(row["job"]),
+                ooms.get(row["job"], 0),
+                rank_plans.get(row["job"], {}),
+            )
             for row in self.store.jobs()
         ]
         return [v for v in views if state is None or v["state"] == state]
@@ -930,11 +965,18 @@ class AdvisorCore:
     def get_job(self, job: str) -> dict[str, Any]:
         row = self._require_job(job)
         plans = self.store.plans(job)
-        return self._job_view(row, self.store.ranks(job), plans[-1] if plans else None, len(self.store.ooms(job)))
+        own = {int(p["rank"]): p for p in plans}  # in the order they were made: each rank's last wins
+        return self._job_view(row, self.store.ranks(job), plans[-1] if plans else None, len(self.store.ooms(job)), own)
 
     def _job_view(
-        self, row: dict[str, Any], ranks: list[dict[str, Any]], plan: dict[str, Any] | None, ooms: int
+        self,
+        row: dict[str, Any],
+        ranks: list[dict[str, Any]],
+        plan: dict[str, Any] | None,
+        ooms: int,
+        rank_plans: dict[int, dict[str, Any]],
     ) -> dict[str, Any]:
+        """A job as the REST API shows it; ``plan`` is the job's newest, ``rank_plans`` each rank's own newest."""
         job = row["job"]
         states = {r["state"] for r in ranks}
         if row.get("ended_at") is not None or (states and states == {ENDED}):
@@ -961,8 +1003,9 @@ class AdvisorCore:
                 sent, n = now[0], now[1]
                 shape = Shape(batch=last.get("batch") or 1, seq_len=seq or 0, tokens=tokens)
                 force = {"modes": mode_names(sent.modes_for(shape, n) if seq else sent.block_modes(n))}
-            elif plan is not None:
-                force = entry_in_force(plan, seq, tokens)
+            elif r["rank"] in rank_plans:
+                # Not live: what the rank's own last plan runs (the job's newest may be another rank's).
+                force = entry_in_force(rank_plans[r["rank"]], seq, tokens)
             rank_views.append(
                 {
                     "rank": r["rank"],
@@ -971,7 +1014,7 @@ class AdvisorCore:
                     "device": r["device"],
                     "last_stats": r["last_stats"],
                     "plan_version": now[0].version if now else last.get("plan_version"),
-                    # What its last step's length runs under the plan it has (or the job's last).
+                    # What its last step's length runs under the plan it has (or its own last one).
                     "modes": force["modes"] if force else None,
                     "checkpointed_blocks": [i for i, m in enumerate(force["modes"]) if m != "store"] if force else None,
                     # An ended job carries no live risk: what it last measured is history.

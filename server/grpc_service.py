@@ -12,9 +12,9 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -29,11 +29,13 @@ from rematd.server.auth import METADATA_KEY, TokenAuth
 from rematd.server.core import AdvisorCore, RankSession
 from rematd.server.errors import JobNotFound, SessionError, SessionTaken, ShuttingDown, Unauthenticated
 from rematd.server.http_guard import bounded
+from rematd.server.store import is_record_error
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rematd.server")
 
+_R = TypeVar("_R")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Advisor"].full_name
 
 
@@ -138,6 +140,19 @@ def precheck_hello(msg: pb.Hello) -> None:
         raise InvalidMessage("hello.plan", f"names more blocks than the profile's {n}")
 
 
+async def _to_the_end(fn: Callable[..., _R], *args: Any) -> _R:
+    """``fn`` on a worker thread, waited for to its end even when the stream is cancelled meanwhile:
+    the stream's session is closed after it, never while its planning thread may still set what the
+    rank was sent or record a plan."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await work
+        raise
+
+
 class _OpenStream:
     """What shutdown needs to know of one open stream."""
 
@@ -237,14 +252,20 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         context.set_code(failure[0])
         context.set_details(failure[1])
 
-    def _log_fault(self, kind: str) -> None:
-        """A bug gets its traceback; a record that cannot be written (counted, alerted on) one line each."""
-        if self.core.store.failing_since is not None:
-            log.error(
-                "handling a %s message failed: the record cannot be written (%s)", kind, self.core.store.last_failure
-            )
+    def _fault(self, kind: str, err: Exception) -> tuple[grpc.StatusCode, str]:
+        """The one place a fault of the service (its database, a bug) becomes INTERNAL: logged, counted,
+        and said so to the client, which retries, so that a bug does not stop a rank for good.
+
+        A failing record (counted and alerted on by itself) gets one line per fault; anything else,
+        while the record fails too, is still a bug and gets its traceback.
+        """
+        store = self.core.store
+        if store.failing_since is not None and is_record_error(err):
+            log.error("handling a %s message failed: the record cannot be written (%s)", kind, store.last_failure)
         else:
-            log.exception("handling a %s message failed", kind)
+            log.error("handling a %s message failed", kind, exc_info=err)
+        self.core.metrics.service_faults.labels(kind).inc()
+        return grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log"
 
     def _hello_blocking(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
         """Open a session, or say why not as plain data: an exception carried back to the loop would
@@ -258,9 +279,8 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             return self.core.open_session(wire.hello_from_pb(hello))
         except _DOMAIN_ERRORS as err:
             return self._failure(err)
-        except Exception:
-            self._log_fault("hello")
-            return grpc.StatusCode.INTERNAL, "the service failed handling hello; see its log"
+        except Exception as err:
+            return self._fault("hello", err)
 
     async def _hello(self, hello: pb.Hello) -> tuple[RankSession, Plan] | tuple[grpc.StatusCode, str]:
         """A rank's hello, converted and planned off the event loop: its work grows with the profile,
@@ -273,9 +293,23 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             # The stream went while its hello was planned: a session opened meanwhile must still close.
             opened = await work
             if isinstance(opened[0], RankSession):
-                with contextlib.suppress(Exception):
-                    self.core.close_session(opened[0], ended=False)
+                await self._close(opened[0], ended=False)
             raise
+
+    def _close_blocking(self, session: RankSession, ended: bool) -> None:
+        try:
+            self.core.close_session(session, ended=ended)
+        except Exception as err:
+            store = self.core.store
+            if store.failing_since is not None and is_record_error(err):  # counted and alerted on
+                log.error("recording the end of a stream failed: %s", store.last_failure or err)
+            else:
+                log.exception("recording the end of a stream failed")
+
+    async def _close(self, session: RankSession, *, ended: bool) -> None:
+        """Close a rank's session off the event loop (it writes the record), to the end even when the
+        stream's task is cancelled meanwhile: a session left open would refuse the rank's reconnect."""
+        await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(self._close_blocking, session, ended)))
 
     async def Session(
         self,
@@ -345,7 +379,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                     elif kind == "stats":
                         stats = wire.stats_from_pb(msg.stats)
                         if len(session.hello.blocks) >= OFF_LOOP_BLOCKS:
-                            new = await asyncio.to_thread(core.on_stats, session, stats)
+                            new = await _to_the_end(core.on_stats, session, stats)
                         else:
                             new = core.on_stats(session, stats)
                         ack = pb.ServerMessage(
@@ -360,19 +394,16 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         secret_sent = True
                         out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
                     elif kind == "oom":
-                        new = await asyncio.to_thread(core.on_oom, session, wire.oom_from_pb(msg.oom))
+                        new = await _to_the_end(core.on_oom, session, wire.oom_from_pb(msg.oom))
                         if new is not None:
                             out = (pb.ServerMessage(plan=wire.plan_to_pb(new)),)
                     elif kind == "goodbye":
                         ended = True
                 except _DOMAIN_ERRORS as err:
                     failure = self._failure(err)
-                except Exception:
-                    # A fault of the service (its database, a bug) ends this stream only, and says so:
-                    # INTERNAL, which the client retries, so that a bug here does not stop a rank for good.
-                    self._log_fault(kind or "")
-                    core.metrics.service_faults.labels(str(kind)).inc()
-                    failure = (grpc.StatusCode.INTERNAL, f"the service failed handling {kind}; see its log")
+                except Exception as err:
+                    # Ends this stream only: the rank reconnects.
+                    failure = self._fault(str(kind), err)
                 if kind is not None:
                     durations.labels(kind).observe(time.perf_counter() - started)
                 if failure is not None:
@@ -386,13 +417,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             self._open.discard(stream)
             self._collections.request(received)
             if session is not None:
-                try:
-                    core.close_session(session, ended=ended)
-                except Exception as err:
-                    if core.store.failing_since is not None:  # the record's fault, already counted and alerted on
-                        log.error("recording the end of a stream failed: %s", core.store.last_failure or err)
-                    else:
-                        log.exception("recording the end of a stream failed")
+                await self._close(session, ended=ended)
 
 
 class Health:

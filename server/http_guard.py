@@ -1,9 +1,11 @@
 """What the HTTP side checks before it does any work: who is writing, and how large the body is.
 
-FastAPI reads and parses a request's body before it runs the route's dependencies, the token
-check among them; a write with no token would otherwise cost whatever body it sent. This ASGI
-layer answers first: 401 for a write without the right token, 413 for a body over the cap
-(announced or counted as it arrives), both as JSON with a ``detail``, before a byte is parsed.
+FastAPI reads and parses a request's body before it runs the route's dependencies; a write with
+no token would otherwise cost whatever body it sent. This ASGI layer is the one place writes are
+authorized, before a byte of the body is read, in this order: a write a browser sent from another
+site is 403; with no token configured, a service beyond loopback takes no writes (401) and one on
+loopback takes them only for a loopback ``Host`` (403); else the bearer token decides (401). A
+body over the cap (announced or counted as it arrives) is 413. Every answer is JSON with a ``detail``.
 
 Validation errors are answered here too, without echoing the input: a value JSON cannot
 carry (NaN, Infinity) or an unbounded string must not decide what the error looks like.
@@ -11,8 +13,10 @@ carry (NaN, Infinity) or an unbounded string must not decide what the error look
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+import ipaddress
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +37,40 @@ def bounded(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+class CrossSiteWrite(PermissionError):
+    """A write sent by a browser page of another origin, or an open write to a name that is not loopback's."""
+
+
+def _loopback_host(host: str) -> bool:
+    """Whether a Host header names loopback: localhost, 127.x.x.x or [::1], with or without a port."""
+    name = host[1:].split("]", 1)[0] if host.startswith("[") else host.split(":", 1)[0]
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def authorize_write(headers: Mapping[str, str], auth: TokenAuth) -> None:
+    """Raise CrossSiteWrite (403) or Unauthenticated (401) unless a write with these (lower-cased) headers may go on.
+
+    The same answer for the same request whatever else it carries: the same-site check, then the
+    rule for a service with no token, then the token.
+    """
+    fetch_site = headers.get("sec-fetch-site")
+    if fetch_site is not None and fetch_site not in ("same-origin", "none"):
+        raise CrossSiteWrite(f"writes from another site are refused (Sec-Fetch-Site: {fetch_site})")
+    host = headers.get("host", "")
+    origin = headers.get("origin")
+    if origin is not None and (origin == "null" or urlsplit(origin).netloc.lower() != host.lower()):
+        raise CrossSiteWrite(f"writes from another origin are refused (Origin: {origin})")
+    if auth.token is None and auth.open_writes and not _loopback_host(host):
+        # A page whose own name resolves to 127.0.0.1 (DNS rebinding) sends its name as Host.
+        raise CrossSiteWrite(f"writes without a token go to a loopback name only, not Host: {host}")
+    auth.check_write(headers.get("authorization"))
+
+
 async def _json(send: Send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
     response = JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
     await response({"type": "http"}, _nothing, send)
@@ -43,7 +81,7 @@ async def _nothing() -> Message:
 
 
 class BodyGuard:
-    """ASGI middleware: writes authenticated before their body is read, and every body capped."""
+    """ASGI middleware: writes authorized before their body is read (``authorize_write``), and every body capped."""
 
     def __init__(
         self,
@@ -65,7 +103,11 @@ class BodyGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         if scope["method"] not in _READS:
             try:
-                self.auth.check(headers.get("authorization"))
+                authorize_write(headers, self.auth)
+            except CrossSiteWrite as err:
+                self.on_unauthenticated()
+                await _json(send, 403, str(err), {"Connection": "close"})
+                return
             except Unauthenticated as err:
                 self.on_unauthenticated()
                 await _json(send, 401, str(err), {"WWW-Authenticate": "Bearer", "Connection": "close"})

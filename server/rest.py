@@ -4,22 +4,21 @@ Domain errors map here, once: JobNotFound 404, InvalidMessage 422 (with the
 field), Unauthenticated 401, SessionError 409, a write from another site 403;
 every body is JSON.
 
-Writes are refused to a browser page of another origin whatever the token: a
-request a browser marks cross-site (``Sec-Fetch-Site``) or whose ``Origin`` is
-not the service's own is 403. With no token configured, writes are open only on
-a loopback service and only to a loopback ``Host`` (a page that rebinds its own
-name to 127.0.0.1 is refused). The API docs' script and style are served from
+Writes are authorized in one place, before their body is read
+(``rematd.server.http_guard.authorize_write``): refused to a browser page of
+another origin whatever the token (a request a browser marks cross-site with
+``Sec-Fetch-Site``, or whose ``Origin`` is not the service's own, is 403); with
+no token configured, open only on a loopback service and only to a loopback
+``Host`` (a page that rebinds its own name to 127.0.0.1 is refused). The API docs' script and style are served from
 the package (swagger-ui-bundle), so ``/docs`` works without the internet.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from importlib import resources
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -68,34 +67,6 @@ class PinBody(BaseModel):
         return self
 
 
-class CrossSiteWrite(PermissionError):
-    """A write sent by a browser page of another origin."""
-
-
-def _loopback_host(host: str) -> bool:
-    """Whether a Host header names loopback: localhost, 127.x.x.x or [::1], with or without a port."""
-    name = host[1:].split("]", 1)[0] if host.startswith("[") else host.split(":", 1)[0]
-    if name.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def same_site_write(request: Request, *, open_writes: bool) -> None:
-    """Refuse a write a browser sent from another origin, and an open write to a name that is not loopback's."""
-    fetch_site = request.headers.get("sec-fetch-site")
-    if fetch_site is not None and fetch_site not in ("same-origin", "none"):
-        raise CrossSiteWrite(f"writes from another site are refused (Sec-Fetch-Site: {fetch_site})")
-    host = request.headers.get("host", "")
-    origin = request.headers.get("origin")
-    if origin is not None and (origin == "null" or urlsplit(origin).netloc.lower() != host.lower()):
-        raise CrossSiteWrite(f"writes from another origin are refused (Origin: {origin})")
-    if open_writes and not _loopback_host(host):
-        raise CrossSiteWrite(f"writes without a token go to a loopback name only, not Host: {host}")
-
-
 class TuneBody(BaseModel):
     """Overrides of a job's planning; null clears an override."""
 
@@ -110,7 +81,10 @@ class TuneBody(BaseModel):
         return self
 
 
-def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
+def create_app(
+    core: AdvisorCore, auth: TokenAuth | None = None, *, serving: Callable[[], bool] = lambda: True
+) -> FastAPI:
+    """The HTTP app; ``serving`` says whether the service takes new ranks (false while it drains and stops)."""
     auth = auth or TokenAuth()
     app = FastAPI(
         title="rematd",
@@ -147,11 +121,6 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
         core.metrics.unauthenticated.labels("http").inc()
         return JSONResponse(status_code=401, content={"detail": str(exc)}, headers={"WWW-Authenticate": "Bearer"})
 
-    @app.exception_handler(CrossSiteWrite)
-    async def _cross_site(request: Request, exc: CrossSiteWrite) -> JSONResponse:
-        core.metrics.unauthenticated.labels("http").inc()
-        return JSONResponse(status_code=403, content={"detail": str(exc)})
-
     @app.exception_handler(SessionError)
     async def _conflict(request: Request, exc: SessionError) -> JSONResponse:
         return JSONResponse(status_code=409, content={"detail": str(exc)})
@@ -159,25 +128,7 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
     def reader(request: Request) -> None:
         auth.check_read(request.headers.get("authorization"))
 
-    def writer(request: Request) -> None:
-        same_site_write(request, open_writes=auth.token is None)
-        auth.check_write(request.headers.get("authorization"))
-
-    @app.middleware("http")
-    async def _guard_writes(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        # Before the body is read: a write without the token is 401 whatever its body, even one that
-        # does not parse (the route's own dependency runs only after the body is parsed).
-        if request.method not in ("GET", "HEAD", "OPTIONS"):
-            try:
-                writer(request)
-            except CrossSiteWrite as exc:
-                return await _cross_site(request, exc)
-            except Unauthenticated as exc:
-                return await _unauthenticated(request, exc)
-        return await call_next(request)
-
     read = [Depends(reader)]
-    write = [Depends(writer)]
     unauthorized: dict[int | str, dict[str, Any]] = {401: {"description": "missing or wrong bearer token"}}
     writes: dict[int | str, dict[str, Any]] = {**unauthorized, 403: {"description": "sent from another site"}}
 
@@ -189,9 +140,17 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    @app.get("/readyz", responses={503: {"description": "the record cannot be written"}})
+    @app.get("/readyz", responses={503: {"description": "draining or shutting down, or the record cannot be written"}})
     def readyz() -> JSONResponse:
-        """Ready to take training ranks: the record takes writes. Liveness is /healthz."""
+        """Ready to take training ranks: serving (not draining) and the record takes writes. Liveness is /healthz.
+
+        Not ready from the start of a shutdown, as gRPC health says NOT_SERVING then: load balancers
+        and Kubernetes move new ranks to other replicas during ``--drain-seconds``.
+        """
+        if not serving():
+            return JSONResponse(
+                status_code=503, content={"detail": "draining: the service is shutting down and takes no new ranks"}
+            )
         store = core.store
         if store.writable():
             return JSONResponse({"status": "ready"})
@@ -236,7 +195,7 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
     def ooms(job: str) -> dict[str, Any]:
         return {"job": job, "ooms": core.job_ooms(job)}
 
-    @app.post("/api/v1/jobs/{job}/pin", dependencies=write, responses=writes)
+    @app.post("/api/v1/jobs/{job}/pin", responses=writes)
     def pin(job: str, body: PinBody) -> dict[str, Any]:
         """Pin the job's plan: its ranks are sent this plan from their next step until it is unpinned."""
         return core.pin(
@@ -246,16 +205,16 @@ def create_app(core: AdvisorCore, auth: TokenAuth | None = None) -> FastAPI:
             modes=list(body.modes) if body.modes is not None else None,
         )
 
-    @app.delete("/api/v1/jobs/{job}/pin", dependencies=write, responses=writes)
+    @app.delete("/api/v1/jobs/{job}/pin", responses=writes)
     def unpin(job: str) -> dict[str, Any]:
         return core.unpin(job)
 
-    @app.patch("/api/v1/jobs/{job}", dependencies=write, responses=writes)
+    @app.patch("/api/v1/jobs/{job}", responses=writes)
     def tune(job: str, body: TuneBody) -> dict[str, Any]:
         """Override the job's margin or budget; the next plan honours it."""
         return core.tune(job, {k: getattr(body, k) for k in body.model_fields_set})
 
-    @app.post("/api/v1/jobs/{job}/end", dependencies=write, responses=writes)
+    @app.post("/api/v1/jobs/{job}/end", responses=writes)
     def end(job: str) -> dict[str, Any]:
         """Mark the job ended (its metrics go; a live rank's stream is closed at its next message)."""
         return core.end_job(job)

@@ -191,6 +191,11 @@ class StoreError(RuntimeError):
     """The record cannot be opened: a URL rematd cannot use, a database out of reach, a file it cannot create."""
 
 
+def is_record_error(err: BaseException) -> bool:
+    """Whether ``err`` came from the database (or the disk under it), not from a bug in rematd."""
+    return isinstance(err, (sa_exc.SQLAlchemyError, StoreError, OSError))
+
+
 def database_url(db: str | Path) -> str:
     """A SQLAlchemy URL from ``--db``: a URL stays as it is, anything else is a SQLite path."""
     s = str(db)
@@ -389,6 +394,10 @@ class Store:
             return 1
         raise StoreError(self._foreign(tables))
 
+    @staticmethod
+    def _applied(conn: Connection) -> set[int]:
+        return {int(v) for v in conn.execute(text("SELECT version FROM schema_version")).scalars()}
+
     def _foreign(self, tables: set[str]) -> str:
         shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
         return (
@@ -454,12 +463,14 @@ class Store:
                     conn.execute(
                         text("INSERT INTO schema_version VALUES (1, :d, :t)"), {"d": MIGRATIONS[0][1], "t": time.time()}
                     )
+                applied = self._applied(conn) if current else set()
+            # Each one missing, not only those above the highest applied: a record may lack one below it.
             for version, description, statements in MIGRATIONS:
-                if version <= current:
+                if version in applied:
                     continue
                 with self._transaction() as conn:
                     conn.execute(text(create))
-                    if int(conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar() or 0) >= version:
+                    if version in self._applied(conn):
                         continue  # another process applied it while this one waited
                     for sql in statements:
                         conn.execute(text(self._ddl(sql)))
@@ -792,6 +803,15 @@ class Store:
         out = []
         for r in self._read(f"{_PLANS} WHERE plans.job=:job ORDER BY plans.id", {"job": job}, fresh=False):
             out.append(_plan_out(r))
+        return out
+
+    def latest_rank_plans(self) -> dict[tuple[str, int], dict[str, Any]]:
+        """Each rank's newest plan, by (job, rank)."""
+        rows = self._read(f"{_PLANS} WHERE plans.id IN (SELECT MAX(id) FROM plans GROUP BY job, rank)", fresh=False)
+        out = {}
+        for r in rows:
+            d = _plan_out(r, ("id",))
+            out[(d.pop("job"), int(d["rank"]))] = d
         return out
 
     def latest_plans(self) -> dict[str, dict[str, Any]]:

@@ -238,3 +238,25 @@ def test_no_input_makes_a_server_error(case: schemathesis.Case) -> None:
         case.path_parameters["job"] = "known"
     headers = AUTH if (case.body is None or hash(str(case.body)) % 4) else {}
     case.call_and_validate(headers=headers, checks=[not_a_server_error])
+
+
+def test_a_write_gets_one_answer_whatever_its_host(core: AdvisorCore) -> None:
+    # A service beyond loopback with no token: no write is taken, and each is told why the same way.
+    for host in ("127.0.0.1:8080", "attacker.example:8080", "10.1.2.3:8080"):
+        exposed = TestClient(create_app(core, TokenAuth(open_writes=False)), base_url=f"http://{host}")
+        for method, url, body in WRITES:
+            r = exposed.request(method, url, json=body)
+            assert r.status_code == 401 and "writes need a token" in r.json()["detail"], (host, method, r.text)
+    # With a token, a write without it is 401 at any Host; a cross-site one is 403 at any Host, token or not.
+    for host in ("127.0.0.1:8080", "attacker.example:8080"):
+        http = TestClient(create_app(core, TokenAuth(token=TOKEN)), base_url=f"http://{host}")
+        for method, url, body in WRITES:
+            assert http.request(method, url, json=body).status_code == 401, (host, method)
+            cross = http.request(method, url, json=body, headers={**AUTH, "sec-fetch-site": "cross-site"})
+            assert cross.status_code == 403, (host, method)
+    assert core.job_controls("known")["pin_every"] is None and core.get_job("known")["state"] == "running"
+    # Writes are refused before their body is read, and a body over the cap is refused once authorized.
+    http = TestClient(create_app(core, TokenAuth(token=TOKEN)))
+    big = b'{"blocks": [' + b"1, " * 40_000 + b"1]}"
+    assert http.post("/api/v1/jobs/known/pin", content=big).status_code == 401
+    assert http.post("/api/v1/jobs/known/pin", content=big, headers=AUTH).status_code == 413

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,15 +12,18 @@ import grpc
 import httpx
 import pytest
 import torch
+from sqlalchemy import exc as sa_exc
 
-from rematd import client
+from rematd import client, wire
 from rematd.records import InvalidMessage, StepStats
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.core import RankSession
 from rematd.server.errors import JobNotFound, SessionError, ShuttingDown, Unauthenticated
 from rematd.server.grpc_service import status_of
+from rematd.v1 import advisor_pb2 as pb
 
 from .helpers import tiny_model, train_step
+from .test_service import hello, session, stats
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
@@ -79,3 +83,67 @@ def test_a_fault_of_the_service_is_internal_logged_counted_and_the_client_reconn
     assert "math domain error" in str(logged[0].exc_info[1])
     assert any(r.name == "rematd.client" and "INTERNAL" in r.getMessage() for r in caplog.records)
     svc.stop()
+
+
+def _metric(http: str, name: str) -> str:
+    return httpx.get(f"http://{http}/metrics", timeout=10).text.split(name, 1)[1].split("\n", 1)[0]
+
+
+def test_a_fault_in_a_hello_is_internal_logged_with_its_traceback_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    bound = svc.start()
+    try:
+        core = svc.service.core
+
+        def broken(hello: object) -> object:
+            raise KeyError("a bug while opening a session")
+
+        monkeypatch.setattr(core, "open_session", broken)
+        caplog.set_level(logging.WARNING)
+        got, err = session(bound.grpc, [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="hello-fault")))])
+        assert not got and err is not None and err.code() == grpc.StatusCode.INTERNAL
+        assert _metric(bound.http, 'rematd_service_faults_total{kind="hello"}').strip() == "1.0"
+        logged = [r for r in caplog.records if "handling a hello message failed" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].exc_info is not None
+        assert "a bug while opening a session" in str(logged[0].exc_info[1])
+    finally:
+        svc.stop()
+
+
+def test_while_the_record_fails_a_bug_still_gets_its_traceback_and_a_database_error_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    bound = svc.start()
+    try:
+        core = svc.service.core
+        raised: list[Exception] = [
+            ValueError("a bug, not the disk"),
+            sa_exc.OperationalError("INSERT", {}, sqlite3.OperationalError("disk I/O error")),
+        ]
+
+        def failing(session: RankSession, stats: StepStats) -> object:
+            raise raised.pop(0)
+
+        monkeypatch.setattr(core, "on_stats", failing)
+        # As the record's own write failure leaves it: failing, with the reason.
+        monkeypatch.setattr(core.store, "failing_since", time.monotonic())
+        monkeypatch.setattr(core.store, "last_failure", "disk I/O error")
+        caplog.set_level(logging.WARNING)
+        first = [
+            pb.ClientMessage(hello=wire.hello_to_pb(hello(job="failing-record"))),
+            pb.ClientMessage(stats=wire.stats_to_pb(stats(0, 500))),
+        ]
+        for _ in range(2):
+            _, err = session(bound.grpc, first)
+            assert err is not None and err.code() == grpc.StatusCode.INTERNAL
+        logged = [r for r in caplog.records if "handling a stats message failed" in r.getMessage()]
+        assert len(logged) == 2
+        assert logged[0].exc_info is not None and "a bug, not the disk" in str(logged[0].exc_info[1])
+        assert logged[1].exc_info is None and "the record cannot be written (disk I/O error)" in logged[1].getMessage()
+        assert _metric(bound.http, 'rematd_service_faults_total{kind="stats"}').strip() == "2.0"
+    finally:
+        monkeypatch.undo()
+        svc.stop()

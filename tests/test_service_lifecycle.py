@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from rematd import wire
-from rematd.records import Hello
+from rematd.planner import Plan
+from rematd.records import Hello, StepStats
 from rematd.server import ServeConfig, ServiceThread
-from rematd.server.core import AdvisorCore, CoreConfig
+from rematd.server.core import AdvisorCore, CoreConfig, RankSession
 from rematd.server.errors import SessionTaken
 from rematd.server.metrics import Metrics
 from rematd.server.store import Store, StoreConfig, database_url
@@ -206,3 +207,146 @@ def test_a_hello_does_not_wait_for_other_jobs_buffered_statistics(tmp_path: Path
     assert [r["peak_bytes"] for r in core.job_stats("busy")] == [500]
     assert store.pending() == 0
     store.close()
+
+
+def test_readiness_turns_503_as_the_service_starts_draining(tmp_path: Path) -> None:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), drain_seconds=3.0))
+    bound = svc.start()
+    try:
+        ready = httpx.get(f"http://{bound.http}/readyz", timeout=10)
+        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+        svc.begin_stop()
+        # Within the drain: the record still takes writes, HTTP still answers, and balancers are told to go.
+        got: list[httpx.Response] = []
+        assert wait_for(
+            lambda: got.append(httpx.get(f"http://{bound.http}/readyz", timeout=10)) or got[-1].status_code == 503,
+            timeout=2.5,
+        ), [r.status_code for r in got]
+        assert "draining" in got[-1].json()["detail"]
+        assert httpx.get(f"http://{bound.http}/healthz", timeout=10).status_code == 200, "still alive while draining"
+    finally:
+        svc.stop()
+
+
+def test_a_slow_record_at_one_streams_end_does_not_hold_up_another_streams_acks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    bound = svc.start()
+    store = svc.service.core.store
+    real = store.set_rank_state
+    writing = threading.Event()
+    delay = 0.5
+
+    def slow(*, job: str, rank: int | None = None, state: str) -> None:
+        if job == "leaving":
+            writing.set()
+            time.sleep(delay)  # as a record on a slow disk takes its time
+        real(job=job, rank=rank, state=state)
+
+    monkeypatch.setattr(store, "set_rank_state", slow)
+    try:
+        with grpc.insecure_channel(bound.grpc) as ch:
+            leaving = OpenStream(ch, hello(job="leaving"))
+            busy = OpenStream(ch, hello(job="busy"))
+            busy.step(0)
+            leaving.outbox.put(pb.ClientMessage(goodbye=pb.Goodbye()))
+            leaving.outbox.put(None)
+            assert writing.wait(10), "the leaving rank's end is being written"
+            latencies = []
+            for step in range(1, 4):
+                started = time.monotonic()
+                busy.step(step)
+                latencies.append(time.monotonic() - started)
+            assert max(latencies) < delay / 2, f"acks took {latencies} while another stream's end was written"
+            assert wait_for(lambda: {r["state"] for r in store.ranks("leaving")} == {"ended"}, timeout=5)
+            busy.outbox.put(None)
+    finally:
+        svc.stop()
+
+
+def test_operator_changes_and_a_resume_wait_for_the_ranks_planning(core: AdvisorCore) -> None:
+    s, _ = core.open_session(hello(job="tuned"))
+    core.on_stats(s, stats(0, 500))
+    done: list[str] = []
+    with s.planning:  # as a stats thread of a large profile holds it while it plans
+        tune = threading.Thread(target=lambda: done.append(str(core.tune("tuned", {"margin_ratio": 0.3}))))
+        tune.start()
+        tune.join(0.3)
+        assert tune.is_alive(), "the margin changed under a planner at work"
+        assert core._lock.acquire(timeout=2), "the core's lock is held while waiting for the planner"
+        core._lock.release()
+    tune.join(10)
+    assert done and s.planner.controller.config.margin_ratio == 0.3
+    # The rank comes back with versions of its own (it planned while cut off): renumbered under the same lock.
+    back = dataclasses.replace(hello(job="tuned"), plan_version=s.sent.version + 5, session_secret=s.secret)
+    resumed: list[object] = []
+    with s.planning:
+        opener = threading.Thread(target=lambda: resumed.append(core.open_session(back)))
+        opener.start()
+        opener.join(0.3)
+        assert opener.is_alive(), "the planner was renumbered while at work"
+    opener.join(10)
+    assert resumed and s.sent.version > back.plan_version
+    core.close_session(s, ended=True)
+    core.close_session(s, ended=True)
+
+
+def test_a_cancelled_stream_closes_its_session_only_after_its_planning_thread_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rematd.server import grpc_service
+
+    monkeypatch.setattr(grpc_service, "OFF_LOOP_BLOCKS", 1)  # every step planned on a worker thread
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    bound = svc.start()
+    core = svc.service.core
+    real_stats, real_close = core.on_stats, core.close_session
+    planning = threading.Event()
+    order: list[str] = []
+
+    def slow_stats(session: RankSession, st: StepStats) -> Plan | None:
+        if order == []:
+            planning.set()
+            time.sleep(0.5)  # as a 4,096-block step takes its time
+            order.append("planned")
+        return real_stats(session, st)
+
+    def close(session: RankSession, *, ended: bool) -> None:
+        order.append("closed")
+        real_close(session, ended=ended)
+
+    monkeypatch.setattr(core, "on_stats", slow_stats)
+    monkeypatch.setattr(core, "close_session", close)
+    try:
+        with grpc.insecure_channel(bound.grpc) as ch:
+            rank = OpenStream(ch, hello(job="cancelled"))
+            rank.outbox.put(pb.ClientMessage(stats=wire.stats_to_pb(stats(0, 500))))
+            assert planning.wait(10)
+            rank.call.cancel()
+            assert wait_for(lambda: "closed" in order, timeout=5)
+            assert order == ["planned", "closed"], "the session was closed while its step was being planned"
+            assert wait_for(lambda: {r["state"] for r in core.store.ranks("cancelled")} == {"disconnected"})
+            rank.outbox.put(None)
+    finally:
+        svc.stop()
+
+
+def test_a_rank_no_longer_live_shows_its_own_last_plan_not_another_ranks(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.db")
+    core = AdvisorCore(store, Metrics())
+    _, roomy_plan = core.open_session(hello(job="mixed", rank=0, budget=100_000))
+    _, tight_plan = core.open_session(hello(job="mixed", rank=1, budget=2_500))
+    assert roomy_plan.blocks != tight_plan.blocks, "the two ranks plan differently"
+    store.close()
+    # A restarted service: neither rank is live; the job's newest plan is rank 1's.
+    store = Store(tmp_path / "r.db")
+    try:
+        core = AdvisorCore(store, Metrics())
+        assert store.plans("mixed")[-1]["rank"] == 1
+        for view in (core.get_job("mixed"), core.list_jobs()[0]):
+            ranks = {r["rank"]: r for r in view["ranks"]}
+            assert ranks[0]["checkpointed_blocks"] == list(roomy_plan.blocks), view
+            assert ranks[1]["checkpointed_blocks"] == list(tight_plan.blocks), view
+    finally:
+        store.close()

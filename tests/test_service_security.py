@@ -17,7 +17,8 @@ from cryptography.x509.oid import NameOID
 
 from rematd import wire
 from rematd.server import ServeConfig, ServiceThread
-from rematd.server.auth import load_token
+from rematd.server.app import ExposedWithoutToken
+from rematd.server.auth import TokenAuth, load_token
 from rematd.server.cli import main as cli_main
 from rematd.server.errors import Unauthenticated
 from rematd.v1 import advisor_pb2 as pb
@@ -145,11 +146,35 @@ def test_serve_refuses_to_listen_beyond_loopback_without_a_token(
 
 def test_writes_without_a_token_are_open_only_while_http_binds_loopback() -> None:
     assert ServeConfig().auth.open_writes and ServeConfig(http_host="localhost").auth.open_writes
-    exposed = ServeConfig(http_host="0.0.0.0", public_reads=True).auth
-    assert not exposed.open_writes and exposed.open_reads
+    # A gRPC-only worker names no HTTP address it listens on.
+    worker = ServeConfig(http_host="0.0.0.0", http=False, public_reads=True).auth
+    assert not worker.open_writes and worker.open_reads
+    exposed = TokenAuth(open_writes=False)
     with pytest.raises(Unauthenticated, match="writes need a token"):
         exposed.check_write(None)
     guarded = ServeConfig(http_host="0.0.0.0", token=TOKEN).auth
     guarded.check_write(f"Bearer {TOKEN}")
     with pytest.raises(Unauthenticated):
         guarded.check_write(None)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "named"),
+    [
+        ({"grpc_host": "0.0.0.0"}, "--grpc-host 0.0.0.0"),
+        ({"http_host": "10.1.2.3"}, "--http-host 10.1.2.3"),
+        ({"grpc_host": "::", "http_host": "::"}, "--grpc-host ::"),
+    ],
+)
+def test_every_entry_point_refuses_to_listen_beyond_loopback_without_a_token(
+    tmp_path: Path, hosts: dict[str, str], named: str
+) -> None:
+    db = tmp_path / "r.db"
+    with pytest.raises(ExposedWithoutToken, match=f"{named} is not a loopback address.*REMATD_TOKEN"):
+        ServeConfig(grpc_port=0, http_port=0, db=str(db), **hosts)  # type: ignore[arg-type]
+    # The service built directly (as the demo and tests build it) gets no further.
+    with pytest.raises(ExposedWithoutToken):
+        ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(db), **hosts))  # type: ignore[arg-type]
+    assert not db.exists()
+    # A token lets it listen there.
+    ServeConfig(grpc_port=0, http_port=0, db=str(db), token=TOKEN, **hosts)  # type: ignore[arg-type]

@@ -276,3 +276,34 @@ def test_restarting_the_process_loses_no_plan_or_event(tmp_path: Path) -> None:
         assert [p["version"] for p in plans] == versions
         assert [o["message"] for o in http.get("/api/v1/jobs/durable/ooms").json()["ooms"]] == ["boom"]
         assert [r["step"] for r in http.get("/api/v1/jobs/durable/stats").json()["stats"]] == [0]
+
+
+def test_a_migration_missing_below_the_highest_applied_is_applied(tmp_path: Path) -> None:
+    db = tmp_path / "gap.db"
+    Store(db).close()
+    con = sqlite3.connect(db)
+    # A record at {1, 2, 4}: migration 3's columns absent, and so is its row.
+    for table, column in [
+        ("plans", "modes"),
+        ("plans", "shape_plans"),
+        ("job_controls", "pin_modes"),
+        ("warm_plans", "modes"),
+        ("warm_plans", "shape_plans"),
+    ]:
+        con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    con.execute("DELETE FROM schema_version WHERE version = 3")
+    con.commit()
+    before = dict(con.execute("SELECT version, applied_at FROM schema_version").fetchall())
+    con.close()
+    assert sorted(before) == [1, 2, 4]
+    store = Store(db)
+    try:
+        AdvisorCore(store, Metrics()).open_session(hello(job="after-the-gap"))  # writes a plan with its modes
+    finally:
+        store.close()
+    con = sqlite3.connect(db)
+    after = dict(con.execute("SELECT version, applied_at FROM schema_version").fetchall())
+    modes = con.execute("SELECT modes FROM plans WHERE job = 'after-the-gap'").fetchall()
+    con.close()
+    assert sorted(after) == [1, 2, 3, 4] and {k: after[k] for k in before} == before, "only 3 was applied"
+    assert len(modes) == 1 and modes[0][0], "the plan's modes are kept in migration 3's column"
