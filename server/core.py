@@ -219,6 +219,9 @@ class RankSession:
     oom_on_plan: bool = False
     remembered: int = 0
     has_stats: bool = False
+    recompiles: int = 0
+    """Graphs compiled for the rank's block variants so far (``attach(..., compile=True)``), kept in the
+    record with its last statistics so that the count outlives the stream and the service."""
     opened_at: float = field(default_factory=time.time)
     disconnected_at: float | None = None
     """When (monotonic) its last stream went without a goodbye; None while connected or ended."""
@@ -319,6 +322,9 @@ class AdvisorCore:
                         planner = self._planner(hello, first_version=max(last, hello.plan_version) + 1)
                 self._apply_tuning(planner, controls)
                 session = RankSession(hello=hello, planner=planner, sent=planner.plan, base=planner.plan)
+                if hello.plan_version > 0:
+                    # The same run going on after a restart of the service: its count goes on too.
+                    session.recompiles = self._recorded_recompiles(job, hello.rank)
                 if hello.plan_version == 0 and self.config.warm_start:
                     session.base = self._warm_start(session) or session.base
                 session.sent = self._pinned(session) or session.base
@@ -400,6 +406,7 @@ class AdvisorCore:
                 )
                 if remember:
                     session.remembered = session.sent.version
+            session.recompiles = min(MAX_INT, session.recompiles + stats.recompiles)
             row = {
                 "step": stats.step,
                 "time": now,
@@ -411,6 +418,7 @@ class AdvisorCore:
                 "batch": stats.shape.batch,
                 "step_seconds": stats.step_seconds,
                 "oom_risk": session.planner.oom_risk,
+                "recompiles_total": session.recompiles,
             }
             session.has_stats = True
             self.metrics.steps.labels(job).inc(stats.steps)
@@ -423,6 +431,13 @@ class AdvisorCore:
             self._remember(session, now)
         self.store.add_stats(job=job, rank=session.hello.rank, row=row)
         return plan
+
+    def _recorded_recompiles(self, job: str, rank: int) -> int:
+        """The rank's compile count as the record last kept it (0 for a rank it never saw)."""
+        for r in self.store.ranks(job):
+            if r["rank"] == rank and r["last_stats"]:
+                return int(r["last_stats"].get("recompiles_total", 0))
+        return 0
 
     def report_interval(self, session: RankSession) -> float:
         """How long the rank may fold steady steps into one report: the longest allowed once its plan
@@ -1048,7 +1063,7 @@ class AdvisorCore:
             "headroom_ratio": (budget - max(peaks)) / budget if peaks and budget else None,
             "oom_risk": None if ended else (max(risks) if risks else None),
             "oom_events": ooms,
-            "recompiles": self.metrics.job_recompiles(job),
+            "recompiles": sum(int((r["last_stats"] or {}).get("recompiles_total", 0)) for r in ranks),
             "controls": self.job_controls(job),
         }
 

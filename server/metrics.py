@@ -221,10 +221,6 @@ class Metrics:
     def peer_samples(self) -> list[RankSample]:
         return [RankSample(**s) for state in self._peer_states() for s in state.get("samples", ())]
 
-    def job_recompiles(self, job: str) -> int:
-        """Graphs the job's ranks compiled, as this process counted them."""
-        return int(dict(_values(self.recompiles)).get(json.dumps([job]), 0))
-
     def forget_job(self, job: str) -> None:
         """Remove a job's counters; its gauges go with its sessions."""
         for metric in self._per_job:

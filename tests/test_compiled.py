@@ -9,6 +9,7 @@ generation; one test runs Inductor itself.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import grpc
@@ -275,6 +276,23 @@ def test_service_counts_a_jobs_recompiles(tmp_path: Path) -> None:
         assert job["recompiles"] == 5
         scraped = httpx.get(f"http://{bound.http}/metrics", timeout=10).text
         assert 'rematd_recompiles_total{job="compiled-job"} 5.0' in scraped
+    finally:
+        svc.stop()
+    # The count is in the record: a restarted service shows it, and the rank's run goes on counting.
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    svc.start()
+    try:
+        bound = svc.service.bound
+        assert bound is not None
+        job = httpx.get(f"http://{bound.http}/api/v1/jobs/compiled-job", timeout=10).json()
+        assert job["recompiles"] == 5
+        resumed = dataclasses.replace(hello, plan_version=1)
+        later = StepStats(step=3, shape=shape, budget_bytes=10_000, recompiles=1)
+        messages = [pb.ClientMessage(hello=wire.hello_to_pb(resumed)), pb.ClientMessage(stats=wire.stats_to_pb(later))]
+        with grpc.insecure_channel(bound.grpc) as channel:
+            list(pb_grpc.AdvisorStub(channel).Session(iter(messages), timeout=10))
+        job = httpx.get(f"http://{bound.http}/api/v1/jobs/compiled-job", timeout=10).json()
+        assert job["recompiles"] == 6
     finally:
         svc.stop()
 

@@ -64,7 +64,16 @@ def modes_rank(target: str) -> None:
         for step, seq in enumerate(LENGTHS):
             shape = Shape(batch=1, seq_len=seq, tokens=seq)
             peak = 6000 if seq == 64 else 9000
-            msg = StepStats(step=step, saved_peak_bytes=peak, budget_bytes=10_000, shape=shape, plan_version=version)
+            # Its blocks compiled as the run began (attach(..., compile=True)): 3 graphs, then 2 at a new length.
+            compiled = {0: 3, 3: 2}.get(step, 0)
+            msg = StepStats(
+                step=step,
+                saved_peak_bytes=peak,
+                budget_bytes=10_000,
+                shape=shape,
+                plan_version=version,
+                recompiles=compiled,
+            )
             outbox.put(pb.ClientMessage(stats=wire.stats_to_pb(msg)))
             while True:
                 reply = next(replies)
@@ -232,6 +241,11 @@ def test_dashboard_shows_the_modes_in_force_by_length(served: LiveServer) -> Non
         cell = page.locator('#jobs-body tr[data-job="modes-job"] td.plan')
         assert f"len 128 (≤{force['max_seq_len']})" in cell.inner_text()
         assert cell.locator(".strip").get_attribute("data-modes") == letters(force["modes"])
+        # The graphs its ranks compiled, kept in the record after the job ended.
+        assert job["recompiles"] == 5
+        row = page.locator('#jobs-body tr[data-job="modes-job"]')
+        assert row.locator("td.recompiles").inner_text() == "5"
+        assert page.locator('#jobs-body tr[data-job="sim-job"] td.recompiles').inner_text() == "0"
         # The table of modes per length: a strip per length, one cell per block coloured by mode.
         rows = page.locator("#plan-table-body tr[data-max-seq-len]")
         assert rows.count() == len(table)
