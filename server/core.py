@@ -434,10 +434,8 @@ class AdvisorCore:
 
     def _recorded_recompiles(self, job: str, rank: int) -> int:
         """The rank's compile count as the record last kept it (0 for a rank it never saw)."""
-        for r in self.store.ranks(job):
-            if r["rank"] == rank and r["last_stats"]:
-                return int(r["last_stats"].get("recompiles_total", 0))
-        return 0
+        last = self.store.last_rank_stats(job, rank)
+        return int(last.get("recompiles_total", 0)) if last else 0
 
     def report_interval(self, session: RankSession) -> float:
         """How long the rank may fold steady steps into one report: the longest allowed once its plan

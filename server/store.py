@@ -791,6 +791,17 @@ class Store:
             out.append(d)
         return out
 
+    def last_rank_stats(self, job: str, rank: int) -> dict[str, Any] | None:
+        """A rank's last statistics: the buffer's newest if it holds one, else the record's. The buffer is
+        not written first: a hello must not wait for other jobs' rows."""
+        pending = self.buffer.last(job, rank)
+        if pending is not None:
+            return pending
+        rows = self._read(
+            "SELECT last_stats FROM ranks WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}, fresh=False
+        )
+        return json.loads(rows[0]["last_stats"]) if rows and rows[0]["last_stats"] else None
+
     def ranks(self, job: str) -> list[dict[str, Any]]:
         out = []
         for r in self._read("SELECT * FROM ranks WHERE job=:job ORDER BY rank", {"job": job}):

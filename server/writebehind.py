@@ -61,6 +61,11 @@ class WriteBehind:
     def pending(self) -> int:
         return len(self._pending)
 
+    def last(self, job: str, rank: int) -> dict[str, Any] | None:
+        """The rank's newest buffered row, if the buffer holds one."""
+        with self._buf_lock:
+            return self._pending_last.get((job, rank))
+
     def add(self, *, job: str, rank: int, row: dict[str, Any]) -> bool:
         """Buffer one step's row; True when the buffer is full enough to flush now."""
         full = {**row, "job": job, "rank": rank}
