@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,27 @@ class Served:
     """The HTTP base URL, ``http://host:port``."""
 
 
+def addresses(proc: subprocess.Popen[str], timeout: float = 60.0) -> tuple[str, str]:
+    """The gRPC and HTTP addresses (``host:port``) a starting ``rematd serve`` prints; RuntimeError with its
+    output if none."""
+    grpc_addr = http_addr = None
+    deadline = time.monotonic() + timeout
+    lines = []
+    assert proc.stdout is not None
+    while time.monotonic() < deadline and (grpc_addr is None or http_addr is None):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if m := re.search(r"serving gRPC on (\S+)", line):
+            grpc_addr = m.group(1)
+        if m := re.search(r"REST on https?://([^/\s]+)/", line):
+            http_addr = m.group(1)
+    if grpc_addr is None or http_addr is None:
+        raise RuntimeError("rematd serve did not start:\n" + "".join(lines))
+    return grpc_addr, http_addr
+
+
 @contextmanager
 def served(db: Path, *args: str) -> Iterator[Served]:
     """``rematd serve`` on ports it picks itself, stopped (SIGTERM, then SIGKILL) on the way out."""
@@ -34,18 +56,8 @@ def served(db: Path, *args: str) -> Iterator[Served]:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        assert proc.stdout is not None
-        grpc_target = http = None
-        lines = []
-        while (grpc_target is None or http is None) and (line := proc.stdout.readline()):
-            lines.append(line)
-            if m := re.search(r"serving gRPC on (\S+)", line):
-                grpc_target = m.group(1)
-            if m := re.search(r"REST on (https?://[^/\s]+)/", line):
-                http = m.group(1)
-        if grpc_target is None or http is None:
-            raise RuntimeError("rematd serve did not start:\n" + "".join(lines))
-        yield Served(proc=proc, grpc=grpc_target, http=http)
+        grpc_target, http = addresses(proc)
+        yield Served(proc=proc, grpc=grpc_target, http=f"http://{http}")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

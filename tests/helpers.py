@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from bench.served import addresses
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
 
 
@@ -46,26 +45,6 @@ class LiveServer:
     @property
     def url(self) -> str:
         return f"http://{self.http}"
-
-
-def addresses(proc: subprocess.Popen[str], timeout: float = 60.0) -> tuple[str, str]:
-    """The gRPC and HTTP addresses a starting ``rematd serve`` prints; RuntimeError with its output if none."""
-    grpc_addr = http_addr = None
-    deadline = time.monotonic() + timeout
-    lines = []
-    assert proc.stdout is not None
-    while time.monotonic() < deadline and (grpc_addr is None or http_addr is None):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if m := re.search(r"serving gRPC on (\S+)", line):
-            grpc_addr = m.group(1)
-        if m := re.search(r"REST on https?://([^/\s]+)/", line):
-            http_addr = m.group(1)
-    if grpc_addr is None or http_addr is None:
-        raise RuntimeError("rematd serve did not start:\n" + "".join(lines))
-    return grpc_addr, http_addr
 
 
 @contextmanager
