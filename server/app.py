@@ -18,11 +18,12 @@ import uvicorn
 
 from rematd.server import peers
 from rematd.server.auth import TokenAuth
-from rematd.server.core import AdvisorCore, CoreConfig
-from rematd.server.grpc_service import GrpcOptions, build_server
+from rematd.server.config import CoreConfig, GrpcOptions, StoreConfig
+from rematd.server.core import AdvisorCore
+from rematd.server.grpc_service import build_server
 from rematd.server.metrics import Metrics
 from rematd.server.rest import create_app
-from rematd.server.store import Store, StoreConfig, database_url, redact_url
+from rematd.server.store import Store, database_url, redact_url
 
 log = logging.getLogger("rematd.server")
 

@@ -49,11 +49,12 @@ from rematd.records import (
     observation,
     open_planner,
 )
+from rematd.server.config import CoreConfig
 from rematd.server.errors import JobEnded, JobNotFound, SessionError, SessionTaken
 from rematd.server.metrics import Metrics, RankSample
 from rematd.server.store import Store
 
-__all__ = ["AdvisorCore", "CoreConfig", "JobNotFound", "RankSession", "SessionError"]
+__all__ = ["AdvisorCore", "JobNotFound", "RankSession", "SessionError"]
 
 log = logging.getLogger("rematd.server")
 _T = TypeVar("_T")
@@ -148,32 +149,6 @@ def entry_in_force(plan: dict[str, Any], seq_len: int | None, tokens: int | None
 def shape_bucket(tokens: int) -> int:
     """Power-of-two bucket of tokens per batch: plans learnt at one size serve sizes within 2x."""
     return int(tokens).bit_length()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CoreConfig:
-    """How the core plans beyond what the planner decides."""
-
-    warm_after_steps: int = 20
-    """Steps a plan must run without an OOM before it is remembered for warm starts."""
-    warm_start: bool = True
-    """Start a new job of a known model from the last plan that held for it."""
-    session_expiry_seconds: float = 900.0
-    """A rank whose stream has been gone this long is forgotten (its job's series go with its last rank)."""
-    max_report_interval_seconds: float = 10.0
-    """How long a rank may fold steady steps into one report; 0: every step is reported."""
-    quiet_steps: int = 16
-    """Steps on one plan, without risk or a loosening under way, before a rank may fold its reports."""
-
-    def __post_init__(self) -> None:
-        if self.warm_after_steps < 1:
-            raise ValueError(f"warm_after_steps must be >= 1, got {self.warm_after_steps}")
-        if not self.session_expiry_seconds > 0:
-            raise ValueError(f"session-expiry-seconds must be positive, got {self.session_expiry_seconds}")
-        if not 0 <= self.max_report_interval_seconds <= 3600:
-            raise ValueError(f"max-report-interval-seconds must be in 0-3600, got {self.max_report_interval_seconds}")
-        if self.quiet_steps < 1:
-            raise ValueError(f"quiet_steps must be >= 1, got {self.quiet_steps}")
 
 
 @dataclass(slots=True)

@@ -13,7 +13,6 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -26,6 +25,7 @@ from rematd import wire
 from rematd.planner import Plan
 from rematd.records import JOB_ID_RE, MAX_BLOCKS, InvalidMessage
 from rematd.server.auth import METADATA_KEY, TokenAuth
+from rematd.server.config import GrpcOptions
 from rematd.server.core import AdvisorCore, RankSession
 from rematd.server.errors import JobNotFound, SessionError, SessionTaken, ShuttingDown, Unauthenticated
 from rematd.server.http_guard import bounded
@@ -37,45 +37,6 @@ log = logging.getLogger("rematd.server")
 
 _R = TypeVar("_R")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Advisor"].full_name
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GrpcOptions:
-    """Transport settings of the gRPC server."""
-
-    max_message_bytes: int = 1 << 20
-    """Largest message a rank may send; a profile of 4096 blocks is well under it."""
-    keepalive_seconds: float = 60.0
-    """The server pings an idle connection this often, to find peers that vanished without a FIN."""
-    keepalive_timeout_seconds: float = 20.0
-    """A ping unanswered this long closes the connection."""
-    min_client_ping_seconds: float = 10.0
-    """Clients may ping this often without being told off (GOAWAY too_many_pings)."""
-    reuse_port: bool = False
-    """SO_REUSEPORT: several worker processes share the port (else a second bind of it fails)."""
-
-    def __post_init__(self) -> None:
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max-message-bytes must be >= 1024, got {self.max_message_bytes}")
-        for name in ("keepalive_seconds", "keepalive_timeout_seconds", "min_client_ping_seconds"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    def channel_options(self) -> list[tuple[str, Any]]:
-        # Streams live for days: no max connection age or idle limit; liveness comes from pings instead.
-        return [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.keepalive_time_ms", int(self.keepalive_seconds * 1000)),
-            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_seconds * 1000)),
-            # What closes a connection whose ping goes unanswered: keepalive_timeout_ms alone does not.
-            ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout_seconds * 1000)),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.min_client_ping_seconds * 1000)),
-            ("grpc.http2.max_ping_strikes", 2),
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.so_reuseport", 1 if self.reuse_port else 0),
-        ]
 
 
 def status_of(err: BaseException) -> grpc.StatusCode:

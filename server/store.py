@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import StaticPool
 
+from rematd.server.config import StoreConfig
 from rematd.server.writebehind import WriteBehind
 
 log = logging.getLogger("rematd.server")
@@ -153,38 +153,6 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreConfig:
-    """How the record is kept."""
-
-    url: str = "sqlite:///:memory:"
-    """SQLAlchemy URL, or a plain path to a SQLite file."""
-    keep_steps: int = 2000
-    """Per rank, the latest steps kept at full resolution; older ones are down-sampled."""
-    bucket_seconds: float = 300.0
-    """Older steps keep one row (the highest peak) per rank per bucket of this many seconds."""
-    retention_days: float = 30.0
-    """Stats and OOM events older than this are deleted, and so are jobs idle that long."""
-    flush_seconds: float = 0.25
-    """Longest time step statistics wait in the write-behind buffer."""
-    max_buffered: int = 5000
-    """Buffered statistics rows that force a flush before the timer does."""
-
-    def __post_init__(self) -> None:
-        if not self.url:
-            raise ValueError("db must name a SQLite file or a database URL")
-        if self.keep_steps < 1:
-            raise ValueError(f"keep_steps must be >= 1, got {self.keep_steps}")
-        if not self.bucket_seconds > 0:
-            raise ValueError(f"bucket_seconds must be positive, got {self.bucket_seconds}")
-        if not self.retention_days > 0:
-            raise ValueError(f"retention-days must be positive, got {self.retention_days}")
-        if not self.flush_seconds > 0:
-            raise ValueError(f"flush_seconds must be positive, got {self.flush_seconds}")
-        if self.max_buffered < 1:
-            raise ValueError(f"max_buffered must be >= 1, got {self.max_buffered}")
 
 
 class StoreError(RuntimeError):

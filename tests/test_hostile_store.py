@@ -12,7 +12,8 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from rematd.server import store as store_mod
-from rematd.server.store import SCHEMA_VERSION, Store, StoreConfig, StoreError, database_url
+from rematd.server.config import StoreConfig
+from rematd.server.store import SCHEMA_VERSION, Store, StoreError, database_url
 
 from .test_service_store import postgres_url  # noqa: F401  (a fixture)
 

@@ -14,7 +14,8 @@ from rematd import client, wire
 from rematd.client.folding import Folder, fold, steady
 from rematd.planner import Mode
 from rematd.server import ServeConfig, ServiceThread
-from rematd.server.core import AdvisorCore, CoreConfig
+from rematd.server.config import CoreConfig
+from rematd.server.core import AdvisorCore
 from rematd.server.metrics import Metrics
 from rematd.server.store import Store
 from rematd.v1 import advisor_pb2 as pb

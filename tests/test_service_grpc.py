@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from rematd import wire
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.auth import TokenAuth
+from rematd.server.config import GrpcOptions
 from rematd.server.core import AdvisorCore
-from rematd.server.grpc_service import GrpcOptions, build_server
+from rematd.server.grpc_service import build_server
 from rematd.server.metrics import Metrics
 from rematd.server.store import Store
 from rematd.v1 import advisor_pb2 as pb

@@ -19,10 +19,11 @@ from rematd import wire
 from rematd.planner import Plan
 from rematd.records import Hello, StepStats
 from rematd.server import ServeConfig, ServiceThread
-from rematd.server.core import AdvisorCore, CoreConfig, RankSession
+from rematd.server.config import CoreConfig, StoreConfig
+from rematd.server.core import AdvisorCore, RankSession
 from rematd.server.errors import SessionTaken
 from rematd.server.metrics import Metrics
-from rematd.server.store import Store, StoreConfig, database_url
+from rematd.server.store import Store, database_url
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

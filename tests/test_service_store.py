@@ -20,9 +20,10 @@ import pytest
 from rematd import wire
 from rematd.planner import Mode
 from rematd.records import BlockRecord, Hello
+from rematd.server.config import StoreConfig
 from rematd.server.core import AdvisorCore
 from rematd.server.metrics import Metrics
-from rematd.server.store import _TYPES, MIGRATIONS, SCHEMA_VERSION, Store, StoreConfig, database_url
+from rematd.server.store import _TYPES, MIGRATIONS, SCHEMA_VERSION, Store, database_url
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
