@@ -34,7 +34,10 @@ STATS_COLUMNS = (
     "seq_len",
     "batch",
     "step_seconds",
+    "oom_risk",
 )
+# Columns a row may leave out (NULL): clients that do not measure them, rows from before they were kept.
+OPTIONAL_COLUMNS = frozenset({"oom_risk"})
 _INSERT = text(f"INSERT INTO stats ({', '.join(STATS_COLUMNS)}) VALUES ({', '.join(':' + c for c in STATS_COLUMNS)})")
 # Errors of the database itself, not of what was written: worth another try, the rows are kept.
 _TRANSIENT = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
@@ -70,7 +73,7 @@ class WriteBehind:
         """Buffer one step's row; True when the buffer is full enough to flush now."""
         full = {**row, "job": job, "rank": rank}
         with self._buf_lock:
-            self._pending.append({c: full[c] for c in STATS_COLUMNS})
+            self._pending.append({c: full.get(c) if c in OPTIONAL_COLUMNS else full[c] for c in STATS_COLUMNS})
             self._pending_last[(job, rank)] = row
             return len(self._pending) >= self.max_buffered
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from rematd.server import store as store_mod
+from rematd.server import schema
 from rematd.server.config import StoreConfig
 from rematd.server.store import SCHEMA_VERSION, Store, StoreError, database_url
 
@@ -39,7 +39,7 @@ def _columns(db: Path, table: str) -> set[str]:
         con.close()
 
 
-_SHIPPED = store_mod.MIGRATIONS
+_SHIPPED = schema.MIGRATIONS
 
 
 def _broken(last: str) -> tuple[tuple[int, str, tuple[str, ...]], ...]:
@@ -59,8 +59,8 @@ def test_a_migration_failing_on_its_last_statement_leaves_the_previous_version_a
 ) -> None:
     db = tmp_path / "r.db"
     Store(db).close()
-    monkeypatch.setattr(store_mod, "MIGRATIONS", _broken("THIS IS NOT SQL"))
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    monkeypatch.setattr(schema, "MIGRATIONS", _broken("THIS IS NOT SQL"))
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
     for _ in range(2):  # and again: the failure repeats as itself, not as "duplicate column name"
         with pytest.raises(StoreError, match="syntax error"):
             Store(db)
@@ -70,7 +70,7 @@ def test_a_migration_failing_on_its_last_statement_leaves_the_previous_version_a
         assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == SCHEMA_VERSION
         con.close()
     # The fixed migration applies on the next start.
-    monkeypatch.setattr(store_mod, "MIGRATIONS", _broken("CREATE INDEX probe_index ON probe_table (x)"))
+    monkeypatch.setattr(schema, "MIGRATIONS", _broken("CREATE INDEX probe_index ON probe_table (x)"))
     store = Store(db)
     assert store.schema_version() == SCHEMA_VERSION + 1
     store.close()
@@ -82,7 +82,7 @@ def test_a_fresh_record_failing_in_its_second_migration_keeps_the_first(
 ) -> None:
     first, second = _SHIPPED[0], _SHIPPED[1]
     broken = (first, (second[0], second[1], (*second[2], "ALTER TABLE nowhere ADD COLUMN x TEXT")))
-    monkeypatch.setattr(store_mod, "MIGRATIONS", (*broken, *_SHIPPED[2:]))
+    monkeypatch.setattr(schema, "MIGRATIONS", (*broken, *_SHIPPED[2:]))
     db = tmp_path / "r.db"
     with pytest.raises(StoreError, match="nowhere"):
         Store(db)
@@ -175,12 +175,12 @@ def test_another_applications_postgresql_database_is_refused_untouched(postgres_
 def test_a_postgresql_migration_is_one_transaction(postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     url = _pg_db(postgres_url, "halfway")
     Store(StoreConfig(url=database_url(url))).close()
-    monkeypatch.setattr(store_mod, "MIGRATIONS", _broken("THIS IS NOT SQL"))
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    monkeypatch.setattr(schema, "MIGRATIONS", _broken("THIS IS NOT SQL"))
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
     with pytest.raises(StoreError):
         Store(StoreConfig(url=database_url(url)))
     assert "probe_table" not in _pg_tables(url)
-    monkeypatch.setattr(store_mod, "MIGRATIONS", _broken("CREATE INDEX probe_index ON probe_table (x)"))
+    monkeypatch.setattr(schema, "MIGRATIONS", _broken("CREATE INDEX probe_index ON probe_table (x)"))
     store = Store(StoreConfig(url=database_url(url)))
     assert store.schema_version() == SCHEMA_VERSION + 1
     store.close()

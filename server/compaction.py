@@ -1,0 +1,35 @@
+"""Keeping the record small: old statistics down-sampled, and what is past retention deleted."""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, text
+
+from rematd.server.config import StoreConfig
+
+# Beyond the latest keep_steps per rank, keep the highest peak of each time bucket.
+_DOWNSAMPLE = """DELETE FROM stats WHERE id IN (
+    SELECT id FROM (
+      SELECT id,
+        ROW_NUMBER() OVER (PARTITION BY job, rank ORDER BY step DESC, id DESC) AS age,
+        ROW_NUMBER() OVER (PARTITION BY job, rank, CAST(time / :bucket AS BIGINT)
+                           ORDER BY peak_bytes DESC, id) AS pick
+      FROM stats) t
+    WHERE t.age > :keep AND t.pick > 1)"""
+_IDLE_JOBS = """SELECT job FROM jobs WHERE updated_at < :c AND NOT EXISTS
+    (SELECT 1 FROM ranks WHERE ranks.job = jobs.job AND ranks.state = 'connected')"""
+# Children before their job: the foreign keys point at it.
+_JOB_TABLES = ("stats", "oom_events", "plans", "learned_state", "ranks", "job_controls", "jobs")
+
+
+def compact(conn: Connection, config: StoreConfig, now: float) -> dict[str, int]:
+    """Down-sample and apply retention in ``conn``'s transaction; returns rows deleted by kind."""
+    cutoff = now - config.retention_days * 86400.0
+    sampled = conn.execute(text(_DOWNSAMPLE), {"bucket": config.bucket_seconds, "keep": config.keep_steps}).rowcount
+    old_stats = conn.execute(text("DELETE FROM stats WHERE time < :c"), {"c": cutoff}).rowcount
+    old_ooms = conn.execute(text("DELETE FROM oom_events WHERE time < :c"), {"c": cutoff}).rowcount
+    idle = [r[0] for r in conn.execute(text(_IDLE_JOBS), {"c": cutoff})]
+    for job in idle:
+        for table in _JOB_TABLES:
+            conn.execute(text(f"DELETE FROM {table} WHERE job=:j"), {"j": job})
+    conn.execute(text("DELETE FROM warm_plans WHERE updated_at < :c"), {"c": cutoff})
+    return {"downsampled": sampled, "expired_stats": old_stats, "expired_ooms": old_ooms, "expired_jobs": len(idle)}
