@@ -22,6 +22,11 @@ def loads(text: str | None) -> Any:
     return json.loads(text) if text else None
 
 
+def dumps(value: Any) -> str | None:
+    """What a JSON column holds of ``value``; NULL for None."""
+    return json.dumps(value) if value is not None else None
+
+
 def decoded(r: Mapping[str, Any], *, json_columns: Iterable[str] = (), drop: Iterable[str] = ()) -> dict[str, Any]:
     """A row as a dict, its JSON columns decoded, without the columns in ``drop``."""
     d = dict(r)
@@ -96,7 +101,7 @@ def plan_params(job: str, rank: int, plan: dict[str, Any], now: float) -> dict[s
         "rank": rank,
         "version": plan["version"],
         "every": plan["checkpoint_every"],
-        "blocks": json.dumps(list(plan["blocks"])),
+        "blocks": dumps(list(plan["blocks"])),
         "peak": plan["predicted_peak_bytes"],
         "overhead": plan["predicted_overhead_ratio"],
         "target": plan["target_bytes"],
@@ -110,7 +115,7 @@ def plan_params(job: str, rank: int, plan: dict[str, Any], now: float) -> dict[s
 def controls_params(job: str, controls: dict[str, Any], revision: int, now: float) -> dict[str, Any]:
     return {
         "job": job,
-        "pb": json.dumps(controls["pin_blocks"]) if controls.get("pin_blocks") is not None else None,
+        "pb": dumps(controls.get("pin_blocks")),
         "pm": packed(controls.get("pin_modes")),
         "pe": controls.get("pin_every"),
         "mr": controls.get("margin_ratio"),

@@ -8,7 +8,6 @@ go through the write-behind buffer (``rematd.server.writebehind``), flushed at l
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from typing import Any
 from sqlalchemy import text
 
 from rematd.server.record import RecordAccess
-from rematd.server.rows import controls_params, pack_table, packed, plan_params
+from rematd.server.rows import controls_params, dumps, pack_table, packed, plan_params
 
 log = logging.getLogger("rematd.server")
 
@@ -134,14 +133,14 @@ class StoreWrites(RecordAccess):
     ) -> None:
         self._write(
             _REMEMBER_WARM,
-            {"fp": fingerprint, "dev": device, "bucket": bucket, "job": job, "blocks": json.dumps(list(blocks)),
+            {"fp": fingerprint, "dev": device, "bucket": bucket, "job": job, "blocks": dumps(list(blocks)),
              "nb": num_blocks, "budget": budget_bytes, "now": now, "modes": packed(modes),
              "table": pack_table(shape_plans)},
         )  # fmt: skip
 
     def save_learned(self, *, job: str, rank: int, state: dict[str, Any], now: float) -> None:
         """What a rank's controller learned, kept beside its plan history for a restarted service."""
-        self._write(_SAVE_LEARNED, {"job": job, "rank": rank, "state": json.dumps(state), "now": now})
+        self._write(_SAVE_LEARNED, {"job": job, "rank": rank, "state": dumps(state), "now": now})
 
     def _flush_loop(self) -> None:
         """The write-behind thread: writes the buffer every ``flush_seconds`` until the store closes."""

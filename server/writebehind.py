@@ -11,7 +11,6 @@ counted), so one bad row never holds up the others, nor itself forever.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -19,6 +18,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy import exc as sa_exc
+
+from rematd.server.rows import dumps
 
 log = logging.getLogger("rematd.server")
 
@@ -101,7 +102,7 @@ class WriteBehind:
             return
         conn.execute(
             text("UPDATE ranks SET last_stats=:s WHERE job=:job AND rank=:rank"),
-            [{"s": json.dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
+            [{"s": dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
         )
         jobs: dict[str, dict[str, Any]] = {}
         for (j, _k), r in last.items():
