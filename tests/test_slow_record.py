@@ -16,6 +16,7 @@ from rematd import wire
 from rematd.planner import Shape
 from rematd.records import OomReport
 from rematd.server import ServeConfig, ServiceThread
+from rematd.server.store import Store
 from rematd.v1 import advisor_pb2 as pb
 
 from .test_service import hello, stats
@@ -121,3 +122,29 @@ def test_one_jobs_slow_writes_delay_no_other_streams_acks(tmp_path: Path) -> Non
     finally:
         svc.stop()
         event.remove(store.engine, "before_cursor_execute", slow)
+
+
+def test_a_write_still_under_way_at_shutdown_lands_before_the_record_closes(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(db)))
+    bound = svc.start()
+    store = svc.service.core.store
+    slow = SlowDatabase("leaving")
+    event.listen(store.engine, "before_cursor_execute", slow)
+    try:
+        with grpc.insecure_channel(bound.grpc) as ch:
+            rank = OpenStream(ch, hello(job="leaving"))
+            slow.arm("INSERT INTO plans")
+            rank.step(0, peak=9500)  # a tighter plan, written behind the stream's back
+            assert slow.stalling.wait(10)
+            svc.begin_stop()  # while the plan's write is under way, the stream still open
+            svc.stop()
+    finally:
+        svc.stop()
+        event.remove(store.engine, "before_cursor_execute", slow)
+    reopened = Store(db)
+    try:
+        assert [p["version"] for p in reopened.plans("leaving")] == [1, 2]
+        assert [r["step"] for r in reopened.stats("leaving", 10)] == [0]
+    finally:
+        reopened.close()
