@@ -26,7 +26,7 @@ def _planner(budget: int = 10_000, n: int = N) -> PlannerSession:
     return open_planner(hello)
 
 
-def _warm(planner: PlannerSession, modes: list[str], *, job: str = "earlier", n: int = N) -> dict[str, object]:
+def _warm(modes: list[str], *, job: str = "earlier", n: int = N) -> dict[str, object]:
     return {"job": job, "num_blocks": n, "modes": modes, "shape_plans": []}
 
 
@@ -116,22 +116,22 @@ def test_warm_starts_are_taken_only_from_another_job_of_the_same_size_that_fits(
         return policy.warm_start_plan(row, job="policy", num_blocks=N, planner=planner, version=version)
 
     every_other = ["recompute", "store"] * (N // 2)
-    taken = warm(_warm(planner, every_other))
+    taken = warm(_warm(every_other))
     assert taken is not None and taken.version == version and taken.blocks == (0, 2, 4)
     assert taken.reason == "warm start from job earlier"
-    assert warm(_warm(planner, every_other, job="policy")) is None, "a job's own plan is no warm start"
-    assert warm(_warm(planner, every_other[:-1], n=N - 1)) is None, "another model size"
+    assert warm(_warm(every_other, job="policy")) is None, "a job's own plan is no warm start"
+    assert warm(_warm(every_other[:-1], n=N - 1)) is None, "another model size"
     with pytest.raises(ValueError, match="unreadable"):
-        warm(_warm(planner, ["store", "warp", *every_other[2:]]))
+        warm(_warm(["store", "warp", *every_other[2:]]))
     with pytest.raises(ValueError, match="unreadable"):
-        warm({**_warm(planner, every_other), "shape_plans": [{"max_seq_len": 8}]})
+        warm({**_warm(every_other), "shape_plans": [{"max_seq_len": 8}]})
     table = [policy.shape_plan_row(e) for e in planner.plan.shape_plans]
-    same = warm({**_warm(planner, policy.mode_names(planner.plan.block_modes(N))), "shape_plans": table})
+    same = warm({**_warm(policy.mode_names(planner.plan.block_modes(N))), "shape_plans": table})
     assert same is not None and same.reason.endswith("(same as planned)")
     # Under a tight budget, storing everything does not fit this job's target: planned afresh.
     tight = _planner(budget=3_000)
     assert tight.plan.blocks, "the tight budget needs recomputation"
-    assert policy.warm_start_plan(_warm(tight, ["store"] * N), job="policy", num_blocks=N, planner=tight,
+    assert policy.warm_start_plan(_warm(["store"] * N), job="policy", num_blocks=N, planner=tight,
                                   version=1) is None  # fmt: skip
 
 
