@@ -307,6 +307,7 @@ class Service:
             # Open streams are told to reconnect elsewhere now, rather than cut off when the grace
             # ends; what they sent is written first, so the replica they reach next has it.
             servicer.close_streams()
+            await asyncio.to_thread(self.core.drain_writes)
             pending = self.store.pending()
             try:
                 await asyncio.to_thread(self.store.flush)
@@ -323,6 +324,7 @@ class Service:
                 await web_task
             if sock is not None:
                 sock.close()
+            await asyncio.to_thread(self.core.close)
             await asyncio.to_thread(self.store.close)
 
 

@@ -10,7 +10,7 @@ import pytest
 from bench.rejected_streams import measure
 from rematd.planner import Shape, shapes
 from rematd.records import BlockRecord, Hello
-from rematd.server import core as core_mod
+from rematd.server import sessions as sessions_mod
 from rematd.server.core import AdvisorCore
 from rematd.server.metrics import Metrics
 from rematd.server.store import Store
@@ -45,13 +45,13 @@ def _profile_hello(job: str, n: int, seed: int) -> Hello:
 
 
 def test_the_profile_cache_is_bounded_in_bytes_and_emptied_as_jobs_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core_mod, "MAX_INTERNED_BYTES", 200 * 1024)
+    monkeypatch.setattr(sessions_mod, "MAX_INTERNED_BYTES", 200 * 1024)
     core = AdvisorCore(Store(":memory:"), Metrics())
     sessions = []
     for k in range(12):
         session, _ = core.open_session(_profile_hello(f"job-{k}", 64, k))
         sessions.append(session)
-        assert core._interned_bytes <= core_mod.MAX_INTERNED_BYTES
+        assert core._interned_bytes <= sessions_mod.MAX_INTERNED_BYTES
     profiles = [s.planner.profile for s in sessions]
     # Ranks of one model still share: a second rank of job-0 gets job-0's copy.
     again = dataclasses.replace(_profile_hello("job-0", 64, 0), session_secret=sessions[0].secret)

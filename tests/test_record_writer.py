@@ -1,0 +1,119 @@
+"""The core's writes handed to one writer thread: in order, waited for where they must be, and a failed
+one logged and counted without ending the stream it came from (a real SQLite file)."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rematd.server.core import AdvisorCore
+from rematd.server.metrics import Metrics
+from rematd.server.record_writer import RecordWriter
+from rematd.server.store import Store
+
+from .test_service import hello, stats
+
+
+def test_writes_run_in_the_order_they_were_handed_over_off_the_callers_thread() -> None:
+    writer = RecordWriter()
+    done: list[tuple[int, str]] = []
+    gate = threading.Event()
+    writer.submit("a gate", lambda: gate.wait(5))
+    for i in range(50):
+        writer.submit(f"write {i}", lambda i=i: done.append((i, threading.current_thread().name)))
+    assert writer.pending() == 51 and done == [], "handing over does not wait for the writes"
+    gate.set()
+    assert writer.drain(5)
+    assert [i for i, _ in done] == list(range(50))
+    assert {name for _, name in done} == {"rematd-record-writer"}
+    assert writer.call("a read-back", lambda: len(done)) == 50
+    writer.close()
+
+
+def test_a_failed_write_is_logged_and_counted_and_the_next_one_still_runs(caplog: pytest.LogCaptureFixture) -> None:
+    failed: list[BaseException] = []
+    writer = RecordWriter(on_failure=failed.append)
+    after: list[int] = []
+
+    def broken() -> None:
+        raise RuntimeError("the disk is full")
+
+    with caplog.at_level(logging.ERROR, logger="rematd.server"):
+        writer.submit("a doomed row", broken)
+        writer.submit("the next row", lambda: after.append(1))
+        assert writer.drain(5)
+    assert after == [1] and writer.failures == 1 and [str(e) for e in failed] == ["the disk is full"]
+    assert "writing a doomed row to the record failed" in caplog.text and "the disk is full" in caplog.text
+    # Waited for, the error goes to the one waiting (a hello the record refuses), uncounted.
+    with pytest.raises(RuntimeError, match="disk is full"):
+        writer.call("a hello", broken)
+    assert writer.failures == 1
+    writer.close()
+    assert writer.call("after close", lambda: "inline") == "inline"
+
+
+def test_a_plan_the_record_refuses_is_counted_and_the_rank_goes_on(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    core = AdvisorCore(Store(db), Metrics())
+    try:
+        s, first = core.open_session(hello(job="refused"))
+        with sqlite3.connect(db) as conn:
+            conn.execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON plans WHEN NEW.job = 'refused' "
+                "BEGIN SELECT RAISE(ABORT, 'refused by the database'); END"
+            )
+        new = core.on_stats(s, stats(0, 9500, seq=128))
+        assert new is not None and new.version == first.version + 1, "the rank is sent its plan all the same"
+        assert core.drain_writes(5)
+        assert core.writer.failures == 1
+        assert core.metrics.registry.get_sample_value("rematd_record_write_failures_total") == 1.0
+        core.on_stats(s, stats(1, 500))  # the stream goes on
+        assert s.last_step == 1
+        assert [p["version"] for p in core.job_plans("refused")] == [first.version]
+        core.close_session(s, ended=True)
+        assert core.get_job("refused")["state"] == "ended"
+    finally:
+        core.close()
+        core.store.close()
+
+
+def test_the_core_puts_the_steps_oom_risk_in_its_statistics_row(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.db")
+    core = AdvisorCore(store, Metrics())
+    try:
+        s, _ = core.open_session(hello(job="risky"))
+        core.on_stats(s, stats(0, 9900))
+        risk = s.planner.oom_risk
+        assert 0.0 < risk <= 1.0
+        buffered = store.buffer.last("risky", 0)
+        assert buffered is not None and buffered["oom_risk"] == risk
+        job = core.get_job("risky")
+        assert job["ranks"][0]["last_stats"]["oom_risk"] == risk
+        # The stats table keeps it once its schema has the column; it never holds another value.
+        rows = core.job_stats("risky")
+        assert len(rows) == 1 and rows[0].get("oom_risk", risk) == risk
+        core.close_session(s, ended=True)
+    finally:
+        core.close()
+        store.close()
+
+
+def test_close_waits_for_every_write_handed_over(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.db")
+    core = AdvisorCore(store, Metrics())
+    s, _ = core.open_session(hello(job="closing"))
+    gate = threading.Event()
+    core.writer.submit("a slow write", lambda: gate.wait(5))
+    core.on_stats(s, stats(0, 9500, seq=128))  # a new plan, queued behind the slow write
+    assert core.writer.pending() >= 2
+    threading.Timer(0.2, gate.set).start()
+    started = time.monotonic()
+    core.close()
+    assert time.monotonic() - started >= 0.1 and core.writer.pending() == 0
+    assert len(store.plans("closing")) == 2
+    store.close()
