@@ -96,7 +96,7 @@ def test_the_core_puts_the_steps_oom_risk_in_its_statistics_row(tmp_path: Path) 
         assert job["ranks"][0]["last_stats"]["oom_risk"] == risk
         # The stats table keeps it once its schema has the column; it never holds another value.
         rows = core.job_stats("risky")
-        assert len(rows) == 1 and rows[0].get("oom_risk", risk) == risk
+        assert len(rows) == 1 and rows[0]["oom_risk"] == risk
         core.close_session(s, ended=True)
     finally:
         core.close()
