@@ -19,6 +19,7 @@ from rematd.planner.learned import Learned
 from rematd.planner.model import Mode, Profile, Shape, ShapePlan, StepObservation
 from rematd.planner.plan import entry_for
 from rematd.planner.reasons import human_bytes, initial_reason, recomputes_less, what_changed
+from rematd.planner.risk import usable_bytes
 from rematd.planner.shapes import AtShape, Scales, at_shape
 from rematd.planner.solvers import Choice, solve_prepared
 from rematd.planner.timing import TimeScales
@@ -214,7 +215,7 @@ class Controller:
 
     def observe(self, obs: StepObservation, measured_modes: tuple[Mode, ...] | None) -> Decision | None:
         """One step's measurements, taken under ``measured_modes``; a decision when the table changes."""
-        target = self.config.target_bytes(obs.budget_bytes)
+        target = self.config.target_bytes(usable_bytes(obs))
         self._learned.note_shape(obs.shape)
         self._learn(obs, measured_modes, target)
         moves = self._moves(target, obs.static_bytes)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from rematd.planner.units import Mode, Shape, check_bytes, check_seconds
 
@@ -52,12 +52,22 @@ class StepObservation:
     """Allocated bytes at the end of the step (CUDA)."""
     reserved_bytes: int = 0
     """Bytes the allocator holds at the end of the step (CUDA)."""
+    peak_reserved_bytes: int = 0
+    """Most bytes the allocator held during the step (CUDA)."""
+    inactive_split_bytes: int = 0
+    """Bytes at the end of the step in cached blocks split for a smaller request and not in use (CUDA)."""
+    free_bytes: int = 0
+    """The device's free bytes at the end of the step, outside every process's allocator (CUDA)."""
+    total_bytes: int = 0
+    """The device's bytes (CUDA)."""
     mode_seconds: tuple[ModeSeconds, ...] = ()
     """Measured extra seconds per mode, where the client timed them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise ValueError(f"step must be a non-negative integer, got {self.step!r}")
-        check_bytes("peak_bytes", self.peak_bytes)
-        check_bytes("budget_bytes", self.budget_bytes)
-        check_bytes("static_bytes", self.static_bytes)
+        for name in _BYTE_FIELDS:
+            check_bytes(name, getattr(self, name))
+
+
+_BYTE_FIELDS = tuple(f.name for f in fields(StepObservation) if f.name.endswith("_bytes"))
