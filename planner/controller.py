@@ -109,7 +109,7 @@ class Controller:
             self.profile,
             shape if shape is None or shape.seq_len else None,
             self.config.allowed_modes if restricted else None,
-            self.timing.scales,
+            self._learned.timing.scales,
             prune=restricted,
         )
 
@@ -118,9 +118,9 @@ class Controller:
         return Shape(batch=batch, seq_len=seq, tokens=batch * seq)
 
     def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
-        corr = self.correction(shape.seq_len) if shape.seq_len else 1.0
+        corr = self._learned.correction(shape.seq_len) if shape.seq_len else 1.0
         ceiling = self._learned.ceiling(shape.seq_len)
-        key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self.timing.scales)
+        key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self._learned.timing.scales)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -143,7 +143,7 @@ class Controller:
         return choice
 
     def _entry(self, seq: int, choice: Choice, static: int) -> ShapePlan:
-        key = (choice, seq, self._learned.batch, static, self.timing.scales)
+        key = (choice, seq, self._learned.batch, static, self._learned.timing.scales)
         hit = self._entries.get(key)
         if hit is not None:
             return hit
@@ -320,7 +320,7 @@ class Controller:
         self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False
     ) -> bool:
         at = self._at(shape)
-        correction = self.correction(shape.seq_len, pessimistic=pessimistic)
+        correction = self._learned.correction(shape.seq_len, pessimistic=pessimistic)
         activations = (at.other_bytes + at.cost(modes)[0]) * correction
         return static + activations <= target
 
