@@ -167,3 +167,13 @@ def test_bad_allocator_figures_are_named() -> None:
     for name in ("inactive_split_bytes", "free_bytes", "total_bytes", "peak_reserved_bytes"):
         with pytest.raises(ValueError, match=name):
             step(GiB, **{name: -1})
+
+
+def test_jitter_in_the_figures_within_a_grain_keeps_the_same_capacity() -> None:
+    grain = BUDGET // GRAIN
+    base = dataclasses.replace(clean(10 * GiB), inactive_split_bytes=5 * grain + 1, peak_reserved_bytes=14 * GiB)
+    jittered = [
+        dataclasses.replace(base, inactive_split_bytes=5 * grain + d) for d in (1, grain // 3, grain - 1, grain)
+    ]
+    assert {usable_bytes(o) for o in jittered} == {BUDGET - 6 * grain}, "the planner's target, and caches, hold"
+    assert usable_bytes(dataclasses.replace(base, inactive_split_bytes=6 * grain + 1)) == BUDGET - 7 * grain
