@@ -1,56 +1,23 @@
-"""The planner's vocabulary: small immutable records, validated on creation."""
+"""The planner's vocabulary: small immutable records, validated on creation. The cost model's records
+(sizes, per-block costs, profiles) live here; modes, shapes, plans and step observations in their own
+modules, and are importable from here too."""
 
 from __future__ import annotations
 
-import enum
-import math
 from dataclasses import dataclass, field
 
-
-def _check_bytes(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer number of bytes, got {value!r}")
-
-
-def _check_seconds(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite, non-negative number of seconds, got {value!r}")
-
+from rematd.planner.plan import Plan as Plan
+from rematd.planner.plan import ShapePlan as ShapePlan
+from rematd.planner.plan import blocks_of as blocks_of
+from rematd.planner.steps import ModeSeconds as ModeSeconds
+from rematd.planner.steps import StepObservation as StepObservation
+from rematd.planner.units import Mode as Mode
+from rematd.planner.units import Shape as Shape
+from rematd.planner.units import check_bytes, check_seconds
 
 # The exponents a term may have: activations grow at most with batch^2 and seq^3.
 MAX_BATCH_EXP = 2
 MAX_SEQ_EXP = 3
-
-
-class Mode(enum.IntEnum):
-    """How a block keeps what its backward needs. Values match the wire enum."""
-
-    STORE = 1
-    """Keep every saved activation."""
-    SELECTIVE = 2
-    """Keep matmul and attention outputs; recompute pointwise ops in backward."""
-    RECOMPUTE = 3
-    """Keep only the block's input; run its forward again in backward."""
-    OFFLOAD = 4
-    """Copy the saved activations to host memory until backward."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Shape:
-    """The shape signature of one step's input."""
-
-    batch: int = 0
-    """Sequences in the batch (0 when unknown)."""
-    seq_len: int = 0
-    """Tokens per sequence (0 when unknown)."""
-    tokens: int = 0
-    """Tokens in the batch; the quantity activation memory scales with."""
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "seq_len", "tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"shape.{name} must be a non-negative integer, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +29,7 @@ class Term:
     seq_exp: int = 1
 
     def __post_init__(self) -> None:
-        _check_bytes("term.bytes", self.bytes)
+        check_bytes("term.bytes", self.bytes)
         if not (0 <= self.batch_exp <= MAX_BATCH_EXP and 0 <= self.seq_exp <= MAX_SEQ_EXP):
             raise ValueError(f"term exponents out of range: batch^{self.batch_exp} seq^{self.seq_exp}")
 
@@ -130,7 +97,7 @@ class ModeCost:
     """Step seconds the mode adds over storing, at the profile's shape."""
 
     def __post_init__(self) -> None:
-        _check_seconds(f"{self.mode.name.lower()}.extra_seconds", self.extra_seconds)
+        check_seconds(f"{self.mode.name.lower()}.extra_seconds", self.extra_seconds)
 
 
 PESSIMISTIC = (Mode.SELECTIVE, Mode.OFFLOAD)
@@ -160,9 +127,9 @@ class BlockCost:
     """Measured per-mode costs; when empty, store and recompute follow from the fields above."""
 
     def __post_init__(self) -> None:
-        _check_bytes("saved_bytes", self.saved_bytes)
-        _check_bytes("input_bytes", self.input_bytes)
-        _check_seconds("forward_seconds", self.forward_seconds)
+        check_bytes("saved_bytes", self.saved_bytes)
+        check_bytes("input_bytes", self.input_bytes)
+        check_seconds("forward_seconds", self.forward_seconds)
         seen = [m.mode for m in self.modes]
         if len(set(seen)) != len(seen):
             raise ValueError(f"a block lists a mode twice: {[m.name for m in seen]}")
@@ -292,127 +259,3 @@ class Profile:
                 )
             )
         return Profile(blocks=tuple(blocks), shape=shape, other=Size.linear(self.other_at(shape)))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ShapePlan:
-    """The modes for steps whose shape is within the bounds."""
-
-    max_seq_len: int
-    """Largest sequence length the entry covers."""
-    max_tokens: int
-    """Largest tokens per batch the entry covers."""
-    modes: tuple[Mode, ...]
-    """One mode per block."""
-    predicted_peak_bytes: int
-    """Predicted peak at the entry's bounds."""
-    predicted_overhead_ratio: float
-    """Predicted recompute overhead at the entry's bounds."""
-
-    def covers(self, shape: Shape) -> bool:
-        return shape.seq_len <= self.max_seq_len and shape.tokens <= self.max_tokens
-
-
-def blocks_of(modes: tuple[Mode, ...]) -> tuple[int, ...]:
-    """The blocks that do not simply store: those a plan checkpoints in some way."""
-    return tuple(i for i, m in enumerate(modes) if m != Mode.STORE)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
-    """A checkpoint plan: how each block keeps what its backward needs."""
-
-    version: int
-    """Increases by one each time the plan for a (job, rank) changes."""
-    blocks: tuple[int, ...]
-    """Indices of the blocks that do not store everything, ascending."""
-    checkpoint_every: int
-    """k when the plan is "every k-th block recomputes" (indices divisible by k); 0 otherwise."""
-    predicted_peak_bytes: int
-    """Predicted peak for the shape the plan was made for."""
-    predicted_overhead_ratio: float
-    """Predicted extra step time from recomputation, as a fraction of the step."""
-    target_bytes: int
-    """The memory target the plan was made to fit."""
-    reason: str
-    """Why the planner chose this plan, for people."""
-    modes: tuple[Mode, ...] = ()
-    """One mode per block; empty means ``blocks`` recompute and the rest store."""
-    shape_plans: tuple[ShapePlan, ...] = ()
-    """Plans for other input shapes, ascending; see :meth:`modes_for`."""
-
-    @property
-    def checkpointed(self) -> frozenset[int]:
-        return frozenset(self.blocks)
-
-    def block_modes(self, num_blocks: int) -> tuple[Mode, ...]:
-        if self.modes:
-            return self.modes
-        chosen = set(self.blocks)
-        return tuple(Mode.RECOMPUTE if i in chosen else Mode.STORE for i in range(num_blocks))
-
-    def modes_for(self, shape: Shape, num_blocks: int) -> tuple[Mode, ...]:
-        """The modes a step of ``shape`` runs with: the first table entry that
-        covers it, the largest entry when none does, the plan's own without a table."""
-        if not self.shape_plans or not shape.seq_len:
-            return self.block_modes(num_blocks)
-        for entry in self.shape_plans:
-            if entry.covers(shape):
-                return entry.modes
-        return self.shape_plans[-1].modes
-
-
-@dataclass(frozen=True, slots=True)
-class ModeSeconds:
-    """What the blocks that ran in one mode during a step measured: their extra seconds, summed."""
-
-    mode: Mode
-    blocks: int
-    """Blocks timed (those whose forward and rematerialisation had both finished when read)."""
-    seconds: float
-    """Their rematerialisation in backward, seconds together (0 for STORE)."""
-    forward_seconds: float = 0.0
-    """Their forward in this mode, seconds together: with the forward of stored blocks as the
-    baseline, what the mode adds in forward (checkpoint bookkeeping, the selective policy's
-    dispatch, offload's copies). 0 where the client did not time forwards."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 0:
-            raise ValueError(f"mode_seconds.blocks must be a non-negative integer, got {self.blocks!r}")
-        _check_seconds("mode_seconds.seconds", self.seconds)
-        _check_seconds("mode_seconds.forward_seconds", self.forward_seconds)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepObservation:
-    """What a rank measured over one training step."""
-
-    step: int
-    """The step number, increasing."""
-    peak_bytes: int
-    """Peak of the budgeted quantity during the step (allocated bytes on CUDA, saved bytes on CPU)."""
-    budget_bytes: int
-    """The budget in force for the step."""
-    static_bytes: int = 0
-    """Memory held outside activations at step start (weights, grads, optimizer state)."""
-    plan_version: int = 0
-    """The plan version that was in force."""
-    shape: Shape = field(default_factory=Shape)
-    """The shape of the step's input."""
-    alloc_retries: int = 0
-    """Allocator retries during the step (CUDA)."""
-    oom_count: int = 0
-    """Cumulative out-of-memory count (CUDA)."""
-    allocated_bytes: int = 0
-    """Allocated bytes at the end of the step (CUDA)."""
-    reserved_bytes: int = 0
-    """Bytes the allocator holds at the end of the step (CUDA)."""
-    mode_seconds: tuple[ModeSeconds, ...] = ()
-    """Measured extra seconds per mode, where the client timed them."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {self.step!r}")
-        _check_bytes("peak_bytes", self.peak_bytes)
-        _check_bytes("budget_bytes", self.budget_bytes)
-        _check_bytes("static_bytes", self.static_bytes)

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 from rematd.planner.controller import Controller, ControllerConfig, Decision
 from rematd.planner.model import Mode, Plan, Profile, Shape, StepObservation, blocks_of
-from rematd.planner.risk import oom_risk
+from rematd.planner.risk import oom_risk, usable_bytes
 from rematd.planner.solvers import frequency_of
 
 
@@ -28,6 +28,8 @@ class PlannerSession:
         self.profile = profile
         self.controller = Controller(profile, config)
         self.budget_bytes = budget_bytes
+        self.capacity_bytes = budget_bytes
+        """What the last step could really use of the budget (:func:`usable_bytes`)."""
         self.static_bytes = static_bytes
         self.oom_risk = 0.0
         """The rank's out-of-memory risk after the last observation, 0-1."""
@@ -93,6 +95,7 @@ class PlannerSession:
     def observe(self, obs: StepObservation) -> Plan | None:
         """Feed one step's measurements; returns the new plan when it changes."""
         self.budget_bytes = obs.budget_bytes
+        self.capacity_bytes = usable_bytes(obs)
         self.static_bytes = obs.static_bytes
         n = self.profile.num_blocks
         ran = self._recent.get(obs.plan_version)
@@ -104,7 +107,7 @@ class PlannerSession:
         self.oom_risk = oom_risk(
             obs,
             predicted_next_bytes=predicted_next,
-            capacity_bytes=obs.budget_bytes,
+            capacity_bytes=self.capacity_bytes,
             margin_ratio=self.controller.config.margin_ratio,
             previous_peak_bytes=self._last_peak,
         )
@@ -116,6 +119,6 @@ class PlannerSession:
         self.oom_risk = 1.0
         return self._adopt(
             self.controller.after_oom(
-                shape=shape or self.profile.shape, budget_bytes=self.budget_bytes, static_bytes=self.static_bytes
+                shape=shape or self.profile.shape, budget_bytes=self.capacity_bytes, static_bytes=self.static_bytes
             )
         )

@@ -6,7 +6,7 @@ import itertools
 import re
 
 from rematd.planner import Mode, Plan, Shape, ShapePlan, StepObservation
-from rematd.planner.controller import _recomputes_less, _what_changed
+from rematd.planner.reasons import recomputes_less, what_changed
 from rematd.records import open_planner
 
 from .test_plan_record import modes_hello
@@ -27,22 +27,22 @@ def entry(seq: int, letters: str) -> ShapePlan:
 
 def test_more_recomputation_is_never_called_loosening() -> None:
     # As seen against a real service: length 160 went from RRRsRRRs to RRRRRRRR under a "loosen" label.
-    assert not _recomputes_less((entry(160, "RRRsRRRs"),), (entry(160, "RRRRRRRR"),))
-    assert not _recomputes_less((entry(160, "RRRsRRRs"),), (entry(160, "RRRsRRRs"),)), "the same blocks"
-    assert _recomputes_less((entry(160, "RRRRRRRR"),), (entry(160, "RRRsRRRs"),))
-    assert _recomputes_less((entry(160, "RRRRRRRR"),), (entry(160, "OOOOOOOO"),)), "offloading recomputes nothing"
-    assert not _recomputes_less(
+    assert not recomputes_less((entry(160, "RRRsRRRs"),), (entry(160, "RRRRRRRR"),))
+    assert not recomputes_less((entry(160, "RRRsRRRs"),), (entry(160, "RRRsRRRs"),)), "the same blocks"
+    assert recomputes_less((entry(160, "RRRRRRRR"),), (entry(160, "RRRsRRRs"),))
+    assert recomputes_less((entry(160, "RRRRRRRR"),), (entry(160, "OOOOOOOO"),)), "offloading recomputes nothing"
+    assert not recomputes_less(
         (entry(64, "s.s.s.s."), entry(160, "RRRsRRRs")), (entry(64, "........"), entry(160, "RRRRRRRR"))
     ), "less at one length, more at another"
 
 
-def test_what_changed_names_the_lengths_in_the_demos_letters() -> None:
-    said = _what_changed(
+def testwhat_changed_names_the_lengths_in_the_demos_letters() -> None:
+    said = what_changed(
         (entry(64, "........"), entry(160, "RRRsRRRs")), (entry(64, "........"), entry(160, "RRRRRRRR"))
     )
     assert said.startswith("length <= 160: RRRsRRRs -> RRRRRRRR") and "length <= 64" not in said
     assert "R recompute" in said
-    added = _what_changed((entry(64, "........"),), (entry(64, "........"), entry(724, "RRRRRRRR")))
+    added = what_changed((entry(64, "........"),), (entry(64, "........"), entry(724, "RRRRRRRR")))
     assert "length <= 724: RRRRRRRR (new)" in added
 
 
@@ -51,7 +51,7 @@ def _weights(plan: Plan) -> dict[int, int]:
     return {e.max_seq_len: sum(WEIGHT[letters[m]] for m in e.modes) for e in plan.shape_plans}
 
 
-def test_every_change_of_a_session_says_what_changed_and_loosens_only_by_recomputing_less() -> None:
+def test_every_change_of_a_session_sayswhat_changed_and_loosens_only_by_recomputing_less() -> None:
     session = open_planner(modes_hello("reasons"))
     plans = [session.plan]
     pattern = [(128, 9800)] * 3 + [(256, 9900)] * 2 + [(128, 3000)] * 120 + [(300, 9900)] * 2 + [(64, 2000)] * 120

@@ -318,5 +318,9 @@ def observation(hello: Hello, stats: StepStats) -> StepObservation:
         oom_count=stats.oom_count,
         allocated_bytes=stats.allocated_bytes,
         reserved_bytes=stats.reserved_bytes,
+        peak_reserved_bytes=stats.peak_reserved_bytes,
+        inactive_split_bytes=stats.inactive_split_bytes,
+        free_bytes=stats.free_bytes,
+        total_bytes=stats.total_bytes,
         mode_seconds=stats.mode_seconds,
     )

@@ -1,0 +1,86 @@
+"""bench/gpu.py's strategies: how each run checkpoints (or lets rematd plan), registered by name."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bench.gpu_models import Job, layers
+from rematd import client
+
+
+@dataclass(slots=True)
+class Context:
+    """What a strategy's set-up gets: the model, its optimizer, the job."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    job: Job
+    handle: client.Handle | None = None
+    """Set by rematd's strategy."""
+    step_fn: Callable[[torch.Tensor], None] | None = None
+    """Replaces the plain forward, backward and optimizer step, given the step's token ids, where the
+    strategy needs to (a compiled model)."""
+
+
+Setup = Callable[[Context], None]
+STRATEGIES: dict[str, Setup] = {}
+
+
+def register(name: str) -> Callable[[Setup], Setup]:
+    """Add a strategy: ``setup(ctx)`` prepares ``ctx.model`` (or sets ``ctx.step_fn``) before the first step.
+    Compiled strategies register from their own module, named with ``--plugin``."""
+
+    def add(fn: Setup) -> Setup:
+        STRATEGIES[name] = fn
+        return fn
+
+    return add
+
+
+def _hf_checkpointing(model: nn.Module, every: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # renamed in transformers 5; the old name still works
+        enable: Callable[..., None] = getattr(model, "gradient_checkpointing_enable")  # noqa: B009
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for i, layer in enumerate(layers(model)):
+        setattr(layer, "gradient_checkpointing", i % every == 0)  # noqa: B010 (a flag each HF layer reads)
+
+
+@register("none")
+def _none(ctx: Context) -> None:
+    return None
+
+
+@register("hf-full")
+def _hf_full(ctx: Context) -> None:
+    _hf_checkpointing(ctx.model, 1)
+
+
+@register("every-2nd")
+def _every2(ctx: Context) -> None:
+    _hf_checkpointing(ctx.model, 2)
+
+
+@register("every-3rd")
+def _every3(ctx: Context) -> None:
+    _hf_checkpointing(ctx.model, 3)
+
+
+@register("rematd")
+def _rematd(ctx: Context) -> None:
+    job = ctx.job
+    ctx.handle = client.attach(
+        ctx.model,
+        budget_bytes=job.budget_bytes or 2**50,
+        optimizer=ctx.opt,
+        margin_ratio=job.margin,
+        modes=job.modes or None,
+    )
+
+
+STATIC_STRATEGIES = ("none", "hf-full", "every-2nd", "every-3rd")

@@ -1,0 +1,53 @@
+"""How cautiously the adaptive controller trades memory for recomputation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rematd.planner.units import Mode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControllerConfig:
+    """How cautiously the controller trades memory for recomputation."""
+
+    margin_ratio: float = 0.1
+    """Fraction of the budget kept free: target = budget x (1 - margin_ratio)."""
+    loosen_after_steps: int = 5
+    """Consecutive steps with room for a looser plan before the plan loosens."""
+    max_loosen_after_steps: int = 80
+    """Upper bound of the dwell, which doubles each time a loosening is undone soon after."""
+    max_correction: float = 4.0
+    """Upper bound of the learned measured/predicted correction factor."""
+    correction_window: int = 8
+    """Recent measured/predicted ratios kept per sequence-length bucket."""
+    oom_correction_step: float = 1.25
+    """Factor by which an out-of-memory event raises the correction of its bucket."""
+    bucket_ratio: float = math.sqrt(2)
+    """Ratio between the sequence lengths of neighbouring table entries."""
+    max_entries: int = 16
+    """Most entries of the plan table."""
+    allowed_modes: frozenset[Mode] | None = None
+    """Modes the planner may choose besides STORE (None: every mode the profile offers)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.margin_ratio < 1.0:
+            raise ValueError(f"margin_ratio must be in [0, 1), got {self.margin_ratio!r}")
+        if self.loosen_after_steps < 1:
+            raise ValueError(f"loosen_after_steps must be >= 1, got {self.loosen_after_steps!r}")
+        if self.max_loosen_after_steps < self.loosen_after_steps:
+            raise ValueError("max_loosen_after_steps must be >= loosen_after_steps")
+        if self.max_correction < 1.0:
+            raise ValueError(f"max_correction must be >= 1, got {self.max_correction!r}")
+        if self.correction_window < 1:
+            raise ValueError(f"correction_window must be >= 1, got {self.correction_window!r}")
+        if self.oom_correction_step <= 1.0:
+            raise ValueError(f"oom_correction_step must be > 1, got {self.oom_correction_step!r}")
+        if self.bucket_ratio <= 1.0:
+            raise ValueError(f"bucket_ratio must be > 1, got {self.bucket_ratio!r}")
+        if self.max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {self.max_entries!r}")
+
+    def target_bytes(self, budget_bytes: int) -> int:
+        return int(budget_bytes * (1.0 - self.margin_ratio))

@@ -1,0 +1,210 @@
+"""What the adaptive controller learns from measurements, and how it is saved and restored.
+
+Per sequence-length bucket: recent measured/predicted peak ratios, the boost out-of-memory events
+gave, the remembered largest ratio of a step that crossed the target, and the cap an out-of-memory
+event set. Besides: the dwell before loosening, the lengths and batch seen, the modes' measured prices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rematd.planner.config import ControllerConfig
+from rematd.planner.model import Profile
+from rematd.planner.shapes import at_shape
+from rematd.planner.steps import StepObservation
+from rematd.planner.timing import TimeScales
+from rematd.planner.units import Mode, Shape
+
+# Steps over which the memory of a target crossing fades by half.
+CROSSING_HALF_LIFE_STEPS = 256
+
+MAX_STEP = 2**53
+"""Bound on a restored step count or length: beyond it a float loses whole numbers."""
+
+NEVER = -(10**9)
+"""The step of a loosening that never happened."""
+
+
+@dataclass(slots=True)
+class Bucket:
+    ratios: deque[float]
+    boost: float = 1.0
+    crossing: float = 1.0
+    """The largest ratio measured on a step that crossed the target; it fades slowly."""
+    crossing_step: int = 0
+    ceiling: int | None = None
+    """Predicted activation bytes of a plan that ran out of memory here: later plans stay below."""
+
+    def record(self, ratio: float, *, crossed: bool, step: int) -> None:
+        self.ratios.append(ratio)
+        if crossed:
+            # A crossing is evidence, not an outlier: make it count twice.
+            self.ratios.append(ratio)
+            self.crossing, self.crossing_step = max(self.crossing, ratio), step
+        elif self.crossing > 1.0:
+            age = step - self.crossing_step
+            self.crossing = 1.0 + (self.crossing - 1.0) * 0.5 ** (age / CROSSING_HALF_LIFE_STEPS)
+            self.crossing_step = step
+
+
+@dataclass(slots=True, kw_only=True)
+class Learned:
+    config: ControllerConfig
+    batch: int
+    seqs: set[int]
+    timing: TimeScales = field(default_factory=TimeScales)
+    """What the modes are measured to cost, against the profile."""
+    buckets: dict[int, Bucket] = field(default_factory=dict)
+    headroom_steps: int = 0
+    dwell: int = 0
+    last_loosen_step: int = NEVER
+
+    def note_shape(self, shape: Shape) -> None:
+        if shape.batch:
+            self.batch = shape.batch
+        if shape.seq_len:
+            self.seqs.add(shape.seq_len)
+            if len(self.seqs) > 64:
+                self.seqs = {min(self.seqs), max(self.seqs)}
+
+    def learn_seconds(self, profile: Profile, obs: StepObservation, modes: tuple[Mode, ...]) -> None:
+        """Measured rematerialisation seconds against the profile's for the blocks that ran each mode."""
+        unscaled = at_shape(profile, obs.shape if obs.shape.seq_len else None)
+        totals: dict[Mode, list[float]] = {}
+        for opts, mode in zip(unscaled.options, modes, strict=False):
+            for o in opts:
+                if o.mode == mode:
+                    pair = totals.setdefault(mode, [0.0, 0.0])
+                    pair[0] += o.seconds
+                    pair[1] += 1
+        forward = unscaled.forward_seconds / max(1, len(unscaled.options))
+        self.timing.observe(
+            obs.mode_seconds,
+            {m: secs / n for m, (secs, n) in totals.items() if n},
+            forward_per_block=forward,
+        )
+
+    # -- buckets --------------------------------------------------------------
+
+    def bucket_of(self, seq: int) -> int:
+        """The top of the bucket ``seq`` falls in: a rung of a geometric ladder."""
+        if seq <= 8:
+            return 8
+        rung = math.ceil(math.log(seq / 8, self.config.bucket_ratio) - 1e-9)
+        # Rounded down, so that a bucket's top falls in its own bucket.
+        return max(seq, math.floor(8 * self.config.bucket_ratio**rung + 1e-9))
+
+    def bucket(self, seq: int) -> Bucket:
+        """The bucket of ``seq``, created empty when new."""
+        return self.buckets.setdefault(self.bucket_of(seq), Bucket(deque(maxlen=self.config.correction_window)))
+
+    def ladder(self) -> list[int]:
+        if not self.seqs:
+            return []
+        lo, hi = self.bucket_of(min(self.seqs)), self.bucket_of(4 * max(self.seqs))
+        rungs = [lo]
+        while rungs[-1] < hi and len(rungs) < self.config.max_entries:
+            rungs.append(self.bucket_of(rungs[-1] + 1))
+        return rungs
+
+    def correction(self, seq: int, *, pessimistic: bool = False) -> float:
+        """Measured/predicted for a bucket: its second-largest recent ratio (the largest when
+        ``pessimistic``), at least 1. Buckets never measured borrow the largest of any bucket.
+        """
+        bucket = self.buckets.get(self.bucket_of(seq))
+        if bucket is None or not bucket.ratios:
+            known = [self._measured(b, pessimistic) for b in self.buckets.values() if b.ratios]
+            return min(self.config.max_correction, max(known, default=1.0) * (bucket.boost if bucket else 1.0))
+        return self._measured(bucket, pessimistic)
+
+    def _measured(self, bucket: Bucket, pessimistic: bool) -> float:
+        ordered = sorted(bucket.ratios, reverse=True)
+        robust = ordered[0] if pessimistic or len(ordered) == 1 else ordered[1]
+        if pessimistic:
+            # A crossing of the target is remembered far longer than the window: loosening
+            # back into a plan that crossed it needs the memory to have faded.
+            robust = max(robust, bucket.crossing)
+        return min(self.config.max_correction, max(1.0, robust) * bucket.boost)
+
+    def ceiling(self, seq: int) -> int | None:
+        """The cap an out-of-memory event set at this length or a shorter one, scaled up to this length."""
+        if not seq:
+            return None
+        here = self.bucket_of(seq)
+        caps = [b.ceiling for s, b in self.buckets.items() if b.ceiling is not None and s <= here]
+        return min(caps) if caps else None
+
+    # -- across restarts of the service ---------------------------------------
+
+    def export(self) -> dict[str, Any]:
+        return {
+            "v": 1,
+            "buckets": [
+                [seq, list(b.ratios), b.boost, b.crossing, b.crossing_step, b.ceiling]
+                for seq, b in sorted(self.buckets.items())
+            ],
+            "headroom_steps": self.headroom_steps,
+            "dwell": self.dwell,
+            "last_loosen_step": self.last_loosen_step,
+            "seqs": sorted(self.seqs),
+            "batch": self.batch,
+            "timing": self.timing.export_state(),
+        }
+
+    def restored(self, state: dict[str, Any]) -> Learned:
+        """This, continued from what :meth:`export` gave; ValueError for anything else."""
+        cfg = self.config
+        if not isinstance(state, dict) or state.get("v") != 1:
+            raise ValueError("state: not a controller state of version 1")
+        entries = state.get("buckets", [])
+        if not isinstance(entries, list):
+            raise ValueError(f"state: buckets must be a list, got {type(entries).__name__}")
+        buckets: dict[int, Bucket] = {}
+        for entry in entries:
+            if not isinstance(entry, list) or len(entry) != 6:
+                raise ValueError(
+                    f"state: a bucket must be [seq, ratios, boost, crossing, step, ceiling], got {entry!r}"
+                )
+            seq, ratios, boost, crossing, crossing_step, ceiling = entry
+            if not isinstance(ratios, list):
+                raise ValueError(f"state: ratios must be a list, got {ratios!r}")
+            buckets[_whole(seq, "bucket", lo=1)] = Bucket(
+                deque((_num(r, "ratio", hi=cfg.max_correction) for r in ratios), maxlen=cfg.correction_window),
+                boost=_num(boost, "boost", lo=1.0, hi=cfg.max_correction),
+                crossing=_num(crossing, "crossing", lo=1.0, hi=cfg.max_correction),
+                crossing_step=_whole(crossing_step, "crossing_step"),
+                ceiling=None if ceiling is None else _whole(ceiling, "ceiling"),
+            )
+        seqs = state.get("seqs", [])
+        if not isinstance(seqs, list) or len(seqs) > 64:
+            raise ValueError("state: seqs must be a list of at most 64 lengths")
+        dwell = _whole(state.get("dwell"), "dwell")
+        restored = Learned(
+            config=cfg,
+            buckets=buckets,
+            headroom_steps=_whole(state.get("headroom_steps", 0), "headroom_steps"),
+            dwell=min(cfg.max_loosen_after_steps, max(cfg.loosen_after_steps, dwell)),
+            last_loosen_step=_whole(state.get("last_loosen_step", NEVER), "last_loosen_step", lo=NEVER),
+            seqs=self.seqs | {_whole(q, "seq", lo=1) for q in seqs},
+            batch=_whole(state.get("batch", self.batch), "batch", lo=1),
+        )
+        if "timing" in state:
+            restored.timing.restore_state(state["timing"])
+        return restored
+
+
+def _num(value: Any, what: str, *, lo: float = 0.0, hi: float = 1e12) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or (isinstance(value, float) and math.isnan(value)) or not lo <= value <= hi:
+        raise ValueError(f"state: {what} must be a finite number in [{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def _whole(value: Any, what: str, *, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_STEP:
+        raise ValueError(f"state: {what} must be an integer in [{lo}, {MAX_STEP}], got {value!r}")
+    return value

@@ -1,0 +1,48 @@
+"""The planner's base vocabulary: modes, input shapes, and the checks of byte and second counts."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+def check_bytes(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer number of bytes, got {value!r}")
+
+
+def check_seconds(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite, non-negative number of seconds, got {value!r}")
+
+
+class Mode(enum.IntEnum):
+    """How a block keeps what its backward needs. Values match the wire enum."""
+
+    STORE = 1
+    """Keep every saved activation."""
+    SELECTIVE = 2
+    """Keep matmul and attention outputs; recompute pointwise ops in backward."""
+    RECOMPUTE = 3
+    """Keep only the block's input; run its forward again in backward."""
+    OFFLOAD = 4
+    """Copy the saved activations to host memory until backward."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shape:
+    """The shape signature of one step's input."""
+
+    batch: int = 0
+    """Sequences in the batch (0 when unknown)."""
+    seq_len: int = 0
+    """Tokens per sequence (0 when unknown)."""
+    tokens: int = 0
+    """Tokens in the batch; the quantity activation memory scales with."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq_len", "tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"shape.{name} must be a non-negative integer, got {value!r}")
