@@ -7,7 +7,8 @@ h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
 from rematd.client.compiled import CompileStats
 from rematd.client.connection import StreamConfig
 from rematd.client.discovery import BlockDiscoveryError, find_blocks
-from rematd.client.guard import Guard, OutOfMemory, UnsupportedModel
+from rematd.client.errors import OutOfMemory, UnsupportedModel
+from rematd.client.guard import Guard
 from rematd.client.handle import Handle, attach
 from rematd.planner import Plan
 

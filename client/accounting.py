@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rematd.client.guard import OutOfMemory
+from rematd.client.errors import OutOfMemory
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from rematd.client.switch import SwitchableBlock
 from rematd.planner import Mode, Plan, Shape
@@ -38,6 +39,13 @@ class PlanApplier:
     def invalidate(self) -> None:
         """The blocks' modes were set by other means (safe mode, a pin): set them at the next step."""
         self._applied = None
+
+    def pin(self, modes: Sequence[Mode] | None) -> None:
+        """Fix every block's mode from the next step on (None: follow the plans again)."""
+        if modes is not None and len(modes) != len(self.blocks):
+            raise ValueError(f"pin_modes needs {len(self.blocks)} modes, one per block, got {len(modes)}")
+        self.pinned = None if modes is None else tuple(modes)
+        self.invalidate()
 
     def receive(self, plan: Plan) -> None:
         """Called by the planner's side (any thread): keep the newest plan for the next step."""

@@ -83,6 +83,13 @@ def check_bytes(name: str, value: object, *, optional: bool = True) -> int | Non
     return n
 
 
+def check_hard_limit(value: Any) -> int | None:
+    """A new ``hard_limit_bytes`` (``None``: no limit)."""
+    if value is not None and (isinstance(value, bool) or int(value) <= 0):
+        raise ValueError(f"hard_limit_bytes must be a positive number of bytes or None, got {value!r}")
+    return None if value is None else int(value)
+
+
 def check_margin(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"margin_ratio must be a number in [0, 1), got {type(value).__name__} {value!r}")

@@ -40,7 +40,7 @@ import logging
 import time
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,10 +48,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rematd.client.accounting import tensors_in
 from rematd.client.selective import selective_context
+from rematd.client.switch import SwitchableBlock
 from rematd.planner import Mode
-
-if TYPE_CHECKING:
-    from rematd.client.switch import SwitchableBlock
 
 log = logging.getLogger("rematd.client")
 

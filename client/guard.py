@@ -1,68 +1,29 @@
-"""Out-of-memory recovery: recognise the error, free what the failed step held.
-
-The handle's :meth:`~rematd.client.handle.Handle.run_step` and
-:meth:`~rematd.client.handle.Handle.guard` use these; the policy (report,
-safe plan, one retry) lives in the handle.
-"""
+"""``with h.guard() as g:`` around a step: the context manager, on the handle's OOM policy."""
 
 from __future__ import annotations
 
-import gc
-import traceback
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import torch
-from torch import nn
+from rematd.client.errors import OutOfMemory, UnsupportedModel
+from rematd.client.oom_policy import OomPolicy, free_after_oom, is_oom
 
-if TYPE_CHECKING:
-    from rematd.client.handle import Handle
-
-
-class OutOfMemory(torch.OutOfMemoryError):
-    """A step crossed ``hard_limit_bytes`` of bytes saved for backward (rematd's CPU limit).
-
-    A subclass of ``torch.OutOfMemoryError``, so code that handles CUDA's
-    out-of-memory error handles this one alike.
-    """
+# Their import path before they had modules of their own.
+__all__ = ["Guard", "Guarded", "OutOfMemory", "UnsupportedModel", "free_after_oom", "is_oom"]
 
 
-class UnsupportedModel(ValueError):
-    """``attach`` was given a model wrapped in a way rematd cannot work with."""
+class Guarded(Protocol):
+    """What a guard needs of a handle: its out-of-memory policy."""
 
-
-def is_oom(exc: BaseException) -> bool:
-    """True for CUDA's (and rematd's) out-of-memory errors, and other backends' spelled as such."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-
-
-def free_after_oom(
-    exc: BaseException,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    cuda: bool,
-) -> None:
-    """Drop what the failed step holds: its graph (kept alive by the traceback's frames) and gradients."""
-    tb: TracebackType | None = exc.__traceback__
-    if tb is not None:
-        traceback.clear_frames(tb)
-    exc.__traceback__ = None
-    model.zero_grad(set_to_none=True)
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    gc.collect()
-    if cuda and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    @property
+    def oom_policy(self) -> OomPolicy: ...
 
 
 class Guard:
     """The context manager :meth:`Handle.guard <rematd.client.Handle.guard>` returns."""
 
-    def __init__(self, handle: Handle) -> None:
-        self._handle = handle
+    def __init__(self, handle: Guarded) -> None:
+        self._policy = handle.oom_policy
         self.oom = False
         """True when the guarded block ran out of memory and rematd recovered."""
 
@@ -70,14 +31,6 @@ class Guard:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
-        h = self._handle
-        if exc is None:
-            h._oom_streak = 0
-            return False
-        if not isinstance(exc, Exception) or not is_oom(exc):
-            return False
-        h._recover(exc)
-        if h._oom_streak >= 2:
-            return False
-        self.oom = True
-        return True
+        suppressed = self._policy.after_guarded(exc)
+        self.oom = self.oom or suppressed
+        return suppressed

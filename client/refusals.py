@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rematd.client.guard import UnsupportedModel
+from rematd.client.errors import UnsupportedModel
 
 # (attribute, how to turn it off) of the libraries that checkpoint their own layers.
 _OWN_CHECKPOINTING = (

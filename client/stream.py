@@ -33,8 +33,10 @@ from rematd import wire
 from rematd.client.backends import PlanCallback
 from rematd.client.connection import StreamConfig
 from rematd.client.folding import Folder
-from rematd.planner import Plan, PlannerSession
-from rematd.records import Hello, OomReport, StepStats, observation, open_planner
+from rematd.client.local_planner import FALLBACK_MAX_FAILURES, LocalPlanner
+from rematd.client.throttle import Throttled
+from rematd.planner import Plan
+from rematd.records import Hello, OomReport, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -62,32 +64,7 @@ ENDED_BY_OPERATOR = "was ended by an operator"
 
 # The longest report interval taken from a service; anything else is taken as 0 (report every step).
 MAX_INTERVAL_S = 3600.0
-# Failures in a row after which the in-process planner is given up until the service answers again.
-FALLBACK_MAX_FAILURES = 3
-
 _STOP = object()
-
-
-class _Throttled:
-    """Error records at most once per ``every_s``; the next one says how many were held back.
-
-    A fault that repeats on every record would otherwise flood the training job's log.
-    """
-
-    def __init__(self, every_s: float = 30.0) -> None:
-        self.every_s = every_s
-        self._last = -math.inf
-        self._held = 0
-
-    def error(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self._held += 1
-            return
-        if self._held:
-            msg, args = msg + " (%d more like it since the last report)", (*args, self._held)
-        self._last, self._held = now, 0
-        log.error(msg, *args, exc_info=exc_info)
 
 
 class StreamBackend:
@@ -115,11 +92,9 @@ class StreamBackend:
         self._folder = Folder()
         self._flush_now = threading.Event()
         self._call: Any = None
-        self._fallback: PlannerSession | None = None
-        self._fallback_failures = 0
-        self._fallback_given_up = False
+        self._local = LocalPlanner()
         self._lost_at = time.monotonic()
-        self._throttled = _Throttled()
+        self._throttled = Throttled()
         self.sent_step = -1
         self.acked_step = -1
         self.dropped = 0
@@ -132,9 +107,12 @@ class StreamBackend:
         """True while the service answers on the stream."""
         self.connected_at: float | None = None
         """``time.monotonic()`` of the last (re)connection."""
-        self.planning_locally = False
-        """True while plans come from the in-process fallback planner."""
         self.last_error: str | None = None
+
+    @property
+    def planning_locally(self) -> bool:
+        """True while plans come from the in-process fallback planner."""
+        return self._local.active
 
     # -- training-thread side -------------------------------------------------
 
@@ -334,12 +312,7 @@ class StreamBackend:
     def _on_connected(self) -> None:
         self.connected = True
         self.connected_at = time.monotonic()
-        if self._fallback is not None:
-            log.info("rematd service is back; its plans replace the in-process planner's")
-        self._fallback = None
-        self._fallback_failures = 0
-        self._fallback_given_up = False
-        self.planning_locally = False
+        self._local.stop()
 
     def _pause(self, seconds: float) -> None:
         """Wait before reconnecting; plan locally meanwhile once the service has been gone long enough."""
@@ -353,7 +326,7 @@ class StreamBackend:
             if left <= 0:
                 return
             after = self.config.fallback_after_s
-            if after is not None and not self._fallback_given_up and time.monotonic() - self._lost_at >= after:
+            if after is not None and not self._local.given_up and time.monotonic() - self._lost_at >= after:
                 self._plan_locally(min(left, 0.1))
             else:
                 self._closing.wait(min(left, 0.1))
@@ -362,33 +335,16 @@ class StreamBackend:
         try:
             self._plan_one(timeout)
         except Exception as err:
-            self._fallback_failures += 1
             self._fault("the in-process planner", err)
-            if self._fallback_failures >= FALLBACK_MAX_FAILURES:
-                # A planner that keeps failing would only fail again: keep the plan in force instead.
-                log.error(
-                    "rematd: the in-process planner failed %d times in a row; the plan in force stays "
-                    "until the service answers again",
-                    self._fallback_failures,
-                )
-                self._fallback = None
-                self._fallback_given_up = True
-                self.planning_locally = False
+            self._local.failed()
         else:
-            self._fallback_failures = 0
+            self._local.succeeded()
 
     def _plan_one(self, timeout: float) -> None:
-        if self._fallback is None:
-            hello = self._current_hello()
-            if hello.plan is not None:
-                # Go on from the plan in force rather than from one made afresh, which could be looser.
-                self._fallback = open_planner(hello, first_version=hello.plan_version)
-                self._fallback.continue_from(hello.plan)
-            else:
-                self._fallback = open_planner(hello, first_version=self._plan_version + 1)
-            self.planning_locally = True
+        if not self._local.active:
+            first = self._local.start(self._current_hello(), next_version=self._plan_version + 1)
             log.warning("rematd service unreachable for %.0fs; planning in-process", time.monotonic() - self._lost_at)
-            self._deliver(self._fallback.plan, only_if_changed=True)
+            self._deliver(first, only_if_changed=True)
         try:
             item = self._folder.due(time.monotonic(), force=True) or self._queue.get(timeout=timeout)
         except queue.Empty:
@@ -396,14 +352,12 @@ class StreamBackend:
         if item is _STOP:
             self._stop()
             return
-        plan: Plan | None = None
-        if isinstance(item, StepStats):
-            plan = self._fallback.observe(observation(self._current_hello(), item))
-            self._ack(item.step)
-        elif isinstance(item, OomReport):
-            plan = self._fallback.report_oom(item.shape)
-        if plan is not None:
-            self._deliver(plan)
+        if isinstance(item, StepStats | OomReport):
+            plan = self._local.take(item, self._current_hello())
+            if isinstance(item, StepStats):
+                self._ack(item.step)
+            if plan is not None:
+                self._deliver(plan)
 
     def _deliver(self, plan: Plan, *, only_if_changed: bool = False) -> None:
         if only_if_changed and plan.blocks == self._last_blocks:

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import Any, Protocol, SupportsIndex
 
 import torch
 from torch import nn
@@ -26,10 +26,14 @@ from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.selective import selective_context
 from rematd.planner import Mode, Shape
 
-if TYPE_CHECKING:
-    from rematd.client.compiled import CompiledBlocks
-
 log = logging.getLogger("rematd.client")
+
+
+class CompiledVariants(Protocol):
+    """What a block needs of its compiled variants (:class:`rematd.client.compiled.CompiledBlocks`)."""
+
+    def covers(self, mode: Mode) -> bool: ...
+    def run(self, block: SwitchableBlock, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
 class _SwitchedForward:
@@ -74,7 +78,7 @@ class SwitchableBlock:
         """Where offloaded activations go (set by the handle; without one, autograd's ``save_on_cpu``)."""
         self._in_forward = False
         self._cache_logged = False
-        self.compiled: CompiledBlocks | None = None
+        self.compiled: CompiledVariants | None = None
         """The compiled variants this block runs (``attach(..., compile=...)``); None: eager."""
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rematd.client.guard import UnsupportedModel
+from rematd.client.errors import UnsupportedModel
 from rematd.client.refusals import refuse_own_checkpointing
 
 

@@ -94,8 +94,8 @@ def test_gradients_equal_with_and_without_checkpointing() -> None:
     h = client.attach(model, budget_bytes=10**12)
     for b in h._blocks:
         b.checkpointed = b.index % 2 == 0
-    h._profiled = True  # skip profiling: this test pins the plan by hand
-    h._boundary = False
+    h._life.profiled()  # skip profiling: this test pins the plan by hand
+    h._life.begin_step()
     for m in (ref, model):
         torch.manual_seed(7)
         lm_loss(m, batch(48)).backward()

@@ -45,7 +45,7 @@ def test_the_handle_reads_the_cuda_allocator() -> None:
     h = client.attach(model, optimizer=opt, budget_bytes=2**40, modes=ALL)
     for i in range(3):
         train_step(model, opt, 256, i)
-    assert isinstance(h._memory, CudaMemory)
+    assert isinstance(h._cycle.memory, CudaMemory)
     m = h.last_memory
     assert m is not None and m.peak_allocated_bytes > m.allocated_bytes > 0
     assert m.peak_reserved_bytes >= m.peak_allocated_bytes and 0 < m.free_bytes <= m.total_bytes

@@ -118,7 +118,7 @@ def test_a_cuda_model_reports_allocator_figures_every_step_and_recovers_from_cud
     assert h.last_stats is not None and h.last_stats.peak_allocated_bytes == 501
     assert h.last_memory is not None and h.last_memory.inactive_split_bytes == 64
     assert h.budget_bytes == 4000, "the default budget is the device's capacity"
-    assert h.plan.version == 0 and h._profiled, "the profile completed"
+    assert h.plan.version == 0 and h._life.has_profile, "the profile completed"
     offered = {m.mode for b in h._blocks if b.measure for m in b.measure.modes}
     assert Mode.OFFLOAD not in offered and Mode.RECOMPUTE in offered
     h.run_step(step)  # fails once, is retried with every block recomputed

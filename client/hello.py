@@ -1,0 +1,139 @@
+"""What the planner is told once a profile is complete: the hello, and what it is built from."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from torch import nn
+
+from rematd import __version__
+from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.describe import block_records
+from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
+from rematd.client.profiling import host_bandwidth
+from rematd.client.switch import SwitchableBlock
+from rematd.planner import Mode, Shape, Size
+from rematd.records import Hello
+
+log = logging.getLogger("rematd.client")
+
+Memory = CudaMemory | SavedTensorMemory
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Identity:
+    """Who is asking: the parts of the hello that do not come from the profiling step."""
+
+    job: str
+    fingerprint: str
+    margin_ratio: float
+
+
+def memory_source(
+    model: nn.Module, accounting: SavedTensorAccounting, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Memory:
+    """The CUDA allocator when the first step's input (or the model) is on CUDA; else saved-tensor accounting."""
+    for t in tensors_in([args, kwargs]):
+        if t.is_cuda:
+            return CudaMemory(t.device)
+    for p in model.parameters():
+        if p.is_cuda:
+            return CudaMemory(p.device)
+        break
+    return SavedTensorMemory(accounting)
+
+
+def offer_modes(blocks: Sequence[SwitchableBlock], memory: Memory, modes: Collection[Mode]) -> None:
+    """Offload needs a host link worth using: offered on CUDA only, with its measured bandwidth."""
+    offer = set(modes)
+    bandwidth = None
+    if isinstance(memory, CudaMemory) and Mode.OFFLOAD in offer:
+        try:
+            bandwidth = host_bandwidth(memory.device)
+        except Exception as err:
+            # Without a measured link offload cannot be priced; the other modes still can.
+            log.warning("rematd: measuring the host link failed (%s); offload is not offered", err)
+    if not bandwidth:
+        offer.discard(Mode.OFFLOAD)
+    for b in blocks:
+        b.offer = frozenset(offer)
+        b.host_bandwidth = bandwidth
+
+
+def fresh_grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients a step will create: those of trainable parameters without one now."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+
+
+def complete_profile(blocks: Sequence[SwitchableBlock]) -> bool:
+    """Whether every block has a profile; after an error in the profiling step, borrow the largest."""
+    measured = [b.measure for b in blocks if b.measure is not None]
+    if len(measured) == len(blocks):
+        return True
+    if not measured:
+        return False  # nothing to plan from: every block keeps recomputing
+    largest = max(measured, key=lambda m: m.saved_bytes)
+    for b in blocks:
+        if b.measure is None:
+            b.measure = dataclasses.replace(largest)
+    return True
+
+
+def other_activations(
+    memory: Memory, sample: MemorySample, *, blocks_bytes: int, static: int, fresh_grads: int
+) -> Size:
+    """Memory at the peak outside static memory and the blocks, from the profiling step (every block
+    stored). On the CPU, bytes the rest of the model saves. On CUDA, what the allocator's peak holds
+    beyond that: logits, the loss's upcast, gradients as they accumulate, optimizer temporaries,
+    allocator rounding. Gradients of parameters that had none at the step's start do not grow with
+    the input; what the step created and kept (optimizer state) is later steps' static memory; the
+    rest is taken to grow with tokens (:func:`rematd.client.memory.outside_blocks`)."""
+    if not isinstance(memory, CudaMemory):
+        return Size.linear(max(0, sample.saved_peak_bytes - blocks_bytes))
+    return outside_blocks(
+        peak=sample.peak_allocated_bytes,
+        static=static,
+        blocks=blocks_bytes,
+        allocated_after=sample.allocated_bytes,
+        fresh_grads=fresh_grads,
+    )
+
+
+def build_hello(
+    who: Identity,
+    blocks: Sequence[SwitchableBlock],
+    memory: Memory,
+    sample: MemorySample,
+    *,
+    rank: int,
+    world_size: int,
+    shape: Shape,
+    budget_bytes: int,
+    static: int,
+    fresh_grads: int,
+) -> Hello:
+    """The hello that opens the planner, from the profiling step; the blocks stop profiling."""
+    records = block_records(blocks)
+    for b in blocks:
+        b.profiling = False
+    return Hello(
+        job_id=who.job,
+        rank=rank,
+        world_size=world_size,
+        device_name=memory.name,
+        device_total_bytes=memory.total_bytes,
+        model_fingerprint=who.fingerprint,
+        blocks=records,
+        profile_shape=shape,
+        budget_bytes=budget_bytes,
+        static_bytes=static,
+        memory_source=memory.kind,
+        margin_ratio=who.margin_ratio,
+        client_version=__version__,
+        other_activations=other_activations(
+            memory, sample, blocks_bytes=sum(r.saved_bytes for r in records), static=static, fresh_grads=fresh_grads
+        ),
+    )

@@ -1,0 +1,243 @@
+"""One training step as rematd sees it: what happens at its start and end, and after an out-of-memory error.
+
+What a step's start does depends on the lifecycle's phase
+(:mod:`rematd.client.lifecycle`); the step's end measures it, opens the
+planner once the profile is complete, and reports the step's statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import nn
+
+from rematd.client.backends import Backend
+from rematd.client.describe import dist_rank, shape_of
+from rematd.client.hello import (
+    Identity,
+    Memory,
+    build_hello,
+    complete_profile,
+    fresh_grad_bytes,
+    memory_source,
+    offer_modes,
+)
+from rematd.client.lifecycle import Lifecycle, Phase
+from rematd.client.memory import CudaMemory, MemorySample
+from rematd.client.oom_policy import free_after_oom, oom_message
+from rematd.client.parts import BlockParts
+from rematd.planner import Mode, Shape
+from rematd.records import Hello, OomReport, StepStats
+
+log = logging.getLogger("rematd.client")
+
+
+class StepCycle:
+    """The training thread's side of a handle, from one step boundary to the next."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        parts: BlockParts,
+        backend: Backend,
+        job: str | None,
+        fingerprint: str,
+        margin_ratio: float,
+        modes: Collection[Mode],
+        budget_bytes: int | None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.blocks = parts.blocks
+        self.accounting = parts.accounting
+        self.applier = parts.applier
+        self.backend = backend
+        self.timer = parts.timer
+        self.offloader = parts.offloader
+        self.compiled = parts.compiled
+        self.who = Identity(
+            job=job or f"job-{uuid.uuid4().hex[:8]}", fingerprint=fingerprint, margin_ratio=margin_ratio
+        )
+        self.job_given = job is not None
+        self.modes = modes
+        self.budget_bytes = budget_bytes
+        self.life = Lifecycle()
+        self.memory: Memory | None = None
+        """Where the figures come from; chosen at the first step, from where its input is."""
+        self.step = 0
+        self.shape = Shape()
+        self.static = 0
+        self.fresh_grads = 0
+        """Bytes of the gradients the profiling step creates (those of parameters without one at its start)."""
+        self.started: float | None = None
+        self.ranks: tuple[int, int] | None = None
+        """(rank, world size) as sent in the hello."""
+        self.unsent_oom: OomReport | None = None
+        self.last_stats: StepStats | None = None
+        self.last_memory: MemorySample | None = None
+        self.errors = 0
+        """Failures of rematd's bookkeeping caught on the training thread; training went on after each."""
+        self._counting: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    # -- a step's start and end ----------------------------------------------
+
+    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The first grad-enabled forward after a step boundary."""
+        runs_in = self.life.begin_step()
+        if self.memory is None:
+            self.memory = memory_source(self.model, self.accounting, args, kwargs)
+            self.accounting.exclude_module_state(self.model)
+            offer_modes(self.blocks, self.memory, self.modes)
+        self.shape = shape_of(args, kwargs)
+        if runs_in is Phase.PROFILING:
+            for b in self.blocks:
+                b.profiling = True
+                b.profile_shape = self.shape
+            self.fresh_grads = fresh_grad_bytes(self.model)
+        elif runs_in is Phase.PLANNED:
+            self.applier.apply_pending(self.shape)
+        elif (
+            runs_in is Phase.SAFE
+            and self.life.has_profile
+            and self.applier.has_pending()
+            and self.applier.apply_pending(self.shape)
+        ):
+            # Every block recomputes until the planner answers with a new plan.
+            self.life.plan_applied()
+        # The retry (Phase.RETRY) runs with every block recomputed, whatever is pending.
+        if self.blocks[0].step_shape != self.shape:
+            for b in self.blocks:
+                b.step_shape = self.shape
+        self.static = self.memory.static_bytes()
+        self.started = time.perf_counter()
+
+    def end(self) -> None:
+        """``Handle.step()``: measure the step, open the planner once profiled, report the statistics."""
+        try:
+            self._report()
+        finally:
+            self.life.end_step()
+
+    def _report(self) -> None:
+        assert self.memory is not None
+        sample = self.memory.sample()
+        self.last_memory = sample
+        if self.budget_bytes is None:
+            self.budget_bytes = max(1, int(sample.total_bytes or self.memory.total_bytes or 2**40))
+        elapsed = time.perf_counter() - self.started if self.started else 0.0
+        recompiles, compile_seconds = self.compiled.take() if self.compiled is not None else (0, 0.0)
+        self.offloader.end_step()
+        if recompiles:
+            # The forwards that compiled were timed with their compile: seconds, not what the mode costs.
+            self.timer.forget()
+        if not self.life.has_profile and complete_profile(self.blocks):
+            self.life.profiled()
+            self.backend.open(self._hello(sample))
+            if self.unsent_oom is not None:
+                self.backend.send_oom(self.unsent_oom)
+                self.unsent_oom = None
+        stats = StepStats(
+            step=self.step,
+            peak_allocated_bytes=sample.peak_allocated_bytes,
+            peak_reserved_bytes=sample.peak_reserved_bytes,
+            allocated_bytes=sample.allocated_bytes,
+            reserved_bytes=sample.reserved_bytes,
+            alloc_retries=sample.alloc_retries,
+            oom_count=sample.oom_count,
+            free_bytes=sample.free_bytes,
+            total_bytes=sample.total_bytes,
+            step_seconds=elapsed,
+            plan_version=self.applier.plan.version,
+            shape=self.shape,
+            saved_peak_bytes=sample.saved_peak_bytes,
+            budget_bytes=self.budget_bytes,
+            static_bytes=self.static,
+            inactive_split_bytes=sample.inactive_split_bytes,
+            mode_seconds=self.timer.take(),
+            recompiles=recompiles,
+            compile_seconds=compile_seconds,
+        )
+        self.last_stats = stats
+        self.step += 1
+        self.backend.send_stats(stats)
+
+    def _hello(self, sample: MemorySample) -> Hello:
+        assert self.memory is not None and self.budget_bytes is not None
+        # Read now, not at attach: the process group is often set up after the model is attached.
+        rank, world_size = self.ranks = dist_rank()
+        if world_size > 1 and not self.job_given:
+            log.warning(
+                "rematd: rank %d of %d was attached without job=, so it streams as job %r and every rank "
+                "appears as a separate job; pass the same job= on every rank",
+                rank,
+                world_size,
+                self.who.job,
+            )
+        return build_hello(
+            self.who,
+            self.blocks,
+            self.memory,
+            sample,
+            rank=rank,
+            world_size=world_size,
+            shape=self.shape,
+            budget_bytes=self.budget_bytes,
+            static=self.static,
+            fresh_grads=self.fresh_grads,
+        )
+
+    # -- saved-tensor accounting around the model's forward -------------------
+
+    def start_counting(self) -> None:
+        self._counting = self.accounting.hooks()
+        self._counting.__enter__()
+        self.accounting.active = True
+
+    def stop_counting(self) -> None:
+        if self.accounting.active:
+            self.accounting.active = False
+            if self._counting is not None:
+                self._counting.__exit__(None, None, None)
+                self._counting = None
+
+    # -- out of memory --------------------------------------------------------
+
+    def report_oom(self, message: str = "") -> None:
+        """Tell the planner the last step ran out of memory; before the planner opens, with the profile."""
+        oom = OomReport(step=self.step, shape=self.shape, plan_version=self.applier.plan.version, message=message)
+        if self.life.has_profile:
+            self.backend.send_oom(oom)
+        else:
+            self.unsent_oom = oom
+
+    def recover(self, exc: BaseException) -> None:
+        """After an out-of-memory error: free, report, recompute every block, let the step run again."""
+        message = oom_message(exc)
+        log.warning("rematd: out of memory at step %d (%s); every block recomputes now", self.step, message)
+        try:
+            free_after_oom(exc, self.model, self.optimizer, cuda=isinstance(self.memory, CudaMemory))
+            self.stop_counting()
+            # Nothing the failed step saved is needed any more, and its timings are of a step that did not finish.
+            self.accounting.forget()
+            self.timer.forget()
+            self.offloader.forget()
+            self.report_oom(message)
+            for b in self.blocks:
+                b.profiling = False
+                b.checkpointed = True
+            self.applier.invalidate()
+            self.life.oom()
+            if isinstance(self.memory, CudaMemory):
+                self.memory.sample()  # the failed step's peaks are not the retry's
+            else:
+                self.accounting.take_peak()
+        except Exception:
+            self.errors += 1
+            log.exception("rematd: recovering from out of memory failed")

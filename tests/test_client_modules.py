@@ -1,0 +1,82 @@
+"""The client's modules: none imports itself back (at module level, in a function or for type checking), none is
+over 400 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+CLIENT = Path(__file__).resolve().parent.parent / "client"
+PACKAGE = "rematd.client"
+
+
+def client_imports(path: Path) -> set[str]:
+    """The modules of the client package that ``path`` imports anywhere in it."""
+    names = {p.stem for p in CLIENT.glob("*.py")}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target == PACKAGE:
+                found.add("__init__")
+            elif target.startswith(PACKAGE + "."):
+                name = target[len(PACKAGE) + 1 :].split(".")[0]
+                if name in names:
+                    found.add(name)
+    found.discard(path.stem)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)) is not None:
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_loop_through_a_type_checking_import(tmp_path: Path) -> None:
+    module = tmp_path / "guard.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rematd.client.handle import Handle\n"
+        "def f():\n    from rematd.client import lifecycle\n"
+    )
+    assert client_imports(module) == {"handle", "__init__", "lifecycle"}
+    assert find_cycle({"guard": {"handle"}, "handle": {"hello", "guard"}, "hello": set()}) == [
+        "guard",
+        "handle",
+        "guard",
+    ]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_in_the_client() -> None:
+    graph = {p.stem: client_imports(p) for p in CLIENT.glob("*.py")}
+    assert "guard" in graph and "handle" in graph["__init__"], "the client's modules were found"
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def test_every_client_module_is_under_400_lines() -> None:
+    sizes = {p.name: len(p.read_text().splitlines()) for p in CLIENT.glob("*.py")}
+    assert len(sizes) > 20
+    over = {name: n for name, n in sizes.items() if n >= 400}
+    assert not over, f"client modules of 400 lines or more: {over}"
