@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from importlib import resources
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -34,6 +34,18 @@ from rematd.server.auth import TokenAuth
 from rematd.server.core import JOB_STATES, AdvisorCore
 from rematd.server.errors import JobNotFound, SessionError, Unauthenticated
 from rematd.server.http_guard import bounded, install
+from rematd.server.rest_models import (
+    Controls,
+    Health,
+    JobList,
+    JobOoms,
+    JobPlans,
+    JobStats,
+    JobView,
+    ModeName,
+    NotReady,
+    Ready,
+)
 
 DOCS_ASSETS = "/docs-assets"
 
@@ -43,9 +55,6 @@ _MAX_BLOCKS = 4096
 
 def _dashboard() -> str:
     return resources.files("rematd.server").joinpath("static/index.html").read_text(encoding="utf-8")
-
-
-ModeName = Literal["store", "selective", "recompute", "offload"]
 
 
 class PinBody(BaseModel):
@@ -136,11 +145,20 @@ def create_app(
     async def dashboard() -> str:
         return page
 
-    @app.get("/healthz")
+    # A response says what the view gave: keys with a default that the view left out stay out.
+    shown: dict[str, Any] = {"response_model_exclude_unset": True}
+
+    @app.get("/healthz", response_model=Health)
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    @app.get("/readyz", responses={503: {"description": "draining or shutting down, or the record cannot be written"}})
+    @app.get(
+        "/readyz",
+        responses={
+            200: {"model": Ready, "description": "ready"},
+            503: {"model": NotReady, "description": "draining or shutting down, or the record cannot be written"},
+        },
+    )
     def readyz() -> JSONResponse:
         """Ready to take training ranks: serving (not draining) and the record takes writes. Liveness is /healthz.
 
@@ -167,21 +185,21 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/v1/jobs", dependencies=read, responses=unauthorized)
+    @app.get("/api/v1/jobs", response_model=JobList, dependencies=read, responses=unauthorized, **shown)
     def jobs(
         state: Annotated[str | None, Query(description=f"one of {', '.join(JOB_STATES)}")] = None,
     ) -> dict[str, Any]:
         return {"jobs": core.list_jobs(state)}
 
-    @app.get("/api/v1/jobs/{job}", dependencies=read, responses=unauthorized)
+    @app.get("/api/v1/jobs/{job}", response_model=JobView, dependencies=read, responses=unauthorized, **shown)
     def job(job: str) -> dict[str, Any]:
         return core.get_job(job)
 
-    @app.get("/api/v1/jobs/{job}/plans", dependencies=read, responses=unauthorized)
+    @app.get("/api/v1/jobs/{job}/plans", response_model=JobPlans, dependencies=read, responses=unauthorized, **shown)
     def plans(job: str) -> dict[str, Any]:
         return {"job": job, "plans": core.job_plans(job)}
 
-    @app.get("/api/v1/jobs/{job}/stats", dependencies=read, responses=unauthorized)
+    @app.get("/api/v1/jobs/{job}/stats", response_model=JobStats, dependencies=read, responses=unauthorized, **shown)
     def stats(
         job: str,
         limit: int = Query(2000, ge=1, le=100_000),
@@ -191,11 +209,11 @@ def create_app(
     ) -> dict[str, Any]:
         return {"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)}
 
-    @app.get("/api/v1/jobs/{job}/ooms", dependencies=read, responses=unauthorized)
+    @app.get("/api/v1/jobs/{job}/ooms", response_model=JobOoms, dependencies=read, responses=unauthorized, **shown)
     def ooms(job: str) -> dict[str, Any]:
         return {"job": job, "ooms": core.job_ooms(job)}
 
-    @app.post("/api/v1/jobs/{job}/pin", responses=writes)
+    @app.post("/api/v1/jobs/{job}/pin", response_model=Controls, responses=writes, **shown)
     def pin(job: str, body: PinBody) -> dict[str, Any]:
         """Pin the job's plan: its ranks are sent this plan from their next step until it is unpinned."""
         return core.pin(
@@ -205,16 +223,16 @@ def create_app(
             modes=list(body.modes) if body.modes is not None else None,
         )
 
-    @app.delete("/api/v1/jobs/{job}/pin", responses=writes)
+    @app.delete("/api/v1/jobs/{job}/pin", response_model=Controls, responses=writes, **shown)
     def unpin(job: str) -> dict[str, Any]:
         return core.unpin(job)
 
-    @app.patch("/api/v1/jobs/{job}", responses=writes)
+    @app.patch("/api/v1/jobs/{job}", response_model=Controls, responses=writes, **shown)
     def tune(job: str, body: TuneBody) -> dict[str, Any]:
         """Override the job's margin or budget; the next plan honours it."""
         return core.tune(job, {k: getattr(body, k) for k in body.model_fields_set})
 
-    @app.post("/api/v1/jobs/{job}/end", responses=writes)
+    @app.post("/api/v1/jobs/{job}/end", response_model=JobView, responses=writes, **shown)
     def end(job: str) -> dict[str, Any]:
         """Mark the job ended (its metrics go; a live rank's stream is closed at its next message)."""
         return core.end_job(job)
