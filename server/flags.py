@@ -100,9 +100,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> list[Flag]:
                 flag.name, dest=flag.dest, action=argparse.BooleanOptionalAction, default=flag.default, help=text
             )
         else:
-            metavar = flag.type.__name__.upper()
             action = parser.add_argument(
-                flag.name, dest=flag.dest, type=flag.type, default=flag.default, metavar=metavar, help=text
+                flag.name,
+                dest=flag.dest,
+                type=flag.type,
+                default=flag.default,
+                metavar=flag.path[-1].upper(),
+                help=text,
             )
         # Some Python versions add it themselves to a boolean flag's help.
         if flag.default not in ("", None) and "%(default)" not in (action.help or ""):
