@@ -1,9 +1,9 @@
 """What the REST API returns, as models: ``/openapi.json`` documents each endpoint's response from these.
 
-They mirror the core's read views key for key. Rows of the record's growing tables (step statistics, which a
-migration may widen) keep keys not named here (``extra="allow"``), so no response loses what the view emits.
-The endpoints leave out a key with a default that the view did not give (``response_model_exclude_unset``):
-a response says what the view said, no more.
+They mirror the core's read views key for key: a view validated against its model and dumped with
+``exclude_unset=True`` comes back unchanged (the tests hold each view to this). Rows of the record's growing
+tables (step statistics, which a migration may widen) keep keys not named here (``extra="allow"``). The
+endpoints send the views as they are; these models document them.
 """
 
 from __future__ import annotations

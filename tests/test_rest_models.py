@@ -15,6 +15,7 @@ from rematd.server.auth import TokenAuth
 from rematd.server.core import AdvisorCore
 from rematd.server.metrics import Metrics
 from rematd.server.rest import create_app
+from rematd.server.rest_models import Controls, JobList, JobOoms, JobPlans, JobStats, JobView
 from rematd.server.store import Store
 
 from .test_service import hello, stats
@@ -113,3 +114,24 @@ def test_a_key_a_migration_adds_to_stats_rows_reaches_the_client(core: AdvisorCo
     core.job_stats = wider  # type: ignore[method-assign]
     rows = TestClient(create_app(core)).get("/api/v1/jobs/known/stats").json()["stats"]
     assert rows and all(r["oom_risk"] == 0.125 for r in rows)
+
+
+def test_every_view_fits_its_model_and_comes_back_whole(core: AdvisorCore) -> None:
+    """The endpoints send the views unvalidated (a large read stays cheap); here each is held to its model."""
+    core.pin("known", blocks=[1, 3])
+    core.tune("known", {"budget_bytes": 123_456})
+    views = [
+        (JobList, {"jobs": core.list_jobs()}),
+        (JobView, core.get_job("known")),
+        (JobView, core.get_job("over")),
+        (JobPlans, {"job": "known", "plans": core.job_plans("known")}),
+        (JobStats, {"job": "known", "stats": core.job_stats("known")}),
+        (JobOoms, {"job": "known", "ooms": core.job_ooms("known")}),
+        (Controls, core.job_controls("known")),
+        (JobView, core.end_job("known")),
+    ]
+    for model, view in views:
+        back = model.model_validate(view).model_dump(mode="json", exclude_unset=True)
+        assert back == _plain(view), model.__name__
+    with pytest.raises(ValueError, match="state"):
+        JobView.model_validate({**core.get_job("over"), "state": "sideways"})
