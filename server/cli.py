@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["serve"]:
         args = args[1:]
+    elif args[:1] == ["demo"]:
+        # The service does not import the client: the demo is the rematd command's.
+        print("rematd.server.cli runs the service only: the demo is `rematd demo`", file=sys.stderr)
+        return 2
     return serve(args)
 
 
