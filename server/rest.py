@@ -30,7 +30,7 @@ from pydantic_core import to_json
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
 
 from rematd import __version__
-from rematd.records import InvalidMessage
+from rematd.records import MAX_BLOCKS, MAX_INT, InvalidMessage
 from rematd.server.auth import TokenAuth
 from rematd.server.core import JOB_STATES, AdvisorCore
 from rematd.server.errors import JobNotFound, SessionError, Unauthenticated
@@ -50,9 +50,6 @@ from rematd.server.rest_models import (
 
 DOCS_ASSETS = "/docs-assets"
 
-_MAX_INT = 2**63 - 1
-_MAX_BLOCKS = 4096
-
 
 def _json(view: Any) -> Response:
     """A read view as JSON, as it is. The endpoint's response model documents it, and the tests hold every view
@@ -69,12 +66,12 @@ class PinBody(BaseModel):
     """A plan to pin: every k-th block or a set of blocks recomputing (the rest storing), or one mode per block."""
 
     model_config = ConfigDict(extra="forbid")
-    checkpoint_every: int | None = Field(None, ge=0, le=_MAX_BLOCKS, description="k for every k-th block; 0 for none")
-    blocks: list[Annotated[int, Field(ge=0, le=_MAX_BLOCKS)]] | None = Field(
-        None, max_length=_MAX_BLOCKS, description="block indices to recompute"
+    checkpoint_every: int | None = Field(None, ge=0, le=MAX_BLOCKS, description="k for every k-th block; 0 for none")
+    blocks: list[Annotated[int, Field(ge=0, le=MAX_BLOCKS)]] | None = Field(
+        None, max_length=MAX_BLOCKS, description="block indices to recompute"
     )
     modes: list[ModeName] | None = Field(
-        None, max_length=_MAX_BLOCKS, description="one mode per block, at every sequence length"
+        None, max_length=MAX_BLOCKS, description="one mode per block, at every sequence length"
     )
 
     @model_validator(mode="after")
@@ -89,7 +86,7 @@ class TuneBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     margin_ratio: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
-    budget_bytes: int | None = Field(None, gt=0, le=_MAX_INT)
+    budget_bytes: int | None = Field(None, gt=0, le=MAX_INT)
 
     @model_validator(mode="after")
     def _some(self) -> TuneBody:
@@ -210,7 +207,7 @@ def create_app(
         limit: int = Query(2000, ge=1, le=100_000),
         since: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
         until: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
-        rank: int | None = Query(None, ge=0, le=_MAX_INT),
+        rank: int | None = Query(None, ge=0, le=MAX_INT),
     ) -> Response:
         return _json({"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)})
 
