@@ -3,7 +3,8 @@
 Imports no torch: the service runs on machines without it.
 """
 
-from rematd.server.app import Bound, ServeConfig, Service, ServiceThread
+from rematd.server.app import Bound, Service, ServiceThread
+from rematd.server.config import ServeConfig
 from rematd.server.core import AdvisorCore, JobNotFound
 from rematd.server.metrics import Metrics
 from rematd.server.store import Store

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
+import dataclasses
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -17,148 +16,37 @@ import grpc
 import uvicorn
 
 from rematd.server import peers
-from rematd.server.auth import TokenAuth
-from rematd.server.config import CoreConfig, GrpcOptions, StoreConfig
+from rematd.server.config import (
+    ExposedWithoutToken,
+    ServeConfig,
+    StoreConfig,
+    default_db_path,
+    is_loopback,
+)
 from rematd.server.core import AdvisorCore
 from rematd.server.grpc_service import build_server
 from rematd.server.metrics import Metrics
 from rematd.server.rest import create_app
 from rematd.server.store import Store, database_url, redact_url
 
+# Where they were defined before the settings had a module of their own.
+__all__ = [
+    "Bound",
+    "ExposedWithoutToken",
+    "ServeConfig",
+    "Service",
+    "ServiceThread",
+    "default_db_path",
+    "is_loopback",
+    "store_config",
+]
+
 log = logging.getLogger("rematd.server")
 
 
-def default_db_path() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "rematd" / "rematd.db"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class ExposedWithoutToken(ValueError):
-    """A service that would listen beyond loopback with no token: anyone who reaches a port could stream
-    into the record, or pin and end jobs."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServeConfig:
-    """Where the service listens, who may do what, and how it keeps its record."""
-
-    grpc_host: str = "127.0.0.1"
-    """Address the gRPC service binds to."""
-    grpc_port: int = 50051
-    """gRPC port; 0 picks a free one."""
-    http_host: str = "127.0.0.1"
-    """Address of the REST API, dashboard and /metrics."""
-    http_port: int = 8080
-    """HTTP port; 0 picks a free one."""
-    http: bool = True
-    """Serve HTTP at all (extra workers of a multi-process service serve gRPC only)."""
-    db: str = ""
-    """SQLite file or database URL of the record (default: a SQLite file under the user's data directory)."""
-    grace_seconds: float = 5.0
-    """At shutdown, after open streams are told to reconnect, how long their last messages get to finish."""
-    drain_seconds: float = 0.0
-    """How long health says NOT_SERVING before the servers stop, so load balancers move away first."""
-    token: str | None = None
-    """Bearer token that writes (and non-loopback reads) need; None: HTTP writes are open on loopback only."""
-    public_reads: bool = False
-    """Serve reads without a token even when HTTP binds a non-loopback address."""
-    tls_cert: str = ""
-    """PEM certificate chain for TLS on gRPC and HTTP (with tls_key)."""
-    tls_key: str = ""
-    """PEM private key for TLS."""
-    retention_days: float = 30.0
-    """Stats and OOM events older than this are deleted, and jobs idle that long."""
-    keep_steps: int = 2000
-    """Per rank, the latest steps kept at full resolution."""
-    bucket_seconds: float = 300.0
-    """Older steps keep one row per rank per bucket of this many seconds."""
-    compact_seconds: float = 600.0
-    """How often old statistics are down-sampled and expired."""
-    controls_poll_seconds: float = 1.0
-    """How often operator controls written by another worker or replica are picked up."""
-    session_expiry_seconds: float = 900.0
-    """A rank whose stream has been gone this long is forgotten; a job's series go with its last rank."""
-    max_report_interval_seconds: float = 10.0
-    """How long a rank may fold steady steps into one report (0: every step is reported)."""
-    per_rank_metrics: bool = False
-    """Export per-rank series besides the per-job ones."""
-    max_message_bytes: int = 1 << 20
-    """Largest gRPC message a rank may send."""
-    reuse_port: bool = False
-    """Bind gRPC with SO_REUSEPORT so several worker processes share the port."""
-    worker_index: int = 0
-    """Which of several workers this process is (0 serves HTTP)."""
-    shared_dir: str = ""
-    """Where the workers of one service leave what worker 0 adds to its /metrics ("" with one process)."""
-
-    def __post_init__(self) -> None:
-        for name in ("grpc_port", "http_port"):
-            port = getattr(self, name)
-            if not 0 <= port <= 65535:
-                raise ValueError(f"{name.replace('_', '-')} must be in 0-65535, got {port}")
-        for name in ("grace_seconds", "drain_seconds"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("compact_seconds", "controls_poll_seconds", "session_expiry_seconds"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls-cert and tls-key go together")
-        for name in ("tls_cert", "tls_key"):
-            path = getattr(self, name)
-            if path and not os.path.isfile(path):
-                raise ValueError(f"{name.replace('_', '-')} {path!r} is not a readable file")
-        # These raise ValueError naming the setting.
-        CoreConfig(
-            session_expiry_seconds=self.session_expiry_seconds,
-            max_report_interval_seconds=self.max_report_interval_seconds,
-        )
-        TokenAuth(token=self.token)
-        GrpcOptions(max_message_bytes=self.max_message_bytes)
-        self.store_config()
-        # Here, so that every way of starting the service (the CLI, Service, ServiceThread) refuses it.
-        exposed = self._exposed_without_token()
-        if exposed:
-            raise ExposedWithoutToken(
-                f"{exposed} is not a loopback address, and writes there need a token: set REMATD_TOKEN "
-                "or --token-file (e.g. REMATD_TOKEN=$(openssl rand -hex 32)), or bind 127.0.0.1"
-            )
-
-    def _exposed_without_token(self) -> str:
-        """What would listen beyond loopback with no token, as the flag that set it ("" when nothing)."""
-        if self.token is not None:
-            return ""
-        if not is_loopback(self.grpc_host):
-            return f"--grpc-host {self.grpc_host}"
-        if self.http and not is_loopback(self.http_host):
-            return f"--http-host {self.http_host}"
-        return ""
-
-    def store_config(self) -> StoreConfig:
-        return StoreConfig(
-            url=database_url(self.db or default_db_path()),
-            keep_steps=self.keep_steps,
-            bucket_seconds=self.bucket_seconds,
-            retention_days=self.retention_days,
-        )
-
-    @property
-    def auth(self) -> TokenAuth:
-        loopback = is_loopback(self.http_host)
-        return TokenAuth(token=self.token, open_reads=self.public_reads or loopback, open_writes=loopback)
-
-    @property
-    def tls(self) -> bool:
-        return bool(self.tls_cert)
+def store_config(config: ServeConfig) -> StoreConfig:
+    """The record's settings, naming the record ``--db`` gives."""
+    return dataclasses.replace(config.store, url=database_url(config.db_path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,17 +76,9 @@ class Service:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        store_config = config.store_config()
-        self.db_path = config.db or str(default_db_path())
-        self.store = Store(store_config)
-        self.core = AdvisorCore(
-            self.store,
-            Metrics(per_rank=config.per_rank_metrics),
-            CoreConfig(
-                session_expiry_seconds=config.session_expiry_seconds,
-                max_report_interval_seconds=config.max_report_interval_seconds,
-            ),
-        )
+        self.db_path = config.db_path
+        self.store = Store(store_config(config))
+        self.core = AdvisorCore(self.store, Metrics(per_rank=config.per_rank_metrics), config.core)
         self.bound: Bound | None = None
         self.serving = False
 
@@ -224,8 +104,7 @@ class Service:
 
     async def run(self, stop: asyncio.Event, ready: threading.Event | None = None) -> None:
         cfg = self.config
-        options = GrpcOptions(max_message_bytes=cfg.max_message_bytes, reuse_port=cfg.reuse_port)
-        server, servicer, health = build_server(self.core, auth=cfg.auth, options=options)
+        server, servicer, health = build_server(self.core, auth=cfg.auth, options=cfg.grpc)
         grpc_port = self._bind_grpc(server)
         web: _QuietServer | None = None
         sock: socket.socket | None = None
@@ -264,7 +143,7 @@ class Service:
             asyncio.create_task(self._every(cfg.compact_seconds, "compact", self.store.compact)),
             # Often enough that a rank goes within a quarter of the expiry after it is due.
             asyncio.create_task(
-                self._every(min(30.0, cfg.session_expiry_seconds / 4), "expiry", self.core.expire_sessions)
+                self._every(min(30.0, cfg.core.session_expiry_seconds / 4), "expiry", self.core.expire_sessions)
             ),
         ]
         if cfg.shared_dir:

@@ -1,9 +1,26 @@
-"""The service's settings: each has one default, here, and the ``rematd serve`` flags are built from them."""
+"""The service's settings: each has one default, here, and the ``rematd serve`` flags are built from them.
+
+Each setting's attribute docstring is its flag's help (``rematd.server.flags``). A setting an operator does not
+set on the command line says why in its field's ``NO_FLAG`` metadata. Errors name a setting as its flag is
+spelled, without the dashes (``keep-steps``), so the same message reads right from Python and from the CLI.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from rematd.server.auth import TokenAuth
+
+NO_FLAG = "no_flag"
+"""Field metadata key: why the setting has no ``rematd serve`` flag of its own."""
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,20 +40,20 @@ class CoreConfig:
 
     def __post_init__(self) -> None:
         if self.warm_after_steps < 1:
-            raise ValueError(f"warm_after_steps must be >= 1, got {self.warm_after_steps}")
+            raise ValueError(f"warm-after-steps must be >= 1, got {self.warm_after_steps}")
         if not self.session_expiry_seconds > 0:
             raise ValueError(f"session-expiry-seconds must be positive, got {self.session_expiry_seconds}")
         if not 0 <= self.max_report_interval_seconds <= 3600:
             raise ValueError(f"max-report-interval-seconds must be in 0-3600, got {self.max_report_interval_seconds}")
         if self.quiet_steps < 1:
-            raise ValueError(f"quiet_steps must be >= 1, got {self.quiet_steps}")
+            raise ValueError(f"quiet-steps must be >= 1, got {self.quiet_steps}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreConfig:
     """How the record is kept."""
 
-    url: str = "sqlite:///:memory:"
+    url: str = field(default="sqlite:///:memory:", metadata={NO_FLAG: "rematd serve names the record with --db"})
     """SQLAlchemy URL, or a plain path to a SQLite file."""
     keep_steps: int = 2000
     """Per rank, the latest steps kept at full resolution; older ones are down-sampled."""
@@ -53,15 +70,15 @@ class StoreConfig:
         if not self.url:
             raise ValueError("db must name a SQLite file or a database URL")
         if self.keep_steps < 1:
-            raise ValueError(f"keep_steps must be >= 1, got {self.keep_steps}")
+            raise ValueError(f"keep-steps must be >= 1, got {self.keep_steps}")
         if not self.bucket_seconds > 0:
-            raise ValueError(f"bucket_seconds must be positive, got {self.bucket_seconds}")
+            raise ValueError(f"bucket-seconds must be positive, got {self.bucket_seconds}")
         if not self.retention_days > 0:
             raise ValueError(f"retention-days must be positive, got {self.retention_days}")
         if not self.flush_seconds > 0:
-            raise ValueError(f"flush_seconds must be positive, got {self.flush_seconds}")
+            raise ValueError(f"flush-seconds must be positive, got {self.flush_seconds}")
         if self.max_buffered < 1:
-            raise ValueError(f"max_buffered must be >= 1, got {self.max_buffered}")
+            raise ValueError(f"max-buffered must be >= 1, got {self.max_buffered}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,7 +93,7 @@ class GrpcOptions:
     """A ping unanswered this long closes the connection."""
     min_client_ping_seconds: float = 10.0
     """Clients may ping this often without being told off (GOAWAY too_many_pings)."""
-    reuse_port: bool = False
+    reuse_port: bool = field(default=False, metadata={NO_FLAG: "set by --workers above 1"})
     """SO_REUSEPORT: several worker processes share the port (else a second bind of it fails)."""
 
     def __post_init__(self) -> None:
@@ -84,7 +101,7 @@ class GrpcOptions:
             raise ValueError(f"max-message-bytes must be >= 1024, got {self.max_message_bytes}")
         for name in ("keepalive_seconds", "keepalive_timeout_seconds", "min_client_ping_seconds"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
 
     def channel_options(self) -> list[tuple[str, Any]]:
         # Streams live for days: no max connection age or idle limit; liveness comes from pings instead.
@@ -101,3 +118,119 @@ class GrpcOptions:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
         ]
+
+
+def default_db_path() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "rematd" / "rematd.db"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ExposedWithoutToken(ValueError):
+    """A service that would listen beyond loopback with no token: anyone who reaches a port could stream
+    into the record, or pin and end jobs."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeConfig:
+    """Where the service listens, who may do what, and how it keeps its record.
+
+    ``core``, ``store`` and ``grpc`` are the parts' own settings; their flags are their fields' names.
+    """
+
+    grpc_host: str = "127.0.0.1"
+    """Address the gRPC service binds to."""
+    grpc_port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    http_host: str = "127.0.0.1"
+    """Address of the REST API, dashboard and /metrics."""
+    http_port: int = 8080
+    """HTTP port; 0 picks a free one."""
+    db: str = ""
+    """The record: a SQLite file, or a database URL such as postgresql://user@host/rematd
+    (default: rematd/rematd.db under $XDG_DATA_HOME, else under ~/.local/share)."""
+    public_reads: bool = False
+    """Serve reads without a token even when HTTP binds a non-loopback address."""
+    tls_cert: str = ""
+    """PEM certificate chain: TLS for gRPC and HTTP (with --tls-key)."""
+    tls_key: str = ""
+    """PEM private key for --tls-cert."""
+    per_rank_metrics: bool = False
+    """Export per-rank series besides the per-job ones."""
+    grace_seconds: float = 5.0
+    """At shutdown, after open streams are told to reconnect, how long their last messages get to finish."""
+    drain_seconds: float = 0.0
+    """How long health says NOT_SERVING before the servers stop, so load balancers move away first."""
+    compact_seconds: float = 600.0
+    """How often old statistics are down-sampled and expired."""
+    controls_poll_seconds: float = 1.0
+    """How often operator controls written by another worker or replica are picked up."""
+    core: CoreConfig = field(default_factory=CoreConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    grpc: GrpcOptions = field(default_factory=GrpcOptions)
+    token: str | None = field(default=None, metadata={NO_FLAG: "read from --token-file, else $REMATD_TOKEN"})
+    """Bearer token that writes (and non-loopback reads) need; None: HTTP writes are open on loopback only."""
+    http: bool = field(default=True, metadata={NO_FLAG: "the extra workers of --workers serve gRPC only"})
+    """Serve HTTP at all."""
+    worker_index: int = field(default=0, metadata={NO_FLAG: "set for each process of --workers"})
+    """Which of several workers this process is (0 serves HTTP)."""
+    shared_dir: str = field(default="", metadata={NO_FLAG: "set for the processes of --workers"})
+    """Where the workers of one service leave what worker 0 adds to its /metrics ("" with one process)."""
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{_flag(name)} must be in 0-65535, got {port}")
+        for name in ("grace_seconds", "drain_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("compact_seconds", "controls_poll_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls-cert and tls-key go together")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{_flag(name)} {path!r} is not a readable file")
+        TokenAuth(token=self.token)  # raises ValueError naming what is wrong with the token
+        # Here, so that every way of starting the service (the CLI, Service, ServiceThread) refuses it.
+        exposed = self._exposed_without_token()
+        if exposed:
+            raise ExposedWithoutToken(
+                f"{exposed} is not a loopback address, and writes there need a token: set REMATD_TOKEN "
+                "or --token-file (e.g. REMATD_TOKEN=$(openssl rand -hex 32)), or bind 127.0.0.1"
+            )
+
+    def _exposed_without_token(self) -> str:
+        """What would listen beyond loopback with no token, as the flag that set it ("" when nothing)."""
+        if self.token is not None:
+            return ""
+        if not is_loopback(self.grpc_host):
+            return f"--grpc-host {self.grpc_host}"
+        if self.http and not is_loopback(self.http_host):
+            return f"--http-host {self.http_host}"
+        return ""
+
+    @property
+    def db_path(self) -> str:
+        """The record as given, or the default SQLite file."""
+        return self.db or str(default_db_path())
+
+    @property
+    def auth(self) -> TokenAuth:
+        loopback = is_loopback(self.http_host)
+        return TokenAuth(token=self.token, open_reads=self.public_reads or loopback, open_writes=loopback)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from importlib import resources
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -26,38 +26,52 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import to_json
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
 
 from rematd import __version__
-from rematd.records import InvalidMessage
+from rematd.records import MAX_BLOCKS, MAX_INT, InvalidMessage
 from rematd.server.auth import TokenAuth
 from rematd.server.core import JOB_STATES, AdvisorCore
 from rematd.server.errors import JobNotFound, SessionError, Unauthenticated
 from rematd.server.http_guard import bounded, install
+from rematd.server.rest_models import (
+    Controls,
+    Health,
+    JobList,
+    JobOoms,
+    JobPlans,
+    JobStats,
+    JobView,
+    ModeName,
+    NotReady,
+    Ready,
+)
 
 DOCS_ASSETS = "/docs-assets"
 
-_MAX_INT = 2**63 - 1
-_MAX_BLOCKS = 4096
+
+def _json(view: Any) -> Response:
+    """A read view as JSON, as it is. The endpoint's response model documents it, and the tests hold every view
+    to its model; validating each row here would cost more than ten times the encoding on a large read, in the
+    process that serves the training ranks' streams."""
+    return Response(to_json(view), media_type="application/json")
 
 
 def _dashboard() -> str:
     return resources.files("rematd.server").joinpath("static/index.html").read_text(encoding="utf-8")
 
 
-ModeName = Literal["store", "selective", "recompute", "offload"]
-
-
 class PinBody(BaseModel):
     """A plan to pin: every k-th block or a set of blocks recomputing (the rest storing), or one mode per block."""
 
     model_config = ConfigDict(extra="forbid")
-    checkpoint_every: int | None = Field(None, ge=0, le=_MAX_BLOCKS, description="k for every k-th block; 0 for none")
-    blocks: list[Annotated[int, Field(ge=0, le=_MAX_BLOCKS)]] | None = Field(
-        None, max_length=_MAX_BLOCKS, description="block indices to recompute"
+    checkpoint_every: int | None = Field(None, ge=0, le=MAX_BLOCKS, description="k for every k-th block; 0 for none")
+    blocks: list[Annotated[int, Field(ge=0, le=MAX_BLOCKS)]] | None = Field(
+        None, max_length=MAX_BLOCKS, description="block indices to recompute"
     )
     modes: list[ModeName] | None = Field(
-        None, max_length=_MAX_BLOCKS, description="one mode per block, at every sequence length"
+        None, max_length=MAX_BLOCKS, description="one mode per block, at every sequence length"
     )
 
     @model_validator(mode="after")
@@ -72,7 +86,7 @@ class TuneBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     margin_ratio: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
-    budget_bytes: int | None = Field(None, gt=0, le=_MAX_INT)
+    budget_bytes: int | None = Field(None, gt=0, le=MAX_INT)
 
     @model_validator(mode="after")
     def _some(self) -> TuneBody:
@@ -136,11 +150,17 @@ def create_app(
     async def dashboard() -> str:
         return page
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=Health)
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    @app.get("/readyz", responses={503: {"description": "draining or shutting down, or the record cannot be written"}})
+    @app.get(
+        "/readyz",
+        responses={
+            200: {"model": Ready, "description": "ready"},
+            503: {"model": NotReady, "description": "draining or shutting down, or the record cannot be written"},
+        },
+    )
     def readyz() -> JSONResponse:
         """Ready to take training ranks: serving (not draining) and the record takes writes. Liveness is /healthz.
 
@@ -167,56 +187,58 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/v1/jobs", dependencies=read, responses=unauthorized)
+    @app.get("/api/v1/jobs", response_model=JobList, dependencies=read, responses=unauthorized)
     def jobs(
         state: Annotated[str | None, Query(description=f"one of {', '.join(JOB_STATES)}")] = None,
-    ) -> dict[str, Any]:
-        return {"jobs": core.list_jobs(state)}
+    ) -> Response:
+        return _json({"jobs": core.list_jobs(state)})
 
-    @app.get("/api/v1/jobs/{job}", dependencies=read, responses=unauthorized)
-    def job(job: str) -> dict[str, Any]:
-        return core.get_job(job)
+    @app.get("/api/v1/jobs/{job}", response_model=JobView, dependencies=read, responses=unauthorized)
+    def job(job: str) -> Response:
+        return _json(core.get_job(job))
 
-    @app.get("/api/v1/jobs/{job}/plans", dependencies=read, responses=unauthorized)
-    def plans(job: str) -> dict[str, Any]:
-        return {"job": job, "plans": core.job_plans(job)}
+    @app.get("/api/v1/jobs/{job}/plans", response_model=JobPlans, dependencies=read, responses=unauthorized)
+    def plans(job: str) -> Response:
+        return _json({"job": job, "plans": core.job_plans(job)})
 
-    @app.get("/api/v1/jobs/{job}/stats", dependencies=read, responses=unauthorized)
+    @app.get("/api/v1/jobs/{job}/stats", response_model=JobStats, dependencies=read, responses=unauthorized)
     def stats(
         job: str,
         limit: int = Query(2000, ge=1, le=100_000),
         since: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
         until: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
-        rank: int | None = Query(None, ge=0, le=_MAX_INT),
-    ) -> dict[str, Any]:
-        return {"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)}
+        rank: int | None = Query(None, ge=0, le=MAX_INT),
+    ) -> Response:
+        return _json({"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)})
 
-    @app.get("/api/v1/jobs/{job}/ooms", dependencies=read, responses=unauthorized)
-    def ooms(job: str) -> dict[str, Any]:
-        return {"job": job, "ooms": core.job_ooms(job)}
+    @app.get("/api/v1/jobs/{job}/ooms", response_model=JobOoms, dependencies=read, responses=unauthorized)
+    def ooms(job: str) -> Response:
+        return _json({"job": job, "ooms": core.job_ooms(job)})
 
-    @app.post("/api/v1/jobs/{job}/pin", responses=writes)
-    def pin(job: str, body: PinBody) -> dict[str, Any]:
+    @app.post("/api/v1/jobs/{job}/pin", response_model=Controls, responses=writes)
+    def pin(job: str, body: PinBody) -> Response:
         """Pin the job's plan: its ranks are sent this plan from their next step until it is unpinned."""
-        return core.pin(
-            job,
-            checkpoint_every=body.checkpoint_every,
-            blocks=body.blocks,
-            modes=list(body.modes) if body.modes is not None else None,
+        return _json(
+            core.pin(
+                job,
+                checkpoint_every=body.checkpoint_every,
+                blocks=body.blocks,
+                modes=list(body.modes) if body.modes is not None else None,
+            )
         )
 
-    @app.delete("/api/v1/jobs/{job}/pin", responses=writes)
-    def unpin(job: str) -> dict[str, Any]:
-        return core.unpin(job)
+    @app.delete("/api/v1/jobs/{job}/pin", response_model=Controls, responses=writes)
+    def unpin(job: str) -> Response:
+        return _json(core.unpin(job))
 
-    @app.patch("/api/v1/jobs/{job}", responses=writes)
-    def tune(job: str, body: TuneBody) -> dict[str, Any]:
+    @app.patch("/api/v1/jobs/{job}", response_model=Controls, responses=writes)
+    def tune(job: str, body: TuneBody) -> Response:
         """Override the job's margin or budget; the next plan honours it."""
-        return core.tune(job, {k: getattr(body, k) for k in body.model_fields_set})
+        return _json(core.tune(job, {k: getattr(body, k) for k in body.model_fields_set}))
 
-    @app.post("/api/v1/jobs/{job}/end", responses=writes)
-    def end(job: str) -> dict[str, Any]:
+    @app.post("/api/v1/jobs/{job}/end", response_model=JobView, responses=writes)
+    def end(job: str) -> Response:
         """Mark the job ended (its metrics go; a live rank's stream is closed at its next message)."""
-        return core.end_job(job)
+        return _json(core.end_job(job))
 
     return app

@@ -20,16 +20,16 @@ import tempfile
 import time
 from typing import Any
 
-from rematd.server.app import ServeConfig
+from rematd.server.app import store_config
+from rematd.server.config import ServeConfig
+from rematd.server.run import run_one
 from rematd.server.store import Store
 
 
 def _worker(config: ServeConfig, index: int) -> None:
-    from rematd.server.cli import _run_one
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Worker 0 serves HTTP and says where; the others only serve gRPC.
-    sys.exit(_run_one(config, announce=index == 0))
+    sys.exit(run_one(config, announce=index == 0))
 
 
 def serve_workers(config: ServeConfig, workers: int) -> int:
@@ -41,8 +41,10 @@ def serve_workers(config: ServeConfig, workers: int) -> int:
             s.bind((config.grpc_host, 0))
             port = s.getsockname()[1]
         config = dataclasses.replace(config, grpc_port=port)
+    # Every worker binds the same port.
+    config = dataclasses.replace(config, grpc=dataclasses.replace(config.grpc, reuse_port=True))
     # Migrate once, here, before the workers open the record.
-    Store(config.store_config()).close()
+    Store(store_config(config)).close()
     shared = tempfile.mkdtemp(prefix="rematd-workers-")
     ctx = mp.get_context("spawn")
     procs = []

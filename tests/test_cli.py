@@ -7,9 +7,7 @@ from pathlib import Path
 
 
 def rematd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rematd.server.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "rematd.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_demo_runs_and_the_plan_moves(tmp_path: object) -> None:

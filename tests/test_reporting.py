@@ -126,7 +126,9 @@ def test_a_restarted_service_continues_from_the_plan_in_force(tmp_path: Path) ->
 
 def test_a_steady_rank_reports_less_often_and_every_step_is_counted(tmp_path: Path) -> None:
     svc = ServiceThread(
-        ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), max_report_interval_seconds=0.5)
+        ServeConfig(
+            grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), core=CoreConfig(max_report_interval_seconds=0.5)
+        )
     )
     svc.start()
     try:

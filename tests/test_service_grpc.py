@@ -36,7 +36,9 @@ ADVISOR = "rematd.v1.Advisor"
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceThread]:
     db = tmp_path_factory.mktemp("grpc") / "r.db"
-    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(db), max_message_bytes=64 * 1024))
+    svc = ServiceThread(
+        ServeConfig(grpc_port=0, http_port=0, db=str(db), grpc=GrpcOptions(max_message_bytes=64 * 1024))
+    )
     svc.start()
     yield svc
     svc.stop()

@@ -144,7 +144,7 @@ def test_ranks_lost_longer_than_the_expiry_are_forgotten_with_their_jobs_series(
 
 
 def test_a_crashed_rank_expires_on_a_live_server(tmp_path: Path) -> None:
-    cfg = ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), session_expiry_seconds=0.4)
+    cfg = ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), core=CoreConfig(session_expiry_seconds=0.4))
     svc = ServiceThread(cfg)
     bound = svc.start()
     try:
