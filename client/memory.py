@@ -8,25 +8,16 @@ from dataclasses import dataclass
 import torch
 
 from rematd.client.accounting import SavedTensorAccounting
-from rematd.planner import Size, Term
+from rematd.planner import AllocatorFigures, Size, Term
 from rematd.records import MEMORY_CUDA, MEMORY_SAVED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MemorySample:
-    """Memory figures for one step."""
+class MemorySample(AllocatorFigures):
+    """Memory figures for one step: the allocator's (CUDA) and the peaks the budget caps."""
 
     peak_allocated_bytes: int = 0
-    peak_reserved_bytes: int = 0
-    allocated_bytes: int = 0
-    reserved_bytes: int = 0
-    alloc_retries: int = 0
-    oom_count: int = 0
-    free_bytes: int = 0
-    total_bytes: int = 0
     saved_peak_bytes: int = 0
-    inactive_split_bytes: int = 0
-    """Bytes in cached blocks split for a smaller request and not in use: fragmentation."""
 
 
 def outside_blocks(*, peak: int, static: int, blocks: int, allocated_after: int, fresh_grads: int) -> Size:

@@ -146,23 +146,16 @@ class StepCycle:
         stats = StepStats(
             step=self.step,
             peak_allocated_bytes=sample.peak_allocated_bytes,
-            peak_reserved_bytes=sample.peak_reserved_bytes,
-            allocated_bytes=sample.allocated_bytes,
-            reserved_bytes=sample.reserved_bytes,
-            alloc_retries=sample.alloc_retries,
-            oom_count=sample.oom_count,
-            free_bytes=sample.free_bytes,
-            total_bytes=sample.total_bytes,
             step_seconds=elapsed,
             plan_version=self.applier.plan.version,
             shape=self.shape,
             saved_peak_bytes=sample.saved_peak_bytes,
             budget_bytes=self.budget_bytes,
             static_bytes=self.static,
-            inactive_split_bytes=sample.inactive_split_bytes,
             mode_seconds=self.timer.take(),
             recompiles=recompiles,
             compile_seconds=compile_seconds,
+            **sample.allocator_figures(),
         )
         self.last_stats = stats
         self.step += 1

@@ -7,6 +7,7 @@ any tool can run the same planner anywhere.
 from rematd.planner.controller import Controller, ControllerConfig
 from rematd.planner.cost import peak_of, predict_overhead_ratio, predict_peak_bytes
 from rematd.planner.model import (
+    AllocatorFigures,
     BlockCost,
     Mode,
     ModeCost,
@@ -35,6 +36,7 @@ from rematd.planner.solvers import (
 )
 
 __all__ = [
+    "AllocatorFigures",
     "BlockCost",
     "Choice",
     "Controller",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from rematd.planner.plan import Plan as Plan
 from rematd.planner.plan import ShapePlan as ShapePlan
 from rematd.planner.plan import blocks_of as blocks_of
+from rematd.planner.steps import AllocatorFigures as AllocatorFigures
 from rematd.planner.steps import ModeSeconds as ModeSeconds
 from rematd.planner.steps import StepObservation as StepObservation
 from rematd.planner.units import Mode as Mode

@@ -29,21 +29,13 @@ class ModeSeconds:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StepObservation:
-    """What a rank measured over one training step."""
+class AllocatorFigures:
+    """The caching allocator's and the device's figures for one step: CUDA only, all 0 elsewhere.
 
-    step: int
-    """The step number, increasing."""
-    peak_bytes: int
-    """Peak of the budgeted quantity during the step (allocated bytes on CUDA, saved bytes on CPU)."""
-    budget_bytes: int
-    """The budget in force for the step."""
-    static_bytes: int = 0
-    """Memory held outside activations at step start (weights, grads, optimizer state)."""
-    plan_version: int = 0
-    """The plan version that was in force."""
-    shape: Shape = field(default_factory=Shape)
-    """The shape of the step's input."""
+    Defined once: the client's memory sample, the wire's step statistics and the planner's observation
+    all carry them, and copy them with :meth:`allocator_figures`.
+    """
+
     alloc_retries: int = 0
     """Allocator retries during the step (CUDA)."""
     oom_count: int = 0
@@ -60,6 +52,31 @@ class StepObservation:
     """The device's free bytes at the end of the step, outside every process's allocator (CUDA)."""
     total_bytes: int = 0
     """The device's bytes (CUDA)."""
+
+    def allocator_figures(self) -> dict[str, int]:
+        """These figures by name, to build another record that carries them."""
+        return {name: getattr(self, name) for name in ALLOCATOR_FIELDS}
+
+
+ALLOCATOR_FIELDS = tuple(f.name for f in fields(AllocatorFigures))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepObservation(AllocatorFigures):
+    """What a rank measured over one training step."""
+
+    step: int
+    """The step number, increasing."""
+    peak_bytes: int
+    """Peak of the budgeted quantity during the step (allocated bytes on CUDA, saved bytes on CPU)."""
+    budget_bytes: int
+    """The budget in force for the step."""
+    static_bytes: int = 0
+    """Memory held outside activations at step start (weights, grads, optimizer state)."""
+    plan_version: int = 0
+    """The plan version that was in force."""
+    shape: Shape = field(default_factory=Shape)
+    """The shape of the step's input."""
     mode_seconds: tuple[ModeSeconds, ...] = ()
     """Measured extra seconds per mode, where the client timed them."""
 

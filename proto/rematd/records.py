@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import get_type_hints
 
 from rematd.planner import (
+    AllocatorFigures,
     BlockCost,
     ControllerConfig,
     Mode,
@@ -209,25 +210,17 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StepStats:
-    """What a rank measured over one training step."""
+class StepStats(AllocatorFigures):
+    """What a rank measured over one training step (the allocator's figures are inherited)."""
 
     step: int
     peak_allocated_bytes: int = 0
-    peak_reserved_bytes: int = 0
-    allocated_bytes: int = 0
-    reserved_bytes: int = 0
-    alloc_retries: int = 0
-    oom_count: int = 0
-    free_bytes: int = 0
-    total_bytes: int = 0
     step_seconds: float = 0.0
     plan_version: int = 0
     shape: Shape = field(default_factory=Shape)
     saved_peak_bytes: int = 0
     budget_bytes: int = 0
     static_bytes: int = 0
-    inactive_split_bytes: int = 0
     steps: int = 1
     """Steps the report covers, ending with ``step``: steady steps folded into one report."""
     mode_seconds: tuple[ModeSeconds, ...] = ()
@@ -314,13 +307,6 @@ def observation(hello: Hello, stats: StepStats) -> StepObservation:
         static_bytes=stats.static_bytes,
         plan_version=stats.plan_version,
         shape=stats.shape,
-        alloc_retries=stats.alloc_retries,
-        oom_count=stats.oom_count,
-        allocated_bytes=stats.allocated_bytes,
-        reserved_bytes=stats.reserved_bytes,
-        peak_reserved_bytes=stats.peak_reserved_bytes,
-        inactive_split_bytes=stats.inactive_split_bytes,
-        free_bytes=stats.free_bytes,
-        total_bytes=stats.total_bytes,
         mode_seconds=stats.mode_seconds,
+        **stats.allocator_figures(),
     )
