@@ -13,6 +13,7 @@ one per change, and equal the planner's own when nothing overrides it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hmac
 import logging
@@ -226,6 +227,10 @@ class AdvisorCore:
         self._controls_revision = 0
         self._interned: dict[Any, Any] = {}
         self._interned_bytes = 0
+        # A plan to remember for warm starts is written on a thread of its own: on_stats runs on the event
+        # loop, where a write would hold up every stream. Readers of warm plans wait for it (_wait_warm).
+        self._warm_writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rematd-warm-plans")
+        self._warm_pending: concurrent.futures.Future[None] | None = None
         self.metrics.snapshot = self.rank_samples
         self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
         self.store.on_write_failure = self.metrics.record_write_failures.inc
@@ -403,7 +408,7 @@ class AdvisorCore:
         if plan is not None:
             self._record_plan(session, plan, now)
         elif remember:
-            self._remember(session, now)
+            self._warm_pending = self._warm_writes.submit(self._remember_logged, session, now)
         self.store.add_stats(job=job, rank=session.hello.rank, row=row)
         return plan
 
@@ -466,6 +471,7 @@ class AdvisorCore:
         ``_transitions`` keeps them in order with a hello of the same rank, which writes it connected.
         """
         job = session.hello.job_id
+        self._wait_warm()
         with self._transitions:
             with self._lock:
                 session.streams -= 1
@@ -674,6 +680,7 @@ class AdvisorCore:
         h = session.hello
         if not h.model_fingerprint:
             return None
+        self._wait_warm()
         warm = self.store.warm_plan(
             fingerprint=h.model_fingerprint, device=h.device_name, bucket=shape_bucket(h.profile_shape.tokens)
         )
@@ -710,6 +717,17 @@ class AdvisorCore:
                 return None
             reason = f"warm start from job {warm['job']}"
         return self._plan_for(session, modes, reason, table)
+
+    def _remember_logged(self, session: RankSession, now: float) -> None:
+        try:
+            self._remember(session, now)
+        except Exception as err:  # the step was taken; the warm start waits for the next plan that holds
+            log.error("job %s rank %d: remembering its plan failed: %s", session.hello.job_id, session.hello.rank, err)
+
+    def _wait_warm(self) -> None:
+        pending = self._warm_pending
+        if pending is not None:
+            concurrent.futures.wait([pending])
 
     def _remember(self, session: RankSession, now: float) -> None:
         h = session.hello
