@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.load_gen import GROW_SECONDS, client_process
+from bench.load_probe import DIR_ENV, read_windows
 from bench.load_report import Level, Targets, level_of, markdown, print_header, print_row, summary
 from bench.load_server import Server, UsageWindow, proc_tree, rss_bytes, start_server
 
@@ -80,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--p99-ms", type=float, default=50.0, help="the p99 latency a level must stay under")
     p.add_argument(
         "--kib-per-rank", type=float, default=30.0, help="the server memory per rank a level must stay under"
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="watch the server's event loops (bench.load_probe): their lateness, collections, and what held them",
     )
     p.add_argument("--out", default="artifacts/load.json")
     return p
@@ -144,7 +150,7 @@ def _stop_clients(pipes: list[Any], procs: list[Any]) -> None:
 
 def _run_level(
     n: int, args: argparse.Namespace, server: Server, pipes: list[Any], *, base_rss: int, failed_before: int,
-    targets: Targets,
+    targets: Targets, probe: Path | None,
 ) -> tuple[Level, list[dict[str, Any]], int]:  # fmt: skip
     """Grow to ``n`` ranks, settle, measure; the level, what each generator sent, and the failures so far."""
     share = [n // args.clients + (1 if i < n % args.clients else 0) for i in range(args.clients)]
@@ -155,15 +161,19 @@ def _run_level(
         _recv(conn, GROW_SECONDS + 30, "grow")
     ramp = time.monotonic() - t_grow
     time.sleep(args.settle)
-    window = UsageWindow(server.proc.pid)
+    window = UsageWindow(server.proc.pid, signal_processes=probe is not None)
     for conn in pipes:
         conn.send(("measure", args.seconds))
     got = [_recv(conn, args.seconds + 30, "measure") for conn in pipes]
     usage = window.close()
+    probed = None
+    if probe is not None:
+        time.sleep(1.0)  # each process writes its window when its loop next runs
+        probed = read_windows(probe)
     failed = sum(g["failed"] for g in got)
     level = level_of(
         ranks=n, seconds=args.seconds, ramp=ramp, got=got, failed_streams=failed - failed_before,
-        base_rss=base_rss, usage=usage, targets=targets,
+        base_rss=base_rss, usage=usage, targets=targets, probed=probed,
     )  # fmt: skip
     return level, got, failed
 
@@ -181,7 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[Any] = []
     results: list[Level] = []
     failed_before = 0
-    server = start_server(tmp / "load.db", args.workers, args.report_interval)
+    probe = tmp / "probe" if args.probe else None
+    if probe is None:
+        server = start_server(tmp / "load.db", args.workers, args.report_interval)
+    else:
+        probe.mkdir()
+        python = (sys.executable, "-m", "bench.load_probe")
+        server = start_server(
+            tmp / "load.db", args.workers, args.report_interval, python=python, env={DIR_ENV: str(probe)}
+        )
     try:
         base_rss = rss_bytes(proc_tree(server.proc.pid))
         # Every generator stops by itself at the run's deadline, whatever becomes of this process.
@@ -197,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         listed = len(args.ranks.split(","))
         for i, n in enumerate(levels):
             level, got, failed_before = _run_level(
-                n, args, server, pipes, base_rss=base_rss, failed_before=failed_before, targets=targets
+                n, args, server, pipes, base_rss=base_rss, failed_before=failed_before, targets=targets, probe=probe
             )
             results.append(level)
             print_row(level)

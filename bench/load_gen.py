@@ -273,7 +273,11 @@ async def _client_main(target: str, conn: Any, index: int, interval: float, fold
                 want = int(arg)
                 while len(tasks) < want and time.monotonic() < deadline:
                     if len(tasks) % RANKS_PER_CHANNEL == 0:
-                        channels.append(grpc.aio.insecure_channel(target))
+                        # A connection of its own: channels to one target otherwise share one (gRPC's global
+                        # subchannel pool), and one connection reaches one worker of the service, whatever
+                        # the kernel would spread over them (SO_REUSEPORT).
+                        options = [("grpc.use_local_subchannel_pool", 1)]
+                        channels.append(grpc.aio.insecure_channel(target, options=options))
                         # Streams started on a channel still connecting fail at once (CANCELLED, INTERNAL).
                         await asyncio.wait_for(channels[-1].channel_ready(), 30)
                     session = channels[-1].stream_stream(

@@ -51,6 +51,13 @@ class Level:
     """Every rank live and heard from in time, no stream failed while measuring, p99 under the target."""
     ok: bool
     """``latency_ok`` and the server's memory per rank under its target."""
+    server_loop_p99_ms: float | None = None
+    """With ``--probe``: the busiest server process's event loop, late waking from a 10 ms sleep, p99."""
+    server_loop_max_ms: float | None = None
+    server_gc_max_ms: float | None = None
+    """With ``--probe``: the longest garbage collection in any server process."""
+    server_stalls: list[str] | None = None
+    """With ``--probe``: what the busiest loop was doing while late by more than 20 ms (samples, stack)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,7 +78,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def level_of(
     *, ranks: int, seconds: float, ramp: float, got: list[dict[str, Any]], failed_streams: int, base_rss: int,
-    usage: Usage, targets: Targets,
+    usage: Usage, targets: Targets, probed: list[dict[str, Any]] | None = None,
 ) -> Level:  # fmt: skip
     """One level from what each generator process measured (``got``) and what the server used meanwhile."""
     lat = [x for g in got for x in g["lat"]]
@@ -86,7 +93,17 @@ def level_of(
     latency_ok = (
         errors == 0 and live == ranks and acked > 0 and p99 < targets.p99_ms and stale <= targets.longest_quiet_s + 1.0
     )
+    probe: dict[str, Any] = {}
+    if probed:
+        busiest = probed[0]
+        gcs = [g["max_ms"] for p in probed for g in p["gc"].values()]
+        probe = dict(
+            server_loop_p99_ms=busiest["loop_p99_ms"], server_loop_max_ms=max(p["loop_max_ms"] for p in probed),
+            server_gc_max_ms=max(gcs, default=0.0),
+            server_stalls=[f"{n} x {stack}" for stack, n in busiest["stall_stacks"][:5]],
+        )  # fmt: skip
     return Level(
+        **probe,
         ranks=ranks, seconds=seconds, sent=sum(g["sent"] for g in got), acked=acked, errors=errors, live=live,
         failed_streams=failed_streams, ramp_s=round(ramp, 1), gave_up=sum(g["gave_up"] for g in got),
         rate_per_s=round(acked / seconds, 1), steps_per_s=round(sum(g["steps"] for g in got) / seconds, 1),
@@ -127,6 +144,14 @@ def print_row(r: Level) -> None:
         f"  (server cores by process {'/'.join(f'{c:.2f}' for c in r.server_cores_by_process)})",
         flush=True,
     )
+    if r.server_loop_p99_ms is not None:
+        print(
+            f"    server loop late p99 {r.server_loop_p99_ms} ms, max {r.server_loop_max_ms} ms; "
+            f"longest collection {r.server_gc_max_ms} ms; while late it was in:",
+            flush=True,
+        )
+        for stall in r.server_stalls or ["(nothing sampled)"]:
+            print(f"      {stall[:220]}", flush=True)
 
 
 def markdown(levels: list[Level]) -> str:
@@ -134,16 +159,17 @@ def markdown(levels: list[Level]) -> str:
     head = (
         "| ranks | live | ramp s | failed streams | reports/s | steps/s | p50 ms | p99 ms | max ms | stalest view s "
         "| errors | server cores | server RSS MiB | KiB/rank | generator cores | generator lag p50 / p99 / max ms "
-        "| generator loop p99 ms | load average | within p99 target |"
+        "| generator loop p99 ms | server loop p99 / max ms | load average | within p99 target |"
     )
     rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in levels:
+        server_loop = "-" if r.server_loop_p99_ms is None else f"{r.server_loop_p99_ms:g} / {r.server_loop_max_ms:g}"
         rows.append(
             f"| {r.ranks:,} | {r.live:,} | {r.ramp_s:g} | {r.failed_streams} | {r.rate_per_s:,.0f} "
             f"| {r.steps_per_s:,.0f} | {r.p50_ms:g} | {r.p99_ms:g} | {r.max_ms:g} | {r.stale_s:.0f} | {r.errors} "
             f"| {r.server_cpu_cores:g} | {r.server_rss_mib:.0f} | {r.server_kib_per_rank:g} | {r.gen_cpu_cores:g} "
             f"| {r.gen_lag_p50_ms:g} / {r.gen_lag_p99_ms:g} / {r.gen_lag_max_ms:g} | {r.gen_loop_p99_ms:g} "
-            f"| {r.load_1m:g} | {'yes' if r.latency_ok else 'no'} |"
+            f"| {server_loop} | {r.load_1m:g} | {'yes' if r.latency_ok else 'no'} |"
         )
     return "\n".join(rows)
 

@@ -69,18 +69,30 @@ class Usage:
 
 
 class UsageWindow:
-    """Opened before a measurement and closed after it: the server tree's CPU in between."""
+    """Opened before a measurement and closed after it: the server tree's CPU in between. With ``signal``,
+    each server process is sent SIGUSR2 as it opens and SIGUSR1 as it closes (``bench.load_probe``)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, *, signal_processes: bool = False) -> None:
         self.pid = pid
+        self.signal_processes = signal_processes
+        if signal_processes:
+            _signal_all(proc_tree(pid), signal.SIGUSR2)
         self._cpu0 = {p: cpu_seconds([p]) for p in proc_tree(pid)}
         self._t0 = time.monotonic()
 
     def close(self) -> Usage:
         pids = proc_tree(self.pid)
+        if self.signal_processes:
+            _signal_all(pids, signal.SIGUSR1)
         took = max(1e-9, time.monotonic() - self._t0)
         each = sorted(((cpu_seconds([p]) - self._cpu0.get(p, 0.0)) / took for p in pids), reverse=True)
         return Usage(cores=sum(each), rss_bytes=rss_bytes(pids), cores_by_process=tuple(round(c, 2) for c in each))
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
 
 
 @dataclass
@@ -101,9 +113,12 @@ class Server:
             self.proc.wait(10)
 
 
-def start_server(db: Path, workers: int, report_interval: float, *, python: Sequence[str] = ()) -> Server:
+def start_server(
+    db: Path, workers: int, report_interval: float, *, python: Sequence[str] = (), env: dict[str, str] | None = None
+) -> Server:
     """``rematd serve`` on a free loopback port, with ``--workers`` processes; ``python`` is the command that
-    runs the ``rematd`` CLI (by default this interpreter's ``-m rematd.server.cli``)."""
+    runs the ``rematd`` CLI (by default this interpreter's ``-m rematd.server.cli``), ``env`` added to its
+    environment."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -113,7 +128,10 @@ def start_server(db: Path, workers: int, report_interval: float, *, python: Sequ
         "--db", str(db), "--log-level", "warning", "--workers", str(workers),
         "--max-report-interval-seconds", str(report_interval),
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
     server = Server(proc, f"127.0.0.1:{port}", collections.deque(maxlen=40))
     serving = threading.Event()
 

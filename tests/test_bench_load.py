@@ -32,7 +32,7 @@ def test_the_curve_runs_and_stops_past_the_limit(tmp_path: Path, capsys: pytest.
     out = tmp_path / "load.json"
     # A target no level can meet: the listed levels all run, the limit search stops at the first.
     argv = ["--ranks", "6,12", "--to-limit", "--limit-step", "6", "--limit-max", "30", "--p99-ms", "0.0001"]
-    argv += ["--seconds", "2", "--settle", "0", "--workers", "1", "--clients", "1", "--out", str(out)]
+    argv += ["--seconds", "2", "--settle", "0", "--workers", "1", "--clients", "1", "--probe", "--out", str(out)]
     assert load.main(argv) == 0
     got = json.loads(out.read_text())
     levels = got["levels"]
@@ -42,6 +42,9 @@ def test_the_curve_runs_and_stops_past_the_limit(tmp_path: Path, capsys: pytest.
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
         assert r["gen_cpu_cores"] > 0 and r["server_cpu_cores"] > 0
         assert not r["latency_ok"] and not r["ok"]
+        # The server's loop was watched (bench.load_probe): a 10 ms sleep wakes late by something, not by seconds.
+        assert 0 <= r["server_loop_p99_ms"] <= r["server_loop_max_ms"] < 2000
+        assert r["server_gc_max_ms"] >= 0 and isinstance(r["server_stalls"], list)
     assert got["highest_within_latency_ranks"] == 0
     printed = capsys.readouterr().out
     assert "stopping: 12 ranks are past" in printed
