@@ -252,6 +252,7 @@ class AdvisorCore:
             self.metrics.invalid_messages.inc()
             raise
         hello = dataclasses.replace(hello, blocks=self._shared(hello.blocks))
+        self._wait_warm()  # before the core's lock: a warm start reads what the steps before it remembered
         now = time.time()
         job = hello.job_id
         with self._transitions, self._lock:
@@ -680,7 +681,6 @@ class AdvisorCore:
         h = session.hello
         if not h.model_fingerprint:
             return None
-        self._wait_warm()
         warm = self.store.warm_plan(
             fingerprint=h.model_fingerprint, device=h.device_name, bucket=shape_bucket(h.profile_shape.tokens)
         )
