@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -25,6 +24,7 @@ from rematd import wire
 from rematd.planner import Plan
 from rematd.records import JOB_ID_RE, MAX_BLOCKS, InvalidMessage
 from rematd.server.auth import METADATA_KEY, TokenAuth
+from rematd.server.collector import Collections
 from rematd.server.config import GrpcOptions
 from rematd.server.core import AdvisorCore, RankSession
 from rematd.server.errors import JobNotFound, SessionError, SessionTaken, ShuttingDown, Unauthenticated
@@ -127,43 +127,6 @@ class _OpenStream:
         """Interrupted by shutdown, not by the rank."""
 
 
-class _Collections:
-    """Collections soon after streams end: of the young generations at most one per ``interval`` seconds,
-    and a full one once the streams that ended since the last received ``full_after_bytes``.
-
-    A stream leaves its call's objects, the buffers of the messages it received among them, in
-    reference cycles inside gRPC. The service raises the collector's thresholds (``rematd.server.cli``),
-    so a flood of streams that allocate few objects each but hold a message's worth of memory (a
-    rejected 1 MiB hello) would wait long for a collection; and what was alive at a young collection
-    moves to the oldest generation, which only a full one visits. Counting bytes keeps full
-    collections as rare as the traffic that needs them.
-    """
-
-    def __init__(self, interval: float = 0.25, full_after_bytes: int = 16 << 20) -> None:
-        self.interval = interval
-        self.full_after_bytes = full_after_bytes
-        self._due = False
-        self._last = 0.0
-        self._bytes = 0
-
-    def request(self, received_bytes: int) -> None:
-        self._bytes += received_bytes
-        if self._due:
-            return
-        self._due = True
-        delay = max(0.0, self._last + self.interval - time.monotonic())
-        asyncio.get_running_loop().call_later(delay, self._collect)
-
-    def _collect(self) -> None:
-        self._due = False
-        self._last = time.monotonic()
-        if self._bytes >= self.full_after_bytes:
-            self._bytes = 0
-            gc.collect()
-        else:
-            gc.collect(1)
-
-
 class AdvisorServicer(pb_grpc.AdvisorServicer):
     """Maps domain errors to gRPC status codes; all logic lives in the core."""
 
@@ -175,7 +138,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         self.flushed = asyncio.Event()
         """Set once what the open streams sent is in the record; they are told to reconnect after it."""
         self._open: set[_OpenStream] = set()
-        self._collections = _Collections()
+        self._collections = Collections()
 
     def close_streams(self) -> None:
         """Tell every open stream to reconnect elsewhere (UNAVAILABLE), once ``flushed`` is set.
@@ -328,6 +291,7 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         opened = await self._hello(msg.hello)
                         if isinstance(opened[0], RankSession) and isinstance(opened[1], Plan):
                             session = opened[0]
+                            self._collections.opened()
                             out = (pb.ServerMessage(plan=wire.plan_to_pb(opened[1])),)
                         elif isinstance(opened[0], grpc.StatusCode) and isinstance(opened[1], str):
                             failure = opened[0], opened[1]
