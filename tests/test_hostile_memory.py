@@ -22,10 +22,13 @@ BOUND_PER_1000_MIB = 50.0
 
 
 def test_rejected_streams_free_their_memory(tmp_path: Path) -> None:
-    """200 refused 0.9 MiB hellos against a real ``rematd serve``: the growth per stream implies 1,000
-    streams stay within the bound (``python -m bench.rejected_streams`` runs the full 1,000)."""
+    """200 refused 0.9 MiB hellos against a real ``rematd serve``, after 200 that bring the process to its
+    working size: the growth per stream implies 1,000 streams stay within the bound (``python -m
+    bench.rejected_streams`` runs the full 1,000). The first streams raise RSS by the garbage awaiting the
+    next full collection (about 14 MiB, then flat), which is not a leak: the warm-up takes it out of the
+    per-stream figure, and the growth from the start still counts it."""
     with live_server(tmp_path) as srv:
-        got = measure(srv.grpc, srv.proc.pid, streams=200)
+        got = measure(srv.grpc, srv.proc.pid, streams=200, warmup=200)
     assert got["message_bytes"] > 800_000
     assert got["growth_per_stream_kib"] * 1000 / 1024 < BOUND_PER_1000_MIB, got
     assert got["growth_from_start_mib"] < BOUND_PER_1000_MIB, got
