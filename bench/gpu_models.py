@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from bench.torchvision_shim import import_torchvision
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,27 +65,11 @@ QUICK_MODELS = (
 def _import_transformers() -> Any:
     """transformers, importing torchvision first where its compiled ops do not load next to torch's CPU
     build (the models need none of them: their two schemas are declared so the import goes through)."""
-    try:
-        import torchvision  # type: ignore[import-untyped]
-    except ImportError:
-        pass
-    except RuntimeError as err:
-        if "torchvision::" not in str(err):
-            raise
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        lib = torch.library.Library("torchvision", "FRAGMENT")
-        for op in ("nms", "qnms"):
-            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _LIBS.append(lib)
-        import torchvision  # type: ignore[import-untyped]  # noqa: F401
+    import_torchvision()
     import transformers
 
     transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     return transformers
-
-
-_LIBS: list[object] = []
 
 
 def build(spec: ModelSpec, device: torch.device, seed: int = 0) -> nn.Module:

@@ -183,16 +183,9 @@ class AdvisorCore:
 
     # -- the operator side: controls ------------------------------------------
 
-    def pin(
-        self,
-        job: str,
-        *,
-        checkpoint_every: int | None = None,
-        blocks: list[int] | None = None,
-        modes: list[str] | None = None,
-    ) -> dict[str, Any]:
-        """Pin a job's plan until unpinned: every k-th block or a set of blocks recomputing, or one mode per block."""
-        return self.controls.pin(job, checkpoint_every=checkpoint_every, blocks=blocks, modes=modes)
+    def pin(self, job: str, **target: Any) -> dict[str, Any]:
+        """Pin a job's plan until unpinned; ``target`` as :meth:`OperatorControls.pin` takes it."""
+        return self.controls.pin(job, **target)
 
     def unpin(self, job: str) -> dict[str, Any]:
         return self.controls.unpin(job)
@@ -224,16 +217,9 @@ class AdvisorCore:
     def job_plans(self, job: str) -> list[dict[str, Any]]:
         return self.views.job_plans(job)
 
-    def job_stats(
-        self,
-        job: str,
-        *,
-        limit: int = 2000,
-        since: float | None = None,
-        until: float | None = None,
-        rank: int | None = None,
-    ) -> list[dict[str, Any]]:
-        return self.views.job_stats(job, limit=limit, since=since, until=until, rank=rank)
+    def job_stats(self, job: str, **query: Any) -> list[dict[str, Any]]:
+        """A job's step statistics; ``query`` (limit, since, until, rank) as :meth:`ReadViews.job_stats` takes it."""
+        return self.views.job_stats(job, **query)
 
     def job_ooms(self, job: str) -> list[dict[str, Any]]:
         return self.views.job_ooms(job)

@@ -47,6 +47,7 @@ from rematd.server.rest_models import (
     NotReady,
     Ready,
 )
+from rematd.server.views import STATS_ROWS
 
 DOCS_ASSETS = "/docs-assets"
 
@@ -204,7 +205,7 @@ def create_app(
     @app.get("/api/v1/jobs/{job}/stats", response_model=JobStats, dependencies=read, responses=unauthorized)
     def stats(
         job: str,
-        limit: int = Query(2000, ge=1, le=100_000),
+        limit: int = Query(STATS_ROWS, ge=1, le=100_000),
         since: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
         until: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
         rank: int | None = Query(None, ge=0, le=MAX_INT),

@@ -248,13 +248,8 @@ class TrainingSide:
             self.metrics.plan_duration.observe(time.perf_counter() - started)
         remember = False
         with self.sessions.lock:
-            if changed is not None:
-                self.check_fits(session.planner.plan, "stats.shape")
-                session.base = session.planner.plan
-            plan = self.outgoing(session, "stats.shape")
-            if plan is not None:
-                session.sent = plan
-            else:
+            plan = self._next_plan(session, changed, "stats.shape")
+            if plan is None:
                 session.steps_on_plan += stats.steps
                 remember = (
                     session.steps_on_plan >= self.config.warm_after_steps
@@ -319,15 +314,22 @@ class TrainingSide:
         with session.planning:
             changed = session.planner.report_oom(oom.shape)
         with self.sessions.lock:
-            if changed is not None:
-                self.check_fits(session.planner.plan, "oom.shape")
-                session.base = session.planner.plan
-            plan = self.outgoing(session, "oom.shape")
+            plan = self._next_plan(session, changed, "oom.shape")
             if plan is not None:
-                session.sent = plan
                 self.metrics.plans_issued.labels(job).inc()
         if plan is not None:
             self.records.plan(session, policy.plan_row(plan, len(session.hello.blocks)), now)
+        return plan
+
+    def _next_plan(self, session: RankSession, changed: Plan | None, cause: str) -> Plan | None:
+        """Under the registry's lock: take the planner's new plan (``changed``, checked to fit) as the
+        rank's base, and return what goes out to the rank now, if anything."""
+        if changed is not None:
+            self.check_fits(session.planner.plan, cause)
+            session.base = session.planner.plan
+        plan = self.outgoing(session, cause)
+        if plan is not None:
+            session.sent = plan
         return plan
 
     # -- the end of a stream ----------------------------------------------------

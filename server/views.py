@@ -14,6 +14,8 @@ from rematd.server.sessions import CONNECTED, ENDED, Sessions
 from rematd.server.store import Store
 
 JOB_STATES = ("running", "disconnected", "ended")
+STATS_ROWS = 2000
+"""Rows a read of a job's statistics returns unless it asks for another number."""
 
 
 class ReadViews:
@@ -162,7 +164,7 @@ class ReadViews:
         self,
         job: str,
         *,
-        limit: int = 2000,
+        limit: int = STATS_ROWS,
         since: float | None = None,
         until: float | None = None,
         rank: int | None = None,

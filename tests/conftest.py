@@ -6,6 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.torchvision_shim import import_torchvision
+
 # Small CPU models train faster on one thread, and parallel test workers share two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -17,35 +19,8 @@ except ImportError:  # the planner and server tests run without torch
     torch = None  # type: ignore[assignment]
 
 
-def _import_torchvision() -> None:
-    """Import torchvision (timm needs it) even where its compiled ops cannot load.
-
-    PyPI's torchvision wheels link against torch's CUDA libraries, so next to
-    torch's CPU build their ops library does not load, and torchvision's import
-    then fails registering fake kernels for ``nms`` and ``qnms``. The models
-    need none of those ops: declare the two schemas and import again.
-    """
-    import sys
-
-    try:
-        import torchvision
-    except ImportError:
-        return
-    except RuntimeError as err:
-        if "torchvision::" not in str(err) or torch is None:
-            raise
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        lib = torch.library.Library("torchvision", "FRAGMENT")
-        for op in ("nms", "qnms"):
-            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _TORCHVISION_LIBS.append(lib)
-        import torchvision  # noqa: F401
-
-
-_TORCHVISION_LIBS: list[object] = []
 if torch is not None:
-    _import_torchvision()
+    import_torchvision()
 
 ALLOW_CLIENT_ERRORS = "allow_client_errors"
 
