@@ -8,6 +8,7 @@ when they shrink.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -138,9 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rematd demo", description=__doc__.splitlines()[0])
     parser.add_argument("--server", help="host:port of a running rematd service (default: start one in-process)")
     parser.add_argument("--no-serve", action="store_true", help="exit when training ends instead of serving")
-    parser.add_argument("--steps", type=int, default=240)
-    parser.add_argument("--budget-mib", type=float, default=48.0, help="activation budget, MiB (default 48)")
-    parser.add_argument("--http-port", type=int, default=8080, help="dashboard port of the in-process service")
+    workload = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
+    parser.add_argument("--steps", type=int, default=workload["steps"], help="training steps (%(default)s)")
+    parser.add_argument(
+        "--budget-mib", type=float, default=workload["budget_mib"], help="activation budget, MiB (%(default)s)"
+    )
+    parser.add_argument(
+        "--http-port", type=int, help="dashboard port of the in-process service (default: rematd serve's)"
+    )
     parser.add_argument("--db", help="SQLite file of the in-process service (default: a temporary one)")
     parser.add_argument("--job", default="demo")
     parser.add_argument(
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="rematd-demo-")
     db = args.db or str(Path(tmp.name) / "rematd.db")
     try:
-        service = ServiceThread(ServeConfig(grpc_port=0, http_port=args.http_port, db=db))
+        port = {} if args.http_port is None else {"http_port": args.http_port}
+        service = ServiceThread(ServeConfig(grpc_port=0, db=db, **port))
         bound = service.start()
     except OSError:
         service = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=db))
