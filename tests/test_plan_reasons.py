@@ -36,7 +36,7 @@ def test_more_recomputation_is_never_called_loosening() -> None:
     ), "less at one length, more at another"
 
 
-def testwhat_changed_names_the_lengths_in_the_demos_letters() -> None:
+def test_what_changed_names_the_lengths_in_the_demos_letters() -> None:
     said = what_changed(
         (entry(64, "........"), entry(160, "RRRsRRRs")), (entry(64, "........"), entry(160, "RRRRRRRR"))
     )
@@ -51,7 +51,7 @@ def _weights(plan: Plan) -> dict[int, int]:
     return {e.max_seq_len: sum(WEIGHT[letters[m]] for m in e.modes) for e in plan.shape_plans}
 
 
-def test_every_change_of_a_session_sayswhat_changed_and_loosens_only_by_recomputing_less() -> None:
+def test_every_change_of_a_session_says_what_changed_and_loosens_only_by_recomputing_less() -> None:
     session = open_planner(modes_hello("reasons"))
     plans = [session.plan]
     pattern = [(128, 9800)] * 3 + [(256, 9900)] * 2 + [(128, 3000)] * 120 + [(300, 9900)] * 2 + [(64, 2000)] * 120
