@@ -9,11 +9,18 @@ GRAIN = 256
 the same target (and the planner's caches warm)."""
 
 
-def fragmented_bytes(obs: StepObservation) -> int:
+def fragmented_bytes(obs: StepObservation, room: int | None = None) -> int:
     """Bytes the caching allocator holds in split blocks that serve only smaller requests: its inactive
     split bytes, no more than what it held beyond the allocations at the end of the step and at the peak
-    (fragmentation can have cost the peak no more than that). 0 without the allocator's figures."""
+    (fragmentation can have cost the peak no more than that). 0 without the allocator's figures, and 0
+    while the allocator was not short: with room to grow its reserve, split blocks cost no allocation
+    anything. Counting them then would tighten the plan, which leaves more of the reserve idle (the
+    allocator keeps it), more of it split, and so on with nothing ever loosening it again."""
     if not (obs.reserved_bytes and obs.inactive_split_bytes):
+        return 0
+    grain = max(1, min(obs.budget_bytes, room or obs.budget_bytes) // GRAIN)
+    short = obs.alloc_retries > 0 or (room is not None and obs.peak_reserved_bytes + grain >= room)
+    if not short:
         return 0
     lost = min(obs.inactive_split_bytes, max(0, obs.reserved_bytes - obs.allocated_bytes))
     if obs.peak_reserved_bytes:
@@ -22,10 +29,10 @@ def fragmented_bytes(obs: StepObservation) -> int:
 
 
 def device_room_bytes(obs: StepObservation) -> int | None:
-    """The most this process's allocator can hold: what it holds and what the device has free. Memory
-    neither free nor its own (another process, the CUDA context) is out of reach. None where the device's
-    figures are not reported or do not add up."""
-    if not (obs.free_bytes and obs.total_bytes and obs.reserved_bytes):
+    """The most this process's allocator can hold: what it holds and what the device has free (0 free is
+    a reading: the device is full). Memory neither free nor its own (another process, the CUDA context)
+    is out of reach. None where the device's figures are not reported or do not add up."""
+    if not (obs.total_bytes and obs.reserved_bytes):
         return None
     room = obs.free_bytes + obs.reserved_bytes
     return room if room <= obs.total_bytes else None
@@ -33,15 +40,15 @@ def device_room_bytes(obs: StepObservation) -> int | None:
 
 def usable_bytes(obs: StepObservation) -> int:
     """The budget the step's allocations can really reach: the budget, bounded by the device room, less
-    the fragmented bytes; rounded down to 1/``GRAIN`` of the budget. The budget itself without the
-    allocator's figures (the CPU, older clients)."""
+    the fragmented bytes; rounded down to 1/``GRAIN`` of the smaller of budget and room. The budget itself
+    without the allocator's figures (the CPU, older clients)."""
     budget = obs.budget_bytes
     room = device_room_bytes(obs)
     lost = max(0, budget - room) if room is not None else 0
-    lost += fragmented_bytes(obs)
+    lost += fragmented_bytes(obs, room)
     if not lost:
         return budget
-    grain = max(1, budget // GRAIN)
+    grain = max(1, min(budget, room if room is not None else budget) // GRAIN)
     return max(0, budget - -(-lost // grain) * grain)
 
 

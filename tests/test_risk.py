@@ -58,8 +58,12 @@ def test_without_the_allocators_figures_the_budget_is_what_a_step_can_use() -> N
 
 def test_fragmentation_is_the_inactive_split_bytes_within_what_the_allocator_held_spare() -> None:
     peak = 12 * GiB
-    heavy = dataclasses.replace(clean(peak), inactive_split_bytes=3 * GiB, peak_reserved_bytes=peak + 4 * GiB)
+    roomy = dataclasses.replace(clean(peak), inactive_split_bytes=3 * GiB, peak_reserved_bytes=peak + 4 * GiB)
+    assert fragmented_bytes(roomy) == 0, "with room to grow its reserve, split blocks cost no allocation anything"
+    heavy = dataclasses.replace(roomy, alloc_retries=1)  # the allocator was short: it freed its cache and retried
     assert fragmented_bytes(heavy) == 3 * GiB
+    full = dataclasses.replace(roomy, free_bytes=0, reserved_bytes=peak + 4 * GiB)  # its reserve is all there is
+    assert fragmented_bytes(full, device_room_bytes(full)) == 3 * GiB
     # At the peak the allocator held only 1 GiB beyond the allocations: fragmentation cost it no more.
     capped = dataclasses.replace(heavy, peak_reserved_bytes=peak + GiB)
     assert fragmented_bytes(capped) == GiB
@@ -81,7 +85,7 @@ def test_another_process_on_the_device_bounds_the_budget() -> None:
 @pytest.mark.parametrize(
     "trouble",
     [
-        {"inactive_split_bytes": 3 * GiB, "peak_reserved_bytes_over": 4 * GiB},
+        {"inactive_split_bytes": 3 * GiB, "peak_reserved_bytes_over": 4 * GiB, "alloc_retries": 1},
         {"free_bytes_left": GiB // 2},
     ],
     ids=["fragmented", "crowded"],
@@ -97,6 +101,7 @@ def test_same_allocated_peak_a_troubled_rank_gets_a_tighter_plan_and_a_higher_ri
             inactive_split_bytes=trouble["inactive_split_bytes"],
             peak_reserved_bytes=peak + trouble["peak_reserved_bytes_over"],
             reserved_bytes=peak + trouble["peak_reserved_bytes_over"],
+            alloc_retries=trouble["alloc_retries"],
         )
     else:
         bad = dataclasses.replace(base, free_bytes=trouble["free_bytes_left"])
@@ -115,7 +120,7 @@ def test_same_allocated_peak_a_troubled_rank_gets_a_tighter_plan_and_a_higher_ri
 
 def test_risk_rises_with_fragmentation_at_the_same_prediction() -> None:
     peak = BUDGET - 2 * GiB
-    base = clean(peak)
+    base = dataclasses.replace(clean(peak), alloc_retries=1)  # short, with and without fragmentation
     frag = dataclasses.replace(base, inactive_split_bytes=2 * GiB, peak_reserved_bytes=peak + 3 * GiB)
 
     def risk(obs: StepObservation) -> float:
@@ -147,6 +152,7 @@ def test_the_wire_fields_reach_the_planner() -> None:
         allocated_bytes=STATIC,
         reserved_bytes=10 * GiB,
         inactive_split_bytes=GiB,
+        alloc_retries=2,
         free_bytes=60 * GiB,
         total_bytes=TOTAL,
         budget_bytes=BUDGET,
@@ -160,7 +166,7 @@ def test_the_wire_fields_reach_the_planner() -> None:
         60 * GiB,
         TOTAL,
     )
-    assert fragmented_bytes(obs) == GiB and device_room_bytes(obs) == 70 * GiB
+    assert obs.alloc_retries == 2 and fragmented_bytes(obs) == GiB and device_room_bytes(obs) == 70 * GiB
 
 
 def test_bad_allocator_figures_are_named() -> None:
@@ -171,9 +177,32 @@ def test_bad_allocator_figures_are_named() -> None:
 
 def test_jitter_in_the_figures_within_a_grain_keeps_the_same_capacity() -> None:
     grain = BUDGET // GRAIN
-    base = dataclasses.replace(clean(10 * GiB), inactive_split_bytes=5 * grain + 1, peak_reserved_bytes=14 * GiB)
+    base = dataclasses.replace(
+        clean(10 * GiB), inactive_split_bytes=5 * grain + 1, peak_reserved_bytes=14 * GiB, alloc_retries=1
+    )
     jittered = [
         dataclasses.replace(base, inactive_split_bytes=5 * grain + d) for d in (1, grain // 3, grain - 1, grain)
     ]
     assert {usable_bytes(o) for o in jittered} == {BUDGET - 6 * grain}, "the planner's target, and caches, hold"
     assert usable_bytes(dataclasses.replace(base, inactive_split_bytes=6 * grain + 1)) == BUDGET - 7 * grain
+
+
+def test_an_idle_cache_does_not_ratchet_the_plan_tighter() -> None:
+    """After a spike the allocator keeps its reserve: a tighter plan leaves more of it idle, and split. With
+    room on the device that costs no allocation anything, so it must not tighten the plan again and again."""
+    s = PlannerSession(profile(), budget_bytes=BUDGET, static_bytes=STATIC)
+    first = s.plan.version
+    reserved = BUDGET + 2 * GiB  # what a spike left reserved
+    for i in range(1, 13):
+        peak = s.plan.predicted_peak_bytes
+        obs = dataclasses.replace(
+            clean(peak),
+            step=i,
+            plan_version=s.plan.version,
+            reserved_bytes=reserved,
+            peak_reserved_bytes=reserved,
+            inactive_split_bytes=(reserved - peak) // 2,
+            free_bytes=TOTAL - reserved - 2 * GiB,
+        )
+        s.observe(obs)
+    assert s.plan.version == first and s.capacity_bytes == BUDGET, "no capacity lost, no plan changed"
