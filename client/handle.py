@@ -92,7 +92,7 @@ class Handle:
             budget_bytes=budget,
         )
         self._life = self._cycle.life
-        self._oom = OomPolicy(self._cycle.recover)
+        self._oom = OomPolicy(self._cycle.recover, closed=lambda: self._life.closed)
         self._hooks = [
             model.register_forward_pre_hook(AttachedHook(self._pre_forward), with_kwargs=True),
             model.register_forward_hook(AttachedHook(self._post_forward), always_call=True),

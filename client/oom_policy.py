@@ -67,10 +67,14 @@ def free_after_oom(
 class OomPolicy:
     """Counts out-of-memory errors, runs the recovery for each, and decides when one is raised."""
 
-    def __init__(self, recover: Recovery, *, give_up_after: int = 2) -> None:
+    def __init__(
+        self, recover: Recovery, *, give_up_after: int = 2, closed: Callable[[], bool] = lambda: False
+    ) -> None:
         if isinstance(give_up_after, bool) or not isinstance(give_up_after, int) or give_up_after < 1:
             raise ValueError(f"give_up_after must be an integer >= 1, got {give_up_after!r}")
         self._recover = recover
+        self._closed = closed
+        """True once the handle is closed: an error after that is the training job's own, raised untouched."""
         self.give_up_after = give_up_after
         """Errors in a row (tries of one ``run``, or guarded blocks) after which the error is raised."""
         self.count = 0
@@ -97,7 +101,7 @@ class OomPolicy:
             try:
                 result = fn(*args, **kwargs)
             except Exception as exc:
-                if not is_oom(exc):
+                if not is_oom(exc) or self._closed():
                     raise
                 self.failed(exc)
                 if tries >= self.give_up_after:
@@ -111,6 +115,6 @@ class OomPolicy:
         if exc is None:
             self.succeeded()
             return False
-        if not isinstance(exc, Exception) or not is_oom(exc):
+        if not isinstance(exc, Exception) or not is_oom(exc) or self._closed():
             return False
         return self.failed(exc)

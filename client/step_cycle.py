@@ -221,7 +221,6 @@ class StepCycle:
             self.accounting.forget()
             self.timer.forget()
             self.offloader.forget()
-            self.report_oom(message)
             for b in self.blocks:
                 b.profiling = False
                 b.checkpointed = True
@@ -234,3 +233,10 @@ class StepCycle:
         except Exception:
             self.errors += 1
             log.exception("rematd: recovering from out of memory failed")
+        # Last, on its own: in-process planning runs inside the report, and whatever it raises must not
+        # leave the plan that just ran out of memory in force.
+        try:
+            self.report_oom(message)
+        except Exception:
+            self.errors += 1
+            log.exception("rematd: reporting the out-of-memory error to the planner failed")

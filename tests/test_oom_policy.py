@@ -107,3 +107,47 @@ def test_run_step_and_guard_share_the_handles_policy() -> None:
     h.run_step(step)
     assert h.oom_policy.streak == 0 and h.oom_count == 3
     h.close()
+
+
+def test_after_close_an_out_of_memory_error_is_the_training_jobs_own() -> None:
+    model = tiny_model(n_layer=2, d_model=32, seed=6)
+    h = client.attach(model, budget_bytes=10**12)
+    h.close()
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError), h.guard():
+        oom()
+    with pytest.raises(torch.OutOfMemoryError):
+        h.run_step(oom)
+    assert h.oom_count == 0 and h.oom_policy.count == 0, "nothing recovered, nothing retried"
+
+
+@pytest.mark.allow_client_errors(reason="the in-process planner is made to fail on the OOM report")
+def test_a_planner_failing_on_the_oom_report_still_leaves_safe_mode_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rematd.planner.session import PlannerSession
+
+    def broken(self: PlannerSession, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("planner broke on the OOM report")
+
+    monkeypatch.setattr(PlannerSession, "report_oom", broken)
+    model = tiny_model(n_layer=2, d_model=32, seed=7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    h = client.attach(model, optimizer=opt, budget_bytes=10**12)
+
+    def step() -> None:
+        lm_loss(model, batch(16)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # profiled, planned
+        h.run_step(step)
+    h.hard_limit_bytes = 10_000
+    with h.guard() as g:
+        step()
+    assert g.oom and h.safe_mode, "the plan that ran out of memory is not left in force"
+    assert all(b.checkpointed for b in h._blocks)
+    h.hard_limit_bytes = None
+    h.run_step(step)
+    h.close()
