@@ -43,6 +43,9 @@ __all__ = [
 
 log = logging.getLogger("rematd.server")
 
+SHUTDOWN_WRITES_SECONDS = 30.0
+"""At shutdown, how long the core's queued writes get to reach the record."""
+
 
 def store_config(config: ServeConfig) -> StoreConfig:
     """The record's settings, naming the record ``--db`` gives."""
@@ -186,7 +189,11 @@ class Service:
             # Open streams are told to reconnect elsewhere now, rather than cut off when the grace
             # ends; what they sent is written first, so the replica they reach next has it.
             servicer.close_streams()
-            await asyncio.to_thread(self.core.drain_writes)
+            if not await asyncio.to_thread(self.core.drain_writes, SHUTDOWN_WRITES_SECONDS):
+                log.error(
+                    "the record did not take the service's last writes within %.0f s; stopping without them",
+                    SHUTDOWN_WRITES_SECONDS,
+                )
             pending = self.store.pending()
             try:
                 await asyncio.to_thread(self.store.flush)

@@ -23,7 +23,7 @@ class Collections:
     keep arriving), a young collection and a freeze of what survived it.
 
     A stream leaves its call's objects, the buffers of the messages it received among them, in
-    reference cycles inside gRPC. The service raises the collector's thresholds (``rematd.server.cli``),
+    reference cycles inside gRPC. The service raises the collector's thresholds (``rematd.server.run``),
     so a flood of streams that allocate few objects each but hold a message's worth of memory (a
     rejected 1 MiB hello) would wait long for a collection; and what was alive at a young collection
     moves to the oldest generation, which only a full one visits. Counting bytes keeps full

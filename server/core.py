@@ -23,52 +23,25 @@ from rematd.planner import Plan
 from rematd.records import Hello, OomReport, StepStats
 from rematd.server import plan_policy as policy
 from rematd.server.config import CoreConfig
-from rematd.server.controls import Controls, OperatorControls
+from rematd.server.controls import OperatorControls
 from rematd.server.errors import JobNotFound, SessionError
 from rematd.server.metrics import Metrics, RankSample
 from rematd.server.plan_policy import (
-    MODE_NAMES,
-    MODES_BY_NAME,
-    QUIET_RISK,
-    entry_in_force,
     mode_names,
-    modes_of,
-    plan_row,
-    shape_bucket,
-    shape_plan_of,
-    shape_plan_row,
 )
 from rematd.server.rank_records import RankRecords
 from rematd.server.record_writer import RecordWriter
-from rematd.server.sessions import CONNECTED, DISCONNECTED, ENDED, MAX_INTERNED_BYTES, RankSession, Sessions
+from rematd.server.sessions import RankSession, Sessions
 from rematd.server.store import Store, is_record_error
 from rematd.server.training import TrainingSide
 from rematd.server.views import JOB_STATES, ReadViews
 
-__all__ = [
-    "CONNECTED",
-    "DISCONNECTED",
-    "ENDED",
-    "JOB_STATES",
-    "MAX_INTERNED_BYTES",
-    "MODES_BY_NAME",
-    "MODE_NAMES",
-    "QUIET_RISK",
-    "AdvisorCore",
-    "Controls",
-    "JobNotFound",
-    "RankSession",
-    "SessionError",
-    "entry_in_force",
-    "mode_names",
-    "modes_of",
-    "plan_row",
-    "shape_bucket",
-    "shape_plan_of",
-    "shape_plan_row",
-]
+__all__ = ["JOB_STATES", "AdvisorCore", "JobNotFound", "RankSession", "SessionError", "mode_names"]
 
 log = logging.getLogger("rematd.server")
+
+READ_WAIT_SECONDS = 5.0
+"""How long a REST read waits for the writes queued before it."""
 
 
 class AdvisorCore:
@@ -89,31 +62,11 @@ class AdvisorCore:
             controls=self.controls,
             records=RankRecords(store, self.writer),
         )
-        self.views = ReadViews(store, self.sessions, job_controls=self.controls.job_controls, settle=self.writer.drain)
+        self.views = ReadViews(store, self.sessions, job_controls=self.controls.job_controls, settle=self._settle)
         self.metrics.snapshot = self.rank_samples
         self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
         self.store.on_write_failure = self.metrics.record_write_failures.inc
         self.refresh_controls()
-
-    # What tests and a debugger look at: the registry's lock and contents.
-    @property
-    def _lock(self) -> Any:
-        return self.sessions.lock
-
-    @property
-    def _by_job(self) -> dict[str, dict[int, RankSession]]:
-        return self.sessions.by_job
-
-    @property
-    def _interned(self) -> dict[Any, Any]:
-        return self.sessions.interned
-
-    @property
-    def _interned_bytes(self) -> int:
-        return self.sessions.interned_bytes
-
-    def _outgoing(self, session: RankSession, cause: str) -> Plan | None:
-        return self.training.outgoing(session, cause)
 
     # -- the training side ----------------------------------------------------
 
@@ -164,6 +117,14 @@ class AdvisorCore:
     def close(self) -> None:
         """Write what is queued (the service's shutdown, before the store closes)."""
         self.writer.close()
+
+    def _settle(self) -> None:
+        """Before a read: wait for the writes handed over so far, so that it sees them; a record that
+        does not take them in time is read as it stands (a read must not hang with the database)."""
+        if not self.writer.drain(READ_WAIT_SECONDS):
+            log.warning(
+                "reading the record without the writes still queued: it has not taken them in %.0f s", READ_WAIT_SECONDS
+            )
 
     def _write_failed(self, err: BaseException) -> None:
         # The store counts a failed write of its own; anything else failed in rematd, and is counted here.

@@ -94,7 +94,7 @@ class RecordAccess:
 
     def flush(self) -> None:
         """Write buffered statistics in one transaction (rows the database refuses are set aside)."""
-        if not self.buffer.pending():
+        if self.buffer.idle():
             return
         with self._writing():
             self.buffer.flush()

@@ -82,11 +82,21 @@ class RecordWriter:
         return self._wait_for(target, timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Write what is queued; later writes run on the caller's thread (the core outlived its writer)."""
+        """Write what is queued, then stop the thread; later writes run on the caller's thread (the core
+        outlived its writer). Writes the record has not taken within ``timeout`` are given up: logged with
+        their number, and dropped rather than run beside the caller's (which would break their order)."""
         self.drain(timeout)
         with self._cv:
             self._closed = True
+            lost = len(self._queue)
+            self._queue.clear()
+            self._done = self._submitted
+            thread = self._thread
             self._cv.notify_all()
+        if lost:
+            log.error("the record did not take %d queued write(s) in time; they are not written", lost)
+        if thread is not None:
+            thread.join(timeout)
 
     def _enqueue(self, what: str, fn: Callable[[], Any], *, waited: bool) -> _Write:
         with self._cv:

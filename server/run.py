@@ -46,7 +46,7 @@ def run_one(config: ServeConfig, *, announce: bool = True) -> int:
 
     # Fewer, larger young-generation collections: a busy service allocates many short-lived messages.
     # Memory that ended streams held does not wait for these thresholds: the gRPC servicer asks for a
-    # collection soon after streams end (rematd.server.grpc_service).
+    # collection soon after streams end (rematd.server.collector).
     gc.set_threshold(50_000, 20, 100)
     try:
         asyncio.run(main())

@@ -139,7 +139,9 @@ class TrainingSide:
             if new_plan:
                 self.metrics.plans_issued.labels(job).inc()
             with reg.lock:
-                if not resumed:
+                if reg.by_key.get(session.key) is not session:
+                    # New, or resumed but forgotten (expired, its job dropped) while the record was
+                    # written outside the registry's lock: registered again, or its end would go unrecorded.
                     reg.add(session)
                 session.streams += 1
                 session.ended = False
@@ -279,16 +281,15 @@ class TrainingSide:
                 self.metrics.recompiles.labels(job).inc(stats.recompiles)
             if plan is not None:
                 self.metrics.plans_issued.labels(job).inc()
-            plan_row = policy.plan_row(plan, n) if plan is not None else None
+            if plan is not None:
+                # Handed over (not written) under the lock that chose it: another stream of the rank
+                # cannot hand over a later version first, so versions land in order.
+                self.records.plan(session, policy.plan_row(plan, n), now)
             warm = warm_row(session, now) if remember else None
-        rank = session.hello.rank
         # Into the write-behind buffer (memory) now, so a read right after the step sees it; a full
-        # buffer is written on the writer's thread, as is a new plan (after any before it: versions
-        # land in order) or a plan to remember for warm starts.
-        self.records.stats(job, rank, row)
-        if plan_row is not None:
-            self.records.plan(session, plan_row, now)
-        elif warm is not None:
+        # buffer is written on the writer's thread, as is a plan to remember for warm starts.
+        self.records.stats(job, session.hello.rank, row)
+        if warm is not None:
             self.records.remember(warm)
         return plan
 
@@ -317,8 +318,7 @@ class TrainingSide:
             plan = self._next_plan(session, changed, "oom.shape")
             if plan is not None:
                 self.metrics.plans_issued.labels(job).inc()
-        if plan is not None:
-            self.records.plan(session, policy.plan_row(plan, len(session.hello.blocks)), now)
+                self.records.plan(session, policy.plan_row(plan, len(session.hello.blocks)), now)
         return plan
 
     def _next_plan(self, session: RankSession, changed: Plan | None, cause: str) -> Plan | None:

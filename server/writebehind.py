@@ -65,6 +65,11 @@ class WriteBehind:
     def pending(self) -> int:
         return len(self._pending)
 
+    def idle(self) -> bool:
+        """Nothing to write: no rows, and no rank's last statistics (kept alone after a failure to write them)."""
+        with self._buf_lock:
+            return not self._pending and not self._pending_last
+
     def last(self, job: str, rank: int) -> dict[str, Any] | None:
         """The rank's newest buffered row, if the buffer holds one."""
         with self._buf_lock:

@@ -54,7 +54,7 @@ def test_the_profile_cache_is_bounded_in_bytes_and_emptied_as_jobs_end(monkeypat
     for k in range(12):
         session, _ = core.open_session(_profile_hello(f"job-{k}", 64, k))
         sessions.append(session)
-        assert core._interned_bytes <= sessions_mod.MAX_INTERNED_BYTES
+        assert core.sessions.interned_bytes <= sessions_mod.MAX_INTERNED_BYTES
     profiles = [s.planner.profile for s in sessions]
     # Ranks of one model still share: a second rank of job-0 gets job-0's copy.
     again = dataclasses.replace(_profile_hello("job-0", 64, 0), session_secret=sessions[0].secret)
@@ -63,5 +63,5 @@ def test_the_profile_cache_is_bounded_in_bytes_and_emptied_as_jobs_end(monkeypat
     assert any(v.profile is profiles[0] for v in shapes._CACHE.values())
     for s in [*sessions, other]:
         core.close_session(s, ended=True)
-    assert core._interned == {} and core._interned_bytes == 0
+    assert core.sessions.interned == {} and core.sessions.interned_bytes == 0
     assert not any(v.profile is p for v in shapes._CACHE.values() for p in profiles)

@@ -3,6 +3,7 @@ one logged and counted without ending the stream it came from (a real SQLite fil
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sqlite3
 import threading
@@ -117,3 +118,51 @@ def test_close_waits_for_every_write_handed_over(tmp_path: Path) -> None:
     assert time.monotonic() - started >= 0.1 and core.writer.pending() == 0
     assert len(store.plans("closing")) == 2
     store.close()
+
+
+def test_a_rank_forgotten_while_its_resume_is_recorded_is_registered_again(tmp_path: Path) -> None:
+    """A resume records itself outside the registry's lock: expiry can forget the rank meanwhile. The
+    resumed rank must be registered again, or its goodbye goes unrecorded and it stays connected."""
+    store = Store(tmp_path / "r.db")
+    core = AdvisorCore(store, Metrics())
+    try:
+        first, _ = core.open_session(hello(job="x", rank=0))
+        core.close_session(first, ended=False)
+        gate = threading.Event()
+        core.writer.submit("a slow record", lambda: gate.wait(10))
+        back = dataclasses.replace(hello(job="x", rank=0), plan_version=first.sent.version, session_secret=first.secret)
+        out: dict[str, object] = {}
+        resume = threading.Thread(target=lambda: out.setdefault("session", core.open_session(back)[0]))
+        resume.start()
+        deadline = time.monotonic() + 5
+        while core.writer.pending() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the resume waits on the writer, outside the registry's lock
+        assert core.expire_sessions(now=time.monotonic() + 10_000) == 1
+        gate.set()
+        resume.join(10)
+        resumed = out["session"]
+        assert resumed is first and core.sessions.by_key.get(("x", 0)) is resumed
+        core.close_session(first, ended=True)
+        assert core.drain_writes(5)
+        assert [r["state"] for r in store.ranks("x")] == ["ended"]
+        assert store.job("x")["ended_at"] is not None
+    finally:
+        core.close()
+        store.close()
+
+
+def test_close_gives_up_writes_the_record_does_not_take_in_time(caplog: pytest.LogCaptureFixture) -> None:
+    writer = RecordWriter()
+    gate = threading.Event()
+    ran: list[int] = []
+    writer.submit("a stuck write", lambda: gate.wait(10))
+    for i in range(3):
+        writer.submit(f"write {i}", lambda i=i: ran.append(i))
+    with caplog.at_level(logging.ERROR, logger="rematd.server"):
+        writer.close(timeout=0.2)
+    assert "3 queued write(s)" in caplog.text
+    gate.set()
+    time.sleep(0.2)
+    assert ran == [], "given up, not run beside later writes"
+    writer.submit("after close", lambda: ran.append(99))
+    assert ran == [99], "after close a write runs on the caller's thread"

@@ -86,7 +86,7 @@ def test_a_mode_change_that_keeps_the_same_blocks_is_sent(tmp_path: Path) -> Non
     # The planner moves block 0 from selective to recompute: the same blocks checkpoint, in another mode.
     s.sent = replace(first, modes=(Mode.SELECTIVE,) + (Mode.STORE,) * (n - 1), blocks=(0,))
     s.base = replace(first, modes=(Mode.RECOMPUTE,) + (Mode.STORE,) * (n - 1), blocks=(0,))
-    out = core._outgoing(s, "stats.shape")
+    out = core.training.outgoing(s, "stats.shape")
     assert out is not None and out.modes[0] == Mode.RECOMPUTE and out.version == first.version + 1
 
 

@@ -152,7 +152,7 @@ def test_reads_need_the_token_off_loopback(core: AdvisorCore) -> None:
 
 def test_pin_unpin_tune_and_end(core: AdvisorCore) -> None:
     http = TestClient(create_app(core, TokenAuth(token=TOKEN)))
-    s = core._by_job["known"][0]
+    s = core.sessions.by_job["known"][0]
     r = http.post("/api/v1/jobs/known/pin", json={"checkpoint_every": 2}, headers=AUTH)
     assert r.status_code == 200 and r.json()["pin_every"] == 2
     plan = core.on_stats(s, stats(10, 500))

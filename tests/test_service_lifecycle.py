@@ -184,7 +184,7 @@ def test_shutdown_tells_open_streams_to_reconnect_before_the_grace_ends(tmp_path
 def test_http_reads_copy_live_sessions_under_the_lock(core: AdvisorCore) -> None:
     s, _ = core.open_session(hello(job="busy"))
     got: list[dict[str, object]] = []
-    with core._lock:  # as the event loop holds it while adding a rank
+    with core.sessions.lock:  # as the event loop holds it while adding a rank
         reader = threading.Thread(target=lambda: got.extend([*core.list_jobs(), core.get_job("busy")]))
         reader.start()
         reader.join(0.3)
@@ -275,8 +275,8 @@ def test_operator_changes_and_a_resume_wait_for_the_ranks_planning(core: Advisor
         tune.start()
         tune.join(0.3)
         assert tune.is_alive(), "the margin changed under a planner at work"
-        assert core._lock.acquire(timeout=2), "the core's lock is held while waiting for the planner"
-        core._lock.release()
+        assert core.sessions.lock.acquire(timeout=2), "the core's lock is held while waiting for the planner"
+        core.sessions.lock.release()
     tune.join(10)
     assert done and s.planner.controller.config.margin_ratio == 0.3
     # The rank comes back with versions of its own (it planned while cut off): renumbered under the same lock.
