@@ -4,7 +4,8 @@ A rank whose plan has held, with no risk and no loosening under way, gives
 the service nothing new each step; the service says so with a report
 interval in its acks. Until that interval has passed, a step like the last
 one reported (same shape, plan and budget, peak within ``PEAK_BAND``, no
-allocator retry or out-of-memory error) is folded into the next report. A
+allocator retry or out-of-memory error, no less room on the device and no
+more fragmentation than a grain of the budget) is folded into the next report. A
 step that differs is reported at once, after what was folded before it.
 """
 
@@ -14,6 +15,7 @@ import dataclasses
 import math
 
 from rematd.planner import Mode, ModeSeconds
+from rematd.planner.risk import GRAIN
 from rematd.records import StepStats
 
 PEAK_BAND = 0.02
@@ -22,6 +24,14 @@ PEAK_BAND = 0.02
 
 def _near(a: int, b: int) -> bool:
     return abs(a - b) <= PEAK_BAND * max(a, b)
+
+
+def _room_held(step: StepStats, reported: StepStats) -> bool:
+    """No less room on the device (another process took memory) and no more fragmentation than a grain of
+    the budget: either shrinks what the plan may use, which the service must hear at once."""
+    grain = max(1, step.budget_bytes // GRAIN)
+    room, was = step.free_bytes + step.reserved_bytes, reported.free_bytes + reported.reserved_bytes
+    return room + grain >= was and step.inactive_split_bytes <= reported.inactive_split_bytes + grain
 
 
 def steady(step: StepStats, reported: StepStats) -> bool:
@@ -34,6 +44,7 @@ def steady(step: StepStats, reported: StepStats) -> bool:
         and step.oom_count == reported.oom_count
         and _near(step.peak_allocated_bytes, reported.peak_allocated_bytes)
         and _near(step.saved_peak_bytes, reported.saved_peak_bytes)
+        and _room_held(step, reported)
     )
 
 

@@ -57,6 +57,15 @@ def test_fold_keeps_the_largest_peaks_and_the_mean_step_time() -> None:
     assert pb.StepStats.FromString(wire.stats_to_pb(both).SerializeToString()).steps == 2
 
 
+def test_less_room_on_the_device_or_more_fragmentation_is_not_steady() -> None:
+    GiB = 2**30
+    was = replace(stats(1, 900, budget=64 * GiB), reserved_bytes=40 * GiB, free_bytes=30 * GiB, total_bytes=80 * GiB)
+    assert steady(replace(was, step=2, free_bytes=30 * GiB - 1000), was), "jitter within a grain is steady"
+    assert steady(replace(was, step=2, free_bytes=40 * GiB), was), "more room tells the service nothing urgent"
+    assert not steady(replace(was, step=2, free_bytes=20 * GiB), was), "another process took 10 GiB"
+    assert not steady(replace(was, step=2, inactive_split_bytes=4 * GiB), was), "4 GiB more fragmented"
+
+
 def _core(tmp_path: Path, **config: float) -> AdvisorCore:
     return AdvisorCore(Store(f"sqlite:///{tmp_path / 'r.db'}"), Metrics(), CoreConfig(**config))  # type: ignore[arg-type]
 
