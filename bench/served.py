@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,27 +45,52 @@ def addresses(proc: subprocess.Popen[str], timeout: float = 60.0) -> tuple[str, 
     return grpc_addr, http_addr
 
 
-@contextmanager
-def served(db: Path, *args: str) -> Iterator[Served]:
-    """``rematd serve`` on ports it picks itself, stopped (SIGTERM, then SIGKILL) on the way out."""
-    command = [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0"]
+def launch(
+    db: Path,
+    *args: str,
+    grpc_port: int = 0,
+    http_port: int = 0,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> Served:
+    """Start ``rematd serve`` (port 0: one it picks itself; ``env`` added to this process's environment)
+    and read the addresses it prints; the caller stops it (:func:`stop`). Killed if it does not start."""
     proc = subprocess.Popen(
-        [*command, "--db", str(db), *args],
+        [
+            *(sys.executable, "-m", "rematd.server.cli", "serve"),
+            *("--grpc-port", str(grpc_port), "--http-port", str(http_port), "--db", str(db), *args),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     try:
-        grpc_target, http = addresses(proc)
-        yield Served(proc=proc, grpc=grpc_target, http=f"http://{http}")
+        grpc_target, http = addresses(proc, timeout)
+    except RuntimeError:
+        stop(proc)
+        raise
+    return Served(proc=proc, grpc=grpc_target, http=f"http://{http}")
+
+
+@contextmanager
+def served(db: Path, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """:func:`launch` on ports it picks itself, stopped on the way out."""
+    srv = launch(db, *args, timeout=timeout, env=env)
+    try:
+        yield srv
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        stop(srv.proc)
+
+
+def stop(proc: subprocess.Popen[Any], grace: float = 15) -> None:
+    """SIGTERM (a graceful shutdown), then SIGKILL if it lingers past ``grace`` seconds; closes its output."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()

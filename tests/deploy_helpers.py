@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,17 +47,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def stop(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
-    """Terminate a process the test started, killing it when it does not stop in time."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
 
 
 def alert_names() -> list[str]:

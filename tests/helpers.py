@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench.served import addresses
+from bench.served import served
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
 
 
@@ -53,30 +50,5 @@ def live_server(
 ) -> Iterator[LiveServer]:
     """A real ``rematd serve`` process on loopback (unless ``args`` say otherwise), on ports it picks itself."""
     db = tmp / "rematd.db"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    command = [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0"]
-    proc = subprocess.Popen(
-        [*command, "--db", str(db), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    try:
-        grpc_addr, http_addr = addresses(proc, timeout)
-        yield LiveServer(grpc=grpc_addr, http=http_addr, db=db, proc=proc)
-    finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen[str], grace: float = 15) -> None:
-    """SIGTERM (a graceful shutdown), then SIGKILL if it lingers past ``grace`` seconds; closes its output."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    with served(db, *args, timeout=timeout, env=env) as srv:
+        yield LiveServer(grpc=srv.grpc, http=srv.http.removeprefix("http://"), db=db, proc=srv.proc)

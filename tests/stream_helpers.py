@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -13,12 +11,13 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.served import launch
 from rematd import wire
 from rematd.records import open_planner
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
-from .helpers import addresses, train_step
+from .helpers import train_step
 
 
 def start_serve(
@@ -26,22 +25,8 @@ def start_serve(
 ) -> tuple[subprocess.Popen[str], str, str]:
     """``rematd serve`` on loopback (``extra``: more of its options); returns the process and its gRPC
     and HTTP addresses."""
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", str(grpc_port)),
-            *("--http-port", str(http_port), "--db", str(db), "--log-level", "warning", *extra),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        grpc_addr, http_addr = addresses(proc)
-    except RuntimeError:
-        proc.kill()
-        raise
-    return proc, grpc_addr, http_addr
+    srv = launch(db, "--log-level", "warning", *extra, grpc_port=grpc_port, http_port=http_port)
+    return srv.proc, srv.grpc, srv.http.removeprefix("http://")
 
 
 class Recorder(pb_grpc.AdvisorServicer):

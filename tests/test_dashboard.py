@@ -115,13 +115,19 @@ def _browser():  # type: ignore[no-untyped-def]
     return pw, browser
 
 
+def _page(browser, height: int | None = None):  # type: ignore[no-untyped-def]
+    """A new page (1400 wide by ``height``, or the default size) and the list its script errors go to."""
+    page = browser.new_page(viewport={"width": 1400, "height": height}) if height else browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return page, errors
+
+
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian package 'chromium' is absent")
 def test_dashboard_renders_jobs_chart_markers_ranks_and_history(served: LiveServer) -> None:
     pw, browser = _browser()
     try:
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        page, errors = _page(browser, 1100)
         page.goto(f"{served.url}/#job=sim-job")
         page.wait_for_selector("body[data-ready]", timeout=15_000)
 
@@ -181,9 +187,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_dashboard_asks_for_the_token_when_reads_need_it(guarded: str) -> None:
     pw, browser = _browser()
     try:
-        page = browser.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        page, errors = _page(browser)
         page.goto(guarded)
         page.wait_for_selector("#token-form:not([hidden])", timeout=15_000)
         assert "token" in page.locator("#error-banner").inner_text()
@@ -231,9 +235,7 @@ def test_dashboard_shows_the_modes_in_force_by_length(served: LiveServer) -> Non
     assert force["seq_len"] == 128 and force["modes"] != table[-1]["modes"]
     pw, browser = _browser()
     try:
-        page = browser.new_page(viewport={"width": 1400, "height": 1300})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        page, errors = _page(browser, 1300)
         page.goto(f"{served.url}/#job=modes-job")
         page.wait_for_selector("body[data-ready]", timeout=15_000)
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from .deploy_helpers import DEPLOY, ROOT, stop
+from bench.served import stop
+
+from .deploy_helpers import DEPLOY, ROOT
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"

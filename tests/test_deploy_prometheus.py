@@ -21,9 +21,10 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.served import stop
 from rematd import client
 
-from .deploy_helpers import DEPLOY, RULES, alert_names, binary, free_port, load_yaml, stop
+from .deploy_helpers import DEPLOY, RULES, alert_names, binary, free_port, load_yaml
 from .helpers import live_server, tiny_model, train_step
 
 JOB = "prom-oom-risk"

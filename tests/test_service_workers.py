@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import httpx
 
+from bench.served import stop
 from rematd import wire
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
-from .helpers import stop
 from .test_service import hello, stats
 
 TOKEN = "workers-token-0123456789abcdef"
