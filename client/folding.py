@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from rematd.planner import Mode, ModeSeconds
-from rematd.planner.risk import GRAIN
+from rematd.planner.risk import GRAIN, device_room_bytes
 from rematd.records import StepStats
 
 PEAK_BAND = 0.02
@@ -30,8 +30,10 @@ def _room_held(step: StepStats, reported: StepStats) -> bool:
     """No less room on the device (another process took memory) and no more fragmentation than a grain of
     the budget: either shrinks what the plan may use, which the service must hear at once."""
     grain = max(1, step.budget_bytes // GRAIN)
-    room, was = step.free_bytes + step.reserved_bytes, reported.free_bytes + reported.reserved_bytes
-    return room + grain >= was and step.inactive_split_bytes <= reported.inactive_split_bytes + grain
+    room, was = device_room_bytes(step), device_room_bytes(reported)
+    if room is not None and was is not None and room + grain < was:
+        return False
+    return step.inactive_split_bytes <= reported.inactive_split_bytes + grain
 
 
 def steady(step: StepStats, reported: StepStats) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rematd.planner.steps import StepObservation
+from rematd.planner.steps import AllocatorFigures, StepObservation
 
 GRAIN = 256
 """Capacity moves in steps of 1/GRAIN of the budget, so that jitter in the allocator's figures keeps
@@ -28,7 +28,7 @@ def fragmented_bytes(obs: StepObservation, room: int | None = None) -> int:
     return lost
 
 
-def device_room_bytes(obs: StepObservation) -> int | None:
+def device_room_bytes(obs: AllocatorFigures) -> int | None:
     """The most this process's allocator can hold: what it holds and what the device has free (0 free is
     a reading: the device is full). Memory neither free nor its own (another process, the CUDA context)
     is out of reach. None where the device's figures are not reported or do not add up."""
