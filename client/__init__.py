@@ -4,12 +4,13 @@ from rematd import client
 h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
 """
 
+from rematd.client.attach import attach
 from rematd.client.compiled import CompileStats
 from rematd.client.connection import StreamConfig
 from rematd.client.discovery import BlockDiscoveryError, find_blocks
 from rematd.client.errors import OutOfMemory, UnsupportedModel
 from rematd.client.guard import Guard
-from rematd.client.handle import Handle, attach
+from rematd.client.handle import Handle
 from rematd.planner import Plan
 
 __all__ = [

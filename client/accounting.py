@@ -17,7 +17,22 @@ import torch
 from rematd.client.errors import OutOfMemory
 
 
+def storage_id(t: torch.Tensor) -> int | None:
+    """A storage's identity that outlives FSDP's resizing it to nothing and back (unlike its address)."""
+    try:
+        return int(_plain(t).untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A distributed tensor's local part (what this rank holds); any other tensor as it is."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    t = _plain(t)
     try:
         return (str(t.device), t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
@@ -25,6 +40,7 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 def storage_bytes(t: torch.Tensor) -> int:
+    t = _plain(t)
     try:
         return int(t.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
@@ -53,6 +69,7 @@ def unique_bytes(tensors: Iterable[torch.Tensor], exclude: frozenset[tuple[str, 
 
 
 def _fast_key(t: torch.Tensor) -> tuple[str, int]:
+    t = _plain(t)
     try:
         return (t.device.type, t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
@@ -87,6 +104,8 @@ class SavedTensorAccounting:
         self._transient = 0
         self._transient_owner: object | None = None
         self._excluded_fast: frozenset[tuple[str, int]] = frozenset()
+        self.gathered: frozenset[int] = frozenset()
+        """Storages FSDP gathers parameters into (:func:`rematd.client.sharding.gathered_storages`): not activations."""
         self.active = False
         """True while the model's forward runs under this accounting's hooks."""
         self.hard_limit_bytes: int | None = None
@@ -103,8 +122,14 @@ class SavedTensorAccounting:
             st = t.untyped_storage()
             key = (t.device.type, st.data_ptr())
             size = int(st.nbytes())
+            if self.gathered and st._cdata in self.gathered:
+                return t
         except (RuntimeError, NotImplementedError):
-            key, size = storage_key(t), storage_bytes(t)
+            # A distributed tensor (tensor parallel) has no storage of its own: its local part is what is held.
+            local = _plain(t)
+            if self.gathered and local is not t and storage_id(local) in self.gathered:
+                return t
+            key, size = _fast_key(t), storage_bytes(t)
         if key in self._excluded_fast:
             return t
         with self._lock:

@@ -113,6 +113,12 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def check_optional_flag(name: str, value: object) -> bool | None:
+    if value is None:
+        return None
+    return check_flag(f"{name} (or None)", value)
+
+
 def mode_of(name: str, value: Any) -> Mode:
     """A mode from its name (any case) or a :class:`Mode` value."""
     if isinstance(value, Mode):

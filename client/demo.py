@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from rematd.client.handle import Handle, attach
+from rematd.client.attach import attach
+from rematd.client.handle import Handle
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
 from rematd.planner import Mode, blocks_of, frequency_of
 

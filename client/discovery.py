@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from rematd.client.sharding import block_class
+
 
 class BlockDiscoveryError(ValueError):
     """No usable set of blocks was found or given."""
@@ -126,7 +128,7 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> 
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.children())
-            classes = {type(child) for child in children}
+            classes = {block_class(child) for child in children}
             cls = classes.pop() if len(classes) == 1 else None
             # A list of plain containers (stages as nn.Sequential) is a way of grouping, not blocks.
             if cls is not None and cls not in (nn.Sequential, nn.ModuleList):

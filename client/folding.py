@@ -3,7 +3,7 @@
 A rank whose plan has held, with no risk and no loosening under way, gives
 the service nothing new each step; the service says so with a report
 interval in its acks. Until that interval has passed, a step like the last
-one reported (same shape, plan and budget, peak within ``PEAK_BAND``, no
+one reported (same shape, plan, modes run and budget, peak within ``PEAK_BAND``, no
 allocator retry or out-of-memory error, no less room on the device and no
 more fragmentation than a grain of the budget) is folded into the next report. A
 step that differs is reported at once, after what was folded before it.
@@ -41,6 +41,7 @@ def steady(step: StepStats, reported: StepStats) -> bool:
     return (
         step.shape == reported.shape
         and step.plan_version == reported.plan_version
+        and step.modes == reported.modes
         and step.budget_bytes == reported.budget_bytes
         and step.alloc_retries == reported.alloc_retries
         and step.oom_count == reported.oom_count

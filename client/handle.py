@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from rematd.client.arguments import (
     check_bytes,
     check_compile,
-    check_flag,
     check_hard_limit,
     check_job,
     check_margin,
     check_optimizer,
+    check_optional_flag,
     check_server,
     mode_sequence,
     parse_modes,
@@ -27,11 +27,13 @@ from rematd.client.compiled import CompileStats
 from rematd.client.connection import StreamConfig
 from rematd.client.describe import dist_rank, model_fingerprint
 from rematd.client.discovery import find_blocks
+from rematd.client.errors import UnsupportedModel
 from rematd.client.guard import Guard
 from rematd.client.hooks import AttachedHook
 from rematd.client.memory import MemorySample, SavedTensorMemory
 from rematd.client.oom_policy import OomPolicy
 from rematd.client.parts import build_parts
+from rematd.client.sharding import check_units
 from rematd.client.step_cycle import StepCycle
 from rematd.client.stream import StreamBackend
 from rematd.client.unwrap import unwrap
@@ -60,6 +62,7 @@ class Handle:
         stream: StreamConfig | None = None,
         hard_limit_bytes: int | None = None,
         compile: bool | str = False,
+        same_plan: bool | None = None,
     ) -> None:
         # Every argument is checked before anything is hooked: a bad one leaves the model untouched.
         server = check_server(server)
@@ -70,9 +73,11 @@ class Handle:
         hard_limit = check_bytes("hard_limit_bytes", hard_limit_bytes)
         optimizer = check_optimizer(optimizer)
         backend = check_compile(compile)
+        same = check_optional_flag("same_plan", same_plan)
         model = unwrap(model)
         self.model = model
         found = find_blocks(model, blocks)
+        check_units(model, found)  # sharded already; a model sharded after attach is checked at its first step
         self._parts = parts = build_parts(model, found, hard_limit_bytes=hard_limit, compile_backend=backend)
         self._accounting, self._blocks, self._applier = parts.accounting, parts.blocks, parts.applier
         self._offloader, self._compiled = parts.offloader, parts.compiled
@@ -90,6 +95,7 @@ class Handle:
             margin_ratio=margin,
             modes=offered,
             budget_bytes=budget,
+            same_plan=same,
         )
         self._life = self._cycle.life
         self._oom = OomPolicy(self._cycle.recover, closed=lambda: self._life.closed)
@@ -97,8 +103,8 @@ class Handle:
             model.register_forward_pre_hook(AttachedHook(self._pre_forward), with_kwargs=True),
             model.register_forward_hook(AttachedHook(self._post_forward), always_call=True),
         ]
-        if optimizer is not None:
-            self._hooks.append(optimizer.register_step_post_hook(AttachedHook(self._optimizer_stepped)))
+        self._optimizer_hook: RemovableHandle | None = None
+        self.optimizer = optimizer
 
     # -- public -----------------------------------------------------------
 
@@ -115,6 +121,25 @@ class Handle:
     @margin_ratio.setter
     def margin_ratio(self, value: float) -> None:
         self._cycle.who.margin_ratio = check_margin(value)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer after whose ``step()`` the handle's :meth:`step` runs by itself.
+
+        Set it when the optimizer is made after ``attach`` (FSDP2: attach, shard, then make the optimizer
+        over the sharded parameters); ``None`` stops following it (then call :meth:`step` yourself).
+        """
+        return self._cycle.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        optimizer = check_optimizer(optimizer)
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
+        self._cycle.optimizer = optimizer
+        if optimizer is not None:
+            self._optimizer_hook = optimizer.register_step_post_hook(AttachedHook(self._optimizer_stepped))
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -265,7 +290,7 @@ class Handle:
         """End the session, remove hooks and restore the blocks' own forward."""
         if not self._life.close():
             return
-        for h in (*self._hooks, *self._parts.hooks):
+        for h in (*self._hooks, *self._parts.hooks, *([self._optimizer_hook] if self._optimizer_hook else [])):
             h.remove()
         for b in self._blocks:
             b.restore()
@@ -293,6 +318,8 @@ class Handle:
                 self._cycle.begin(args, kwargs)
             if self._accounting_on():
                 self._cycle.start_counting()
+        except UnsupportedModel:
+            raise  # a model sharded after attach in a way rematd cannot checkpoint: the user must change it
         except Exception:
             self._cycle.errors += 1
             log.exception("rematd: pre-forward bookkeeping failed")
@@ -302,94 +329,3 @@ class Handle:
 
     def _accounting_on(self) -> bool:
         return isinstance(self._cycle.memory, SavedTensorMemory)
-
-
-def attach(
-    model: nn.Module,
-    *,
-    server: str | None = None,
-    job: str | None = None,
-    budget_bytes: int | None = None,
-    blocks: Sequence[nn.Module] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    margin_ratio: float = 0.1,
-    modes: Sequence[str | Mode] | None = None,
-    token: str | None = None,
-    tls: bool = False,
-    root_certificates: str | os.PathLike[str] | bytes | None = None,
-    fallback_after_s: float | None = 60.0,
-    hard_limit_bytes: int | None = None,
-    compile: bool | str = False,
-) -> Handle:
-    """Attach rematd to ``model`` and return the handle that applies its plans.
-
-    Every argument is checked here: a bad one raises ``TypeError`` or
-    ``ValueError`` naming it, before the model is touched.
-
-    Args:
-        model: the model being trained.
-        server: ``"host:port"`` (or ``"[v6addr]:port"``, or a gRPC target
-            such as ``"dns:///host:port"``) of a rematd service; ``None``
-            plans in-process.
-        job: the job's name on the service: 1-128 letters, digits, ``.``,
-            ``_`` or ``-``, starting with a letter or digit (default: a
-            random one; under ``torch.distributed`` pass the same on every rank).
-        budget_bytes: the memory budget. On CUDA, the device memory the job
-            may use (default: the device's capacity); on the CPU, the cap on
-            bytes saved for backward during a step (default: host memory).
-        blocks: the modules to checkpoint (default: the longest
-            ``nn.ModuleList`` of same-class modules).
-        optimizer: when given, the handle's :meth:`Handle.step` runs after
-            each ``optimizer.step()`` by itself.
-        margin_ratio: the fraction of the budget the planner keeps free, in [0, 1).
-        modes: the ways a block may keep activations (names, or
-            :class:`rematd.planner.Mode` values), from ``"store"``,
-            ``"selective"`` (keep matmul and attention outputs, recompute
-            pointwise ops), ``"recompute"`` (keep only the block's input) and
-            ``"offload"`` (saved activations to host memory; CUDA only).
-            Default: store, selective and recompute; offload only when named
-            (on a GPU it has measured slower than recomputing the same blocks).
-        token: bearer token for the service (default: ``$REMATD_TOKEN``),
-            sent as ``authorization: Bearer <token>`` metadata.
-        tls: connect with TLS (implied by ``root_certificates``).
-        root_certificates: PEM roots (a path or the bytes) that sign the
-            service's certificate; default: the system's.
-        fallback_after_s: seconds without the service after which plans are
-            made in-process until it returns; ``None`` keeps the plan in force.
-        hard_limit_bytes: on the CPU, a step whose bytes saved for backward
-            would cross this raises :class:`rematd.client.OutOfMemory`
-            (recovered from by :meth:`Handle.run_step` / :meth:`Handle.guard`).
-        compile: ``True`` compiles each block with Inductor, one compiled
-            function per mode with the checkpoint inside it, shared by blocks
-            of the same class; a string names another ``torch.compile``
-            backend (``"aot_eager"``). Every offered mode is compiled at the
-            step after profiling; graphs compiled are in
-            :attr:`Handle.compile_stats` and each step's ``recompiles``.
-            Do not compile the model itself (``torch.compile(model)`` is
-            refused, and so is a compiled submodule); compile the rest as
-            functions (``torch.compile(loss_fn)``).
-    """
-    server = check_server(server)
-    stream = (
-        StreamConfig.build(
-            token=token,
-            tls=check_flag("tls", tls),
-            root_certificates=root_certificates,
-            fallback_after_s=fallback_after_s,
-        )
-        if server is not None
-        else None
-    )
-    return Handle(
-        model,
-        server=server,
-        job=job,
-        budget_bytes=budget_bytes,
-        blocks=blocks,
-        optimizer=optimizer,
-        margin_ratio=margin_ratio,
-        modes=modes,
-        stream=stream,
-        hard_limit_bytes=hard_limit_bytes,
-        compile=compile,
-    )

@@ -15,7 +15,7 @@ from rematd.client.describe import block_records
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
 from rematd.client.profiling import host_bandwidth
 from rematd.client.switch import SwitchableBlock
-from rematd.planner import Mode, Shape, Size
+from rematd.planner import Mode, Shape, Size, Term
 from rematd.records import Hello
 
 log = logging.getLogger("rematd.client")
@@ -83,23 +83,41 @@ def complete_profile(blocks: Sequence[SwitchableBlock]) -> bool:
 
 
 def other_activations(
-    memory: Memory, sample: MemorySample, *, blocks_bytes: int, static: int, fresh_grads: int
+    memory: Memory, sample: MemorySample, *, blocks_bytes: int, static: int, fresh_grads: int, gathered: int = 0
 ) -> Size:
     """Memory at the peak outside static memory and the blocks, from the profiling step (every block
     stored). On the CPU, bytes the rest of the model saves. On CUDA, what the allocator's peak holds
     beyond that: logits, the loss's upcast, gradients as they accumulate, optimizer temporaries,
     allocator rounding. Gradients of parameters that had none at the step's start do not grow with
     the input; what the step created and kept (optimizer state) is later steps' static memory; the
-    rest is taken to grow with tokens (:func:`rematd.client.memory.outside_blocks`)."""
+    rest is taken to grow with tokens (:func:`rematd.client.memory.outside_blocks`).
+
+    ``gathered``: the parameters FSDP holds unsharded at the peak, a constant of the model's sharding
+    (:func:`rematd.client.sharding.gathered_at_peak_bytes`), kept out of what grows with tokens."""
     if not isinstance(memory, CudaMemory):
-        return Size.linear(max(0, sample.saved_peak_bytes - blocks_bytes))
-    return outside_blocks(
+        grows = Size.linear(max(0, sample.saved_peak_bytes - static - gathered - blocks_bytes))
+        return with_constant(grows, gathered)
+    outside = outside_blocks(
         peak=sample.peak_allocated_bytes,
         static=static,
         blocks=blocks_bytes,
         allocated_after=sample.allocated_bytes,
         fresh_grads=fresh_grads,
     )
+    if not gathered:
+        return outside
+    # The allocator's peak held the gathered parameters: what it counted as growing with tokens holds them.
+    growing = [t for t in outside.terms if t.batch_exp or t.seq_exp]
+    constant = [t for t in outside.terms if not (t.batch_exp or t.seq_exp)]
+    taken = min(gathered, sum(t.bytes for t in growing))
+    left = sum(t.bytes for t in growing) - taken
+    terms = [*constant, Term(taken, 0, 0)] if taken else constant
+    return Size(tuple([*terms, *([Term(left, 1, 1)] if left else [])]))
+
+
+def with_constant(size: Size, nbytes: int) -> Size:
+    """``size`` and ``nbytes`` more that do not grow with the input."""
+    return Size((*size.terms, Term(nbytes, 0, 0))) if nbytes else size
 
 
 def build_hello(
@@ -114,6 +132,7 @@ def build_hello(
     budget_bytes: int,
     static: int,
     fresh_grads: int,
+    gathered: int = 0,
 ) -> Hello:
     """The hello that opens the planner, from the profiling step; the blocks stop profiling."""
     records = block_records(blocks)
@@ -134,6 +153,11 @@ def build_hello(
         margin_ratio=who.margin_ratio,
         client_version=__version__,
         other_activations=other_activations(
-            memory, sample, blocks_bytes=sum(r.saved_bytes for r in records), static=static, fresh_grads=fresh_grads
+            memory,
+            sample,
+            blocks_bytes=sum(r.saved_bytes for r in records),
+            static=static,
+            fresh_grads=fresh_grads,
+            gathered=gathered,
         ),
     )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rematd.client.accounting import storage_bytes, storage_key
+from rematd.client.accounting import storage_bytes, storage_id, storage_key
 from rematd.client.selective import SAVE_OPS, outputs_of
 from rematd.planner import Mode, ModeCost, Shape, Size, Term
 
@@ -96,14 +96,20 @@ class BlockMeasure:
 class Profiler:
     """Measures one block forward; ``pack`` is its saved-tensor hook."""
 
-    def __init__(self, shape: Shape, excluded: frozenset[Key], cuda: bool) -> None:
+    def __init__(
+        self, shape: Shape, excluded: frozenset[Key], cuda: bool, gathered: frozenset[int] = frozenset()
+    ) -> None:
         self.shape = shape
         self.excluded = excluded
+        self.gathered = gathered
+        """Storages of the parameters as the block runs (FSDP's gathered ones): weights, not activations."""
         self.cuda = cuda
         self.saved: dict[Key, tuple[int, int, int]] = {}
         self.timer = _Timed(cuda)
 
     def record(self, t: torch.Tensor) -> None:
+        if self.gathered and storage_id(t) in self.gathered:
+            return
         key = storage_key(t)
         if key not in self.excluded and key not in self.saved:
             self.saved[key] = (storage_bytes(t), *exponents(t, self.shape))
@@ -112,7 +118,7 @@ class Profiler:
         return {
             storage_key(t): (storage_bytes(t), *exponents(t, self.shape))
             for t in tensors
-            if storage_key(t) not in self.excluded
+            if storage_key(t) not in self.excluded and not (self.gathered and storage_id(t) in self.gathered)
         }
 
     def result(

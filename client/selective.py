@@ -6,7 +6,10 @@ grow with tokens and cost the most to recompute, so they are kept; a
 materialised attention core (``bmm`` of q·kᵀ and of the attention weights
 with v, and the softmax, mask and dropout between them) holds tensors that
 grow with the square of the sequence length and costs little to recompute,
-like norms and activations. The same op list decides what the profile
+like norms and activations. The outputs of collectives (a tensor-parallel
+block's all-reduce, reduce-scatter and all-gather) are kept too, as
+torchtitan's policy does: recomputing them would send them over the network
+again. The same op list decides what the profile
 predicts a selective block keeps and what ``torch.utils.checkpoint`` keeps
 when the block runs selectively.
 """
@@ -24,25 +27,39 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 aten = torch.ops.aten
 
 
-def _ops(*names: str) -> frozenset[Any]:
+def _ops(*names: str, namespace: Any = aten) -> frozenset[Any]:
     found: set[Any] = set()
     for name in names:
-        packet = getattr(aten, name, None)
+        try:
+            packet = getattr(namespace, name, None)
+        except (AttributeError, RuntimeError):  # a namespace this torch build does not have
+            packet = None
         if packet is not None:
             found.update(getattr(packet, o) for o in packet.overloads())
     return frozenset(found)
 
 
-SAVE_OPS = _ops(
-    "mm",
-    "addmm",
-    "convolution",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_flash_attention_forward",
-    "_efficient_attention_forward",
+def _functional_collectives() -> frozenset[Any]:
+    try:
+        namespace = torch.ops._c10d_functional
+    except (AttributeError, RuntimeError):
+        return frozenset()
+    return _ops("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", namespace=namespace)
+
+
+SAVE_OPS = (
+    _ops(
+        "mm",
+        "addmm",
+        "convolution",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    | _functional_collectives()
 )
 
 

@@ -7,6 +7,7 @@ planner once the profile is complete, and reports the step's statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -31,6 +32,8 @@ from rematd.client.lifecycle import Lifecycle, Phase
 from rematd.client.memory import CudaMemory, MemorySample
 from rematd.client.oom_policy import free_after_oom, oom_message
 from rematd.client.parts import BlockParts
+from rematd.client.plan_sync import PROFILING, PlanAgreement
+from rematd.client.sharding import ShardedModel, has_dtensors, is_sharded
 from rematd.planner import Mode, Shape
 from rematd.records import Hello, OomReport, StepStats
 
@@ -52,6 +55,7 @@ class StepCycle:
         margin_ratio: float,
         modes: Collection[Mode],
         budget_bytes: int | None,
+        same_plan: bool | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -85,6 +89,13 @@ class StepCycle:
         self.errors = 0
         """Failures of rematd's bookkeeping caught on the training thread; training went on after each."""
         self._counting: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.same_plan = same_plan
+        """Whether the ranks agree on one plan each step (None: when the parameters are distributed tensors)."""
+        self.sharded: ShardedModel | None = None
+        """FSDP's figures, for a model sharded with ``fully_shard`` (found at the first step)."""
+        self.agreement: PlanAgreement | None = None
+        self.ran: tuple[Mode, ...] = ()
+        """The modes the step runs, when they are not its plan's (a pin, or the plan the ranks agreed on)."""
 
     # -- a step's start and end ----------------------------------------------
 
@@ -92,6 +103,7 @@ class StepCycle:
         """The first grad-enabled forward after a step boundary."""
         runs_in = self.life.begin_step()
         if self.memory is None:
+            self._first_step()
             self.memory = memory_source(self.model, self.accounting, args, kwargs)
             self.accounting.exclude_module_state(self.model)
             offer_modes(self.blocks, self.memory, self.modes)
@@ -111,12 +123,55 @@ class StepCycle:
         ):
             # Every block recomputes until the planner answers with a new plan.
             self.life.plan_applied()
-        # The retry (Phase.RETRY) runs with every block recomputed, whatever is pending.
+        # The retry (Phase.RETRY) runs with every block recomputed, whatever is pending; it runs on this rank
+        # alone, so it agrees with no other.
+        if self.agreement is not None and runs_in is not Phase.RETRY:
+            self._agree()
+        self.ran = self._modes_run(runs_in)
         if self.blocks[0].step_shape != self.shape:
             for b in self.blocks:
                 b.step_shape = self.shape
         self.static = self.memory.static_bytes()
+        if self.sharded is not None:
+            self.accounting.gathered = self.sharded.storages()
+            if not isinstance(self.memory, CudaMemory):
+                # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA.
+                self.static += self.sharded.shard_bytes(self.optimizer)
         self.started = time.perf_counter()
+
+    def _first_step(self) -> None:
+        """What can only be seen at the first step: whether (and how) the model is sharded."""
+        distributed = has_dtensors(self.model)
+        if is_sharded(self.model):
+            self.sharded = ShardedModel(self.model, [(b.name, b.module) for b in self.blocks])
+            for b in self.blocks:
+                b.sharded = True
+        agree = distributed if self.same_plan is None else self.same_plan
+        if agree and dist_rank()[1] > 1:
+            self.agreement = PlanAgreement()
+
+    def _agree(self) -> None:
+        """Run the plan every rank agrees on (the leanest of theirs) instead of this rank's own."""
+        assert self.agreement is not None
+        own = [PROFILING if b.profiling else int(b.mode) for b in self.blocks]
+        chosen = self.agreement.agree(own)
+        if chosen == own:
+            return
+        for b, code in zip(self.blocks, chosen, strict=True):
+            if code == PROFILING:
+                # Another rank profiles this block: it stores, and so does this one (profiling or not).
+                b.mode = Mode.STORE
+            elif code != int(Mode.STORE) or not b.profiling:
+                b.profiling = False  # profiled at a later step, when every rank stores it
+                b.mode = Mode(code)
+        # The blocks' modes are not the plan's any more: the next step sets them from the plan again.
+        self.applier.invalidate()
+
+    def _modes_run(self, runs_in: Phase) -> tuple[Mode, ...]:
+        if runs_in is Phase.PROFILING or any(b.profiling for b in self.blocks):
+            return ()
+        modes = tuple(b.mode for b in self.blocks)
+        return () if modes == self.applier.plan.modes_for(self.shape, len(self.blocks)) else modes
 
     def end(self) -> None:
         """``Handle.step()``: measure the step, open the planner once profiled, report the statistics."""
@@ -128,6 +183,10 @@ class StepCycle:
     def _report(self) -> None:
         assert self.memory is not None
         sample = self.memory.sample()
+        if self.sharded is not None and not isinstance(self.memory, CudaMemory):
+            sample = dataclasses.replace(
+                sample, saved_peak_bytes=sample.saved_peak_bytes + self.static + self.sharded.gathered_at_peak
+            )
         self.last_memory = sample
         if self.budget_bytes is None:
             self.budget_bytes = max(1, int(sample.total_bytes or self.memory.total_bytes or 2**40))
@@ -155,6 +214,7 @@ class StepCycle:
             mode_seconds=self.timer.take(),
             recompiles=recompiles,
             compile_seconds=compile_seconds,
+            modes=self.ran,
             **sample.allocator_figures(),
         )
         self.last_stats = stats
@@ -184,6 +244,7 @@ class StepCycle:
             budget_bytes=self.budget_bytes,
             static=self.static,
             fresh_grads=self.fresh_grads,
+            gathered=self.sharded.gathered_at_peak if self.sharded is not None else 0,
         )
 
     # -- saved-tensor accounting around the model's forward -------------------

@@ -24,6 +24,7 @@ from rematd.client.offload import Offloader
 from rematd.client.profiling import BlockMeasure, Profiler
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.selective import selective_context
+from rematd.client.sharding import parameter_storages
 from rematd.planner import Mode, Shape
 
 log = logging.getLogger("rematd.client")
@@ -80,6 +81,8 @@ class SwitchableBlock:
         self._cache_logged = False
         self.compiled: CompiledVariants | None = None
         """The compiled variants this block runs (``attach(..., compile=...)``); None: eager."""
+        self.sharded = False
+        """Whether the block runs inside an FSDP unit: its parameters are gathered into FSDP's storages."""
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = _SwitchedForward(self)
@@ -205,8 +208,11 @@ class SwitchableBlock:
         excluded = acct.excluded if acct is not None else frozenset()
         inputs = tensors_in([args, kwargs])
         cuda = any(t.is_cuda for t in inputs)
-        profiler = Profiler(self.profile_shape, excluded, cuda)
+        gathered = parameter_storages(self.module) if self.sharded else frozenset()
+        profiler = Profiler(self.profile_shape, excluded, cuda, gathered)
         counting = self._counting()
+        if counting is not None and gathered:
+            counting.gathered |= gathered
 
         def pack(t: torch.Tensor) -> Any:
             profiler.record(t)

@@ -1,4 +1,4 @@
-"""Which module ``attach`` works on: DDP's inner module; compiled and FSDP models are refused."""
+"""Which module ``attach`` works on: DDP's inner module, an FSDP2 model as it is; compiled and FSDP1 models refused."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from torch import nn
 
 from rematd.client.errors import UnsupportedModel
 from rematd.client.refusals import refuse_own_checkpointing
+from rematd.client.sharding import refuse_fsdp1
 
 
 def _compiled(m: nn.Module) -> bool:
@@ -31,13 +32,7 @@ def unwrap(model: nn.Module) -> nn.Module:
                 "between steps, which a compiled graph does not see. Attach to the model without compiling it and "
                 "pass compile=True: attach(model, compile=True) compiles each block with its mode switch inside."
             )
-        if kind in ("FullyShardedDataParallel", "FSDPModule") or any(
-            c.__name__ == "FSDPModule" for c in type(m).__mro__
-        ):
-            raise UnsupportedModel(
-                f"{kind}{where} is sharded with FSDP, which rematd does not support yet; use "
-                "DistributedDataParallel, or FSDP's own activation checkpointing"
-            )
+    refuse_fsdp1(model)
     refuse_own_checkpointing(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         inner: nn.Module = model.module

@@ -99,7 +99,12 @@ class PlannerSession:
         self.static_bytes = obs.static_bytes
         n = self.profile.num_blocks
         ran = self._recent.get(obs.plan_version)
-        measured_modes = ran.modes_for(obs.shape, n) if ran is not None else tuple(Mode.STORE for _ in range(n))
+        if len(obs.modes) == n:
+            measured_modes = obs.modes
+        elif ran is not None:
+            measured_modes = ran.modes_for(obs.shape, n)
+        else:
+            measured_modes = tuple(Mode.STORE for _ in range(n))
         plan = self._adopt(self.controller.observe(obs, measured_modes))
         # The correction learnt from measured peaks scales the activations, not the static memory.
         activations = max(0, self._plan.predicted_peak_bytes - obs.static_bytes)

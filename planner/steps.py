@@ -79,6 +79,9 @@ class StepObservation(AllocatorFigures):
     """The shape of the step's input."""
     mode_seconds: tuple[ModeSeconds, ...] = ()
     """Measured extra seconds per mode, where the client timed them."""
+    modes: tuple[Mode, ...] = ()
+    """The mode each block ran in, when not those of the plan ``plan_version`` (pins, or a plan agreed
+    between ranks); empty: the plan's."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:

@@ -229,8 +229,12 @@ class StepStats(AllocatorFigures):
     """Graphs compiled for the blocks' variants during the steps covered (``attach(..., compile=True)``)."""
     compile_seconds: float = 0.0
     """Seconds those compiles took."""
+    modes: tuple[Mode, ...] = ()
+    """The mode each block ran in, when not the plan's (a pin, or the plan a sharded job's ranks agreed on)."""
 
     def validate(self) -> None:
+        if len(self.modes) > MAX_BLOCKS:
+            raise InvalidMessage("stats.block_modes", f"{len(self.modes)} entries, more than {MAX_BLOCKS} blocks")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_INT:
             raise InvalidMessage("stats.steps", f"must be an integer in 1-{MAX_INT}, got {self.steps!r}")
         if len(self.mode_seconds) > len(Mode):
@@ -308,5 +312,6 @@ def observation(hello: Hello, stats: StepStats) -> StepObservation:
         plan_version=stats.plan_version,
         shape=stats.shape,
         mode_seconds=stats.mode_seconds,
+        modes=stats.modes,
         **stats.allocator_figures(),
     )

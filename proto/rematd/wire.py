@@ -20,7 +20,16 @@ from typing import Any, cast
 from google.protobuf.message import Message
 
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
-from rematd.records import MEMORY_CUDA, MEMORY_SAVED, BlockRecord, Hello, InvalidMessage, OomReport, StepStats
+from rematd.records import (
+    MAX_BLOCKS,
+    MEMORY_CUDA,
+    MEMORY_SAVED,
+    BlockRecord,
+    Hello,
+    InvalidMessage,
+    OomReport,
+    StepStats,
+)
 from rematd.v1 import advisor_pb2 as pb
 
 WIRE_RECORDS: Mapping[type, type[Message]] = {
@@ -44,6 +53,7 @@ RENAMED: Mapping[tuple[str, str], tuple[str, str]] = {
     ),
     ("Plan", "block_modes"): ("modes", "the wire's name says they are per block; the record's tuple is of Mode"),
     ("ShapePlan", "block_modes"): ("modes", "as Plan.block_modes"),
+    ("StepStats", "block_modes"): ("modes", "as Plan.block_modes"),
 }
 """(message, wire field): (record field, why the names differ). Every other field has one name on both sides."""
 
@@ -159,6 +169,7 @@ def stats_to_pb(stats: StepStats) -> pb.StepStats:
     return pb.StepStats(
         shape=shape_to_pb(stats.shape),
         mode_seconds=[pb.ModeSeconds(mode=cast(Any, int(m.mode)), **_copy(ModeSeconds, m)) for m in stats.mode_seconds],
+        block_modes=_block_modes(stats.modes),
         **_copy(StepStats, stats),
     )
 
@@ -169,8 +180,16 @@ def stats_from_pb(msg: pb.StepStats) -> StepStats:
     return StepStats(
         shape=shape_from_pb(msg.shape),
         mode_seconds=tuple(_mode_seconds_from_pb(k, m) for k, m in enumerate(msg.mode_seconds)),
+        modes=_stats_modes(msg),
         **values,
     )
+
+
+def _stats_modes(msg: pb.StepStats) -> tuple[Mode, ...]:
+    # Counted before any is converted: a report may not make the service convert more than a model's blocks.
+    if len(msg.block_modes) > MAX_BLOCKS:
+        raise InvalidMessage("stats.block_modes", f"{len(msg.block_modes)} entries, more than {MAX_BLOCKS} blocks")
+    return tuple(_mode_from_pb("stats.block_modes", m) for m in msg.block_modes)
 
 
 def _mode_seconds_from_pb(k: int, m: pb.ModeSeconds) -> ModeSeconds:

@@ -1,0 +1,113 @@
+"""``attach(model)``: how a training loop starts using rematd."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from rematd.client.arguments import check_flag, check_server
+from rematd.client.connection import StreamConfig
+from rematd.client.handle import Handle
+from rematd.planner import Mode
+
+
+def attach(
+    model: nn.Module,
+    *,
+    server: str | None = None,
+    job: str | None = None,
+    budget_bytes: int | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    margin_ratio: float = 0.1,
+    modes: Sequence[str | Mode] | None = None,
+    token: str | None = None,
+    tls: bool = False,
+    root_certificates: str | os.PathLike[str] | bytes | None = None,
+    fallback_after_s: float | None = 60.0,
+    hard_limit_bytes: int | None = None,
+    compile: bool | str = False,
+    same_plan: bool | None = None,
+) -> Handle:
+    """Attach rematd to ``model`` and return the handle that applies its plans.
+
+    Every argument is checked here: a bad one raises ``TypeError`` or
+    ``ValueError`` naming it, before the model is touched.
+
+    Args:
+        model: the model being trained.
+        server: ``"host:port"`` (or ``"[v6addr]:port"``, or a gRPC target
+            such as ``"dns:///host:port"``) of a rematd service; ``None``
+            plans in-process.
+        job: the job's name on the service: 1-128 letters, digits, ``.``,
+            ``_`` or ``-``, starting with a letter or digit (default: a
+            random one; under ``torch.distributed`` pass the same on every rank).
+        budget_bytes: the memory budget. On CUDA, the device memory the job
+            may use (default: the device's capacity); on the CPU, the cap on
+            bytes saved for backward during a step (default: host memory).
+        blocks: the modules to checkpoint (default: the longest
+            ``nn.ModuleList`` of same-class modules).
+        optimizer: when given, the handle's :meth:`Handle.step` runs after
+            each ``optimizer.step()`` by itself.
+        margin_ratio: the fraction of the budget the planner keeps free, in [0, 1).
+        modes: the ways a block may keep activations (names, or
+            :class:`rematd.planner.Mode` values), from ``"store"``,
+            ``"selective"`` (keep matmul and attention outputs, recompute
+            pointwise ops), ``"recompute"`` (keep only the block's input) and
+            ``"offload"`` (saved activations to host memory; CUDA only).
+            Default: store, selective and recompute; offload only when named
+            (on a GPU it has measured slower than recomputing the same blocks).
+        token: bearer token for the service (default: ``$REMATD_TOKEN``),
+            sent as ``authorization: Bearer <token>`` metadata.
+        tls: connect with TLS (implied by ``root_certificates``).
+        root_certificates: PEM roots (a path or the bytes) that sign the
+            service's certificate; default: the system's.
+        fallback_after_s: seconds without the service after which plans are
+            made in-process until it returns; ``None`` keeps the plan in force.
+        hard_limit_bytes: on the CPU, a step whose bytes saved for backward
+            would cross this raises :class:`rematd.client.OutOfMemory`
+            (recovered from by :meth:`Handle.run_step` / :meth:`Handle.guard`).
+        compile: ``True`` compiles each block with Inductor, one compiled
+            function per mode with the checkpoint inside it, shared by blocks
+            of the same class; a string names another ``torch.compile``
+            backend (``"aot_eager"``). Every offered mode is compiled at the
+            step after profiling; graphs compiled are in
+            :attr:`Handle.compile_stats` and each step's ``recompiles``.
+            Do not compile the model itself (``torch.compile(model)`` is
+            refused, and so is a compiled submodule); compile the rest as
+            functions (``torch.compile(loss_fn)``).
+        same_plan: whether every rank of the default process group runs one
+            plan, the leanest of the ranks' own, agreed at each step's start
+            (one small all-gather). Default (``None``): when the parameters are
+            distributed tensors (``fully_shard``, tensor parallel), where the
+            ranks must recompute alike and one rank's out-of-memory error ends
+            the job; ``False`` under tensor parallel risks a hang.
+    """
+    server = check_server(server)
+    stream = (
+        StreamConfig.build(
+            token=token,
+            tls=check_flag("tls", tls),
+            root_certificates=root_certificates,
+            fallback_after_s=fallback_after_s,
+        )
+        if server is not None
+        else None
+    )
+    return Handle(
+        model,
+        server=server,
+        job=job,
+        budget_bytes=budget_bytes,
+        blocks=blocks,
+        optimizer=optimizer,
+        margin_ratio=margin_ratio,
+        modes=modes,
+        stream=stream,
+        hard_limit_bytes=hard_limit_bytes,
+        compile=compile,
+        same_plan=same_plan,
+    )

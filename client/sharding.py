@@ -1,0 +1,260 @@
+"""Sharded models (FSDP2's ``fully_shard``, with or without tensor parallel): what rematd must know of them.
+
+A block's checkpoint region is its own ``forward``, which runs inside the
+FSDP unit's hooks: the unit all-gathers its parameters before the forward
+and, in backward, before the gradient reaches the block, so a recomputation
+finds them gathered and gathers nothing again. That holds when each block is
+an FSDP unit or lies inside one. A block that holds units of its own would
+checkpoint around them (their all-gathers replayed in backward, FSDP's
+prefetch order broken), and a block outside every unit of a sharded model
+keeps parameters nobody shards: both are refused, naming the blocks.
+
+FSDP's own memory enters the plan as two figures: the rank's shards
+(parameters, gradients, optimizer state: memory that is there whatever the
+plan) and the unsharded parameters held at the peak, the start of backward
+(every unit kept unsharded after its forward, and the two resharded units in
+flight: the one running and the one prefetched).
+
+The figures are read from FSDP2's per-unit state (``_get_fsdp_state``), which
+is private: where it cannot be read, the parameters' own sizes stand in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rematd.client.accounting import storage_id
+from rematd.client.errors import UnsupportedModel
+
+log = logging.getLogger("rematd.client")
+
+try:  # torch >= 2.6 exports FSDP2 here; older builds have it under _composable
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - depends on the torch build
+    FSDPModule = None  # type: ignore[assignment,misc]
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - depends on the torch build
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def is_unit(m: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``m`` (FSDP2 swaps its class for an ``FSDP<Class>`` subclass)."""
+    return FSDPModule is not None and isinstance(m, FSDPModule)
+
+
+def block_class(m: nn.Module) -> type[nn.Module]:
+    """The class a block was defined with: for an FSDP unit, the class ``fully_shard`` derived its own from."""
+    cls = type(m)
+    if not is_unit(m):
+        return cls
+    for base in cls.__mro__[1:]:
+        if base is not FSDPModule and issubclass(base, nn.Module) and not issubclass(base, FSDPModule):
+            return base
+    return cls
+
+
+def refuse_fsdp1(model: nn.Module) -> None:
+    """FSDP1 (``FullyShardedDataParallel``) flattens parameters and checkpoints its own way: refused."""
+    for name, m in model.named_modules():
+        if type(m).__name__ == "FullyShardedDataParallel":
+            where = f" (at {name!r})" if name else ""
+            raise UnsupportedModel(
+                f"FullyShardedDataParallel{where} (FSDP1) is not supported: shard with FSDP2 instead, "
+                "torch.distributed.fsdp.fully_shard on each block and then on the model, as torchtitan does. "
+                "attach(model) before sharding, or after it: both work with fully_shard"
+            )
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is an FSDP2 unit."""
+    return any(is_unit(m) for m in model.modules())
+
+
+def has_dtensors(model: nn.Module) -> bool:
+    """Whether parameters are distributed tensors (FSDP2 or tensor parallel): the ranks share the work."""
+    return DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def check_units(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    """Raise :class:`UnsupportedModel` unless every block is an FSDP unit or lies inside one (sharded models)."""
+    if not is_sharded(model):
+        return
+    inside_unit = _inside_units(model)
+    around: list[str] = []
+    outside: list[str] = []
+    for name, block in blocks:
+        if any(is_unit(m) for m in block.modules() if m is not block):
+            around.append(name)
+        elif not is_unit(block) and id(block) not in inside_unit:
+            outside.append(name)
+    if around:
+        raise UnsupportedModel(
+            f"blocks {_names(around)} hold FSDP units of their own: a checkpoint around a unit gathers its "
+            "parameters again in backward and breaks FSDP's prefetch. Apply fully_shard to the blocks themselves "
+            "(or to modules that hold whole blocks), not to modules inside them, or pass blocks= the units"
+        )
+    if outside:
+        raise UnsupportedModel(
+            f"blocks {_names(outside)} are not FSDP units and lie in none, while the model is sharded: call "
+            "fully_shard on each block and then on the model (torchtitan's order), before the first step"
+        )
+
+
+def _inside_units(model: nn.Module) -> set[int]:
+    """Ids of the modules that lie strictly inside some FSDP unit."""
+    ids: set[int] = set()
+    for m in model.modules():
+        if is_unit(m):
+            ids.update(id(sub) for sub in m.modules() if sub is not m)
+    return ids
+
+
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if DTensor is not None and isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.numel() * t.element_size())
+
+
+@dataclass(frozen=True, slots=True)
+class UnitMemory:
+    """One FSDP unit's parameters as FSDP holds them."""
+
+    unsharded_bytes: int
+    """Its own parameters gathered whole (in the parameter dtype of its mixed-precision policy)."""
+    kept_after_forward_bytes: int
+    """What stays gathered from its forward to its backward: all with ``reshard_after_forward=False``,
+    a shard of the smaller group with an int, nothing when resharded."""
+
+
+def _fsdp_params(unit: nn.Module) -> list[object]:
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    group = state._fsdp_param_group
+    return list(group.fsdp_params) if group is not None else []
+
+
+def unit_memory(unit: nn.Module) -> UnitMemory:
+    """How much the unit's parameters take gathered, and how much of that stays gathered after its forward."""
+    try:
+        params = _fsdp_params(unit)
+        state = unit._get_fsdp_state()  # type: ignore[operator]
+        group = state._fsdp_param_group
+        unsharded = 0
+        for p in params:
+            dtype = getattr(p, "param_dtype", None) or p.orig_dtype  # type: ignore[attr-defined]
+            unsharded += int(p._orig_size.numel()) * torch.empty((), dtype=dtype).element_size()  # type: ignore[attr-defined]
+        if group is None or group.post_forward_mesh_info is None:
+            return UnitMemory(unsharded, unsharded)
+        if group.mesh_info == group.post_forward_mesh_info:
+            return UnitMemory(unsharded, 0)
+        size = int(group.post_forward_mesh_info.shard_mesh_size)
+        return UnitMemory(unsharded, unsharded // max(1, size))
+    except Exception:  # a torch whose private state differs: the parameters' global sizes stand in
+        own = [p for p in _own_parameters(unit)]
+        total = sum(p.numel() * p.element_size() for p in own)
+        return UnitMemory(int(total), 0)
+
+
+def _own_parameters(unit: nn.Module) -> Iterable[nn.Parameter]:
+    """The unit's parameters that no unit inside it manages."""
+    inner = {id(p) for m in unit.modules() if m is not unit and is_unit(m) for p in m.parameters()}
+    return (p for p in unit.parameters() if id(p) not in inner)
+
+
+def gathered_at_peak_bytes(model: nn.Module) -> int:
+    """Unsharded parameter bytes FSDP holds when backward starts (a step's peak): each unit's kept part,
+    and the two resharded units gathered then, the running one and the prefetched one."""
+    units = [unit_memory(m) for m in model.modules() if is_unit(m)]
+    kept = sum(u.kept_after_forward_bytes for u in units)
+    regathered = sorted((u.unsharded_bytes - u.kept_after_forward_bytes for u in units), reverse=True)
+    return kept + sum(regathered[:2])
+
+
+def shard_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """This rank's shards: parameters, their gradients and the optimizer's state (local bytes of DTensors).
+
+    A unit's parameters are read from FSDP's sharded copies: between a unit's pre-forward and its
+    reshard, the module holds the gathered ones (the root's, at a step's first forward)."""
+    params: list[torch.Tensor] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if not is_unit(m):
+            continue
+        try:
+            params.extend(p.sharded_param for p in _fsdp_params(m))  # type: ignore[attr-defined]
+        except Exception:
+            continue  # counted below, as the module holds them
+        inside.update(id(sub) for sub in m.modules())
+    for m in model.modules():
+        if id(m) not in inside:
+            params.extend(m.parameters(recurse=False))
+    total = 0
+    for p in params:
+        total += _nbytes(_local(p))
+        if p.grad is not None:
+            total += _nbytes(_local(p.grad))
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    total += _nbytes(_local(v))
+    return total
+
+
+def gathered_storages(model: nn.Module) -> frozenset[int]:
+    """Identities of the storages FSDP gathers parameters into, once it has gathered them (FSDP keeps them
+    and resizes them in place), so that saved-tensor accounting does not count gathered weights as activations."""
+    ids: set[int | None] = set()
+    for m in model.modules():
+        if not is_unit(m):
+            continue
+        try:
+            params = _fsdp_params(m)
+        except Exception:
+            continue
+        for p in params:
+            ids.update(storage_id(t) for t in getattr(p, "all_gather_outputs", None) or ())
+            unsharded = getattr(p, "_unsharded_param", None)
+            if unsharded is not None:
+                ids.add(storage_id(unsharded))
+    ids.discard(None)
+    return frozenset(i for i in ids if i is not None)
+
+
+def parameter_storages(module: nn.Module) -> frozenset[int]:
+    """Identities of the storages of ``module``'s parameters as they are now (inside an FSDP unit's forward:
+    the gathered ones)."""
+    ids = {storage_id(p) for p in module.parameters()}
+    return frozenset(i for i in ids if i is not None)
+
+
+class ShardedModel:
+    """A sharded model as its steps see it: checked once its sharding is visible (at the first step, since
+    ``attach`` may come before ``fully_shard``), then asked for FSDP's figures each step."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        check_units(model, blocks)
+        self.model = model
+        self.gathered_at_peak = gathered_at_peak_bytes(model)
+        """Unsharded parameter bytes held at the step's peak (a constant of the model's sharding)."""
+
+    def storages(self) -> frozenset[int]:
+        return gathered_storages(self.model)
+
+    def shard_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
+        return shard_bytes(self.model, optimizer)

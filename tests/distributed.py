@@ -1,0 +1,67 @@
+"""Running a test's worker on several CPU ranks (gloo), each a process of its own, joined with a timeout.
+
+A worker is a module under ``tests.workers``; it reads its settings from ``REMATD_CONFIG`` (JSON) and
+writes what it measured to ``REMATD_RESULT`` (JSON), one file per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(
+    worker: str, tmp: Path, *, world: int, config: Any, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> list[Any]:
+    """Run ``python -m tests.workers.<worker>`` on ``world`` ranks; each rank's result, in rank order."""
+    port = free_port()
+    procs: list[subprocess.Popen[str]] = []
+    for rank in range(world):
+        rank_env = {
+            **os.environ,
+            **(env or {}),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+            "REMATD_CONFIG": json.dumps(config),
+            "REMATD_RESULT": str(tmp / f"{worker}-rank{rank}.json"),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", f"tests.workers.{worker}"],
+                cwd=ROOT,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs: list[str] = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
+    return [json.loads((tmp / f"{worker}-rank{r}.json").read_text()) for r in range(world)]
