@@ -185,11 +185,10 @@ def gathered_at_peak_bytes(model: nn.Module) -> int:
     return kept + sum(regathered[:2])
 
 
-def shard_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """This rank's shards: parameters, their gradients and the optimizer's state (local bytes of DTensors).
-
-    A unit's parameters are read from FSDP's sharded copies: between a unit's pre-forward and its
-    reshard, the module holds the gathered ones (the root's, at a step's first forward)."""
+def sharded_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The rank's parameters as FSDP keeps them sharded (between a unit's pre-forward and its reshard the
+    module holds the gathered ones instead: the root's, at a step's first forward), and any parameter
+    outside every unit as it is."""
     params: list[torch.Tensor] = []
     inside: set[int] = set()
     for m in model.modules():
@@ -203,16 +202,26 @@ def shard_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> in
     for m in model.modules():
         if id(m) not in inside:
             params.extend(m.parameters(recurse=False))
+    return params
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", None)  # a DTensor's own part, without building a new view
+    return _nbytes(local if isinstance(local, torch.Tensor) else t)
+
+
+def shard_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> int:
+    """This rank's shards: ``params``, their gradients and the optimizer's state (local bytes of DTensors)."""
     total = 0
     for p in params:
-        total += _nbytes(_local(p))
+        total += _local_bytes(p)
         if p.grad is not None:
-            total += _nbytes(_local(p.grad))
+            total += _local_bytes(p.grad)
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
-                    total += _nbytes(_local(v))
+                    total += _local_bytes(v)
     return total
 
 
@@ -245,16 +254,34 @@ def parameter_storages(module: nn.Module) -> frozenset[int]:
 
 class ShardedModel:
     """A sharded model as its steps see it: checked once its sharding is visible (at the first step, since
-    ``attach`` may come before ``fully_shard``), then asked for FSDP's figures each step."""
+    ``attach`` may come before ``fully_shard``), then asked for FSDP's figures each step, from what was
+    looked up once (the units, their sharded parameters) so that a step pays for sums, not searches."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> None:
         check_units(model, blocks)
         self.model = model
         self.gathered_at_peak = gathered_at_peak_bytes(model)
         """Unsharded parameter bytes held at the step's peak (a constant of the model's sharding)."""
+        self._units = [m for m in model.modules() if is_unit(m)]
+        self._storages: frozenset[int] = frozenset()
+        self._params: list[torch.Tensor] | None = None
+        self._param_bytes = 0
+        self._state_key: tuple[int, int] = (0, -1)
+        self._state_bytes = 0
 
     def storages(self) -> frozenset[int]:
-        return gathered_storages(self.model)
+        """FSDP's gathering storages; they appear at each unit's first all-gather and then stay."""
+        if len(self._storages) < len(self._units):
+            self._storages = gathered_storages(self.model)
+        return self._storages
 
     def shard_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
-        return shard_bytes(self.model, optimizer)
+        if self._params is None:
+            self._params = sharded_parameters(self.model)
+            self._param_bytes = sum(_local_bytes(p) for p in self._params)
+        grads = sum(_local_bytes(p.grad) for p in self._params if p.grad is not None)
+        # An optimizer makes its state once per parameter and keeps its size: counted again only when it grows.
+        states = len(optimizer.state) if optimizer is not None else 0
+        if (id(optimizer), states) != self._state_key:
+            self._state_key, self._state_bytes = (id(optimizer), states), shard_bytes((), optimizer)
+        return self._param_bytes + grads + self._state_bytes

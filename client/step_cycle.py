@@ -132,11 +132,11 @@ class StepCycle:
             for b in self.blocks:
                 b.step_shape = self.shape
         self.static = self.memory.static_bytes()
-        if self.sharded is not None:
+        if self.sharded is not None and not isinstance(self.memory, CudaMemory):
+            # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA, and the
+            # weights FSDP gathers are no activations.
             self.accounting.gathered = self.sharded.storages()
-            if not isinstance(self.memory, CudaMemory):
-                # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA.
-                self.static += self.sharded.shard_bytes(self.optimizer)
+            self.static += self.sharded.shard_bytes(self.optimizer)
         self.started = time.perf_counter()
 
     def _first_step(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from rematd import client
 from rematd.client.sharding import refuse_fsdp1
 
 from .distributed import run_ranks
+from .helpers import live_server
 
 SHARDING = [
     pytest.param([{"model": "llama", "order": "before"}, {"model": "gpt2", "order": "after"}], id="both-orders"),
@@ -31,7 +33,13 @@ SHARDING = [
         ],
         id="bf16-params-and-autocast",
     ),
-    pytest.param([{"model": "llama", "order": "before", "compile": "aot_eager"}], id="compiled"),
+    pytest.param(
+        [
+            {"model": "llama", "order": "before", "compile": "aot_eager"},
+            {"model": "gpt2", "order": "after", "compile": "aot_eager"},
+        ],
+        id="compiled-both-orders",
+    ),
 ]
 
 
@@ -129,6 +137,17 @@ def test_fsdp_memory_is_in_the_plan_on_the_cpu_accounting_path(tmp_path: Path) -
             assert run["peak"] <= r["budget"], (run, r["budget"])
             assert run["predicted"] >= r["static"] + r["gathered"]
             assert abs(run["predicted"] - run["peak"]) <= 0.1 * run["peak"], run
+
+
+def test_ranks_on_different_service_workers_run_one_plan(tmp_path: Path) -> None:
+    with live_server(tmp_path, args=("--workers", "2")) as srv:
+        results = run_ranks("fsdp_served", tmp_path, world=2, config=[1, 10**12], env={"REMATD_SERVER": srv.grpc})
+        job = httpx.get(f"{srv.url}/api/v1/jobs/fsdp-served", timeout=10).json()
+    assert sorted(r["rank"] for r in job["ranks"]) == [0, 1] and job["world_size"] == 2
+    for k in range(1, 6):
+        assert results[0]["steps"][k]["modes"] == results[1]["steps"][k]["modes"], f"step {k}"
+    assert set(results[1]["steps"][-1]["modes"]) == {"RECOMPUTE"}, "rank 0's leaner plan was not run by rank 1"
+    assert results[1]["adopted"] > 0 and results[0]["adopted"] == 0
 
 
 def test_sharded_models_attach_refuses_say_what_to_change(tmp_path: Path) -> None:

@@ -1,0 +1,25 @@
+"""``python -m bench.fsdp --quick`` runs end to end on two CPU ranks and reports what the README shows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .distributed import ROOT
+
+
+def test_the_fsdp_benchmark_runs_and_keeps_rematd_under_its_budget(tmp_path: Path) -> None:
+    out = tmp_path / "fsdp.json"
+    args = ["--quick", "--rounds", "1", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fsdp", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "| rematd |" in proc.stdout and "| full |" in proc.stdout
+    report = json.loads(out.read_text())
+    for rank in report["ranks"]:
+        assert rank["recompute_peak_bytes"] < rank["budget_bytes"] < rank["store_peak_bytes"], rank
+        assert all(p <= rank["budget_bytes"] for p in rank["rematd_peaks"]), rank
+        assert set(rank["seconds"]) == {"none", "full", "rematd"}
