@@ -92,6 +92,14 @@ class PlannerSession:
         self._plan = self._make(decision, self._plan.version + 1)
         return self._plan
 
+    def _priced(self, modes: tuple[Mode, ...]) -> bool:
+        """Whether the profile prices each block's mode (a pin may run a mode the planner was not offered)."""
+        for block, mode in zip(self.profile.blocks, modes, strict=True):
+            offered = {c.mode for c in block.modes} or {Mode.STORE, Mode.RECOMPUTE}
+            if mode not in offered:
+                return False
+        return True
+
     def observe(self, obs: StepObservation) -> Plan | None:
         """Feed one step's measurements; returns the new plan when it changes."""
         self.budget_bytes = obs.budget_bytes
@@ -99,7 +107,7 @@ class PlannerSession:
         self.static_bytes = obs.static_bytes
         n = self.profile.num_blocks
         ran = self._recent.get(obs.plan_version)
-        if len(obs.modes) == n:
+        if len(obs.modes) == n and self._priced(obs.modes):
             measured_modes = obs.modes
         elif ran is not None:
             measured_modes = ran.modes_for(obs.shape, n)

@@ -269,3 +269,30 @@ def test_a_bucket_top_falls_in_its_own_bucket(seq: int) -> None:
     controller = PlannerSession(uniform(2), budget_bytes=1000).controller
     top = controller.bucket_of(seq)
     assert top >= seq and controller.bucket_of(top) == top
+
+
+def test_a_step_that_ran_other_modes_than_its_plan_is_judged_by_the_modes_it_ran() -> None:
+    # The ranks of a sharded job ran a leaner plan than this rank's own (all recompute: 8 inputs of 10 bytes
+    # kept and one block's 100 rematerialised, where the plan's all-store predicts 800), and measured 1.5x
+    # what that leaner plan predicts.
+    shape = Shape(batch=2, seq_len=64, tokens=128)
+    ran = tuple(Mode.RECOMPUTE for _ in range(8))
+    told, untold = (PlannerSession(uniform(8), budget_bytes=10_000) for _ in range(2))
+    assert told.plan.blocks == () and untold.plan.blocks == ()
+    for session, modes in ((told, ran), (untold, ())):
+        for step in range(6):
+            obs = StepObservation(
+                step=step, peak_bytes=270, budget_bytes=10_000, shape=shape, plan_version=1, modes=modes
+            )
+            session.observe(obs)
+    # Told what ran, the planner learns that its model is 1.5x low; untold, it takes 270 bytes for all-store.
+    assert told.controller.correction(64) > 1.3
+    assert untold.controller.correction(64) <= 1.0
+    # A mode the profile does not price (a pin of offload on the CPU) is no measure of the plan: ignored.
+    pinned = PlannerSession(uniform(8), budget_bytes=10_000)
+    for step in range(6):
+        obs = StepObservation(
+            step=step, peak_bytes=270, budget_bytes=10_000, shape=shape, plan_version=1, modes=(Mode.OFFLOAD,) * 8
+        )
+        pinned.observe(obs)
+    assert pinned.controller.correction(64) <= 1.0

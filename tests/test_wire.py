@@ -131,7 +131,12 @@ def test_every_copied_field_reaches_the_wire_and_comes_back() -> None:
         other_activations=size,
         plan=plan,
     )
-    stats = _filled(StepStats, shape=_filled(Shape), mode_seconds=(_filled(ModeSeconds, mode=Mode.SELECTIVE),))
+    stats = _filled(
+        StepStats,
+        shape=_filled(Shape),
+        mode_seconds=(_filled(ModeSeconds, mode=Mode.SELECTIVE),),
+        modes=(Mode.STORE, Mode.RECOMPUTE),
+    )
     oom = _filled(OomReport, shape=_filled(Shape))
     for record, to_pb, from_pb in (
         (hello, wire.hello_to_pb, wire.hello_from_pb),
