@@ -3,15 +3,12 @@ long length, trained at a short length first. The first step at the long length 
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
-import torch.distributed as dist
 
 from rematd import client
 from rematd.planner import Mode
 from tests.workers.fsdp_exact import shard
+from tests.workers.rank import finish, start
 
 
 def llama() -> torch.nn.Module:
@@ -39,7 +36,7 @@ def steps(model: torch.nn.Module, h: client.Handle, opt: torch.optim.Optimizer, 
 
 
 def main() -> None:
-    dist.init_process_group("nccl")
+    start("nccl")
     torch.cuda.set_device(0)
     long, short = 1024, 128
     probe = llama()
@@ -71,9 +68,7 @@ def main() -> None:
         "modes": [m.name for m in h.modes],
     }
     h.close()
-    dist.destroy_process_group()
-    with open(os.environ["REMATD_RESULT"], "w") as f:
-        json.dump(result, f)
+    finish(result)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,11 @@ which blocks ran again in backward.
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -25,6 +22,7 @@ from rematd import client
 from rematd.planner import Mode
 from tests.collectives import counting
 from tests.model_matrix import Rematerialised
+from tests.workers.rank import finish, settings, start
 
 import_torchvision()
 import transformers  # noqa: E402
@@ -153,15 +151,10 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    cases = json.loads(os.environ["REMATD_CONFIG"])
+    rank = start()
+    cases = settings()
     results = [run_case(case, rank) for case in cases]
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(os.environ["REMATD_RESULT"], "w") as f:
-        json.dump(results, f)
+    finish(results)
 
 
 if __name__ == "__main__":

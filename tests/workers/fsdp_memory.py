@@ -8,15 +8,13 @@ activations and the planner must checkpoint, keep each step's measured peak unde
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rematd import client
 from tests.workers.fsdp_exact import VOCAB, build, shard
+from tests.workers.rank import finish, start
 
 
 def step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, n: int, seq: int = 16) -> None:
@@ -28,9 +26,7 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, n: int, 
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = start()
     result: dict[str, Any] = {}
 
     plain = build("llama")
@@ -81,10 +77,7 @@ def main() -> None:
         )
     result.update(budget=budget, runs=runs)
     h.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(os.environ["REMATD_RESULT"], "w") as f:
-        json.dump(result, f)
+    finish(result)
 
 
 if __name__ == "__main__":

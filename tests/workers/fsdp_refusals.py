@@ -7,18 +7,16 @@ first step when sharded after); blocks outside every unit of a sharded model. Al
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from rematd import client
 from tests.workers.fsdp_exact import VOCAB, build, layers, shard
+from tests.workers.rank import finish, start
 
 
 def refusal(fn: Callable[[], Any]) -> str:
@@ -35,8 +33,7 @@ def train_once(model: nn.Module) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    start()
     said: dict[str, Any] = {}
 
     inner = build("llama")
@@ -74,9 +71,7 @@ def main() -> None:
     said["steps_unfollowed"] = h.step_count
     h.close()
 
-    dist.destroy_process_group()
-    with open(os.environ["REMATD_RESULT"], "w") as f:
-        json.dump(said, f)
+    finish(said)
 
 
 if __name__ == "__main__":

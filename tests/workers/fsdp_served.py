@@ -3,22 +3,19 @@ so the plans the service sends them differ, and the ranks must still run one pla
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rematd import client
 from tests.workers.fsdp_exact import VOCAB, build, shard
+from tests.workers.rank import finish, settings, start
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    config = json.loads(os.environ["REMATD_CONFIG"])
+    rank = start()
+    config = settings()
     model = build("llama")
     h = client.attach(model, server=os.environ["REMATD_SERVER"], job="fsdp-served", budget_bytes=config[rank])
     shard(model, {})
@@ -36,9 +33,7 @@ def main() -> None:
     agreement = h._cycle.agreement
     result = {"steps": steps, "adopted": agreement.adopted if agreement is not None else -1, "rank": h.rank}
     h.close()
-    dist.destroy_process_group()
-    with open(os.environ["REMATD_RESULT"], "w") as f:
-        json.dump(result, f)
+    finish(result)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,9 @@ with the run without rematd, and the collectives each issued.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -24,6 +21,7 @@ from rematd import client
 from rematd.planner import Mode
 from tests.collectives import counting
 from tests.workers.fsdp_exact import VOCAB, build, full, schedule
+from tests.workers.rank import finish, settings, start
 
 TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(),
@@ -48,12 +46,10 @@ def shard(model: nn.Module, mesh: Any) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = start()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
-    config = json.loads(os.environ["REMATD_CONFIG"])
+    config = settings()
     ref, model = build("llama"), build("llama")
     parallel(ref, mesh)
     shard(ref, mesh)
@@ -110,10 +106,7 @@ def main() -> None:
     agreement = h._cycle.agreement
     result = {"steps": steps, "adopted": agreement.adopted if agreement is not None else -1}
     h.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(os.environ["REMATD_RESULT"], "w") as f:
-        json.dump(result, f)
+    finish(result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+"""What every worker does at its start and end: join the process group, and leave it writing its result."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def start(backend: str = "gloo") -> int:
+    """Join the process group (one thread per rank: the ranks share the machine's cores); this rank."""
+    torch.set_num_threads(1)
+    dist.init_process_group(backend)
+    return dist.get_rank()
+
+
+def settings() -> Any:
+    return json.loads(os.environ["REMATD_CONFIG"])
+
+
+def finish(result: Any) -> None:
+    """Wait for every rank, leave the group, and write ``result`` where the test reads it."""
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(os.environ["REMATD_RESULT"], "w") as f:
+        json.dump(result, f)
