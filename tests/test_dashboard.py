@@ -3,124 +3,24 @@
 from __future__ import annotations
 
 import os
-import queue
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-import torch
 
-from rematd import client, wire
-from rematd.planner import Shape
-from rematd.records import Hello, StepStats
+from rematd import wire
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
-from .helpers import LiveServer, live_server, tiny_model, train_step
-from .test_plan_record import LENGTHS, letters, modes_hello
-from .test_service import _fields, hello, stats
+from .dashboard_helpers import ARTIFACTS, CHROMIUM, served_jobs
+from .dashboard_helpers import browser_session as _browser
+from .dashboard_helpers import new_page as _page
+from .helpers import LiveServer, live_server
+from .test_plan_record import letters
+from .test_service import hello, stats
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
-
-
-def simulated_rank(target: str, rank: int) -> None:
-    """One rank of a two-rank job over a real stream: pressure, an OOM, then relief; it applies each plan."""
-    h = Hello(**{**_fields(hello(job="sim-job", rank=rank, n=8)), "device_name": "NVIDIA H100"})
-    outbox: queue.Queue[pb.ClientMessage | None] = queue.Queue()
-    outbox.put(pb.ClientMessage(hello=wire.hello_to_pb(h)))
-    with grpc.insecure_channel(target) as ch:
-        replies = pb_grpc.AdvisorStub(ch).Session(iter(outbox.get, None), timeout=30)
-        version = next(replies).plan.version
-        for step in range(40):
-            seq = 128 if 10 <= step < 25 else 64
-            peak = 9_600 if seq == 128 and step < 13 else 3_000 + 40 * step + 300 * rank
-            msg = wire.stats_to_pb(stats(step, peak, seq=seq))
-            msg.plan_version = version
-            outbox.put(pb.ClientMessage(stats=msg))
-            if step == 11 and rank == 0:
-                outbox.put(pb.ClientMessage(oom=pb.OomEvent(step=step, message="CUDA out of memory (simulated)")))
-            while True:
-                reply = next(replies)
-                if reply.WhichOneof("kind") == "plan":
-                    version = reply.plan.version
-                elif reply.ack.step == step:
-                    break
-        outbox.put(pb.ClientMessage(goodbye=pb.Goodbye(reason="done")))
-        outbox.put(None)
-        list(replies)
-
-
-def modes_rank(target: str) -> None:
-    """A rank whose blocks may store, go selective or recompute, its lengths growing: plans change modes by length."""
-    outbox: queue.Queue[pb.ClientMessage | None] = queue.Queue()
-    outbox.put(pb.ClientMessage(hello=wire.hello_to_pb(modes_hello("modes-job"))))
-    with grpc.insecure_channel(target) as ch:
-        replies = pb_grpc.AdvisorStub(ch).Session(iter(outbox.get, None), timeout=30)
-        version = next(replies).plan.version
-        for step, seq in enumerate(LENGTHS):
-            shape = Shape(batch=1, seq_len=seq, tokens=seq)
-            peak = 6000 if seq == 64 else 9000
-            # Its blocks compiled as the run began (attach(..., compile=True)): 3 graphs, then 2 at a new length.
-            compiled = {0: 3, 3: 2}.get(step, 0)
-            msg = StepStats(
-                step=step,
-                saved_peak_bytes=peak,
-                budget_bytes=10_000,
-                shape=shape,
-                plan_version=version,
-                recompiles=compiled,
-            )
-            outbox.put(pb.ClientMessage(stats=wire.stats_to_pb(msg)))
-            while True:
-                reply = next(replies)
-                if reply.WhichOneof("kind") == "plan":
-                    version = reply.plan.version
-                elif reply.ack.step == step:
-                    break
-        outbox.put(pb.ClientMessage(goodbye=pb.Goodbye(reason="done")))
-        outbox.put(None)
-        list(replies)
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("dash")) as srv:
-        # A real training job: a tiny GPT on the CPU, its sequence length growing mid-run.
-        model = tiny_model(n_layer=4, d_model=32, seed=3)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        h = client.attach(model, server=srv.grpc, job="train-gpt", budget_bytes=1_500_000, optimizer=opt)
-        for step, seq in enumerate([32] * 4 + [128] * 6 + [32] * 4):
-            train_step(model, opt, seq, seed=step)
-            assert h.flush(20.0)
-        h.close()
-        for rank in (0, 1):
-            simulated_rank(srv.grpc, rank)
-        modes_rank(srv.grpc)
-        yield srv
-
-
-def _browser():  # type: ignore[no-untyped-def]
-    from playwright.sync_api import sync_playwright
-
-    pw = sync_playwright().start()
-    browser = pw.chromium.launch(
-        executable_path=CHROMIUM,
-        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-              "--disable-sync"],
-    )  # fmt: skip
-    return pw, browser
-
-
-def _page(browser, height: int | None = None):  # type: ignore[no-untyped-def]
-    """A new page (1400 wide by ``height``, or the default size) and the list its script errors go to."""
-    page = browser.new_page(viewport={"width": 1400, "height": height}) if height else browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    return page, errors
+served = pytest.fixture(scope="module")(served_jobs)
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian package 'chromium' is absent")
@@ -351,112 +251,3 @@ def test_a_page_of_another_origin_cannot_write_and_docs_render_offline(served: L
     finally:
         browser.close()
         pw.stop()
-
-
-# Every cell's content stays inside the cell: nothing is drawn over a neighbour.
-_OVERFLOWS = """() => {
-  const bad = [];
-  for (const cell of document.querySelectorAll('table td, table th')) {
-    if (!cell.getClientRects().length) continue;
-    const r = cell.getBoundingClientRect();
-    const where = (cell.closest('table').id || '?') + ' "' + cell.textContent.trim().slice(0, 30) + '"';
-    if (cell.scrollWidth > cell.clientWidth + 1) {
-      bad.push(where + ': content ' + cell.scrollWidth + ' > ' + cell.clientWidth);
-    }
-    for (const child of cell.querySelectorAll('*')) {
-      const c = child.getBoundingClientRect();
-      if (c.width && (c.left < r.left - 1 || c.right > r.right + 1)) {
-        bad.push(where + ': ' + child.className + ' spans ' + Math.round(c.left) + '-' + Math.round(c.right) +
-                 ' in a cell at ' + Math.round(r.left) + '-' + Math.round(r.right));
-        break;
-      }
-    }
-  }
-  return bad;
-}"""
-
-
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian package 'chromium' is absent")
-@pytest.mark.parametrize("width", [1280, 1400])
-def test_dashboard_draws_nothing_over_anything_and_flags_plans_over_budget(served: LiveServer, width: int) -> None:
-    job = httpx.get(f"{served.url}/api/v1/jobs/train-gpt", timeout=10).json()
-    budget = job["budget_bytes"]
-    table = job["plan"]["shape_plans"]
-    over = [e["max_seq_len"] for e in table if e["predicted_peak_bytes"] > budget]
-    assert over and len(over) < len(table), "the tight job has plans that fit and plans that cannot"
-    pw, browser = _browser()
-    try:
-        page = browser.new_page(viewport={"width": width, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        ARTIFACTS.mkdir(exist_ok=True)
-        for name in ("train-gpt", "modes-job", "sim-job"):
-            page.goto(f"{served.url}/#job={name}")
-            page.wait_for_function(f"document.body.dataset.ready === '1' && location.hash === '#job={name}'")
-            assert page.evaluate(_OVERFLOWS) == [], f"{name} at {width} px"
-            assert page.evaluate("document.documentElement.scrollWidth") <= width, "the page scrolls sideways"
-            wrap = page.locator("#jobs-table").evaluate("t => [t.parentNode.scrollWidth, t.parentNode.clientWidth]")
-            assert wrap[0] <= wrap[1], f"the jobs table is wider than its box at {width} px: {wrap}"
-            page.screenshot(path=str(ARTIFACTS / f"dashboard-{name}-{width}.png"), full_page=True)
-        page.goto(f"{served.url}/#job=train-gpt")
-        page.wait_for_function("document.body.dataset.ready === '1' && location.hash === '#job=train-gpt'")
-        # Every row whose prediction passes the budget says so, and what rematd does at those lengths.
-        flagged = page.locator("#plan-table-body tr.over-budget").evaluate_all(
-            "rs => rs.map(r => +r.dataset.maxSeqLen)"
-        )
-        assert flagged == over
-        for seq in over:
-            fit = page.locator(f'#plan-table-body tr[data-max-seq-len="{seq}"] td.fit').inner_text()
-            assert "over budget" in fit and "leanest plan" in fit and "out of memory" in fit, fit
-        fine = page.locator("#plan-table-body tr:not(.over-budget) td.fit").all_inner_texts()
-        assert len(fine) == len(table) - len(over) and all(t.startswith("fits") for t in fine), fine
-        assert errors == []
-    finally:
-        browser.close()
-        pw.stop()
-
-
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian package 'chromium' is absent")
-def test_dashboard_history_rows_speak_of_one_length_in_plain_sentences(served: LiveServer) -> None:
-    job = httpx.get(f"{served.url}/api/v1/jobs/train-gpt", timeout=10).json()
-    plans = httpx.get(f"{served.url}/api/v1/jobs/train-gpt/plans", timeout=10).json()["plans"]
-    seq = job["in_force"]["seq_len"]
-    assert any(p["shape_plans"] for p in plans), "the job plans by length"
-
-    def at(p: dict) -> dict:  # type: ignore[type-arg]
-        return next(
-            (e for e in p["shape_plans"] if e["max_seq_len"] >= seq), p["shape_plans"][-1] if p["shape_plans"] else p
-        )
-
-    pw, browser = _browser()
-    try:
-        page, errors = _page(browser, 900)
-        page.goto(f"{served.url}/#job=train-gpt")
-        page.wait_for_function("document.body.dataset.ready === '1' && location.hash === '#job=train-gpt'")
-        for header in ("#plan-history-modes", "#plan-history-peak", "#plan-history-overhead"):
-            assert f"at length {seq}" in (page.locator(header).text_content() or ""), header
-        rows = page.locator("#plan-body tr[data-version]")
-        assert rows.count() == len(plans)
-        for k, p in enumerate(plans):
-            row, entry = rows.nth(k), at(p)
-            assert row.locator(".strip").get_attribute("data-modes") == letters(entry["modes"])
-            assert row.locator("td.peak").inner_text() == _fmt_bytes(entry["predicted_peak_bytes"])
-            assert row.locator("td.overhead").inner_text() == f"{entry['predicted_overhead_ratio'] * 100:.1f}%"
-            reason = row.locator("td.reason").inner_text()
-            # Sentences, not the planner's notation: no arrows, no letter strips, no key to the letters.
-            assert reason and reason[0].isupper() and reason.endswith("."), reason
-            assert "->" not in reason and "(. store" not in reason and "length <= " not in reason, reason
-        assert errors == []
-    finally:
-        browser.close()
-        pw.stop()
-
-
-def _fmt_bytes(n: int) -> str:
-    """The dashboard's own rounding of a byte count."""
-    v, i, units = float(n), 0, ["B", "KiB", "MiB", "GiB"]
-    while v >= 1024 and i < len(units) - 1:
-        v, i = v / 1024, i + 1
-    if i == 0:
-        return f"{round(v)} B"
-    return f"{v:.0f} {units[i]}" if v >= 100 else f"{v:.1f} {units[i]}" if v >= 10 else f"{v:.2f} {units[i]}"
