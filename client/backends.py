@@ -42,7 +42,12 @@ class EmbeddedBackend:
             return
         self._hello = dataclasses.replace(self._hello, **fields)
         budget = fields.get("budget_bytes")
-        if budget is not None and self._last is not None and budget != self._last.budget_bytes:
+        if (
+            budget is not None
+            and self._session is not None
+            and self._last is not None
+            and budget != self._last.budget_bytes
+        ):
             self._replan(budget, self._last)
 
     def _replan(self, budget: int, last: StepStats) -> None:

@@ -1,0 +1,135 @@
+"""Pins and budget changes through the Hugging Face Trainer's and Lightning's callbacks: given as arguments
+before training, or set on the callback while it trains; each applies from the next optimizer step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from rematd.planner import Mode
+
+from .test_integrations import Tokens
+from .test_models_transformers import CASES as TRANSFORMERS
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_args(tmp_path: Any, steps: int) -> Any:
+    return transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+
+
+def test_the_trainer_callback_pins_from_its_argument_and_takes_a_budget_while_training(tmp_path: Any) -> None:
+    from rematd.integrations import RematdTrainerCallback
+
+    rematd = RematdTrainerCallback(budget_bytes=2**40, pin_modes="recompute")
+    seen: list[tuple[int, int, tuple[Mode, ...]]] = []
+
+    class Watch(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            h = rematd.handle
+            assert h is not None
+            seen.append((h.step_count, h.plan.version, h.modes))
+            if h.step_count == 2:
+                rematd.pin_modes(None)  # the planner's plans again, from the next step
+            if h.step_count == 3:
+                rematd.budget_bytes = 1  # nothing fits: the leanest plan, from the next step
+
+    model = TRANSFORMERS["llama"]().build()
+    trainer = transformers.Trainer(
+        model=model, args=_hf_args(tmp_path, 4), train_dataset=Tokens(), callbacks=[rematd, Watch()]
+    )
+    trainer.train()
+    assert [m for _, _, m in seen] == [
+        (Mode.STORE, Mode.STORE),  # profiling
+        (Mode.RECOMPUTE, Mode.RECOMPUTE),  # the pin given as an argument
+        (Mode.STORE, Mode.STORE),  # unpinned: a 1 TiB budget needs nothing
+        seen[3][2],
+    ]
+    assert seen[3][1] > seen[2][1] and all(m != Mode.STORE for m in seen[3][2]), "the new budget's plan at once"
+    assert rematd.budget_bytes == 1
+
+
+def test_the_lightning_callback_takes_pins_and_budgets_from_training_step() -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from rematd.integrations import RematdCallback
+
+    rematd = RematdCallback(budget_bytes=2**40)
+    seen: list[tuple[int, tuple[Mode, ...]]] = []
+
+    class LM(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TRANSFORMERS["gpt2-sdpa"]().build()
+
+        def training_step(self, batch: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+            h = rematd.handle
+            assert h is not None
+            seen.append((h.step_count, h.modes))
+            if index == 1:
+                rematd.pin_modes(["store", "recompute"])
+            if index == 2:
+                rematd.pin_modes(None)
+                rematd.budget_bytes = 1
+            loss: torch.Tensor = self.model(**batch).loss
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        callbacks=[rematd],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(LM(), torch.utils.data.DataLoader(Tokens(), batch_size=2))
+    h = rematd.handle
+    assert h is not None
+    # training_step runs before its step's forward: what it sets shows in the step after.
+    assert [count for count, _ in seen] == [0, 1, 2, 3]
+    assert seen[2][1] == (Mode.STORE, Mode.RECOMPUTE), "the pin set by the step before"
+    assert all(m != Mode.STORE for m in seen[3][1]), "the new budget's plan at once"
+
+
+@pytest.mark.parametrize("make", ["RematdTrainerCallback", "RematdCallback"])
+def test_callbacks_check_pins_and_budgets(make: str) -> None:
+    import rematd.integrations as integrations
+
+    cls = getattr(integrations, make)
+    with pytest.raises(ValueError, match=r"^pin_modes: unknown mode 'teleport'"):
+        cls(pin_modes="teleport")
+    with pytest.raises(TypeError, match=r"^pin_modes takes a mode for every block"):
+        cls(pin_modes=3)
+    callback = cls(budget_bytes=5_000_000)
+    assert callback.budget_bytes == 5_000_000
+    with pytest.raises(ValueError, match=r"^budget_bytes"):
+        callback.budget_bytes = -1
+    callback.budget_bytes = 7_000_000
+    assert callback.budget_bytes == 7_000_000, "kept for the handle it attaches"
+
+
+def test_a_pin_that_does_not_fit_the_model_stops_training_before_it_starts(tmp_path: Any) -> None:
+    from rematd.integrations import RematdTrainerCallback
+
+    model = TRANSFORMERS["llama"]().build()
+    rematd = RematdTrainerCallback(pin_modes=["store"] * 3)
+    trainer = transformers.Trainer(model=model, args=_hf_args(tmp_path, 2), train_dataset=Tokens(), callbacks=[rematd])
+    with pytest.raises(ValueError, match=r"^pin_modes needs 2 modes, one per block, got 3"):
+        trainer.train()
+    assert not model._forward_pre_hooks and not model._forward_hooks, "the model is left as it was"
+    assert "forward" not in model.model.layers[0].__dict__
