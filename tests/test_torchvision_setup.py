@@ -80,3 +80,14 @@ def test_the_hook_hides_no_other_error(tmp_path: Path) -> None:
     root = _fake_torchvision(tmp_path, 'raise RuntimeError("something else broke")\n')
     out = _python(_IMPORT, path=root)
     assert out.returncode != 0 and "RuntimeError: something else broke" in out.stderr
+
+
+def test_an_environment_without_torchvision_passes_the_check(tmp_path: Path) -> None:
+    from rematd.torchvision_ops import check
+
+    # The same Python without site-packages: no torchvision to load, so nothing fails to.
+    bare = tmp_path / "python-without-site"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n', encoding="utf-8")
+    bare.chmod(0o755)
+    ok, said = check(str(bare))
+    assert ok and said.startswith("torchvision is not installed"), said
