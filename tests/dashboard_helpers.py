@@ -25,6 +25,22 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
 
+def _until_acked(replies: Iterator[pb.ServerMessage], step: int, version: int) -> int:
+    """Read the replies up to ``step``'s ack; the plan version in force after them."""
+    while True:
+        reply = next(replies)
+        if reply.WhichOneof("kind") == "plan":
+            version = reply.plan.version
+        elif reply.ack.step == step:
+            return version
+
+
+def _goodbye(outbox: queue.Queue[pb.ClientMessage | None], replies: Iterator[pb.ServerMessage]) -> None:
+    outbox.put(pb.ClientMessage(goodbye=pb.Goodbye(reason="done")))
+    outbox.put(None)
+    list(replies)
+
+
 def simulated_rank(target: str, rank: int) -> None:
     """One rank of a two-rank job over a real stream: pressure, an OOM, then relief; it applies each plan."""
     h = Hello(**{**_fields(hello(job="sim-job", rank=rank, n=8)), "device_name": "NVIDIA H100"})
@@ -41,15 +57,8 @@ def simulated_rank(target: str, rank: int) -> None:
             outbox.put(pb.ClientMessage(stats=msg))
             if step == 11 and rank == 0:
                 outbox.put(pb.ClientMessage(oom=pb.OomEvent(step=step, message="CUDA out of memory (simulated)")))
-            while True:
-                reply = next(replies)
-                if reply.WhichOneof("kind") == "plan":
-                    version = reply.plan.version
-                elif reply.ack.step == step:
-                    break
-        outbox.put(pb.ClientMessage(goodbye=pb.Goodbye(reason="done")))
-        outbox.put(None)
-        list(replies)
+            version = _until_acked(replies, step, version)
+        _goodbye(outbox, replies)
 
 
 def modes_rank(target: str) -> None:
@@ -73,15 +82,8 @@ def modes_rank(target: str) -> None:
                 recompiles=compiled,
             )
             outbox.put(pb.ClientMessage(stats=wire.stats_to_pb(msg)))
-            while True:
-                reply = next(replies)
-                if reply.WhichOneof("kind") == "plan":
-                    version = reply.plan.version
-                elif reply.ack.step == step:
-                    break
-        outbox.put(pb.ClientMessage(goodbye=pb.Goodbye(reason="done")))
-        outbox.put(None)
-        list(replies)
+            version = _until_acked(replies, step, version)
+        _goodbye(outbox, replies)
 
 
 def served_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:

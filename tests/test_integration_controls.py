@@ -10,24 +10,10 @@ import torch
 
 from rematd.planner import Mode
 
-from .test_integrations import Tokens
+from .test_integrations import Tokens, hf_args
 from .test_models_transformers import CASES as TRANSFORMERS
 
 transformers = pytest.importorskip("transformers")
-
-
-def _hf_args(tmp_path: Any, steps: int) -> Any:
-    return transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        max_steps=steps,
-        learning_rate=1e-3,
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
 
 
 def test_the_trainer_callback_pins_from_its_argument_and_takes_a_budget_while_training(tmp_path: Any) -> None:
@@ -48,7 +34,7 @@ def test_the_trainer_callback_pins_from_its_argument_and_takes_a_budget_while_tr
 
     model = TRANSFORMERS["llama"]().build()
     trainer = transformers.Trainer(
-        model=model, args=_hf_args(tmp_path, 4), train_dataset=Tokens(), callbacks=[rematd, Watch()]
+        model=model, args=hf_args(tmp_path, 4, learning_rate=1e-3), train_dataset=Tokens(), callbacks=[rematd, Watch()]
     )
     trainer.train()
     assert [m for _, _, m in seen] == [
@@ -128,7 +114,7 @@ def test_a_pin_that_does_not_fit_the_model_stops_training_before_it_starts(tmp_p
 
     model = TRANSFORMERS["llama"]().build()
     rematd = RematdTrainerCallback(pin_modes=["store"] * 3)
-    trainer = transformers.Trainer(model=model, args=_hf_args(tmp_path, 2), train_dataset=Tokens(), callbacks=[rematd])
+    trainer = transformers.Trainer(model=model, args=hf_args(tmp_path, 2), train_dataset=Tokens(), callbacks=[rematd])
     with pytest.raises(ValueError, match=r"^pin_modes needs 2 modes, one per block, got 3"):
         trainer.train()
     assert not model._forward_pre_hooks and not model._forward_hooks, "the model is left as it was"
