@@ -30,9 +30,9 @@ class HandleControls:
         """One mode for every block (``"recompute"``) or one per block; ``None`` follows the planner again."""
         if modes is not None:
             pin_sequence(modes, 1)  # names and types now; the number of blocks once the model is attached
-        self._pin = modes
         if self.handle is not None:
-            self.handle.pin_modes(modes)
+            self.handle.pin_modes(modes)  # first: a pin the model refuses is not kept for the next run
+        self._pin = modes
 
     @property
     def budget_bytes(self) -> int | None:
@@ -45,9 +45,10 @@ class HandleControls:
     @budget_bytes.setter
     def budget_bytes(self, value: int) -> None:
         budget = check_bytes("budget_bytes", value, optional=False)
+        assert budget is not None
         self._options["budget_bytes"] = budget
         if self.handle is not None:
-            self.handle.budget_bytes = budget  # type: ignore[assignment]
+            self.handle.budget_bytes = budget
 
     def _controls_attached(self, handle: Handle) -> None:
         """Give a freshly attached ``handle`` the pin set on the callback; closes it if the pin does not fit."""
