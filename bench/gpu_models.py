@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.torchvision_shim import import_torchvision
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
@@ -63,9 +61,6 @@ QUICK_MODELS = (
 
 
 def _import_transformers() -> Any:
-    """transformers, importing torchvision first where its compiled ops do not load next to torch's CPU
-    build (the models need none of them: their two schemas are declared so the import goes through)."""
-    import_torchvision()
     import transformers
 
     transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]

@@ -137,6 +137,18 @@ def mode_sequence(name: str, values: object) -> list[Mode]:
     return [mode_of(name, v) for v in values]
 
 
+def pin_sequence(values: object, blocks: int) -> list[Mode]:
+    """``pin_modes``' argument: one mode for every block (a name or a :class:`Mode`), or one per block."""
+    if isinstance(values, (str, Mode)):
+        return [mode_of("pin_modes", values)] * blocks
+    if isinstance(values, bytes) or not isinstance(values, Sequence):
+        raise TypeError(
+            f"pin_modes takes a mode for every block or a list of modes, one per block ({ACCEPTED_MODES} "
+            f"or rematd.planner.Mode values), got {type(values).__name__} {values!r}"
+        )
+    return mode_sequence("pin_modes", values)
+
+
 DEFAULT_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE})
 """Offload is opt-in: measured on a GPU, it has not beaten recomputing the same blocks."""
 

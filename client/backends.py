@@ -30,6 +30,7 @@ class EmbeddedBackend:
         self._on_plan = on_plan
         self._hello: Hello | None = None
         self._session: PlannerSession | None = None
+        self._last: StepStats | None = None
 
     def open(self, hello: Hello) -> None:
         self._hello = hello
@@ -37,12 +38,44 @@ class EmbeddedBackend:
         self._on_plan(self._session.plan)
 
     def update_hello(self, **fields: Any) -> None:
-        if self._hello is not None:
-            self._hello = dataclasses.replace(self._hello, **fields)
+        if self._hello is None:
+            return
+        self._hello = dataclasses.replace(self._hello, **fields)
+        budget = fields.get("budget_bytes")
+        if (
+            budget is not None
+            and self._session is not None
+            and self._last is not None
+            and budget != self._last.budget_bytes
+        ):
+            self._replan(budget, self._last)
+
+    def _replan(self, budget: int, last: StepStats) -> None:
+        """Plan for a new budget now, so that the very next step runs under it.
+
+        The last step is offered again with the new budget and none of its measurements (no peak,
+        timings, retries or fragmentation; the device's room stays): the planner learns nothing
+        twice and only re-decides against the new target.
+        """
+        assert self._session is not None and self._hello is not None
+        again = dataclasses.replace(
+            last,
+            budget_bytes=budget,
+            peak_allocated_bytes=0,
+            saved_peak_bytes=0,
+            mode_seconds=(),
+            alloc_retries=0,
+            inactive_split_bytes=0,
+        )
+        self._last = again
+        plan = self._session.observe(observation(self._hello, again))
+        if plan is not None:
+            self._on_plan(plan)
 
     def send_stats(self, stats: StepStats) -> None:
         if self._session is None or self._hello is None:
             return
+        self._last = stats
         plan = self._session.observe(observation(self._hello, stats))
         if plan is not None:
             self._on_plan(plan)

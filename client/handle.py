@@ -19,8 +19,8 @@ from rematd.client.arguments import (
     check_optimizer,
     check_optional_flag,
     check_server,
-    mode_sequence,
     parse_modes,
+    pin_sequence,
 )
 from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.compiled import CompileStats
@@ -197,6 +197,8 @@ class Handle:
 
     @property
     def budget_bytes(self) -> int | None:
+        """The memory budget. Set between steps, it applies to the next step's plan when planning runs in
+        this process; a service plans for it from the next step's statistics, a step later."""
         return self._cycle.budget_bytes
 
     @budget_bytes.setter
@@ -217,13 +219,15 @@ class Handle:
         """The default process group's size, as sent to the planner (read at the first step's end)."""
         return (self._cycle.ranks or dist_rank())[1]
 
-    def pin_modes(self, modes: Sequence[str | Mode] | None) -> None:
+    def pin_modes(self, modes: str | Mode | Sequence[str | Mode] | None) -> None:
         """Fix every block's mode from the next step on, whatever the planner says (None: follow it again).
 
-        ``modes`` has one entry per block: a mode name (``"store"``, ``"selective"``,
-        ``"recompute"``, ``"offload"``) or a :class:`rematd.planner.Mode`.
+        ``modes`` is one mode for every block (``h.pin_modes("recompute")``) or a list with one
+        entry per block; a mode is its name (``"store"``, ``"selective"``, ``"recompute"``,
+        ``"offload"``) or a :class:`rematd.planner.Mode`. Given before the first step, the pin
+        applies from the first step after profiling.
         """
-        self._applier.pin(None if modes is None else mode_sequence("pin_modes", modes))
+        self._applier.pin(None if modes is None else pin_sequence(modes, len(self._blocks)))
 
     @property
     def hard_limit_bytes(self) -> int | None:

@@ -9,10 +9,11 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from rematd.client import Handle, attach
+from rematd.integrations.controls import HandleControls, PinArgument
 from rematd.integrations.options import attach_options
 
 
-class RematdTrainerCallback(TrainerCallback):  # type: ignore[misc]
+class RematdTrainerCallback(HandleControls, TrainerCallback):  # type: ignore[misc]
     """Attaches rematd to the trainer's model when training begins, ends a rematd step after each optimizer step
     (so gradient-accumulation micro-batches share one plan) and closes the handle when training ends.
 
@@ -22,17 +23,21 @@ class RematdTrainerCallback(TrainerCallback):  # type: ignore[misc]
     elsewhere in the loop (loading a batch, the optimizer step) leaves the handle open until the next
     ``train()`` or ``callback.handle.close()``.
 
-    Keyword arguments are ``rematd.client.attach``'s (``server=``, ``job=``, ``budget_bytes=``, ``modes=``, ...).
+    Keyword arguments are ``rematd.client.attach``'s (``server=``, ``job=``, ``budget_bytes=``, ``modes=``, ...),
+    and ``pin_modes=`` (one mode for every block, or one per block) for modes fixed from the first step after
+    profiling. ``callback.pin_modes(...)`` and ``callback.budget_bytes = ...`` change them while training runs
+    (from another callback, say): they apply from the next optimizer step.
     The model must not have the Trainer's own checkpointing on (``activation_checkpointing``/
     ``gradient_checkpointing`` in ``TrainingArguments``): ``attach`` refuses it, saying so.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, *, pin_modes: PinArgument = None, **options: Any) -> None:
         self._options = attach_options(options, callback="RematdTrainerCallback")
         self.handle: Handle | None = None
         """The handle while training runs (and the last one after it ended)."""
         self._guarded: tuple[Trainer, Any] | None = None
         """The trainer whose ``training_step`` is wrapped, and the wrapper."""
+        self.pin_modes(pin_modes)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -44,6 +49,7 @@ class RematdTrainerCallback(TrainerCallback):  # type: ignore[misc]
             self.handle.close()  # a second train() on the same callback
         self._unguard()
         self.handle = attach(model, **self._options)
+        self._controls_attached(self.handle)
         self._guard(_calling_trainer(), self.handle)
 
     def _guard(self, trainer: Trainer | None, handle: Handle) -> None:

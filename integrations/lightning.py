@@ -10,10 +10,11 @@ from torch.utils.hooks import RemovableHandle
 
 from rematd.client import Handle, attach, find_blocks
 from rematd.client.hooks import AttachedHook
+from rematd.integrations.controls import HandleControls, PinArgument
 from rematd.integrations.options import attach_options
 
 
-class RematdCallback(pl.Callback):
+class RematdCallback(HandleControls, pl.Callback):
     """Attaches rematd to the ``LightningModule`` when training starts (after the sanity check), ends a rematd
     step after each optimizer step (every optimizer of the module's; gradient-accumulation micro-batches share
     one plan), and closes the handle when training ends or fails.
@@ -24,11 +25,13 @@ class RematdCallback(pl.Callback):
     by default, the LightningModule's child that holds every block, or the LightningModule when the
     blocks span several children.
 
-    Other keyword arguments are ``rematd.client.attach``'s (``server=``, ``job=``, ``budget_bytes=``,
-    ``blocks=``, ...).
+    ``pin_modes=`` fixes modes (one for every block, or one per block) from the first step after profiling;
+    ``callback.pin_modes(...)`` and ``callback.budget_bytes = ...`` change them while training runs (from
+    ``training_step`` or another callback): they apply from the next optimizer step. Other keyword arguments
+    are ``rematd.client.attach``'s (``server=``, ``job=``, ``budget_bytes=``, ``blocks=``, ...).
     """
 
-    def __init__(self, *, attach_to: str | None = None, **options: Any) -> None:
+    def __init__(self, *, attach_to: str | None = None, pin_modes: PinArgument = None, **options: Any) -> None:
         if attach_to is not None and not isinstance(attach_to, str):
             raise TypeError(f"attach_to must be an attribute path such as 'model', got {type(attach_to).__name__}")
         self._attach_to = attach_to
@@ -36,11 +39,13 @@ class RematdCallback(pl.Callback):
         self.handle: Handle | None = None
         """The handle while training runs (and the last one after it ended)."""
         self._hooks: list[RemovableHandle] = []
+        self.pin_modes(pin_modes)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
         handle = attach(self._target(pl_module), **self._options)
         self.handle = handle
+        self._controls_attached(handle)
         for optimizer in trainer.optimizers:
             self._hooks.append(optimizer.register_step_post_hook(AttachedHook(lambda *_: handle.step())))
 

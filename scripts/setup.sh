@@ -35,3 +35,15 @@ fi
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "$TORCHVISION_SPEC" 2>/dev/null ||
     "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "$TORCHVISION_SPEC" --extra-index-url "$TORCH_CPU_INDEX"
 "$VENV/bin/python" -m pip install -q -e '.[dev]'
+
+# torch and torchvision must load together. PyPI's torchvision is built for torch's CUDA build: beside the CPU
+# build its ops library does not load and `import torchvision` fails (so do timm, and transformers' models).
+# The models need none of those ops: rematd.torchvision_ops makes every Python of this environment import
+# torchvision without them (a .pth file; see the README's set-up section).
+if ! "$VENV/bin/python" -m rematd.torchvision_ops --check; then
+    if ! "$VENV/bin/python" -m rematd.torchvision_ops --install; then
+        echo "setup: torchvision does not load beside $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')." >&2
+        echo "setup: install the torchvision release built for that torch (TORCHVISION_SPEC=...), or uninstall torchvision." >&2
+        exit 1
+    fi
+fi

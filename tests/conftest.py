@@ -6,8 +6,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.torchvision_shim import import_torchvision
-
 # Small CPU models train faster on one thread, and parallel test workers share two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -17,10 +15,6 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # the planner and server tests run without torch
     torch = None  # type: ignore[assignment]
-
-
-if torch is not None:
-    import_torchvision()
 
 ALLOW_CLIENT_ERRORS = "allow_client_errors"
 

@@ -112,8 +112,10 @@ def test_pin_modes_takes_names_or_mode_values_and_says_what_it_accepts() -> None
         h.pin_modes(["store", "teleport"])
     with pytest.raises(ValueError, match=r"^pin_modes: unknown mode 7"):
         h.pin_modes([7, 1])  # type: ignore[list-item]
-    with pytest.raises(TypeError, match=r"^pin_modes must be a list of modes"):
+    with pytest.raises(ValueError, match=r"^pin_modes: unknown mode 'ab'"):
         h.pin_modes("ab")
+    with pytest.raises(TypeError, match=r"^pin_modes takes a mode for every block or a list of modes"):
+        h.pin_modes({"store": 2})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^pin_modes needs 2 modes, one per block, got 3"):
         h.pin_modes(["store"] * 3)
     h.pin_modes(None)

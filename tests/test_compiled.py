@@ -45,9 +45,11 @@ SCENARIO: list[tuple[int, list[str] | None]] = [
 Run = tuple[list[list[torch.Tensor]], client.Handle, list[StepStats]]
 
 
-def _train(compile: bool | str, steps: list[tuple[int, list[str] | None]], modes: list[str] | None = None) -> Run:
+def _train(
+    compile: bool | str, steps: list[tuple[int, list[str] | None]], modes: list[str] | None = None, dropout: float = 0.0
+) -> Run:
     """Train ``steps``; every step's gradients, the handle, every step's stats."""
-    model = tiny_model(n_layer=2, d_model=32)
+    model = tiny_model(n_layer=2, d_model=32, dropout=dropout)
     h = client.attach(model, compile=compile, modes=modes)
     grads = []
     stats = []

@@ -30,6 +30,21 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def hf_args(tmp_path: Any, steps: int, **more: Any) -> Any:
+    """The Trainer's arguments for a short CPU run that writes nothing."""
+    return transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=steps,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        **more,
+    )
+
+
 def _selective_after_profile(h: Any) -> None:
     """Pins every block selective once the profile is in (what a tight plan would do)."""
     if h.step_count == 1:
@@ -50,18 +65,7 @@ def test_the_hugging_face_trainer_trains_through_the_callback(tmp_path: Any) -> 
             _selective_after_profile(h)
 
     rematd = RematdTrainerCallback(budget_bytes=2**40)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=3,
-        learning_rate=1e-3,
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
+    args = hf_args(tmp_path, 3, gradient_accumulation_steps=2, learning_rate=1e-3)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[rematd, Watch()])
     result = trainer.train()
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
@@ -174,16 +178,7 @@ def test_a_failed_hugging_face_training_closes_the_handle(tmp_path: Any) -> None
 
     model = TRANSFORMERS["llama"]().build()
     rematd = RematdTrainerCallback(budget_bytes=2**40)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        max_steps=3,
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
+    args = hf_args(tmp_path, 3)
     trainer = Failing(model=model, args=args, train_dataset=Tokens(), callbacks=[rematd])
     with pytest.raises(RuntimeError, match="a bad batch"):
         trainer.train()

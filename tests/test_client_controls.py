@@ -1,0 +1,100 @@
+"""What a training loop changes by hand between steps: pinned modes and the budget (real CPU training steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rematd import client
+from rematd.planner import Mode
+
+from .helpers import tiny_model, train_step
+
+
+def _attached(budget: int = 10**12, n_layer: int = 4):  # type: ignore[no-untyped-def]
+    model = tiny_model(n_layer=n_layer, d_model=32, seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, opt, client.attach(model, optimizer=opt, budget_bytes=budget)
+
+
+def test_one_mode_pins_every_block_and_a_list_pins_each() -> None:
+    model, opt, h = _attached()
+    train_step(model, opt, 32)
+    h.pin_modes("recompute")
+    train_step(model, opt, 32, seed=1)
+    assert h.modes == (Mode.RECOMPUTE,) * 4
+    assert all(b.checkpointed for b in h._blocks), "the blocks really recompute"
+    h.pin_modes(Mode.SELECTIVE)
+    train_step(model, opt, 32, seed=2)
+    assert h.modes == (Mode.SELECTIVE,) * 4
+    h.pin_modes(["store", "recompute", Mode.STORE, "Recompute"])
+    train_step(model, opt, 32, seed=3)
+    assert h.modes == (Mode.STORE, Mode.RECOMPUTE, Mode.STORE, Mode.RECOMPUTE)
+    h.pin_modes(None)
+    train_step(model, opt, 32, seed=4)
+    assert h.modes == h.plan.modes_for(h.last_shape, 4), "unpinned, the plan's modes again"
+    h.close()
+
+
+def test_a_bad_pin_names_what_was_wrong_and_changes_nothing() -> None:
+    model, opt, h = _attached()
+    train_step(model, opt, 32)
+    h.pin_modes("recompute")
+    with pytest.raises(ValueError, match=r"^pin_modes: unknown mode 'everything'"):
+        h.pin_modes("everything")
+    with pytest.raises(TypeError, match=r"^pin_modes takes a mode for every block or a list of modes.*float 3\.5"):
+        h.pin_modes(3.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^pin_modes takes a mode for every block"):
+        h.pin_modes(b"recompute")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^pin_modes needs 4 modes, one per block, got 2"):
+        h.pin_modes(["store", "store"])
+    train_step(model, opt, 32, seed=1)
+    assert h.modes == (Mode.RECOMPUTE,) * 4, "the pin in force before the bad ones stays"
+    h.close()
+
+
+def test_a_pin_before_the_first_step_applies_from_the_first_step_after_profiling() -> None:
+    model, opt, h = _attached()
+    h.pin_modes("recompute")
+    train_step(model, opt, 32)
+    assert h.step_count == 1 and h.plan.blocks == (), "the profiling step, and a plan that recomputes nothing"
+    profiled = h.last_stats
+    assert profiled is not None
+    train_step(model, opt, 32, seed=1)
+    assert h.modes == (Mode.RECOMPUTE,) * 4
+    pinned = h.last_stats
+    assert pinned is not None and pinned.saved_peak_bytes < profiled.saved_peak_bytes / 2
+    h.close()
+
+
+def test_a_budget_change_applies_to_the_very_next_step() -> None:
+    model, opt, h = _attached()
+    for step in range(3):
+        train_step(model, opt, 64, seed=step)
+    assert h.last_stats is not None and h.plan.blocks == ()
+    free_peak = h.last_stats.saved_peak_bytes
+    before = h.plan.version
+    # Between steps, as a training loop would.
+    h.budget_bytes = int(free_peak * 0.6)
+    train_step(model, opt, 64, seed=3)
+    assert h.plan.version > before, "the next step ran a plan made for the new budget"
+    assert h.plan.target_bytes <= h.budget_bytes
+    assert h.plan.modes_for(h.last_shape, 4) == h.modes and any(m != Mode.STORE for m in h.modes)
+    assert h.last_stats.saved_peak_bytes <= h.budget_bytes, "measured within the new budget at once"
+    # Back up: the budget is there again; the planner loosens after its dwell, never tightens.
+    h.budget_bytes = free_peak * 4
+    for step in range(4, 30):
+        train_step(model, opt, 64, seed=step)
+    assert h.modes == (Mode.STORE,) * 4
+    h.close()
+
+
+def test_the_same_budget_again_makes_no_plan() -> None:
+    model, opt, h = _attached(budget=5_000_000)
+    for step in range(3):
+        train_step(model, opt, 64, seed=step)
+    version = h.plan.version
+    h.budget_bytes = 5_000_000
+    train_step(model, opt, 64, seed=3)
+    assert h.plan.version == version
+    h.close()
