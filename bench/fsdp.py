@@ -241,10 +241,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     if args.worker:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from bench.torchvision_shim import import_torchvision
-
-        import_torchvision()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         result = worker(args)
         Path(os.environ["REMATD_BENCH_RESULT"]).write_text(json.dumps(result))

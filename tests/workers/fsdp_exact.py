@@ -14,18 +14,15 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from bench.torchvision_shim import import_torchvision
 from rematd import client
 from rematd.planner import Mode
 from tests.collectives import counting
 from tests.model_matrix import Rematerialised
 from tests.workers.rank import finish, settings, start
-
-import_torchvision()
-import transformers  # noqa: E402
 
 VOCAB = 64
 
