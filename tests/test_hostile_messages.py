@@ -1,0 +1,92 @@
+"""Messages whose repeated fields (or names) are out of bounds: refused on their counts, before a field is converted,
+against a real service on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rematd import wire
+from rematd.client.arguments import check_job
+from rematd.planner import Mode, Plan, ShapePlan
+from rematd.server import ServeConfig, ServiceThread
+from rematd.v1 import advisor_pb2 as pb
+
+from .test_service import hello, session, stats
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[ServiceThread]:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``wire.<name>`` (the real one still runs): what the service converted."""
+    calls: list[int] = []
+    real: Callable[..., Any] = getattr(wire, name)
+
+    def spy(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(wire, name, spy)
+    return calls
+
+
+def test_a_step_report_with_200k_mode_seconds_is_refused_before_conversion(
+    service: ServiceThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    converted = _counted(monkeypatch, "stats_from_pb")
+    big = wire.stats_to_pb(stats(1, 100))
+    big.mode_seconds.extend(pb.ModeSeconds(mode=pb.MODE_RECOMPUTE) for _ in range(200_000))
+    assert big.ByteSize() < 1 << 20
+    bound = service.service.bound
+    assert bound is not None
+    got, err = session(
+        bound.grpc,
+        [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="big-stats"))), pb.ClientMessage(stats=big)],
+    )
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stats.mode_seconds" in (err.details() or "")
+    assert converted == []  # refused on its count: none of its entries was turned into a record
+
+
+def test_a_resumed_hello_with_a_huge_plan_table_is_refused(service: ServiceThread) -> None:
+    h = hello(job="big-table")
+    modes = (Mode.STORE,) * len(h.blocks)
+    table = tuple(
+        ShapePlan(max_seq_len=i + 1, max_tokens=i + 1, modes=modes, predicted_peak_bytes=1, predicted_overhead_ratio=0)
+        for i in range(5_000)
+    )
+    plan = Plan(
+        version=3, blocks=(), checkpoint_every=0, predicted_peak_bytes=1, predicted_overhead_ratio=0.0,
+        target_bytes=1, reason="", modes=modes, shape_plans=table,
+    )  # fmt: skip
+    msg = wire.hello_to_pb(h)
+    msg.plan_version = 3
+    msg.plan.CopyFrom(wire.plan_to_pb(plan))
+    bound = service.service.bound
+    assert bound is not None
+    _, err = session(bound.grpc, [pb.ClientMessage(hello=msg)])
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello.plan.shape_plans" in (err.details() or "")
+
+
+@pytest.mark.parametrize("name", ["victim\n", "victim\r\n", "\nvictim"])
+def test_a_job_name_with_a_line_end_is_refused_everywhere(service: ServiceThread, name: str) -> None:
+    bound = service.service.bound
+    assert bound is not None
+    msg = wire.hello_to_pb(hello(job="victim"))
+    msg.job_id = name
+    _, err = session(bound.grpc, [pb.ClientMessage(hello=msg)])
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello.job_id" in (err.details() or "")
+    with pytest.raises(ValueError, match="job must be"):
+        check_job(name)
