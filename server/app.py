@@ -23,6 +23,7 @@ from rematd.server.config import (
     default_db_path,
     is_loopback,
 )
+from rematd.server.connections import fd_budget, guarded_protocol
 from rematd.server.core import AdvisorCore
 from rematd.server.grpc_service import build_server
 from rematd.server.metrics import Metrics
@@ -60,6 +61,8 @@ class Bound:
     http: str
     db: str
     tls: bool = False
+    limits: str = ""
+    """How many connections each transport holds at once, and the descriptor limit that bounds them."""
 
     @property
     def dashboard(self) -> str:
@@ -107,7 +110,8 @@ class Service:
 
     async def run(self, stop: asyncio.Event, ready: threading.Event | None = None) -> None:
         cfg = self.config
-        server, servicer, health = build_server(self.core, auth=cfg.auth, options=cfg.grpc)
+        budget = fd_budget(cfg.http_options)
+        server, servicer, health = build_server(self.core, auth=cfg.auth, options=cfg.grpc, max_connections=budget.grpc)
         grpc_port = self._bind_grpc(server)
         web: _QuietServer | None = None
         sock: socket.socket | None = None
@@ -130,6 +134,8 @@ class Service:
                     access_log=False,
                     ssl_certfile=cfg.tls_cert or None,
                     ssl_keyfile=cfg.tls_key or None,
+                    http=guarded_protocol(budget.http, cfg.http_options.http_request_seconds),
+                    timeout_keep_alive=max(1, round(cfg.http_options.http_keepalive_seconds)),
                 )
             )
         await server.start()
@@ -170,6 +176,7 @@ class Service:
             http=f"{cfg.http_host}:{http_port}",
             db=redact_url(self.store.path if "://" in (cfg.db or "") else self.db_path),
             tls=cfg.tls,
+            limits=budget.describe(),
         )
         if ready is not None:
             ready.set()

@@ -93,19 +93,35 @@ class GrpcOptions:
     """A ping unanswered this long closes the connection."""
     min_client_ping_seconds: float = 10.0
     """Clients may ping this often without being told off (GOAWAY too_many_pings)."""
+    handshake_timeout_seconds: float = 10.0
+    """A connection that has not finished its handshake (TLS, the HTTP/2 preface) this long is closed."""
+    idle_connection_seconds: float = 300.0
+    """A connection with no call open this long is closed (a rank's stream keeps its connection busy)."""
     reuse_port: bool = field(default=False, metadata={NO_FLAG: "set by --workers above 1"})
     """SO_REUSEPORT: several worker processes share the port (else a second bind of it fails)."""
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
             raise ValueError(f"max-message-bytes must be >= 1024, got {self.max_message_bytes}")
-        for name in ("keepalive_seconds", "keepalive_timeout_seconds", "min_client_ping_seconds"):
+        for name in (
+            "keepalive_seconds",
+            "keepalive_timeout_seconds",
+            "min_client_ping_seconds",
+            "handshake_timeout_seconds",
+            "idle_connection_seconds",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
 
-    def channel_options(self) -> list[tuple[str, Any]]:
-        # Streams live for days: no max connection age or idle limit; liveness comes from pings instead.
+    def channel_options(self, max_connections: int = 0) -> list[tuple[str, Any]]:
+        """The server's options; ``max_connections`` (0: no cap) bounds the connections it accepts at once."""
+        # Streams live for days: no max connection age; liveness comes from pings. A connection without a
+        # call (one that never sent a preface or a stream) holds a file descriptor for nothing, and is closed.
+        capped = [("grpc.max_allowed_incoming_connections", max_connections)] if max_connections else []
         return [
+            *capped,
+            ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_seconds * 1000)),
+            ("grpc.max_connection_idle_ms", int(self.idle_connection_seconds * 1000)),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", int(self.keepalive_seconds * 1000)),
@@ -118,6 +134,27 @@ class GrpcOptions:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
         ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpOptions:
+    """How many HTTP connections the service holds, and for how long: each one is a file descriptor."""
+
+    max_http_connections: int = 512
+    """Most HTTP connections open at once (more are answered 503 and closed); lowered to a quarter of the
+    process's file-descriptor limit when that is less, so gRPC streams and the record keep theirs."""
+    http_request_seconds: float = 10.0
+    """A connection that has not sent a whole request this long after it opened (or after the first byte
+    of its next request) is closed: idle and slow-header connections hold no descriptor for long."""
+    http_keepalive_seconds: float = 5.0
+    """An idle keep-alive connection is closed this long after its last response."""
+
+    def __post_init__(self) -> None:
+        if self.max_http_connections < 1:
+            raise ValueError(f"max-http-connections must be >= 1, got {self.max_http_connections}")
+        for name in ("http_request_seconds", "http_keepalive_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
 
 
 def default_db_path() -> Path:
@@ -176,6 +213,7 @@ class ServeConfig:
     core: CoreConfig = field(default_factory=CoreConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     grpc: GrpcOptions = field(default_factory=GrpcOptions)
+    http_options: HttpOptions = field(default_factory=HttpOptions)
     token: str | None = field(default=None, metadata={NO_FLAG: "read from --token-file, else $REMATD_TOKEN"})
     """Bearer token that writes (and non-loopback reads) need; None: HTTP writes are open on loopback only."""
     http: bool = field(default=True, metadata={NO_FLAG: "the extra workers of --workers serve gRPC only"})

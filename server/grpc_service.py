@@ -334,10 +334,10 @@ class Health:
 
 
 def build_server(
-    core: AdvisorCore, *, auth: TokenAuth, options: GrpcOptions
+    core: AdvisorCore, *, auth: TokenAuth, options: GrpcOptions, max_connections: int = 0
 ) -> tuple[grpc.aio.Server, AdvisorServicer, Health]:
     """The gRPC server with the Advisor, health and reflection services (not yet bound or started)."""
-    server = grpc.aio.server(options=options.channel_options())
+    server = grpc.aio.server(options=options.channel_options(max_connections))
     servicer = AdvisorServicer(core, auth)
     pb_grpc.add_AdvisorServicer_to_server(servicer, server)
     health = Health()

@@ -42,6 +42,7 @@ def run_one(config: ServeConfig, *, announce: bool = True) -> int:
                     scheme = "https" if b.tls else "http"
                     print(f"dashboard and REST on {scheme}://{b.http}/ (metrics at /metrics)", flush=True)
                 print(f"record: {b.db}", flush=True)
+                print(b.limits, flush=True)
         await task
 
     # Fewer, larger young-generation collections: a busy service allocates many short-lived messages.
