@@ -96,6 +96,15 @@ def _closed_by_peer(sock: socket.socket, within: float) -> bool:
     return False
 
 
+def _answer(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection."""
+    sock.settimeout(5)
+    chunks = []
+    while chunk := sock.recv(4096):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _stream_works(target: str) -> bool:
     with grpc.insecure_channel(target) as ch:
         msgs = iter([pb.ClientMessage(hello=wire.hello_to_pb(hello(job="after-flood")))])
@@ -156,8 +165,7 @@ def test_ambiguous_framing_gets_400(tmp_path: Path, raw: bytes, why: str) -> Non
     assert why in framing_problem(raw)
     with limited_server(tmp_path) as srv, _connect(srv.http) as sock:
         sock.sendall(raw)
-        sock.settimeout(5)
-        answer = sock.recv(4096)
+        answer = _answer(sock)
         assert answer.startswith(b"HTTP/1.1 400"), answer
         assert why.encode() in answer
 
@@ -175,3 +183,20 @@ def test_a_flood_of_one_log_line_is_limited() -> None:
     assert "9995 more like this held back" in later.getMessage()
     other = logging.LogRecord("rematd", logging.ERROR, __file__, 1, "another line", (), None)
     assert limit.filter(other)
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        (b"POST /api/v1/jobs/x/end HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nTransfer-Encoding: chunked\r\n",
+         b"not both"),
+        (b"POST /api/v1/jobs/x/end HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://127.0.0.1\r\nOrigin: http://e.x\r\n"
+         b"Content-Length: 0\r\n", b"origin header is given more than once"),
+    ],
+)  # fmt: skip
+def test_a_request_framed_or_addressed_two_ways_gets_400(tmp_path: Path, head: bytes, why: bytes) -> None:
+    with limited_server(tmp_path) as srv, _connect(srv.http) as sock:
+        sock.sendall(head + b"\r\n0\r\n\r\n")
+        answer = _answer(sock)
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+        assert why in answer
