@@ -16,6 +16,7 @@ import grpc
 import uvicorn
 
 from rematd.server import peers
+from rematd.server.auth import load_job_tokens
 from rematd.server.config import (
     ExposedWithoutToken,
     ServeConfig,
@@ -27,6 +28,7 @@ from rematd.server.connections import fd_budget, guarded_protocol
 from rematd.server.core import AdvisorCore
 from rematd.server.grpc_service import build_server
 from rematd.server.metrics import Metrics
+from rematd.server.ownership import JobTokens
 from rematd.server.rest import create_app
 from rematd.server.store import Store, database_url, redact_url
 
@@ -84,7 +86,12 @@ class Service:
         self.config = config
         self.db_path = config.db_path
         self.store = Store(store_config(config))
-        self.core = AdvisorCore(self.store, Metrics(per_rank=config.per_rank_metrics), config.core)
+        self.core = AdvisorCore(
+            self.store,
+            Metrics(per_rank=config.per_rank_metrics),
+            config.core,
+            job_tokens=JobTokens(load_job_tokens(config.job_tokens_file)),
+        )
         self.bound: Bound | None = None
         self.serving = False
 

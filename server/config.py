@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rematd.server.auth import TokenAuth
+from rematd.server.auth import TokenAuth, load_job_tokens
 
 NO_FLAG = "no_flag"
 """Field metadata key: why the setting has no ``rematd serve`` flag of its own."""
@@ -200,6 +200,9 @@ class ServeConfig:
     """PEM certificate chain: TLS for gRPC and HTTP (with --tls-key)."""
     tls_key: str = ""
     """PEM private key for --tls-cert."""
+    job_tokens_file: str = ""
+    """File of per-job tokens, 'JOB TOKEN' per line (JOB may be a pattern such as team-a-*): a job it names is
+    opened only by a trainer whose REMATD_JOB_TOKEN is that token."""
     per_rank_metrics: bool = False
     """Export per-rank series besides the per-job ones."""
     grace_seconds: float = 5.0
@@ -240,6 +243,7 @@ class ServeConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{_flag(name)} {path!r} is not a readable file")
+        load_job_tokens(self.job_tokens_file)  # raises ValueError naming the file and line
         TokenAuth(token=self.token)  # raises ValueError naming what is wrong with the token
         # Here, so that every way of starting the service (the CLI, Service, ServiceThread) refuses it.
         exposed = self._exposed_without_token()

@@ -26,6 +26,7 @@ from rematd.server.config import CoreConfig
 from rematd.server.controls import OperatorControls
 from rematd.server.errors import JobNotFound, SessionError
 from rematd.server.metrics import Metrics, RankSample
+from rematd.server.ownership import JobTokens
 from rematd.server.plan_policy import (
     mode_names,
 )
@@ -47,7 +48,14 @@ READ_WAIT_SECONDS = 5.0
 class AdvisorCore:
     """Per-(job, rank) planning with a durable record and metrics."""
 
-    def __init__(self, store: Store, metrics: Metrics | None = None, config: CoreConfig | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics | None = None,
+        config: CoreConfig | None = None,
+        *,
+        job_tokens: JobTokens | None = None,
+    ) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
         self.config = config or CoreConfig()
@@ -61,6 +69,7 @@ class AdvisorCore:
             sessions=self.sessions,
             controls=self.controls,
             records=RankRecords(store, self.writer),
+            job_tokens=job_tokens,
         )
         self.views = ReadViews(store, self.sessions, job_controls=self.controls.job_controls, settle=self._settle)
         self.metrics.snapshot = self.rank_samples
