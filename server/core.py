@@ -75,6 +75,7 @@ class AdvisorCore:
         self.metrics.snapshot = self.rank_samples
         self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
         self.store.on_write_failure = self.metrics.record_write_failures.inc
+        self.metrics.record_lost.set_function(lambda: 1.0 if self.store.lost else 0.0)
         self.refresh_controls()
 
     # -- the training side ----------------------------------------------------

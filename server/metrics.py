@@ -166,6 +166,11 @@ class Metrics:
             "Writes to the record that failed (a full or failing disk, a lost database); see /readyz.",
             registry=None,
         )
+        self.record_lost = Gauge(
+            "rematd_record_lost",
+            "1 while the record's database file is deleted, replaced or truncated under the service (writes stop).",
+            registry=r,
+        )
         self.message_duration = Histogram(
             "rematd_message_duration_seconds",
             "Time to handle one message from a training rank, by kind of message.",

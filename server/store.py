@@ -32,6 +32,7 @@ from rematd.server.database import (
     redact_url,
     why,
 )
+from rematd.server.record_file import FileWatch, sqlite_file
 from rematd.server.rows import RECOMPUTE, STORE, derived_modes, pack_modes, unpack_modes
 from rematd.server.schema import _TYPES, MIGRATIONS, SCHEMA_VERSION
 from rematd.server.store_reads import StoreReads
@@ -78,6 +79,8 @@ class Store(StoreWrites, StoreReads):
         except (sa_exc.SQLAlchemyError, OSError, ImportError) as err:
             raise StoreError(why(err)) from err
         super().__init__(engine, config, lock)
+        file = sqlite_file(url)
+        self.watch = FileWatch(file) if file else None
         self._closed = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
         self._flusher.start()
