@@ -156,7 +156,7 @@ class Service:
                 await web_task
         chores = [
             asyncio.create_task(self._every(cfg.controls_poll_seconds, "controls", self.core.refresh_controls)),
-            asyncio.create_task(self._every(cfg.compact_seconds, "compact", self.store.compact)),
+            asyncio.create_task(self._every(cfg.compact_seconds, "compact", self.core.compact)),
             # Often enough that a rank goes within a quarter of the expiry after it is due.
             asyncio.create_task(
                 self._every(min(30.0, cfg.core.session_expiry_seconds / 4), "expiry", self.core.expire_sessions)

@@ -32,6 +32,7 @@ from rematd.server.plan_policy import (
 )
 from rematd.server.rank_records import RankRecords
 from rematd.server.record_writer import RecordWriter
+from rematd.server.retention_clock import RetentionClock
 from rematd.server.sessions import RankSession, Sessions
 from rematd.server.store import Store, is_record_error
 from rematd.server.training import TrainingSide
@@ -60,6 +61,7 @@ class AdvisorCore:
         self.metrics = metrics or Metrics()
         self.config = config or CoreConfig()
         self.sessions = Sessions(self.metrics)
+        self.retention_clock = RetentionClock()
         self.writer = RecordWriter(on_failure=self._write_failed, describe=self._describe)
         self.controls = OperatorControls(store, self.sessions)
         self.training = TrainingSide(
@@ -119,6 +121,11 @@ class AdvisorCore:
     def expire_sessions(self, now: float | None = None) -> int:
         """Forget ranks whose stream has been gone longer than the expiry; returns how many."""
         return self.sessions.expire(time.monotonic() if now is None else now, self.config.session_expiry_seconds)
+
+    def compact(self) -> dict[str, int]:
+        """Retention and down-sampling on the record, by a clock that ignores jumps of the wall clock; jobs with
+        a rank whose session is open or resumable keep every row."""
+        return self.store.compact(self.retention_clock.now(), live=self.sessions.live_jobs())
 
     def drain_writes(self, timeout: float | None = None) -> bool:
         """Wait until every write handed over so far is in the record (or failed); False on timeout."""

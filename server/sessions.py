@@ -99,6 +99,11 @@ class Sessions:
         with self.lock:
             return list(self.by_job.get(job, {}).values())
 
+    def live_jobs(self) -> set[str]:
+        """Jobs with a rank whose session is open (a live stream) or resumable (lost, not yet expired)."""
+        with self.lock:
+            return {job for job, ranks in self.by_job.items() if any(s.streams or not s.ended for s in ranks.values())}
+
     def add(self, session: RankSession) -> None:
         """Under ``lock``."""
         self.by_key[session.key] = session

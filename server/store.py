@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from sqlalchemy import exc as sa_exc
@@ -93,11 +94,12 @@ class Store(StoreWrites, StoreReads):
         with self.engine.connect() as conn:
             return schema.version(conn, self.path)
 
-    def compact(self, now: float | None = None) -> dict[str, int]:
-        """Down-sample old statistics and apply retention; returns rows deleted by kind."""
+    def compact(self, now: float | None = None, live: Collection[str] = ()) -> dict[str, int]:
+        """Down-sample old statistics and apply retention, keeping every row of the ``live`` jobs; returns rows
+        deleted by kind."""
         self.flush()
-        with self._lock, self.engine.begin() as conn:
-            return compact(conn, self.config, time.time() if now is None else now)
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            return compact(conn, self.config, time.time() if now is None else now, live)
 
     def close(self) -> None:
         """Write what is buffered and let go of the database; a record that cannot be written loses the
