@@ -88,7 +88,7 @@ class Service:
         self.store = Store(store_config(config))
         self.core = AdvisorCore(
             self.store,
-            Metrics(per_rank=config.per_rank_metrics),
+            Metrics(per_rank=config.per_rank_metrics, max_jobs=config.max_job_series),
             config.core,
             job_tokens=JobTokens(load_job_tokens(config.job_tokens_file)),
         )

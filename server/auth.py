@@ -58,6 +58,8 @@ class TokenAuth:
     """Reads need no token (true when the HTTP side binds loopback, or with --public-reads)."""
     open_writes: bool = True
     """With no token, HTTP writes are open (true only when the HTTP side binds loopback)."""
+    closed_metrics: bool = False
+    """/metrics needs the token (--metrics-need-token)."""
 
     def __post_init__(self) -> None:
         if self.token is not None and (len(self.token) < 16 or any(c.isspace() for c in self.token)):

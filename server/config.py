@@ -205,6 +205,11 @@ class ServeConfig:
     opened only by a trainer whose REMATD_JOB_TOKEN is that token."""
     per_rank_metrics: bool = False
     """Export per-rank series besides the per-job ones."""
+    max_job_series: int = 1000
+    """Live jobs with per-job series on /metrics, at most (those most at risk of an OOM first); the rest are
+    counted in rematd_job_series_dropped."""
+    metrics_need_token: bool = False
+    """/metrics needs the bearer token too (a scraper sends it as its bearer_token)."""
     grace_seconds: float = 5.0
     """At shutdown, after open streams are told to reconnect, how long their last messages get to finish."""
     drain_seconds: float = 0.0
@@ -234,6 +239,10 @@ class ServeConfig:
         for name in ("grace_seconds", "drain_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.max_job_series < 1:
+            raise ValueError(f"max-job-series must be >= 1, got {self.max_job_series}")
+        if self.metrics_need_token and self.token is None:
+            raise ValueError("metrics-need-token needs a token (REMATD_TOKEN or --token-file)")
         for name in ("compact_seconds", "controls_poll_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -271,7 +280,12 @@ class ServeConfig:
     @property
     def auth(self) -> TokenAuth:
         loopback = is_loopback(self.http_host)
-        return TokenAuth(token=self.token, open_reads=self.public_reads or loopback, open_writes=loopback)
+        return TokenAuth(
+            token=self.token,
+            open_reads=self.public_reads or loopback,
+            open_writes=loopback,
+            closed_metrics=self.metrics_need_token,
+        )
 
     @property
     def tls(self) -> bool:

@@ -27,6 +27,7 @@ from rematd.server.controls import OperatorControls
 from rematd.server.errors import JobNotFound, SessionError
 from rematd.server.metrics import Metrics, RankSample
 from rematd.server.ownership import JobTokens
+from rematd.server.paging import JOBS_PAGE, ROWS_PAGE, Page
 from rematd.server.plan_policy import (
     mode_names,
 )
@@ -188,6 +189,16 @@ class AdvisorCore:
 
     def list_jobs(self, state: str | None = None) -> list[dict[str, Any]]:
         return self.views.list_jobs(state)
+
+    def jobs_page(self, state: str | None = None, *, limit: int = JOBS_PAGE, cursor: str | None = None) -> Page:
+        """A page of jobs in the order they were created, and where the next starts."""
+        return self.views.jobs_page(state, limit=limit, cursor=cursor)
+
+    def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+        return self.views.plans_page(job, limit=limit, cursor=cursor)
+
+    def ooms_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+        return self.views.ooms_page(job, limit=limit, cursor=cursor)
 
     def get_job(self, job: str) -> dict[str, Any]:
         return self.views.get_job(job)
