@@ -294,6 +294,8 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         )
                         secret_sent = True
                         out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
+                    elif kind == "oom" and not session.ooms.take():
+                        core.metrics.oom_dropped.inc()  # over the rank's rate: neither planned nor recorded
                     elif kind == "oom":
                         new = await _to_the_end(core.on_oom, session, wire.oom_from_pb(msg.oom))
                         if new is not None:

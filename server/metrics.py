@@ -184,6 +184,11 @@ class Metrics:
             "Writes to the record that failed (a full or failing disk, a lost database); see /readyz.",
             registry=None,
         )
+        self.oom_dropped = Counter(
+            "rematd_oom_events_dropped",
+            "OOM events a rank reported faster than its rate (a burst of 10, then 1 a second), dropped.",
+            registry=None,
+        )
         self.record_lost = Gauge(
             "rematd_record_lost",
             "1 while the record's database file is deleted, replaced or truncated under the service (writes stop).",
@@ -224,6 +229,7 @@ class Metrics:
             "rematd_invalid_messages": (self.invalid_messages, "counter"),
             "rematd_record_rejected_rows": (self.rejected_rows, "counter"),
             "rematd_record_write_failures": (self.record_write_failures, "counter"),
+            "rematd_oom_events_dropped": (self.oom_dropped, "counter"),
             "rematd_unauthenticated_requests": (self.unauthenticated, "counter"),
             "rematd_service_faults": (self.service_faults, "counter"),
             "rematd_active_streams": (self.active_streams, "gauge"),

@@ -12,8 +12,10 @@ import pytest
 
 from rematd import wire
 from rematd.client.arguments import check_job
-from rematd.planner import Mode, Plan, ShapePlan
+from rematd.planner import Mode, Plan, Shape, ShapePlan
+from rematd.records import OomReport
 from rematd.server import ServeConfig, ServiceThread
+from rematd.server.rate import OOM_BURST as RATE_BURST
 from rematd.v1 import advisor_pb2 as pb
 
 from .test_service import hello, session, stats
@@ -49,7 +51,7 @@ def test_a_step_report_with_200k_mode_seconds_is_refused_before_conversion(
     assert big.ByteSize() < 1 << 20
     bound = service.service.bound
     assert bound is not None
-    got, err = session(
+    _, err = session(
         bound.grpc,
         [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="big-stats"))), pb.ClientMessage(stats=big)],
     )
@@ -90,3 +92,19 @@ def test_a_job_name_with_a_line_end_is_refused_everywhere(service: ServiceThread
     assert "hello.job_id" in (err.details() or "")
     with pytest.raises(ValueError, match="job must be"):
         check_job(name)
+
+
+def test_a_flood_of_oom_events_is_rate_limited_and_counted(service: ServiceThread) -> None:
+    bound = service.service.bound
+    assert bound is not None
+    oom = wire.oom_to_pb(OomReport(step=1, shape=Shape(batch=1, seq_len=64, tokens=64), plan_version=1))
+    msgs = [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="oom-flood")))]
+    msgs += [pb.ClientMessage(oom=oom) for _ in range(300)]
+    msgs.append(pb.ClientMessage(goodbye=pb.Goodbye()))
+    _, err = session(bound.grpc, msgs)
+    assert err is None  # the stream lives on
+    core = service.service.core
+    core.drain_writes(10)
+    recorded = len(core.store.ooms("oom-flood"))
+    assert RATE_BURST <= recorded < 300 // 2
+    assert core.metrics.oom_dropped._value.get() == 300 - recorded
