@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
@@ -70,6 +71,8 @@ RECONNECT = "server shutting down; reconnect"
 # Steps of profiles this large are planned on a worker thread: planning grows with the blocks, and
 # a 4,096-block step can take a quarter of a second; smaller ones cost less than the thread hop.
 OFF_LOOP_BLOCKS = 512
+HELLOS_AT_ONCE = 2
+"""Hellos converted and planned at the same time (the others wait their turn on their worker threads)."""
 
 
 async def _to_the_end(fn: Callable[..., _R], *args: Any) -> _R:
@@ -110,6 +113,9 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         """Set once what the open streams sent is in the record; they are told to reconnect after it."""
         self._open: set[_OpenStream] = set()
         self._collections = Collections()
+        # A hello's records take some 16 times its bytes while it is converted and planned: a few at once, so
+        # that a flood of large ones (rejected at the end) peaks at a few of them and leaves fewer pages behind.
+        self._converting = threading.BoundedSemaphore(HELLOS_AT_ONCE)
 
     def close_streams(self) -> None:
         """Tell every open stream to reconnect elsewhere (UNAVAILABLE), once ``flushed`` is set.
@@ -171,7 +177,8 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             except InvalidMessage:
                 self.core.metrics.invalid_messages.inc()
                 raise
-            return self.core.open_session(wire.hello_from_pb(hello))
+            with self._converting:
+                return self.core.open_session(wire.hello_from_pb(hello))
         except _DOMAIN_ERRORS as err:
             return self._failure(err)
         except Exception as err:

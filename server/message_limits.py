@@ -16,6 +16,10 @@ MAX_NAME_CHARS = 256
 """Longest name (device, model fingerprint, client version, secret, block name) a hello may carry."""
 MAX_MODES = len(pb.Mode.values())
 """Most entries of a list with one entry per mode."""
+TERMS_PER_BLOCK = 16
+"""Size terms a block's modes carry together, at most: four modes, each a kept and a transient size of a term
+or two (linear, quadratic in the sequence). Each term is an object once converted, so a hello packed with them
+cost 16 times its bytes before it was refused."""
 MAX_SHAPE_PLANS = 64
 """Most entries of a plan's per-length table (the planner makes at most 16 by default)."""
 MAX_TEXT_CHARS = 4096
@@ -48,6 +52,7 @@ def precheck_hello(msg: pb.Hello) -> None:
         if len(getattr(msg, name)) > MAX_NAME_CHARS:
             raise InvalidMessage(f"hello.{name}", f"longer than {MAX_NAME_CHARS} characters")
     _terms("hello.other_activations", msg.other_activations)
+    terms = 0
     for i, b in enumerate(msg.blocks):
         if len(b.modes) > MAX_MODES:
             raise InvalidMessage(f"hello.blocks[{i}].modes", f"{len(b.modes)} entries for {MAX_MODES} modes")
@@ -56,6 +61,11 @@ def precheck_hello(msg: pb.Hello) -> None:
         for j, m in enumerate(b.modes):
             _terms(f"hello.blocks[{i}].modes[{j}].kept", m.kept)
             _terms(f"hello.blocks[{i}].modes[{j}].transient", m.transient)
+            terms += len(m.kept) + len(m.transient)
+    if terms > TERMS_PER_BLOCK * n:
+        raise InvalidMessage(
+            "hello.blocks", f"{terms} size terms for {n} blocks; a profile has at most {TERMS_PER_BLOCK} per block"
+        )
     if msg.HasField("plan"):
         plan = msg.plan
         if len(plan.checkpoint_blocks) > n or len(plan.block_modes) > n:

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from rematd import __version__
+from rematd.server.allocator import limit_arenas
 from rematd.server.app import Service
 from rematd.server.config import ServeConfig
 from rematd.server.store import StoreError, redact_url
@@ -49,6 +50,7 @@ def run_one(config: ServeConfig, *, announce: bool = True) -> int:
     # Memory that ended streams held does not wait for these thresholds: the gRPC servicer asks for a
     # collection soon after streams end (rematd.server.collector).
     gc.set_threshold(50_000, 20, 100)
+    limit_arenas()
     try:
         asyncio.run(main())
     except StoreError as err:

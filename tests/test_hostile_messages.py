@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from bench.rejected_streams import packed_hello
 from rematd import wire
 from rematd.client.arguments import check_job
 from rematd.planner import Mode, Plan, Shape, ShapePlan
@@ -108,3 +109,17 @@ def test_a_flood_of_oom_events_is_rate_limited_and_counted(service: ServiceThrea
     recorded = len(core.store.ooms("oom-flood"))
     assert RATE_BURST <= recorded < 300 // 2
     assert core.metrics.oom_dropped._value.get() == 300 - recorded
+
+
+def test_a_hello_packed_with_size_terms_is_refused_before_conversion(
+    service: ServiceThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    converted = _counted(monkeypatch, "hello_from_pb")
+    msg = packed_hello()
+    assert msg.ByteSize() < 1 << 20
+    bound = service.service.bound
+    assert bound is not None
+    _, err = session(bound.grpc, [msg])
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "size terms" in (err.details() or "")
+    assert converted == []
