@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,8 @@ log = logging.getLogger("rematd.server")
 
 SHUTDOWN_WRITES_SECONDS = 30.0
 """At shutdown, how long the core's queued writes get to reach the record."""
+SHUTDOWN_RETRY_SECONDS = 15.0
+"""At shutdown, how long buffered step reports wait for a record that refuses them (a full disk) to take them."""
 
 
 def store_config(config: ServeConfig) -> StoreConfig:
@@ -114,6 +117,26 @@ class Service:
                 await asyncio.to_thread(fn)
             except Exception:
                 log.exception("periodic %s failed; trying again in %.0f s", work, seconds)
+
+    async def _flush_patiently(self, seconds: float) -> bool:
+        """Write the buffered step reports, trying again while the record refuses them (a full disk may get
+        room) for up to ``seconds``; False if it never took them."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                await asyncio.to_thread(self.store.flush)
+                return True
+            except Exception:
+                if time.monotonic() >= deadline:
+                    return False
+                if deadline - time.monotonic() > seconds - 0.5:
+                    log.warning(
+                        "the record cannot be written at shutdown (%s): %d step report(s) wait; trying for %.0f s",
+                        self.store.last_failure,
+                        self.store.pending(),
+                        seconds,
+                    )
+                await asyncio.sleep(0.5)
 
     async def run(self, stop: asyncio.Event, ready: threading.Event | None = None) -> None:
         cfg = self.config
@@ -209,9 +232,7 @@ class Service:
                     SHUTDOWN_WRITES_SECONDS,
                 )
             pending = self.store.pending()
-            try:
-                await asyncio.to_thread(self.store.flush)
-            except Exception:
+            if not await self._flush_patiently(SHUTDOWN_RETRY_SECONDS):
                 # Said in one line: a failing disk is an operator's problem, not a bug with a traceback.
                 log.error(
                     "the record cannot be written at shutdown (%s): %d buffered step report(s) are lost",
