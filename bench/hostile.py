@@ -18,7 +18,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -27,6 +26,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from bench.loop_stall import while_probing
 from bench.rejected_streams import packed_hello
 from bench.served import served
 from rematd import wire
@@ -93,23 +93,7 @@ INPUTS: dict[str, Callable[[str], str]] = {
 
 def stall(http_base: str, send: Callable[[], str]) -> dict[str, object]:
     """/healthz times while ``send`` runs."""
-    lags: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(base_url=http_base, timeout=30) as http:
-            while not stop.is_set():
-                t = time.perf_counter()
-                http.get("/healthz")
-                lags.append(time.perf_counter() - t)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
-    try:
-        answer = send()
-    finally:
-        stop.set()
-        prober.join()
+    answer, lags = while_probing(http_base, send)
     return {
         "answer": answer,
         "healthz_p50_ms": round(statistics.median(lags) * 1000, 2),

@@ -51,11 +51,3 @@ class RepeatLimit(logging.Filter):
                 return True
             seen[2] += 1
             return False
-
-
-def limit_repeats(logger: logging.Logger | None = None) -> RepeatLimit:
-    """Put one ``RepeatLimit`` on every handler of ``logger`` (the root logger by default)."""
-    limit = RepeatLimit()
-    for handler in (logger or logging.getLogger()).handlers:
-        handler.addFilter(limit)
-    return limit

@@ -51,6 +51,8 @@ from rematd.server.rest_models import (
 from rematd.server.views import STATS_ROWS
 
 DOCS_ASSETS = "/docs-assets"
+RowsLimit = Annotated[int, Query(ge=1, le=MAX_ROWS_PAGE, description="rows a page holds")]
+Cursor = Annotated[str | None, Query(max_length=1024, description="next_cursor of the page before")]
 
 
 def _json(view: Any) -> Response:
@@ -195,8 +197,8 @@ def create_app(
     @app.get("/api/v1/jobs", response_model=JobList, dependencies=read, responses=unauthorized)
     def jobs(
         state: Annotated[str | None, Query(description=f"one of {', '.join(JOB_STATES)}")] = None,
-        limit: int = Query(JOBS_PAGE, ge=1, le=MAX_JOBS_PAGE),
-        cursor: str | None = Query(None, max_length=1024, description="next_cursor of the page before"),
+        limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = JOBS_PAGE,
+        cursor: Cursor = None,
     ) -> Response:
         page = core.jobs_page(state, limit=limit, cursor=cursor)
         return _json({"jobs": page.rows, "next_cursor": page.next_cursor})
@@ -206,11 +208,7 @@ def create_app(
         return _json(core.get_job(job))
 
     @app.get("/api/v1/jobs/{job}/plans", response_model=JobPlans, dependencies=read, responses=unauthorized)
-    def plans(
-        job: str,
-        limit: int = Query(ROWS_PAGE, ge=1, le=MAX_ROWS_PAGE),
-        cursor: str | None = Query(None, max_length=1024, description="next_cursor of the page before"),
-    ) -> Response:
+    def plans(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
         page = core.plans_page(job, limit=limit, cursor=cursor)
         return _json({"job": job, "plans": page.rows, "next_cursor": page.next_cursor})
 
@@ -225,11 +223,7 @@ def create_app(
         return _json({"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)})
 
     @app.get("/api/v1/jobs/{job}/ooms", response_model=JobOoms, dependencies=read, responses=unauthorized)
-    def ooms(
-        job: str,
-        limit: int = Query(ROWS_PAGE, ge=1, le=MAX_ROWS_PAGE),
-        cursor: str | None = Query(None, max_length=1024, description="next_cursor of the page before"),
-    ) -> Response:
+    def ooms(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
         page = core.ooms_page(job, limit=limit, cursor=cursor)
         return _json({"job": job, "ooms": page.rows, "next_cursor": page.next_cursor})
 

@@ -3,13 +3,11 @@ under a file-size limit that is lifted while it runs."""
 
 from __future__ import annotations
 
-import os
 import queue
 import resource
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,25 +18,10 @@ from rematd import wire
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
-from .test_hostile_disk import LIMIT_BYTES, _addresses
+from .test_hostile_disk import LIMIT_BYTES, _addresses, _serve
 from .test_service import hello, stats
 
 STEPS = 1200
-
-
-def _serve(db: Path, log: Path) -> subprocess.Popen[bytes]:
-    """``rematd serve`` whose files may not grow past ``LIMIT_BYTES`` until the soft limit is raised."""
-
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT_BYTES, resource.RLIM_INFINITY))
-
-    return subprocess.Popen(
-        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db)],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=limited,
-    )
 
 
 def _room(proc: subprocess.Popen[bytes]) -> None:
@@ -60,7 +43,7 @@ def test_steps_acknowledged_on_a_full_disk_wait_at_shutdown_for_room(tmp_path: P
 
 def _acknowledged_on_a_full_disk(tmp_path: Path, *, room_before_stop: bool) -> None:
     db, log = tmp_path / "r.db", tmp_path / "serve.log"
-    proc = _serve(db, log)
+    proc = _serve(db, log, LIMIT_BYTES, liftable=True)
     try:
         grpc_addr, http = _addresses(log, proc)
         out: queue.Queue[pb.ClientMessage | None] = queue.Queue()

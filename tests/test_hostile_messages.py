@@ -3,8 +3,7 @@ against a real service on loopback."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -15,19 +14,11 @@ from rematd import wire
 from rematd.client.arguments import check_job
 from rematd.planner import Mode, Plan, Shape, ShapePlan
 from rematd.records import OomReport
-from rematd.server import ServeConfig, ServiceThread
+from rematd.server import ServiceThread
 from rematd.server.rate import OOM_BURST as RATE_BURST
 from rematd.v1 import advisor_pb2 as pb
 
 from .test_service import hello, session, stats
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[ServiceThread]:
-    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
-    svc.start()
-    yield svc
-    svc.stop()
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
@@ -44,13 +35,13 @@ def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
 
 
 def test_a_step_report_with_200k_mode_seconds_is_refused_before_conversion(
-    service: ServiceThread, monkeypatch: pytest.MonkeyPatch
+    service_thread: ServiceThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     converted = _counted(monkeypatch, "stats_from_pb")
     big = wire.stats_to_pb(stats(1, 100))
     big.mode_seconds.extend(pb.ModeSeconds(mode=pb.MODE_RECOMPUTE) for _ in range(200_000))
     assert big.ByteSize() < 1 << 20
-    bound = service.service.bound
+    bound = service_thread.service.bound
     assert bound is not None
     _, err = session(
         bound.grpc,
@@ -61,7 +52,7 @@ def test_a_step_report_with_200k_mode_seconds_is_refused_before_conversion(
     assert converted == []  # refused on its count: none of its entries was turned into a record
 
 
-def test_a_resumed_hello_with_a_huge_plan_table_is_refused(service: ServiceThread) -> None:
+def test_a_resumed_hello_with_a_huge_plan_table_is_refused(service_thread: ServiceThread) -> None:
     h = hello(job="big-table")
     modes = (Mode.STORE,) * len(h.blocks)
     table = tuple(
@@ -75,7 +66,7 @@ def test_a_resumed_hello_with_a_huge_plan_table_is_refused(service: ServiceThrea
     msg = wire.hello_to_pb(h)
     msg.plan_version = 3
     msg.plan.CopyFrom(wire.plan_to_pb(plan))
-    bound = service.service.bound
+    bound = service_thread.service.bound
     assert bound is not None
     _, err = session(bound.grpc, [pb.ClientMessage(hello=msg)])
     assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -83,8 +74,8 @@ def test_a_resumed_hello_with_a_huge_plan_table_is_refused(service: ServiceThrea
 
 
 @pytest.mark.parametrize("name", ["victim\n", "victim\r\n", "\nvictim"])
-def test_a_job_name_with_a_line_end_is_refused_everywhere(service: ServiceThread, name: str) -> None:
-    bound = service.service.bound
+def test_a_job_name_with_a_line_end_is_refused_everywhere(service_thread: ServiceThread, name: str) -> None:
+    bound = service_thread.service.bound
     assert bound is not None
     msg = wire.hello_to_pb(hello(job="victim"))
     msg.job_id = name
@@ -95,8 +86,8 @@ def test_a_job_name_with_a_line_end_is_refused_everywhere(service: ServiceThread
         check_job(name)
 
 
-def test_a_flood_of_oom_events_is_rate_limited_and_counted(service: ServiceThread) -> None:
-    bound = service.service.bound
+def test_a_flood_of_oom_events_is_rate_limited_and_counted(service_thread: ServiceThread) -> None:
+    bound = service_thread.service.bound
     assert bound is not None
     oom = wire.oom_to_pb(OomReport(step=1, shape=Shape(batch=1, seq_len=64, tokens=64), plan_version=1))
     msgs = [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="oom-flood")))]
@@ -104,7 +95,7 @@ def test_a_flood_of_oom_events_is_rate_limited_and_counted(service: ServiceThrea
     msgs.append(pb.ClientMessage(goodbye=pb.Goodbye()))
     _, err = session(bound.grpc, msgs)
     assert err is None  # the stream lives on
-    core = service.service.core
+    core = service_thread.service.core
     core.drain_writes(10)
     recorded = len(core.store.ooms("oom-flood"))
     assert RATE_BURST <= recorded < 300 // 2
@@ -112,12 +103,12 @@ def test_a_flood_of_oom_events_is_rate_limited_and_counted(service: ServiceThrea
 
 
 def test_a_hello_packed_with_size_terms_is_refused_before_conversion(
-    service: ServiceThread, monkeypatch: pytest.MonkeyPatch
+    service_thread: ServiceThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     converted = _counted(monkeypatch, "hello_from_pb")
     msg = packed_hello()
     assert msg.ByteSize() < 1 << 20
-    bound = service.service.bound
+    bound = service_thread.service.bound
     assert bound is not None
     _, err = session(bound.grpc, [msg])
     assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -9,7 +9,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -28,14 +27,6 @@ from .helpers import tiny_model, train_step
 from .test_service import hello, session, stats
 
 TRAINER = "trainer-credential-0123456789"
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[ServiceThread]:
-    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
-    svc.start()
-    yield svc
-    svc.stop()
 
 
 def _target(svc: ServiceThread) -> str:
@@ -87,13 +78,13 @@ def _connected(svc: ServiceThread, job: str, rank: int, want: int) -> None:
     raise AssertionError(f"rank {rank} of {job} never had {want} stream(s)")
 
 
-def test_a_stranger_cannot_resume_a_lost_rank_nor_teach_it_fake_ooms(service: ServiceThread) -> None:
-    target = _target(service)
+def test_a_stranger_cannot_resume_a_lost_rank_nor_teach_it_fake_ooms(service_thread: ServiceThread) -> None:
+    target = _target(service_thread)
     mine = dataclasses.replace(hello(job="poison"), job_secret=TRAINER, host="trainer-host", pid=1234)
     held = _Held(target, mine)
     session_secret = held.secret()
     held.lose()
-    _connected(service, "poison", 0, 0)
+    _connected(service_thread, "poison", 0, 0)
     # A hello for the same (job, rank), with no credential or another one, then OOMs: refused at the hello.
     for credential in ("", "stranger-credential-0123456789"):
         stranger = dataclasses.replace(hello(job="poison"), job_secret=credential, plan_version=1)
@@ -101,17 +92,17 @@ def test_a_stranger_cannot_resume_a_lost_rank_nor_teach_it_fake_ooms(service: Se
         _, err = session(target, [pb.ClientMessage(hello=wire.hello_to_pb(stranger)), pb.ClientMessage(oom=oom)])
         assert err is not None and err.code() == grpc.StatusCode.ABORTED
         assert "is held by process 1234 on trainer-host" in (err.details() or "")
-    rank = service.service.core.sessions.get("poison", 0)
+    rank = service_thread.service.core.sessions.get("poison", 0)
     assert rank is not None and rank.hello.pid == 1234  # still the trainer's session
     # The trainer comes back with its credential and session secret: its session resumes, no OOM on record.
     back = dataclasses.replace(mine, session_secret=session_secret, plan_version=rank.sent.version if rank else 1)
     got, err = session(target, [pb.ClientMessage(hello=wire.hello_to_pb(back)), pb.ClientMessage(goodbye=pb.Goodbye())])
     assert err is None and got and got[0].WhichOneof("kind") == "plan"
-    assert service.service.core.store.ooms("poison") == []
+    assert service_thread.service.core.store.ooms("poison") == []
 
 
-def test_a_rank_held_by_another_process_is_named_to_the_refused_one(service: ServiceThread) -> None:
-    target = _target(service)
+def test_a_rank_held_by_another_process_is_named_to_the_refused_one(service_thread: ServiceThread) -> None:
+    target = _target(service_thread)
     stray = dataclasses.replace(hello(job="squat"), job_secret="stray-credential-0123456789", host="stray", pid=4242)
     held = _Held(target, stray)
     held.secret()
@@ -122,13 +113,15 @@ def test_a_rank_held_by_another_process_is_named_to_the_refused_one(service: Ser
     assert "is held by process 4242 on stray (model abc) since 20" in detail, detail
     held.lose()
     # Lost without a goodbye: still the stray's until it expires, whoever asks.
-    _connected(service, "squat", 0, 0)
+    _connected(service_thread, "squat", 0, 0)
     _, err = session(target, [pb.ClientMessage(hello=wire.hello_to_pb(real))])
     assert err is not None and err.code() == grpc.StatusCode.ABORTED
 
 
-def test_a_refused_trainer_says_so_once_and_trains_on(service: ServiceThread, caplog: pytest.LogCaptureFixture) -> None:
-    target = _target(service)
+def test_a_refused_trainer_says_so_once_and_trains_on(
+    service_thread: ServiceThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = _target(service_thread)
     stray = dataclasses.replace(hello(job="held-job"), job_secret="stray-credential-0123456789", host="stray", pid=7)
     held = _Held(target, stray)
     held.secret()
