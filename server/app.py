@@ -127,7 +127,7 @@ class Service:
                 await asyncio.to_thread(self.store.flush)
                 return True
             except Exception:
-                if time.monotonic() >= deadline:
+                if self.store.lost or time.monotonic() >= deadline:  # room on the disk would not bring a file back
                     return False
                 if deadline - time.monotonic() > seconds - 0.5:
                     log.warning(
