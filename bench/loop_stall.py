@@ -15,7 +15,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import httpx
@@ -26,6 +28,8 @@ from rematd.planner import Mode, ModeCost, Shape, Size
 from rematd.records import MAX_BLOCKS, BlockRecord, Hello, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
+
+_T = TypeVar("_T")
 
 
 def heaviest_hello(n: int = MAX_BLOCKS) -> Hello:
@@ -64,8 +68,8 @@ def messages(steps: int, n: int = MAX_BLOCKS) -> list[pb.ClientMessage]:
     return out
 
 
-def measure(grpc_target: str, http_base: str, steps: int) -> dict[str, float]:
-    msgs = messages(steps)
+def while_probing(http_base: str, send: Callable[[], _T]) -> tuple[_T, list[float]]:
+    """What ``send`` returns, and the seconds each /healthz took, polled back to back while it ran."""
     lags: list[float] = []
     stop = threading.Event()
 
@@ -78,13 +82,22 @@ def measure(grpc_target: str, http_base: str, steps: int) -> dict[str, float]:
 
     prober = threading.Thread(target=probe)
     prober.start()
-    began = time.perf_counter()
     try:
-        with grpc.insecure_channel(grpc_target, options=[("grpc.max_send_message_length", 1 << 22)]) as ch:
-            answers = list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=300))
+        return send(), lags
     finally:
         stop.set()
         prober.join()
+
+
+def measure(grpc_target: str, http_base: str, steps: int) -> dict[str, float]:
+    msgs = messages(steps)
+
+    def stream() -> list[pb.ServerMessage]:
+        with grpc.insecure_channel(grpc_target, options=[("grpc.max_send_message_length", 1 << 22)]) as ch:
+            return list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=300))
+
+    began = time.perf_counter()
+    answers, lags = while_probing(http_base, stream)
     return {
         "messages": len(msgs),
         "answers": len(answers),

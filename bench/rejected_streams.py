@@ -2,9 +2,12 @@
 
 Each stream sends one hello of about 0.9 MiB (4,096 blocks with long names) that the service
 converts and then refuses (INVALID_ARGUMENT), the costliest kind of rejection. RSS is read from
-/proc after a warm-up and after the N streams.
+/proc after a warm-up and after the N streams. ``--packed`` sends instead a 1 MiB hello packed with
+size terms (some 237,000 sub-messages, which cost about 16 times their bytes once parsed), from
+``--parallel`` threads at once; RSS is also read at its peak and after 10 s idle.
 
     python -m bench.rejected_streams --streams 1000
+    python -m bench.rejected_streams --packed --parallel 8 --streams 160
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +53,44 @@ def refused_hello(blocks: int = 4096) -> pb.ClientMessage:
     msg = wire.hello_to_pb(hello)
     msg.budget_bytes = 0
     return pb.ClientMessage(hello=msg)
+
+
+def packed_hello(blocks: int = 1850) -> pb.ClientMessage:
+    """A hello just under 1 MiB whose blocks carry every mode, each with 16 kept and 16 transient size terms."""
+    h = pb.Hello(job_id="refused", world_size=1, budget_bytes=0, profile_shape=pb.Shape(batch=1, seq_len=64, tokens=64))
+    for i in range(blocks):
+        b = h.blocks.add(index=i, name="b", saved_bytes=1, input_bytes=1, forward_seconds=0.01)
+        for mode in (pb.MODE_STORE, pb.MODE_SELECTIVE, pb.MODE_RECOMPUTE, pb.MODE_OFFLOAD):
+            cost = b.modes.add(mode=mode)
+            for _ in range(16):
+                cost.kept.add(bytes=1)
+                cost.transient.add(bytes=1)
+    return pb.ClientMessage(hello=h)
+
+
+def measure_parallel(target: str, pid: int, streams: int, parallel: int) -> dict[str, float]:
+    """RSS at start, at its peak while ``parallel`` threads send ``streams`` packed hellos in all, and 10 s after."""
+    msg = packed_hello()
+    start = peak = rss_bytes(pid)
+    threads = [threading.Thread(target=send_refused, args=(target, msg, streams // parallel)) for _ in range(parallel)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, rss_bytes(pid))
+        time.sleep(0.05)
+    seconds = time.perf_counter() - began
+    time.sleep(10)
+    idle = rss_bytes(pid)
+    return {
+        "streams": streams // parallel * parallel,
+        "parallel": parallel,
+        "message_bytes": msg.ByteSize(),
+        "rss_start_mib": start / MiB,
+        "rss_peak_mib": peak / MiB,
+        "rss_after_10s_idle_mib": idle / MiB,
+        "seconds": seconds,
+    }
 
 
 def send_refused(target: str, msg: pb.ClientMessage, n: int) -> None:
@@ -89,10 +131,16 @@ def measure(target: str, pid: int, streams: int, warmup: int = 10) -> dict[str, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--packed", action="store_true", help="hellos packed with size terms, sent in parallel")
+    parser.add_argument("--parallel", type=int, default=8, help="threads sending packed hellos at once")
     args = parser.parse_args()
     db = Path(tempfile.mkdtemp(prefix="rematd-bench-")) / "r.db"
     with served(db) as srv:
-        print(json.dumps(measure(srv.grpc, srv.proc.pid, args.streams), indent=2))
+        if args.packed:
+            result = measure_parallel(srv.grpc, srv.proc.pid, args.streams, args.parallel)
+        else:
+            result = measure(srv.grpc, srv.proc.pid, args.streams)
+        print(json.dumps(result, indent=2))
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -11,6 +13,7 @@ from torch import nn
 
 from rematd import __version__
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.credential import job_credential
 from rematd.client.describe import block_records
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
 from rematd.client.profiling import host_bandwidth
@@ -152,6 +155,9 @@ def build_hello(
         memory_source=memory.kind,
         margin_ratio=who.margin_ratio,
         client_version=__version__,
+        job_secret=job_credential(),
+        host=socket.gethostname()[:256],
+        pid=os.getpid(),
         other_activations=other_activations(
             memory,
             sample,

@@ -61,6 +61,8 @@ TERMINAL = frozenset(
 
 # How the service words a stream it ends because an operator ended the job.
 ENDED_BY_OPERATOR = "was ended by an operator"
+HELD_BY = "is held by"
+"""What the service says of a rank another process holds (it names that process)."""
 
 # The longest report interval taken from a service; anything else is taken as 0 (report every step).
 MAX_INTERVAL_S = 3600.0
@@ -87,6 +89,7 @@ class StreamBackend:
         self._plan_version = 0
         self._plan_in_force: Plan | None = None
         self._session_secret = ""
+        self._told_held = False
         """What proves this rank's next stream is its own; never logged."""
         self._last_blocks: tuple[int, ...] | None = None
         self._folder = Folder()
@@ -299,6 +302,11 @@ class StreamBackend:
             elif code in TERMINAL:
                 log.error("rematd service refused the stream (%s); keeping the plan in force", self.last_error)
                 self._stop()
+            elif code == grpc.StatusCode.ABORTED and HELD_BY in (detail or ""):
+                # Another process holds this rank: said once, then retried quietly while training goes on.
+                level = logging.DEBUG if self._told_held else logging.WARNING
+                self._told_held = True
+                log.log(level, "rematd: the service refused this rank (%s); training goes on, retrying", detail)
             else:
                 log.warning("rematd stream to %s lost (%s); retrying in %.1fs", self.target, self.last_error, delay)
         finally:

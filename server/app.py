@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import grpc
 import uvicorn
 
 from rematd.server import peers
+from rematd.server.auth import load_job_tokens
 from rematd.server.config import (
     ExposedWithoutToken,
     ServeConfig,
@@ -23,9 +25,11 @@ from rematd.server.config import (
     default_db_path,
     is_loopback,
 )
+from rematd.server.connections import fd_budget, guarded_protocol
 from rematd.server.core import AdvisorCore
 from rematd.server.grpc_service import build_server
 from rematd.server.metrics import Metrics
+from rematd.server.ownership import JobTokens
 from rematd.server.rest import create_app
 from rematd.server.store import Store, database_url, redact_url
 
@@ -45,6 +49,8 @@ log = logging.getLogger("rematd.server")
 
 SHUTDOWN_WRITES_SECONDS = 30.0
 """At shutdown, how long the core's queued writes get to reach the record."""
+SHUTDOWN_RETRY_SECONDS = 15.0
+"""At shutdown, how long buffered step reports wait for a record that refuses them (a full disk) to take them."""
 
 
 def store_config(config: ServeConfig) -> StoreConfig:
@@ -60,6 +66,8 @@ class Bound:
     http: str
     db: str
     tls: bool = False
+    limits: str = ""
+    """How many connections each transport holds at once, and the descriptor limit that bounds them."""
 
     @property
     def dashboard(self) -> str:
@@ -81,7 +89,12 @@ class Service:
         self.config = config
         self.db_path = config.db_path
         self.store = Store(store_config(config))
-        self.core = AdvisorCore(self.store, Metrics(per_rank=config.per_rank_metrics), config.core)
+        self.core = AdvisorCore(
+            self.store,
+            Metrics(per_rank=config.per_rank_metrics, max_jobs=config.max_job_series),
+            config.core,
+            job_tokens=JobTokens(load_job_tokens(config.job_tokens_file)),
+        )
         self.bound: Bound | None = None
         self.serving = False
 
@@ -105,9 +118,30 @@ class Service:
             except Exception:
                 log.exception("periodic %s failed; trying again in %.0f s", work, seconds)
 
+    async def _flush_patiently(self, seconds: float) -> bool:
+        """Write the buffered step reports, trying again while the record refuses them (a full disk may get
+        room) for up to ``seconds``; False if it never took them."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                await asyncio.to_thread(self.store.flush)
+                return True
+            except Exception:
+                if self.store.lost or time.monotonic() >= deadline:  # room on the disk would not bring a file back
+                    return False
+                if deadline - time.monotonic() > seconds - 0.5:
+                    log.warning(
+                        "the record cannot be written at shutdown (%s): %d step report(s) wait; trying for %.0f s",
+                        self.store.last_failure,
+                        self.store.pending(),
+                        seconds,
+                    )
+                await asyncio.sleep(0.5)
+
     async def run(self, stop: asyncio.Event, ready: threading.Event | None = None) -> None:
         cfg = self.config
-        server, servicer, health = build_server(self.core, auth=cfg.auth, options=cfg.grpc)
+        budget = fd_budget(cfg.http_options)
+        server, servicer, health = build_server(self.core, auth=cfg.auth, options=cfg.grpc, max_connections=budget.grpc)
         grpc_port = self._bind_grpc(server)
         web: _QuietServer | None = None
         sock: socket.socket | None = None
@@ -130,6 +164,8 @@ class Service:
                     access_log=False,
                     ssl_certfile=cfg.tls_cert or None,
                     ssl_keyfile=cfg.tls_key or None,
+                    http=guarded_protocol(budget.http, cfg.http_options.http_request_seconds),
+                    timeout_keep_alive=max(1, round(cfg.http_options.http_keepalive_seconds)),
                 )
             )
         await server.start()
@@ -143,7 +179,7 @@ class Service:
                 await web_task
         chores = [
             asyncio.create_task(self._every(cfg.controls_poll_seconds, "controls", self.core.refresh_controls)),
-            asyncio.create_task(self._every(cfg.compact_seconds, "compact", self.store.compact)),
+            asyncio.create_task(self._every(cfg.compact_seconds, "compact", self.core.compact)),
             # Often enough that a rank goes within a quarter of the expiry after it is due.
             asyncio.create_task(
                 self._every(min(30.0, cfg.core.session_expiry_seconds / 4), "expiry", self.core.expire_sessions)
@@ -170,6 +206,7 @@ class Service:
             http=f"{cfg.http_host}:{http_port}",
             db=redact_url(self.store.path if "://" in (cfg.db or "") else self.db_path),
             tls=cfg.tls,
+            limits=budget.describe(),
         )
         if ready is not None:
             ready.set()
@@ -195,9 +232,7 @@ class Service:
                     SHUTDOWN_WRITES_SECONDS,
                 )
             pending = self.store.pending()
-            try:
-                await asyncio.to_thread(self.store.flush)
-            except Exception:
+            if not await self._flush_patiently(SHUTDOWN_RETRY_SECONDS):
                 # Said in one line: a failing disk is an operator's problem, not a bug with a traceback.
                 log.error(
                     "the record cannot be written at shutdown (%s): %d buffered step report(s) are lost",

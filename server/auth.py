@@ -28,6 +28,26 @@ def load_token(token_file: str | None) -> str | None:
     return token or None
 
 
+def load_job_tokens(path: str) -> dict[str, str]:
+    """``--job-tokens-file``: ``JOB TOKEN`` per line (``JOB`` may be a shell pattern such as ``team-a-*``;
+    ``#`` starts a comment); ValueError naming the file and line when one is not that."""
+    if not path:
+        return {}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"job-tokens-file {path!r} cannot be read: {err.strerror}") from err
+    tokens: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) != 2 or len(words[1]) < 16:
+            raise ValueError(f"job-tokens-file {path!r} line {n}: want 'JOB TOKEN' with a token of 16+ characters")
+        tokens[words[0]] = words[1]
+    return tokens
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TokenAuth:
     """Who may write, and who may read."""
@@ -38,6 +58,8 @@ class TokenAuth:
     """Reads need no token (true when the HTTP side binds loopback, or with --public-reads)."""
     open_writes: bool = True
     """With no token, HTTP writes are open (true only when the HTTP side binds loopback)."""
+    closed_metrics: bool = False
+    """/metrics needs the token (--metrics-need-token)."""
 
     def __post_init__(self) -> None:
         if self.token is not None and (len(self.token) < 16 or any(c.isspace() for c in self.token)):

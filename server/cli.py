@@ -12,6 +12,7 @@ import sys
 from rematd.server.auth import load_token
 from rematd.server.config import ExposedWithoutToken, ServeConfig
 from rematd.server.flags import Flag, add_flags, build
+from rematd.server.log_limits import RepeatLimit
 from rematd.server.run import bad_db, run_one
 from rematd.server.store import StoreError
 
@@ -37,7 +38,12 @@ def serve(argv: list[str]) -> int:
     """``rematd serve`` with ``argv`` (its options); the exit status."""
     parser, flags = serve_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The service's own handler, its repeated lines limited (does nothing where logging is set up already).
+    handler = logging.StreamHandler()
+    handler.addFilter(RepeatLimit())
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=[handler]
+    )
     try:
         if args.workers < 1:
             raise ValueError(f"workers must be >= 1, got {args.workers}")

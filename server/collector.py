@@ -15,6 +15,8 @@ import asyncio
 import gc
 import time
 
+from rematd.server.allocator import give_back
+
 
 class Collections:
     """Collections soon after streams end: of the young generations at most one per ``interval`` seconds,
@@ -94,3 +96,5 @@ class Collections:
             self.full += 1
         else:
             gc.collect(1)
+        # The ended streams' messages are freed now: their pages go back to the system, not to idle arenas.
+        give_back()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rematd.server.auth import TokenAuth
+from rematd.server.auth import TokenAuth, load_job_tokens
 
 NO_FLAG = "no_flag"
 """Field metadata key: why the setting has no ``rematd serve`` flag of its own."""
@@ -93,19 +93,35 @@ class GrpcOptions:
     """A ping unanswered this long closes the connection."""
     min_client_ping_seconds: float = 10.0
     """Clients may ping this often without being told off (GOAWAY too_many_pings)."""
+    handshake_timeout_seconds: float = 10.0
+    """A connection that has not finished its handshake (TLS, the HTTP/2 preface) this long is closed."""
+    idle_connection_seconds: float = 300.0
+    """A connection with no call open this long is closed (a rank's stream keeps its connection busy)."""
     reuse_port: bool = field(default=False, metadata={NO_FLAG: "set by --workers above 1"})
     """SO_REUSEPORT: several worker processes share the port (else a second bind of it fails)."""
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
             raise ValueError(f"max-message-bytes must be >= 1024, got {self.max_message_bytes}")
-        for name in ("keepalive_seconds", "keepalive_timeout_seconds", "min_client_ping_seconds"):
+        for name in (
+            "keepalive_seconds",
+            "keepalive_timeout_seconds",
+            "min_client_ping_seconds",
+            "handshake_timeout_seconds",
+            "idle_connection_seconds",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
 
-    def channel_options(self) -> list[tuple[str, Any]]:
-        # Streams live for days: no max connection age or idle limit; liveness comes from pings instead.
+    def channel_options(self, max_connections: int = 0) -> list[tuple[str, Any]]:
+        """The server's options; ``max_connections`` (0: no cap) bounds the connections it accepts at once."""
+        # Streams live for days: no max connection age; liveness comes from pings. A connection without a
+        # call (one that never sent a preface or a stream) holds a file descriptor for nothing, and is closed.
+        capped = [("grpc.max_allowed_incoming_connections", max_connections)] if max_connections else []
         return [
+            *capped,
+            ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_seconds * 1000)),
+            ("grpc.max_connection_idle_ms", int(self.idle_connection_seconds * 1000)),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", int(self.keepalive_seconds * 1000)),
@@ -118,6 +134,27 @@ class GrpcOptions:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
         ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpOptions:
+    """How many HTTP connections the service holds, and for how long: each one is a file descriptor."""
+
+    max_http_connections: int = 512
+    """Most HTTP connections open at once (more are answered 503 and closed); lowered to a quarter of the
+    process's file-descriptor limit when that is less, so gRPC streams and the record keep theirs."""
+    http_request_seconds: float = 10.0
+    """A connection that has not sent a whole request this long after it opened (or after the first byte
+    of its next request) is closed: idle and slow-header connections hold no descriptor for long."""
+    http_keepalive_seconds: float = 5.0
+    """An idle keep-alive connection is closed this long after its last response."""
+
+    def __post_init__(self) -> None:
+        if self.max_http_connections < 1:
+            raise ValueError(f"max-http-connections must be >= 1, got {self.max_http_connections}")
+        for name in ("http_request_seconds", "http_keepalive_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
 
 
 def default_db_path() -> Path:
@@ -163,8 +200,16 @@ class ServeConfig:
     """PEM certificate chain: TLS for gRPC and HTTP (with --tls-key)."""
     tls_key: str = ""
     """PEM private key for --tls-cert."""
+    job_tokens_file: str = ""
+    """File of per-job tokens, 'JOB TOKEN' per line (JOB may be a pattern such as team-a-*): a job it names is
+    opened only by a trainer whose REMATD_JOB_TOKEN is that token."""
     per_rank_metrics: bool = False
     """Export per-rank series besides the per-job ones."""
+    max_job_series: int = 1000
+    """Live jobs with per-job series on /metrics, at most (those most at risk of an OOM first); the rest are
+    counted in rematd_job_series_dropped."""
+    metrics_need_token: bool = False
+    """/metrics needs the bearer token too (a scraper sends it as its bearer_token)."""
     grace_seconds: float = 5.0
     """At shutdown, after open streams are told to reconnect, how long their last messages get to finish."""
     drain_seconds: float = 0.0
@@ -176,6 +221,7 @@ class ServeConfig:
     core: CoreConfig = field(default_factory=CoreConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     grpc: GrpcOptions = field(default_factory=GrpcOptions)
+    http_options: HttpOptions = field(default_factory=HttpOptions)
     token: str | None = field(default=None, metadata={NO_FLAG: "read from --token-file, else $REMATD_TOKEN"})
     """Bearer token that writes (and non-loopback reads) need; None: HTTP writes are open on loopback only."""
     http: bool = field(default=True, metadata={NO_FLAG: "the extra workers of --workers serve gRPC only"})
@@ -193,6 +239,10 @@ class ServeConfig:
         for name in ("grace_seconds", "drain_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.max_job_series < 1:
+            raise ValueError(f"max-job-series must be >= 1, got {self.max_job_series}")
+        if self.metrics_need_token and self.token is None:
+            raise ValueError("metrics-need-token needs a token (REMATD_TOKEN or --token-file)")
         for name in ("compact_seconds", "controls_poll_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -202,6 +252,7 @@ class ServeConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{_flag(name)} {path!r} is not a readable file")
+        load_job_tokens(self.job_tokens_file)  # raises ValueError naming the file and line
         TokenAuth(token=self.token)  # raises ValueError naming what is wrong with the token
         # Here, so that every way of starting the service (the CLI, Service, ServiceThread) refuses it.
         exposed = self._exposed_without_token()
@@ -229,7 +280,12 @@ class ServeConfig:
     @property
     def auth(self) -> TokenAuth:
         loopback = is_loopback(self.http_host)
-        return TokenAuth(token=self.token, open_reads=self.public_reads or loopback, open_writes=loopback)
+        return TokenAuth(
+            token=self.token,
+            open_reads=self.public_reads or loopback,
+            open_writes=loopback,
+            closed_metrics=self.metrics_need_token,
+        )
 
     @property
     def tls(self) -> bool:

@@ -55,7 +55,7 @@ class Controls:
 
 
 def require_job(store: Store, job: str) -> dict[str, Any]:
-    row = store.job(job) if JOB_ID_RE.match(job) else None
+    row = store.job(job) if JOB_ID_RE.fullmatch(job) else None
     if row is None:
         raise JobNotFound(job)
     return row

@@ -26,11 +26,14 @@ from rematd.server.config import CoreConfig
 from rematd.server.controls import OperatorControls
 from rematd.server.errors import JobNotFound, SessionError
 from rematd.server.metrics import Metrics, RankSample
+from rematd.server.ownership import JobTokens
+from rematd.server.paging import JOBS_PAGE, ROWS_PAGE, Page
 from rematd.server.plan_policy import (
     mode_names,
 )
 from rematd.server.rank_records import RankRecords
 from rematd.server.record_writer import RecordWriter
+from rematd.server.retention_clock import RetentionClock
 from rematd.server.sessions import RankSession, Sessions
 from rematd.server.store import Store, is_record_error
 from rematd.server.training import TrainingSide
@@ -47,11 +50,19 @@ READ_WAIT_SECONDS = 5.0
 class AdvisorCore:
     """Per-(job, rank) planning with a durable record and metrics."""
 
-    def __init__(self, store: Store, metrics: Metrics | None = None, config: CoreConfig | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics | None = None,
+        config: CoreConfig | None = None,
+        *,
+        job_tokens: JobTokens | None = None,
+    ) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
         self.config = config or CoreConfig()
         self.sessions = Sessions(self.metrics)
+        self.retention_clock = RetentionClock()
         self.writer = RecordWriter(on_failure=self._write_failed, describe=self._describe)
         self.controls = OperatorControls(store, self.sessions)
         self.training = TrainingSide(
@@ -61,11 +72,13 @@ class AdvisorCore:
             sessions=self.sessions,
             controls=self.controls,
             records=RankRecords(store, self.writer),
+            job_tokens=job_tokens,
         )
         self.views = ReadViews(store, self.sessions, job_controls=self.controls.job_controls, settle=self._settle)
         self.metrics.snapshot = self.rank_samples
         self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
         self.store.on_write_failure = self.metrics.record_write_failures.inc
+        self.metrics.record_lost.set_function(lambda: 1.0 if self.store.lost else 0.0)
         self.refresh_controls()
 
     # -- the training side ----------------------------------------------------
@@ -109,6 +122,11 @@ class AdvisorCore:
     def expire_sessions(self, now: float | None = None) -> int:
         """Forget ranks whose stream has been gone longer than the expiry; returns how many."""
         return self.sessions.expire(time.monotonic() if now is None else now, self.config.session_expiry_seconds)
+
+    def compact(self) -> dict[str, int]:
+        """Retention and down-sampling on the record, by a clock that ignores jumps of the wall clock; jobs with
+        a rank whose session is open or resumable keep every row."""
+        return self.store.compact(self.retention_clock.now(), live=self.sessions.live_jobs())
 
     def drain_writes(self, timeout: float | None = None) -> bool:
         """Wait until every write handed over so far is in the record (or failed); False on timeout."""
@@ -171,6 +189,16 @@ class AdvisorCore:
 
     def list_jobs(self, state: str | None = None) -> list[dict[str, Any]]:
         return self.views.list_jobs(state)
+
+    def jobs_page(self, state: str | None = None, *, limit: int = JOBS_PAGE, cursor: str | None = None) -> Page:
+        """A page of jobs in the order they were created, and where the next starts."""
+        return self.views.jobs_page(state, limit=limit, cursor=cursor)
+
+    def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+        return self.views.plans_page(job, limit=limit, cursor=cursor)
+
+    def ooms_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+        return self.views.ooms_page(job, limit=limit, cursor=cursor)
 
     def get_job(self, job: str) -> dict[str, Any]:
         return self.views.get_job(job)

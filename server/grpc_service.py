@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
@@ -22,13 +23,14 @@ from grpc_reflection.v1alpha import reflection
 
 from rematd import wire
 from rematd.planner import Plan
-from rematd.records import JOB_ID_RE, MAX_BLOCKS, InvalidMessage
+from rematd.records import InvalidMessage
 from rematd.server.auth import METADATA_KEY, TokenAuth
 from rematd.server.collector import Collections
 from rematd.server.config import GrpcOptions
 from rematd.server.core import AdvisorCore, RankSession
 from rematd.server.errors import JobNotFound, SessionError, SessionTaken, ShuttingDown, Unauthenticated
 from rematd.server.http_guard import bounded
+from rematd.server.message_limits import precheck_hello, precheck_stats
 from rematd.server.store import is_record_error
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
@@ -69,36 +71,8 @@ RECONNECT = "server shutting down; reconnect"
 # Steps of profiles this large are planned on a worker thread: planning grows with the blocks, and
 # a 4,096-block step can take a quarter of a second; smaller ones cost less than the thread hop.
 OFF_LOOP_BLOCKS = 512
-_MAX_NAME_CHARS = 256
-_MAX_MODES = len(pb.Mode.values())
-
-
-def precheck_hello(msg: pb.Hello) -> None:
-    """What costs nothing to check, before a block is converted or a planner built.
-
-    A hello is converted block by block, then validated, then planned: all work in proportion to
-    its size. Counts and lengths are read off the message as it arrived, so one with too many
-    blocks (or a name too long to be one) is refused at once, whatever else it carries.
-    """
-    if len(msg.job_id) > 128 or not JOB_ID_RE.match(msg.job_id):
-        raise InvalidMessage(
-            "hello.job_id",
-            f"{bounded(repr(msg.job_id), 80)} is not a safe name "
-            "(1-128 of letters, digits, '.', '_', '-', starting alphanumeric)",
-        )
-    n = len(msg.blocks)
-    if not 0 < n <= MAX_BLOCKS:
-        raise InvalidMessage("hello.blocks", f"{n} blocks; a profile has 1-{MAX_BLOCKS}")
-    for name in ("device_name", "model_fingerprint", "client_version", "session_secret"):
-        if len(getattr(msg, name)) > _MAX_NAME_CHARS:
-            raise InvalidMessage(f"hello.{name}", f"longer than {_MAX_NAME_CHARS} characters")
-    for i, b in enumerate(msg.blocks):
-        if len(b.modes) > _MAX_MODES:
-            raise InvalidMessage(f"hello.blocks[{i}].modes", f"{len(b.modes)} entries for {_MAX_MODES} modes")
-        if len(b.name) > _MAX_NAME_CHARS:
-            raise InvalidMessage(f"hello.blocks[{i}].name", f"longer than {_MAX_NAME_CHARS} characters")
-    if msg.HasField("plan") and (len(msg.plan.checkpoint_blocks) > n or len(msg.plan.block_modes) > n):
-        raise InvalidMessage("hello.plan", f"names more blocks than the profile's {n}")
+HELLOS_AT_ONCE = 2
+"""Hellos converted and planned at the same time (the others wait their turn on their worker threads)."""
 
 
 async def _to_the_end(fn: Callable[..., _R], *args: Any) -> _R:
@@ -139,6 +113,9 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         """Set once what the open streams sent is in the record; they are told to reconnect after it."""
         self._open: set[_OpenStream] = set()
         self._collections = Collections()
+        # A hello's records take some 16 times its bytes while it is converted and planned: a few at once, so
+        # that a flood of large ones (rejected at the end) peaks at a few of them and leaves fewer pages behind.
+        self._converting = threading.BoundedSemaphore(HELLOS_AT_ONCE)
 
     def close_streams(self) -> None:
         """Tell every open stream to reconnect elsewhere (UNAVAILABLE), once ``flushed`` is set.
@@ -200,7 +177,8 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
             except InvalidMessage:
                 self.core.metrics.invalid_messages.inc()
                 raise
-            return self.core.open_session(wire.hello_from_pb(hello))
+            with self._converting:
+                return self.core.open_session(wire.hello_from_pb(hello))
         except _DOMAIN_ERRORS as err:
             return self._failure(err)
         except Exception as err:
@@ -302,6 +280,11 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                     elif session is None:
                         raise SessionError(f"send hello before {kind}")
                     elif kind == "stats":
+                        try:
+                            precheck_stats(msg.stats)
+                        except InvalidMessage:
+                            core.metrics.invalid_messages.inc()
+                            raise
                         stats = wire.stats_from_pb(msg.stats)
                         if len(session.hello.blocks) >= OFF_LOOP_BLOCKS:
                             new = await _to_the_end(core.on_stats, session, stats)
@@ -318,6 +301,8 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
                         )
                         secret_sent = True
                         out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
+                    elif kind == "oom" and not session.ooms.take():
+                        core.metrics.oom_dropped.inc()  # over the rank's rate: neither planned nor recorded
                     elif kind == "oom":
                         new = await _to_the_end(core.on_oom, session, wire.oom_from_pb(msg.oom))
                         if new is not None:
@@ -358,10 +343,10 @@ class Health:
 
 
 def build_server(
-    core: AdvisorCore, *, auth: TokenAuth, options: GrpcOptions
+    core: AdvisorCore, *, auth: TokenAuth, options: GrpcOptions, max_connections: int = 0
 ) -> tuple[grpc.aio.Server, AdvisorServicer, Health]:
     """The gRPC server with the Advisor, health and reflection services (not yet bound or started)."""
-    server = grpc.aio.server(options=options.channel_options())
+    server = grpc.aio.server(options=options.channel_options(max_connections))
     servicer = AdvisorServicer(core, auth)
     pb_grpc.add_AdvisorServicer_to_server(servicer, server)
     health = Health()

@@ -71,6 +71,21 @@ def authorize_write(headers: Mapping[str, str], auth: TokenAuth) -> None:
     auth.check_write(headers.get("authorization"))
 
 
+_SINGLE = frozenset({b"host", b"origin", b"content-length", b"transfer-encoding", b"authorization", b"sec-fetch-site"})
+
+
+def ambiguous_headers(raw: Any) -> str:
+    """Why a request's headers can be read two ways, or "": a proxy in front may pick the other reading (a body
+    framed by both Content-Length and Transfer-Encoding, or two of a header that decides who is asking)."""
+    names = [bytes(k).lower() for k, _ in raw]
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return "a request may frame its body by Content-Length or by Transfer-Encoding, not both"
+    for name in _SINGLE:
+        if names.count(name) > 1:
+            return f"the {name.decode()} header is given more than once"
+    return ""
+
+
 async def _json(send: Send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
     response = JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
     await response({"type": "http"}, _nothing, send)
@@ -99,6 +114,10 @@ class BodyGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        problem = ambiguous_headers(scope.get("headers", ()))
+        if problem:
+            await _json(send, 400, problem, {"Connection": "close"})
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         if scope["method"] not in _READS:

@@ -21,6 +21,8 @@ from prometheus_client.registry import Collector
 # Message handling is sub-millisecond when healthy; the top buckets catch a stalled loop or database.
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 MESSAGE_KINDS = ("hello", "stats", "oom", "goodbye")
+MAX_JOB_SERIES = 1000
+"""Live jobs with per-job series unless --max-job-series says otherwise."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,8 +66,14 @@ class _LiveCollector(Collector):
         jobs: dict[str, list[RankSample]] = {}
         for s in samples:
             jobs.setdefault(s.job, []).append(s)
+        exported = self.metrics.choose_jobs(jobs)
+        dropped = GaugeMetricFamily(
+            "rematd_job_series_dropped", "Live jobs whose per-job series are left out (over --max-job-series)."
+        )
+        dropped.add_metric([], len(jobs) - len(exported))
+        yield dropped
         fams = {name: GaugeMetricFamily(name, doc, labels=["job"]) for name, doc in _JOB_GAUGES}
-        for job, ranks in sorted(jobs.items()):
+        for job, ranks in sorted((job, jobs[job]) for job in exported):
             measured = [r for r in ranks if r.has_stats]
             budget = min(r.budget_bytes for r in ranks)
             fams["rematd_budget_bytes"].add_metric([job], budget)
@@ -93,7 +101,7 @@ class _LiveCollector(Collector):
                 labels=["job", "rank"],
             )  # fmt: skip
             for s in samples:
-                if s.has_stats:
+                if s.has_stats and s.job in exported:
                     peak_fam.add_metric([s.job, str(s.rank)], s.peak_bytes)
                     risk_fam.add_metric([s.job, str(s.rank)], s.oom_risk)
             yield peak_fam
@@ -119,8 +127,12 @@ class _Summed(Collector):
                 family = CounterMetricFamily(name, metric._documentation, labels=labels)
             else:
                 family = GaugeMetricFamily(name, metric._documentation, labels=labels)
+            by_job = labels == ["job"] and self.metrics.exported is not None
             for key, value in sorted(values.items()):
-                family.add_metric(json.loads(key), value)
+                label_values = json.loads(key)
+                if by_job and self.metrics.exported is not None and label_values[0] not in self.metrics.exported:
+                    continue
+                family.add_metric(label_values, value)
             yield family
 
 
@@ -136,10 +148,16 @@ def _values(metric: Counter | Gauge) -> Iterator[tuple[str, float]]:
 class Metrics:
     """All of rematd's series, on a registry of their own."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, per_rank: bool = False) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, per_rank: bool = False, max_jobs: int = MAX_JOB_SERIES
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.per_rank = per_rank
         """Export per-rank series too (labels job and rank): opt-in, a large job has thousands of ranks."""
+        self.max_jobs = max_jobs
+        """Live jobs with per-job series, at most: 10,000 jobs made a 10 MiB scrape of 120,000 series."""
+        self.exported: set[str] | None = None
+        """The jobs the last scrape gave series, when it left some out (None: every live job's)."""
         self.snapshot: Callable[[], list[RankSample]] | None = None
         """Set by the core: the live ranks, read at scrape time."""
         self.peers: Callable[[], list[dict[str, Any]]] | None = None
@@ -165,6 +183,16 @@ class Metrics:
             "rematd_record_write_failures",
             "Writes to the record that failed (a full or failing disk, a lost database); see /readyz.",
             registry=None,
+        )
+        self.oom_dropped = Counter(
+            "rematd_oom_events_dropped",
+            "OOM events a rank reported faster than its rate (a burst of 10, then 1 a second), dropped.",
+            registry=None,
+        )
+        self.record_lost = Gauge(
+            "rematd_record_lost",
+            "1 while the record's database file is deleted, replaced or truncated under the service (writes stop).",
+            registry=r,
         )
         self.message_duration = Histogram(
             "rematd_message_duration_seconds",
@@ -201,12 +229,23 @@ class Metrics:
             "rematd_invalid_messages": (self.invalid_messages, "counter"),
             "rematd_record_rejected_rows": (self.rejected_rows, "counter"),
             "rematd_record_write_failures": (self.record_write_failures, "counter"),
+            "rematd_oom_events_dropped": (self.oom_dropped, "counter"),
             "rematd_unauthenticated_requests": (self.unauthenticated, "counter"),
             "rematd_service_faults": (self.service_faults, "counter"),
             "rematd_active_streams": (self.active_streams, "gauge"),
         }
         r.register(_Summed(self))
         self._per_job = (self.plans_issued, self.oom_events, self.steps, self.recompiles)
+
+    def choose_jobs(self, jobs: dict[str, list[RankSample]]) -> set[str]:
+        """The live jobs that get series: all up to ``max_jobs``, else those most at risk of running out of
+        memory (then by name)."""
+        if len(jobs) <= self.max_jobs:
+            self.exported = None
+            return set(jobs)
+        ranked = sorted(jobs, key=lambda j: (-max(r.oom_risk for r in jobs[j]), j))
+        self.exported = set(ranked[: self.max_jobs])
+        return self.exported
 
     def local_counts(self) -> dict[str, dict[str, float]]:
         """This process's counts, by metric and labels (a JSON list), for the worker serving HTTP."""

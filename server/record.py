@@ -17,7 +17,8 @@ from typing import Any
 from sqlalchemy import Engine, text
 
 from rematd.server.config import StoreConfig
-from rematd.server.database import why
+from rematd.server.database import StoreError, why
+from rematd.server.record_file import FileWatch
 from rematd.server.writebehind import WriteBehind
 
 log = logging.getLogger("rematd.server")
@@ -40,11 +41,38 @@ class RecordAccess:
         """Called once per failed write (the core counts them in a metric)."""
         self._last_probe = 0.0
         self.buffer = WriteBehind(engine, write_lock, config.max_buffered)
+        self.watch: FileWatch | None = None
+        """The SQLite file the record was opened on (None for PostgreSQL or memory)."""
+        self.lost = ""
+        """Why the record's file is not the record any more ("" while it is): writes stop until it is back."""
+
+    def check_file(self) -> str:
+        """Look at the record's file (deleted, replaced, truncated?); returns why it is lost, or ""."""
+        if self.watch is None:
+            return ""
+        problem = self.watch.problem()
+        if problem and not self.lost:
+            log.error(
+                "%s; writes stop (step reports are kept in memory, the newest %d) until it is back or the service "
+                "restarts",
+                problem,
+                self.buffer.max_buffered * 4,
+            )
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+            self.last_failure = problem
+        elif self.lost and not problem:
+            log.info("the database file %s is back; writes resume", self.watch.path)
+        self.lost = problem
+        return problem
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
         """Track whether writes succeed: readiness and a metric show a record that cannot be written."""
         try:
+            if self.lost:
+                # Not into a file no name reaches, nor into a fresh empty one.
+                raise StoreError(self.lost)
             yield
         except Exception as err:
             if self.failing_since is None:
@@ -58,6 +86,8 @@ class RecordAccess:
         """Whether the record takes writes. While writes fail, a probe write (at most one per
         ``probe_every`` seconds) finds out when it takes them again, with or without traffic: only
         the probe clears a failure, since a write that changed nothing succeeds on a full disk too."""
+        if self.check_file():
+            return False
         if self.failing_since is None:
             return True
         now = time.monotonic()
@@ -96,5 +126,7 @@ class RecordAccess:
         """Write buffered statistics in one transaction (rows the database refuses are set aside)."""
         if self.buffer.idle():
             return
+        if self.lost:
+            self.buffer.bound()
         with self._writing():
             self.buffer.flush()

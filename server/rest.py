@@ -35,6 +35,7 @@ from rematd.server.auth import TokenAuth
 from rematd.server.core import JOB_STATES, AdvisorCore
 from rematd.server.errors import JobNotFound, SessionError, Unauthenticated
 from rematd.server.http_guard import bounded, install
+from rematd.server.paging import JOBS_PAGE, MAX_JOBS_PAGE, MAX_ROWS_PAGE, ROWS_PAGE
 from rematd.server.rest_models import (
     Controls,
     Health,
@@ -50,6 +51,8 @@ from rematd.server.rest_models import (
 from rematd.server.views import STATS_ROWS
 
 DOCS_ASSETS = "/docs-assets"
+RowsLimit = Annotated[int, Query(ge=1, le=MAX_ROWS_PAGE, description="rows a page holds")]
+Cursor = Annotated[str | None, Query(max_length=1024, description="next_cursor of the page before")]
 
 
 def _json(view: Any) -> Response:
@@ -185,22 +188,29 @@ def create_app(
         )
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
+    def metrics(request: Request) -> Response:
+        # Not async: FastAPI runs it on a worker thread, so a large scrape does not hold the event loop.
+        if auth.closed_metrics:
+            auth.check(request.headers.get("authorization"))
         return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/v1/jobs", response_model=JobList, dependencies=read, responses=unauthorized)
     def jobs(
         state: Annotated[str | None, Query(description=f"one of {', '.join(JOB_STATES)}")] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = JOBS_PAGE,
+        cursor: Cursor = None,
     ) -> Response:
-        return _json({"jobs": core.list_jobs(state)})
+        page = core.jobs_page(state, limit=limit, cursor=cursor)
+        return _json({"jobs": page.rows, "next_cursor": page.next_cursor})
 
     @app.get("/api/v1/jobs/{job}", response_model=JobView, dependencies=read, responses=unauthorized)
     def job(job: str) -> Response:
         return _json(core.get_job(job))
 
     @app.get("/api/v1/jobs/{job}/plans", response_model=JobPlans, dependencies=read, responses=unauthorized)
-    def plans(job: str) -> Response:
-        return _json({"job": job, "plans": core.job_plans(job)})
+    def plans(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
+        page = core.plans_page(job, limit=limit, cursor=cursor)
+        return _json({"job": job, "plans": page.rows, "next_cursor": page.next_cursor})
 
     @app.get("/api/v1/jobs/{job}/stats", response_model=JobStats, dependencies=read, responses=unauthorized)
     def stats(
@@ -213,8 +223,9 @@ def create_app(
         return _json({"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)})
 
     @app.get("/api/v1/jobs/{job}/ooms", response_model=JobOoms, dependencies=read, responses=unauthorized)
-    def ooms(job: str) -> Response:
-        return _json({"job": job, "ooms": core.job_ooms(job)})
+    def ooms(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
+        page = core.ooms_page(job, limit=limit, cursor=cursor)
+        return _json({"job": job, "ooms": page.rows, "next_cursor": page.next_cursor})
 
     @app.post("/api/v1/jobs/{job}/pin", response_model=Controls, responses=writes)
     def pin(job: str, body: PinBody) -> Response:

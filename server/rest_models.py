@@ -159,11 +159,13 @@ class JobView(_Closed):
 
 class JobList(_Closed):
     jobs: list[JobView]
+    next_cursor: str | None = Field(None, description="pass as cursor for the next page; null on the last")
 
 
 class JobPlans(_Closed):
     job: str
     plans: list[PlanRecord]
+    next_cursor: str | None = Field(None, description="pass as cursor for the next page; null on the last")
 
 
 class JobStats(_Closed):
@@ -174,3 +176,4 @@ class JobStats(_Closed):
 class JobOoms(_Closed):
     job: str
     ooms: list[OomEvent]
+    next_cursor: str | None = Field(None, description="pass as cursor for the next page; null on the last")

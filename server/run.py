@@ -8,6 +8,7 @@ import signal
 import sys
 
 from rematd import __version__
+from rematd.server.allocator import limit_arenas
 from rematd.server.app import Service
 from rematd.server.config import ServeConfig
 from rematd.server.store import StoreError, redact_url
@@ -42,12 +43,14 @@ def run_one(config: ServeConfig, *, announce: bool = True) -> int:
                     scheme = "https" if b.tls else "http"
                     print(f"dashboard and REST on {scheme}://{b.http}/ (metrics at /metrics)", flush=True)
                 print(f"record: {b.db}", flush=True)
+                print(b.limits, flush=True)
         await task
 
     # Fewer, larger young-generation collections: a busy service allocates many short-lived messages.
     # Memory that ended streams held does not wait for these thresholds: the gRPC servicer asks for a
     # collection soon after streams end (rematd.server.collector).
     gc.set_threshold(50_000, 20, 100)
+    limit_arenas()
     try:
         asyncio.run(main())
     except StoreError as err:

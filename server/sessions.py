@@ -21,6 +21,7 @@ from rematd.planner import Plan, PlannerSession, Profile
 from rematd.planner.shapes import forget as forget_prepared
 from rematd.records import Hello
 from rematd.server.metrics import Metrics, RankSample
+from rematd.server.rate import Bucket
 
 log = logging.getLogger("rematd.server")
 _T = TypeVar("_T")
@@ -66,6 +67,8 @@ class RankSession:
     """When (monotonic) its last stream went without a goodbye; None while connected or ended."""
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False, compare=False)
     """Proves a reconnecting stream is this rank's: issued in a stream's first ack, presented in its hello."""
+    ooms: Bucket = field(default_factory=Bucket, repr=False, compare=False)
+    """How many more OOM events the rank may report now: one stream once sent 1,664 a second."""
     planning: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Held while its planner works, which the core's lock is not."""
 
@@ -98,6 +101,11 @@ class Sessions:
     def of_job(self, job: str) -> list[RankSession]:
         with self.lock:
             return list(self.by_job.get(job, {}).values())
+
+    def live_jobs(self) -> set[str]:
+        """Jobs with a rank whose session is open (a live stream) or resumable (lost, not yet expired)."""
+        with self.lock:
+            return {job for job, ranks in self.by_job.items() if any(s.streams or not s.ended for s in ranks.values())}
 
     def add(self, session: RankSession) -> None:
         """Under ``lock``."""

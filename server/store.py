@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from sqlalchemy import exc as sa_exc
@@ -32,6 +33,7 @@ from rematd.server.database import (
     redact_url,
     why,
 )
+from rematd.server.record_file import FileWatch, sqlite_file
 from rematd.server.rows import RECOMPUTE, STORE, derived_modes, pack_modes, unpack_modes
 from rematd.server.schema import _TYPES, MIGRATIONS, SCHEMA_VERSION
 from rematd.server.store_reads import StoreReads
@@ -78,6 +80,8 @@ class Store(StoreWrites, StoreReads):
         except (sa_exc.SQLAlchemyError, OSError, ImportError) as err:
             raise StoreError(why(err)) from err
         super().__init__(engine, config, lock)
+        file = sqlite_file(url)
+        self.watch = FileWatch(file) if file else None
         self._closed = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
         self._flusher.start()
@@ -90,11 +94,12 @@ class Store(StoreWrites, StoreReads):
         with self.engine.connect() as conn:
             return schema.version(conn, self.path)
 
-    def compact(self, now: float | None = None) -> dict[str, int]:
-        """Down-sample old statistics and apply retention; returns rows deleted by kind."""
+    def compact(self, now: float | None = None, live: Collection[str] = ()) -> dict[str, int]:
+        """Down-sample old statistics and apply retention, keeping every row of the ``live`` jobs; returns rows
+        deleted by kind."""
         self.flush()
-        with self._lock, self.engine.begin() as conn:
-            return compact(conn, self.config, time.time() if now is None else now)
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            return compact(conn, self.config, time.time() if now is None else now, live)
 
     def close(self) -> None:
         """Write what is buffered and let go of the database; a record that cannot be written loses the

@@ -45,9 +45,18 @@ class StoreReads(RecordAccess):
         found: dict[str, Any] | None = loads(rows[0]["last_stats"]) if rows else None
         return found
 
-    def plans(self, job: str) -> list[dict[str, Any]]:
-        rows = self._read(f"{_PLANS} WHERE plans.job=:job ORDER BY plans.id", {"job": job}, fresh=False)
-        return [plan_out(r) for r in rows]
+    def plans(self, job: str, *, after: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+        """A job's plans, oldest first: all, or ``limit`` of those recorded after row ``after`` (each with its
+        row ``id`` then)."""
+        if limit is None:
+            rows = self._read(f"{_PLANS} WHERE plans.job=:job ORDER BY plans.id", {"job": job}, fresh=False)
+            return [plan_out(r) for r in rows]
+        rows = self._read(
+            f"{_PLANS} WHERE plans.job=:job AND plans.id > :after ORDER BY plans.id LIMIT :n",
+            {"job": job, "after": after, "n": limit},
+            fresh=False,
+        )
+        return [plan_out(r, ("job",)) for r in rows]
 
     def latest_rank_plans(self) -> dict[tuple[str, int], dict[str, Any]]:
         """Each rank's newest plan, by (job, rank)."""
@@ -114,9 +123,18 @@ class StoreReads(RecordAccess):
             rows = self._read("SELECT COUNT(*) AS n FROM stats WHERE job=:job", {"job": job})
         return int(rows[0]["n"])
 
-    def ooms(self, job: str) -> list[dict[str, Any]]:
-        rows = self._read("SELECT * FROM oom_events WHERE job=:job ORDER BY id", {"job": job}, fresh=False)
-        return [decoded(r, drop=_NOT_ID_JOB) for r in rows]
+    def ooms(self, job: str, *, after: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+        """A job's OOM events, oldest first: all, or ``limit`` of those recorded after row ``after`` (each with
+        its row ``id`` then)."""
+        if limit is None:
+            rows = self._read("SELECT * FROM oom_events WHERE job=:job ORDER BY id", {"job": job}, fresh=False)
+            return [decoded(r, drop=_NOT_ID_JOB) for r in rows]
+        rows = self._read(
+            "SELECT * FROM oom_events WHERE job=:job AND id > :after ORDER BY id LIMIT :n",
+            {"job": job, "after": after, "n": limit},
+            fresh=False,
+        )
+        return [decoded(r, drop=("job",)) for r in rows]
 
     def oom_counts(self) -> dict[str, int]:
         return {

@@ -147,6 +147,7 @@ class StoreWrites(RecordAccess):
         failing = False
         while not self._closed.wait(self.config.flush_seconds):
             try:
+                self.check_file()
                 self.flush()
             except Exception:  # the next round tries again; a lost database must not kill the thread
                 if not failing:  # once per outage, not four times a second

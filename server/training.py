@@ -11,7 +11,6 @@ before the rank may come back.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import time
 from typing import Any
@@ -23,15 +22,12 @@ from rematd.server.config import CoreConfig
 from rematd.server.controls import OperatorControls, tune_planner
 from rematd.server.errors import JobEnded, SessionTaken
 from rematd.server.metrics import Metrics
+from rematd.server.ownership import JobTokens, check_claim
 from rematd.server.rank_records import RankRecords, warm_row
 from rematd.server.sessions import RankSession, Sessions
 from rematd.server.store import Store
 
 log = logging.getLogger("rematd.server")
-
-
-def _same_secret(given: str, issued: str) -> bool:
-    return bool(given) and hmac.compare_digest(given.encode(), issued.encode())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +52,7 @@ class TrainingSide:
         sessions: Sessions,
         controls: OperatorControls,
         records: RankRecords,
+        job_tokens: JobTokens | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -63,6 +60,7 @@ class TrainingSide:
         self.sessions = sessions
         self.controls = controls
         self.records = records
+        self.job_tokens = job_tokens or JobTokens()
 
     def _invalid(self, err: InvalidMessage) -> InvalidMessage:
         self.metrics.invalid_messages.inc()
@@ -85,6 +83,7 @@ class TrainingSide:
     # -- a hello ----------------------------------------------------------------
 
     def open_session(self, hello: Hello) -> tuple[RankSession, Plan]:
+        self.job_tokens.check(hello)
         try:
             planner = self.planner(hello)
             if hello.plan_version >= MAX_INT:
@@ -98,15 +97,11 @@ class TrainingSide:
         with reg.transitions(job, hello.rank):
             with reg.lock:
                 existing = reg.by_key.get((job, hello.rank))
-                owner = existing is not None and _same_secret(hello.session_secret, existing.secret)
-                if existing is not None and existing.streams > 0 and not owner:
-                    # The model fingerprint, job and rank can all be read over REST: only the secret the
-                    # live stream was given proves a hello is that rank's.
+                try:
+                    owner = check_claim(existing, hello, self.config.session_expiry_seconds)
+                except SessionTaken:
                     self.metrics.invalid_messages.inc()
-                    raise SessionTaken(
-                        f"rank {hello.rank} of job {job!r} is live on another stream; a reconnect must present "
-                        "the session secret from that stream's first acknowledgement (retry once it has ended)"
-                    )
+                    raise
                 resumed = (
                     existing is not None
                     and owner

@@ -9,6 +9,7 @@ from typing import Any
 from rematd.planner import Shape
 from rematd.records import InvalidMessage
 from rematd.server.controls import require_job
+from rematd.server.paging import JOBS_PAGE, ROWS_PAGE, Page, decode, encode
 from rematd.server.plan_policy import entry_in_force, mode_names
 from rematd.server.sessions import CONNECTED, ENDED, Sessions
 from rematd.server.store import Store
@@ -43,8 +44,13 @@ class ReadViews:
         return require_job(self.store, job)
 
     def list_jobs(self, state: str | None = None) -> list[dict[str, Any]]:
+        return self.jobs_page(state, limit=None).rows
+
+    def jobs_page(self, state: str | None = None, *, limit: int | None = JOBS_PAGE, cursor: str | None = None) -> Page:
+        """Jobs in the order they were created: ``limit`` of them after ``cursor`` (all with ``limit`` None)."""
         if state is not None and state not in JOB_STATES:
             raise InvalidMessage("state", f"must be one of {JOB_STATES}, got {state!r}")
+        after = decode(cursor, list)
         self.settle()
         ranks: dict[str, list[dict[str, Any]]] = {}
         for r in self.store.all_ranks():
@@ -54,17 +60,22 @@ class ReadViews:
         for (job, rank), p in self.store.latest_rank_plans().items():
             rank_plans.setdefault(job, {})[rank] = p
         ooms = self.store.oom_counts()
-        views = [
-            self.job_view(
-                row,
-                ranks.get(row["job"], []),
-                plans.get(row["job"]),
-                ooms.get(row["job"], 0),
+        views: list[dict[str, Any]] = []
+        last: list[Any] = []
+        for row in self.store.jobs():
+            position = [row["created_at"], row["job"]]
+            if after is not None and position <= after:
+                continue
+            if limit is not None and len(views) == limit:
+                return Page(views, encode(last))
+            view = self.job_view(
+                row, ranks.get(row["job"], []), plans.get(row["job"]), ooms.get(row["job"], 0),
                 rank_plans.get(row["job"], {}),
-            )
-            for row in self.store.jobs()
-        ]
-        return [v for v in views if state is None or v["state"] == state]
+            )  # fmt: skip
+            last = position
+            if state is None or view["state"] == state:
+                views.append(view)
+        return Page(views, None)
 
     def get_job(self, job: str) -> dict[str, Any]:
         row = self._require_job(job)
@@ -160,6 +171,12 @@ class ReadViews:
         self._require_job(job)
         return self.store.plans(job)
 
+    def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+        """A job's plans, oldest first: ``limit`` of them after ``cursor``."""
+        after = decode(cursor, int) or 0
+        self._require_job(job)
+        return _by_id(self.store.plans(job, after=after, limit=limit + 1), limit)
+
     def job_stats(
         self,
         job: str,
@@ -177,3 +194,19 @@ class ReadViews:
     def job_ooms(self, job: str) -> list[dict[str, Any]]:
         self._require_job(job)
         return self.store.ooms(job)
+
+    def ooms_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+        """A job's OOM events, oldest first: ``limit`` of them after ``cursor``."""
+        after = decode(cursor, int) or 0
+        self._require_job(job)
+        return _by_id(self.store.ooms(job, after=after, limit=limit + 1), limit)
+
+
+def _by_id(rows: list[dict[str, Any]], limit: int) -> Page:
+    """A page of rows read one past ``limit``, without their row ids."""
+    more = len(rows) > limit
+    rows = rows[:limit]
+    last = rows[-1]["id"] if rows else 0
+    for r in rows:
+        del r["id"]
+    return Page(rows, encode(last) if more else None)

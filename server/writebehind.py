@@ -133,6 +133,10 @@ class WriteBehind:
             except Exception as err:
                 self._reject(kind, item if kind == "stats" else {"job": item[0][0], "rank": item[0][1], **item[1]}, err)
 
+    def bound(self) -> None:
+        """Keep at most the newest rows the buffer holds while writes fail (the oldest go first)."""
+        self._keep([], {})
+
     def _keep(self, rows: list[dict[str, Any]], last: dict[tuple[str, int], dict[str, Any]]) -> None:
         with self._buf_lock:
             # Oldest first, within the buffer's bound.

@@ -3,8 +3,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from rematd.server import ServiceThread
 
 # Small CPU models train faster on one thread, and parallel test workers share two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -54,3 +59,14 @@ def _client_errors_fail_the_test(request: pytest.FixtureRequest) -> Iterator[Non
             f"@pytest.mark.{ALLOW_CLIENT_ERRORS}(reason=...):\n" + "\n".join(lines),
             pytrace=False,
         )
+
+
+@pytest.fixture
+def service_thread(tmp_path: Path) -> Iterator[ServiceThread]:
+    """A real service in this process, on loopback ports it picks itself, with a SQLite record in ``tmp_path``."""
+    from rematd.server import ServeConfig, ServiceThread
+
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
+    svc.start()
+    yield svc
+    svc.stop()

@@ -24,11 +24,13 @@ from .test_service import hello, stats
 LIMIT_BYTES = 128 * 1024
 
 
-def _serve(db: Path, log: Path, limit: int | None) -> subprocess.Popen[bytes]:
+def _serve(db: Path, log: Path, limit: int | None, *, liftable: bool = False) -> subprocess.Popen[bytes]:
+    """``rematd serve`` whose files may not grow past ``limit``; ``liftable``: a soft limit the test may raise."""
+
     def limited() -> None:
         if limit is not None:
             # Past it a write fails with EFBIG, as on a full disk (Python ignores SIGXFSZ).
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY if liftable else limit))
 
     return subprocess.Popen(
         [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db)],

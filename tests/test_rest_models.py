@@ -86,15 +86,17 @@ def _plain(value: Any) -> Any:
 def test_every_response_carries_exactly_what_the_view_gives(core: AdvisorCore) -> None:
     http = TestClient(create_app(core, TokenAuth(token=TOKEN)), headers={"authorization": f"Bearer {TOKEN}"})
     jobs = http.get("/api/v1/jobs").json()
-    assert jobs == {"jobs": _plain(core.list_jobs())}
+    assert jobs == {"jobs": _plain(core.list_jobs()), "next_cursor": None}
     assert {j["job"] for j in jobs["jobs"]} == {"known", "over"}
     view = http.get("/api/v1/jobs/known").json()
     assert view == _plain(core.get_job("known"))
     assert view["ranks"][0]["last_stats"]["recompiles_total"] == 0 and view["plan"]["shape_plans"]
-    assert http.get("/api/v1/jobs/known/plans").json() == {"job": "known", "plans": _plain(core.job_plans("known"))}
+    plans = http.get("/api/v1/jobs/known/plans").json()
+    assert plans == {"job": "known", "plans": _plain(core.job_plans("known")), "next_cursor": None}
     got = http.get("/api/v1/jobs/known/stats").json()
     assert got == {"job": "known", "stats": _plain(core.job_stats("known"))} and len(got["stats"]) == 6
-    assert http.get("/api/v1/jobs/known/ooms").json() == {"job": "known", "ooms": _plain(core.job_ooms("known"))}
+    ooms = http.get("/api/v1/jobs/known/ooms").json()
+    assert ooms == {"job": "known", "ooms": _plain(core.job_ooms("known")), "next_cursor": None}
     pinned = http.post("/api/v1/jobs/known/pin", json={"modes": ["recompute", "store"] * 3}).json()
     assert pinned == _plain(core.job_controls("known")) and pinned["pin_modes"][0] == "recompute"
     assert http.patch("/api/v1/jobs/known", json={"margin_ratio": 0.25}).json()["margin_ratio"] == 0.25

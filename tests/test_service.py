@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -13,7 +12,7 @@ from fastapi.testclient import TestClient
 from rematd import wire
 from rematd.planner import Shape
 from rematd.records import BlockRecord, Hello, InvalidMessage, StepStats
-from rematd.server import ServeConfig, ServiceThread
+from rematd.server import ServiceThread
 from rematd.server.core import AdvisorCore
 from rematd.server.metrics import Metrics
 from rematd.server.rest import create_app
@@ -44,11 +43,8 @@ def stats(step: int, peak: int, budget: int = 10_000, seq: int = 64) -> StepStat
 
 
 @pytest.fixture
-def service(tmp_path: Path) -> Iterator[ServiceThread]:
-    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
-    svc.start()
-    yield svc
-    svc.stop()
+def service(service_thread: ServiceThread) -> ServiceThread:
+    return service_thread
 
 
 def session(target: str, messages: list[pb.ClientMessage]) -> tuple[list[pb.ServerMessage], grpc.RpcError | None]:

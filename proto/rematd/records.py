@@ -27,7 +27,8 @@ from rematd.planner import (
     StepObservation,
 )
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# \Z, not $: "$" also matches before a final newline, which would let "victim\n" pass for a name.
+JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 MAX_BLOCKS = 4096
 MAX_TERMS = 16
 MAX_INT = 2**63 - 1
@@ -124,9 +125,15 @@ class Hello:
     """The plan in force, for reconnects (its version is ``plan_version``)."""
     session_secret: str = field(default="", repr=False)
     """The secret the service issued to this rank's earlier stream, for reconnects ("" on the first)."""
+    job_secret: str = field(default="", repr=False)
+    """The job's credential: the first hello of a rank binds it, and only it may resume the rank."""
+    host: str = ""
+    """The host the rank runs on, named to a process refused because another holds the rank."""
+    pid: int = 0
+    """The rank's process id, likewise."""
 
     def validate(self) -> None:
-        if not JOB_ID_RE.match(self.job_id):
+        if not JOB_ID_RE.fullmatch(self.job_id):
             raise InvalidMessage(
                 "hello.job_id",
                 f"{_quoted(self.job_id)} is not a safe name "

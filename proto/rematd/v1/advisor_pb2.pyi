@@ -78,7 +78,7 @@ class BlockProfile(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., modes: _Optional[_Iterable[_Union[ModeCost, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version", "other_activations", "plan", "session_secret")
+    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version", "other_activations", "plan", "session_secret", "job_secret", "host", "pid")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,9 @@ class Hello(_message.Message):
     OTHER_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -113,7 +116,10 @@ class Hello(_message.Message):
     other_activations: _containers.RepeatedCompositeFieldContainer[SizeTerm]
     plan: Plan
     session_secret: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ..., other_activations: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., session_secret: _Optional[str] = ...) -> None: ...
+    job_secret: str
+    host: str
+    pid: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ..., other_activations: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., session_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("step", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes", "reserved_bytes", "alloc_retries", "oom_count", "free_bytes", "total_bytes", "step_seconds", "plan_version", "shape", "saved_peak_bytes", "budget_bytes", "static_bytes", "inactive_split_bytes", "steps", "mode_seconds", "recompiles", "compile_seconds", "block_modes")

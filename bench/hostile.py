@@ -1,0 +1,152 @@
+"""What hostile input costs a real ``rematd serve`` on loopback: how long each kind holds the event loop, and what
+idle connections cost in file descriptors.
+
+For each input, a client polls /healthz back to back while the input is sent; the longest answer bounds how
+long the input held the loop (the median is the loop's ordinary pace). Then ``--idle`` HTTP connections and as
+many gRPC connections are opened and left silent: the service's descriptors are counted while they are held,
+/healthz is timed, and a new gRPC stream is opened; after ``--request-seconds`` they should be closed.
+
+    python -m bench.hostile --idle 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+import httpx
+
+from bench.loop_stall import while_probing
+from bench.rejected_streams import packed_hello
+from bench.served import served
+from rematd import wire
+from rematd.planner import Shape
+from rematd.records import BlockRecord, Hello, StepStats
+from rematd.v1 import advisor_pb2 as pb
+from rematd.v1 import advisor_pb2_grpc as pb_grpc
+
+
+def _hello(job: str) -> pb.Hello:
+    blocks = tuple(
+        BlockRecord(index=i, name=f"b{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01) for i in range(4)
+    )
+    return wire.hello_to_pb(
+        Hello(job_id=job, blocks=blocks, profile_shape=Shape(batch=1, seq_len=64, tokens=64), budget_bytes=10_000)
+    )
+
+
+def _stats(step: int) -> pb.StepStats:
+    shape = Shape(batch=1, seq_len=64, tokens=64)
+    return wire.stats_to_pb(StepStats(step=step, saved_peak_bytes=3000, budget_bytes=10_000, shape=shape))
+
+
+def _stream(target: str, msgs: list[pb.ClientMessage]) -> str:
+    with grpc.insecure_channel(target) as ch:
+        try:
+            list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=120))
+        except grpc.RpcError as err:
+            return err.code().name
+    return "OK"
+
+
+def big_stats(target: str) -> str:
+    stats = _stats(1)
+    stats.mode_seconds.extend(pb.ModeSeconds(mode=pb.MODE_RECOMPUTE) for _ in range(200_000))
+    return _stream(target, [pb.ClientMessage(hello=_hello("big-stats")), pb.ClientMessage(stats=stats)])
+
+
+def packed(target: str) -> str:
+    return _stream(target, [packed_hello()])
+
+
+def plan_table(target: str) -> str:
+    hello = _hello("big-table")
+    hello.plan_version = 3
+    hello.plan.version = 3
+    for i in range(75_000):  # entries without modes: the most of them 1 MiB holds
+        hello.plan.shape_plans.add(max_seq_len=i + 1, max_tokens=i + 1)
+    return _stream(target, [pb.ClientMessage(hello=hello)])
+
+
+def oom_flood(target: str) -> str:
+    oom = pb.OomEvent(step=1, shape=pb.Shape(batch=1, seq_len=64, tokens=64))
+    return _stream(target, [pb.ClientMessage(hello=_hello("oom-flood")), *[pb.ClientMessage(oom=oom)] * 2000])
+
+
+INPUTS: dict[str, Callable[[str], str]] = {
+    "StepStats with 200,000 mode_seconds (1 MiB)": big_stats,
+    "hello packed with 237,000 size terms (1 MiB)": packed,
+    "resumed hello with 75,000 shape_plans": plan_table,
+    "2,000 OOM events on one stream": oom_flood,
+}
+
+
+def stall(http_base: str, send: Callable[[], str]) -> dict[str, object]:
+    """/healthz times while ``send`` runs."""
+    answer, lags = while_probing(http_base, send)
+    return {
+        "answer": answer,
+        "healthz_p50_ms": round(statistics.median(lags) * 1000, 2),
+        "healthz_max_ms": round(max(lags) * 1000, 1),
+    }
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def idle_load(grpc_target: str, http_base: str, pid: int, idle: int, request_seconds: float) -> dict[str, object]:
+    """Descriptors, /healthz and a new stream while ``idle`` silent HTTP and gRPC connections are open, and after."""
+    http_host, http_port = http_base.removeprefix("http://").rsplit(":", 1)
+    grpc_host, grpc_port = grpc_target.rsplit(":", 1)
+    before = _fds(pid)
+    with ExitStack() as held:
+        for _ in range(idle):
+            held.enter_context(socket.create_connection((http_host, int(http_port)), timeout=5))
+            held.enter_context(socket.create_connection((grpc_host, int(grpc_port)), timeout=5))
+        time.sleep(0.5)
+        during = _fds(pid)
+        t = time.perf_counter()
+        healthz = httpx.get(http_base + "/healthz", timeout=30).status_code
+        healthz_ms = (time.perf_counter() - t) * 1000
+        stream = _stream(grpc_target, [pb.ClientMessage(hello=_hello("after-idle")), pb.ClientMessage(stats=_stats(0))])
+        time.sleep(request_seconds + 1.5)
+        after = _fds(pid)
+    return {
+        "idle_http_connections": idle,
+        "idle_grpc_connections": idle,
+        "fds_before": before,
+        "fds_while_held": during,
+        "healthz_while_held": healthz,
+        "healthz_while_held_ms": round(healthz_ms, 1),
+        "new_stream_while_held": stream,
+        "fds_after_timeouts": after,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle", type=int, default=2000, help="idle HTTP connections, and as many gRPC ones")
+    parser.add_argument("--request-seconds", type=float, default=3.0, help="the service's --http-request-seconds")
+    args = parser.parse_args()
+    db = Path(tempfile.mkdtemp(prefix="rematd-bench-")) / "r.db"
+    timeouts = ("--http-request-seconds", str(args.request_seconds), "--handshake-timeout-seconds", "3")
+    with served(db, *timeouts) as srv:
+        report: dict[str, object] = {name: stall(srv.http, lambda f=f: f(srv.grpc)) for name, f in INPUTS.items()}
+        report["idle connections"] = idle_load(srv.grpc, srv.http, srv.proc.pid, args.idle, args.request_seconds)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
