@@ -82,6 +82,8 @@ def precheck_hello(msg: pb.Hello) -> None:
 
 
 def precheck_stats(msg: pb.StepStats) -> None:
-    """A step report's one repeated field: at most one entry per mode."""
+    """A step report's repeated fields: at most one entry per mode, and one mode per block."""
     if len(msg.mode_seconds) > MAX_MODES:
         raise InvalidMessage("stats.mode_seconds", f"{len(msg.mode_seconds)} entries for {MAX_MODES} modes")
+    if len(msg.block_modes) > MAX_BLOCKS:
+        raise InvalidMessage("stats.block_modes", f"{len(msg.block_modes)} entries; a profile has 1-{MAX_BLOCKS}")

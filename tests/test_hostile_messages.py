@@ -52,6 +52,23 @@ def test_a_step_report_with_200k_mode_seconds_is_refused_before_conversion(
     assert converted == []  # refused on its count: none of its entries was turned into a record
 
 
+def test_a_step_report_naming_more_block_modes_than_a_model_has_is_refused_before_conversion(
+    service_thread: ServiceThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    converted = _counted(monkeypatch, "stats_from_pb")
+    big = wire.stats_to_pb(stats(1, 100))
+    big.block_modes.extend([pb.MODE_RECOMPUTE] * 300_000)
+    bound = service_thread.service.bound
+    assert bound is not None
+    _, err = session(
+        bound.grpc,
+        [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="big-modes"))), pb.ClientMessage(stats=big)],
+    )
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stats.block_modes" in (err.details() or "")
+    assert converted == []
+
+
 def test_a_resumed_hello_with_a_huge_plan_table_is_refused(service_thread: ServiceThread) -> None:
     h = hello(job="big-table")
     modes = (Mode.STORE,) * len(h.blocks)
