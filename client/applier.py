@@ -8,6 +8,16 @@ from collections.abc import Sequence
 
 from rematd.client.switch import SwitchableBlock
 from rematd.planner import Mode, Plan, Shape
+from rematd.planner.plan import entry_for
+
+LEANNESS = (Mode.RECOMPUTE, Mode.OFFLOAD, Mode.SELECTIVE, Mode.STORE)
+"""Modes from the one that keeps the least on the device."""
+
+
+def leanest(offer: frozenset[Mode]) -> Mode:
+    """The mode of ``offer`` that keeps the least (recompute whenever it is offered)."""
+    return next((m for m in LEANNESS if m in offer), Mode.RECOMPUTE)
+
 
 log = logging.getLogger("rematd.client")
 
@@ -33,6 +43,8 @@ class PlanApplier:
         self.history: list[Plan] = []
         self.pinned: tuple[Mode, ...] | None = None
         """Modes fixed by hand (benchmarks, experiments); they win over any plan."""
+        self.lean_after: int | None = None
+        """While set, a budget cut waits for a plan newer than this version: every block keeps the least it can."""
         self._applied: tuple[object, ...] | None = None
         """What the blocks' modes were last set from: the same again needs no work."""
 
@@ -75,12 +87,31 @@ class PlanApplier:
         if plan is not None:
             self.plan = plan
             self.history.append(plan)
+            if self.lean_after is not None and plan.version > self.lean_after:
+                self.lean_after = None  # the planner answered the new budget
         shape = shape or Shape()
-        key = (self.pinned, self.plan.version, shape)
+        key = (self.pinned, self.plan.version, shape, self.lean_after)
         if key == self._applied:
             return plan
         self._applied = key
-        modes = self.pinned if self.pinned is not None else self.plan.modes_for(shape, n)
+        if self.pinned is not None:
+            modes = self.pinned
+        elif self.lean_after is not None:
+            modes = tuple(leanest(b.offer) for b in self.blocks)
+        else:
+            modes = self.plan.modes_for(shape, n)
         for b, mode in zip(self.blocks, modes, strict=False):
             b.mode = mode
         return plan
+
+    def hold_lean(self, shape: Shape, target_bytes: int) -> bool:
+        """A budget cut the planner has not answered yet (a service plans from the next step's statistics):
+        when the plan in force is not predicted to fit ``target_bytes`` at ``shape``, every block keeps the
+        least it can from the next step until a newer plan arrives. Returns whether it does."""
+        entry = entry_for(self.plan.shape_plans, shape) if shape.seq_len else None
+        predicted = entry.predicted_peak_bytes if entry is not None else self.plan.predicted_peak_bytes
+        with self._lock:
+            newest = (self._pending or self.plan).version
+        self.lean_after = newest if self.plan.version and predicted > target_bytes else None
+        self.invalidate()
+        return self.lean_after is not None

@@ -197,8 +197,9 @@ class Handle:
 
     @property
     def budget_bytes(self) -> int | None:
-        """The memory budget. Set between steps, it applies to the next step's plan when planning runs in
-        this process; a service plans for it from the next step's statistics, a step later."""
+        """The memory budget. Set between steps, it applies to the next step's plan: planning in this process
+        re-plans at once; a service plans for it from the next step's statistics, so until its plan arrives a
+        cut the plan in force is not predicted to fit runs every block at its leanest (its statistics say so)."""
         return self._cycle.budget_bytes
 
     @budget_bytes.setter
@@ -208,6 +209,8 @@ class Handle:
         self._cycle.budget_bytes = budget
         # A reconnect re-sends the hello: it must carry this budget, not the first one.
         self._backend.update_hello(budget_bytes=budget)
+        if isinstance(self._backend, StreamBackend):
+            self._applier.hold_lean(self._cycle.shape, int(budget * (1 - self.margin_ratio)))
 
     @property
     def rank(self) -> int:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from rematd import client
 from rematd.planner import Mode
 
-from .helpers import tiny_model, train_step
+from .helpers import live_server, tiny_model, train_step
 
 
 def _attached(budget: int = 10**12, n_layer: int = 4):  # type: ignore[no-untyped-def]
@@ -98,3 +100,33 @@ def test_the_same_budget_again_makes_no_plan() -> None:
     train_step(model, opt, 64, seed=3)
     assert h.plan.version == version
     h.close()
+
+
+def test_with_a_service_a_budget_cut_applies_to_the_very_next_step(tmp_path: Path) -> None:
+    model = tiny_model(n_layer=4, d_model=32, seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with live_server(tmp_path) as srv:
+        h = client.attach(model, optimizer=opt, budget_bytes=10**12, server=srv.grpc, job="budget-cut")
+        for step in range(3):
+            train_step(model, opt, 64, seed=step)
+            assert h.flush(20.0)
+        assert h.last_stats is not None and h.plan.blocks == ()
+        free_peak = h.last_stats.saved_peak_bytes
+        version = h.plan.version
+        h.budget_bytes = int(free_peak * 0.6)
+        # The service has not heard of the cut yet: the next step runs every block at its leanest, and says so.
+        train_step(model, opt, 64, seed=3)
+        assert h.plan.version == version and h.modes == (Mode.RECOMPUTE,) * 4
+        assert h.last_stats.saved_peak_bytes <= h.budget_bytes, "measured within the new budget at once"
+        assert h.last_stats.modes == (Mode.RECOMPUTE,) * 4
+        assert h.flush(20.0)
+        # The service's plan for the new budget arrives and replaces the interim one.
+        train_step(model, opt, 64, seed=4)
+        assert h.plan.version > version and h.plan.target_bytes <= h.budget_bytes
+        assert h.modes == h.plan.modes_for(h.last_shape, 4)
+        assert h.last_stats.saved_peak_bytes <= h.budget_bytes
+        # A raise leaves the plan in force alone: it fits.
+        h.budget_bytes = free_peak * 4
+        train_step(model, opt, 64, seed=5)
+        assert h.modes == h.plan.modes_for(h.last_shape, 4)
+        h.close()
