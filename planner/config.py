@@ -20,6 +20,8 @@ class ControllerConfig:
     """Upper bound of the dwell, which doubles each time a loosening is undone soon after."""
     max_correction: float = 4.0
     """Upper bound of the learned measured/predicted correction factor."""
+    min_correction: float = 0.5
+    """Lower bound of that factor: peaks measured below the prediction let plans use the room, this far."""
     correction_window: int = 8
     """Recent measured/predicted ratios kept per sequence-length bucket."""
     oom_correction_step: float = 1.25
@@ -40,6 +42,8 @@ class ControllerConfig:
             raise ValueError("max_loosen_after_steps must be >= loosen_after_steps")
         if self.max_correction < 1.0:
             raise ValueError(f"max_correction must be >= 1, got {self.max_correction!r}")
+        if not 0.0 < self.min_correction <= 1.0:
+            raise ValueError(f"min_correction must be in (0, 1], got {self.min_correction!r}")
         if self.correction_window < 1:
             raise ValueError(f"correction_window must be >= 1, got {self.correction_window!r}")
         if self.oom_correction_step <= 1.0:

@@ -130,12 +130,20 @@ class Controller:
         effective = static + int(max(0, target - static) / corr) - other
         if ceiling is not None:
             effective = min(effective, static + ceiling - 1)
-        choice = solve_prepared(at.knapsack, at.options, effective, static_bytes=static, outside_bytes=other)
+        choice = solve_prepared(
+            at.knapsack,
+            at.options,
+            effective,
+            static_bytes=static,
+            outside_bytes=other,
+            outside_in_backward=self.profile.other_in_backward,
+        )
         if other:
+            # Fits: under the target once corrected (a correction below 1 lets the prediction exceed it).
             choice = dataclasses.replace(
                 choice,
                 predicted_peak_bytes=choice.predicted_peak_bytes + other,
-                fits=choice.predicted_peak_bytes + other <= target,
+                fits=choice.predicted_peak_bytes + other <= effective + other,
             )
         if len(self._cache) > 64:
             self._cache.clear()
@@ -231,8 +239,10 @@ class Controller:
             self._learned.learn_seconds(self.profile, obs, modes)
         if predicted > 0 and obs.peak_bytes > 0 and shape.seq_len:
             activations = max(0, obs.peak_bytes - obs.static_bytes)
-            ratio = min(self.config.max_correction, activations / predicted)
-            self._learned.bucket(shape.seq_len).record(ratio, crossed=obs.peak_bytes > target, step=obs.step)
+            cfg = self.config
+            ratio = min(cfg.max_correction, max(cfg.min_correction, activations / predicted))
+            crossed = obs.peak_bytes > target
+            self._learned.bucket(shape.seq_len).record(ratio, crossed=crossed, step=obs.step, floor=cfg.min_correction)
 
     def _moves(self, target: int, static: int) -> _Moves:
         """Per length, whether the plan the model now prefers is tighter or looser than the one in force."""

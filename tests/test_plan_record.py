@@ -162,8 +162,11 @@ def test_a_pin_by_modes_is_sent_recorded_and_checked(core: AdvisorCore) -> None:
 
 def test_a_warm_start_keeps_the_modes_and_the_table(core: AdvisorCore) -> None:
     first = run(core, "first")
+    at_128 = Shape(batch=1, seq_len=128, tokens=128)
     for n in range(len(LENGTHS), len(LENGTHS) + 25):
-        step(core, first, n, 128, 8000)
+        # Steps that peak where predicted: the plan it holds fits by the profile alone, as a warm start needs.
+        in_force = next(e for e in first.sent.shape_plans if e.max_tokens >= at_128.tokens)
+        step(core, first, n, 128, in_force.predicted_peak_bytes)
     held = first.sent
     core.close_session(first, ended=True)
     assert any(m == Mode.SELECTIVE for e in held.shape_plans for m in e.modes)
