@@ -32,6 +32,15 @@ class ControllerConfig:
     """Most entries of the plan table."""
     allowed_modes: frozenset[Mode] | None = None
     """Modes the planner may choose besides STORE (None: every mode the profile offers)."""
+    explore_share: float = 0.05
+    """Most of the steps spent on trials of modes not yet measured at a length: trial steps stay within
+    ``explore_steps + explore_share x steps`` (0: never explore)."""
+    explore_steps: int = 2
+    """Steps one trial runs."""
+    explore_blocks: int = 2
+    """Blocks one trial switches to the mode it measures."""
+    explore_stale_steps: int = 5000
+    """Steps after which a mode measured at a length counts as unmeasured there again."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin_ratio < 1.0:
@@ -48,6 +57,11 @@ class ControllerConfig:
             raise ValueError(f"correction_window must be >= 1, got {self.correction_window!r}")
         if self.oom_correction_step <= 1.0:
             raise ValueError(f"oom_correction_step must be > 1, got {self.oom_correction_step!r}")
+        if not 0.0 <= self.explore_share < 1.0:
+            raise ValueError(f"explore_share must be in [0, 1), got {self.explore_share!r}")
+        for name in ("explore_steps", "explore_blocks", "explore_stale_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.bucket_ratio <= 1.0:
             raise ValueError(f"bucket_ratio must be > 1, got {self.bucket_ratio!r}")
         if self.max_entries < 1:

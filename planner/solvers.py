@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rematd.planner.cost import bound_of, peak_of
+from rematd.planner.cost import peak_of
 from rematd.planner.knapsack import Knapsack, spread
 from rematd.planner.model import Mode, Option, Profile, Shape
 from rematd.planner.ordered import TooManyStates, exact_ordered

@@ -113,7 +113,9 @@ def _run(session: PlannerSession, steps: int, selective_s: float, first: int = 0
 
 
 def test_a_mode_is_chosen_for_what_it_measures_not_for_what_the_profile_hopes() -> None:
-    session = PlannerSession(_profile(), budget_bytes=6000, config=ControllerConfig(loosen_after_steps=2))
+    # No trials here (tests/test_explore.py has them): a mode is measured only when a plan runs it.
+    config = ControllerConfig(loosen_after_steps=2, explore_share=0.0)
+    session = PlannerSession(_profile(), budget_bytes=6000, config=config)
     assert Mode.SELECTIVE not in session.plan.modes, "untried, selective costs what recomputing does"
     _run(session, 10, 0.005)
     assert Mode.SELECTIVE not in session.plan.modes, "never run, never measured: still priced as recomputing"
