@@ -80,9 +80,14 @@ class PlannerSession:
         return plan
 
     @property
+    def trial_step(self) -> bool:
+        """Whether the last step observed ran a trial of a mode not yet measured at its length."""
+        return self.controller.trial_step
+
+    @property
     def steady(self) -> bool:
         """Whether the next steps, if like the last, would change nothing: no loosening under way."""
-        return not self.controller.loosening_pending
+        return not self.controller.loosening_pending and not self.controller.exploring
 
     def _adopt(self, decision: Decision | None) -> Plan | None:
         if decision is None:

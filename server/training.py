@@ -150,6 +150,7 @@ class TrainingSide:
                 # Present from the start at 0, so that increase() sees the first OOM.
                 self.metrics.oom_events.labels(job)
                 self.metrics.steps.labels(job)
+                self.metrics.exploration_steps.labels(job)
         log.info("rank %s of job %s %s", hello.rank, job, "resumed" if resumed else "connected")
         return session, session.sent
 
@@ -277,6 +278,8 @@ class TrainingSide:
             }
             session.has_stats = True
             self.metrics.steps.labels(job).inc(stats.steps)
+            if session.planner.trial_step:
+                self.metrics.exploration_steps.labels(job).inc(stats.steps)
             if stats.recompiles:
                 self.metrics.recompiles.labels(job).inc(stats.recompiles)
             if plan is not None:
