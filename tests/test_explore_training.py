@@ -4,6 +4,7 @@ in Prometheus."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,7 @@ from rematd import client
 from rematd.planner.reasons import letters
 
 from .helpers import live_server, tiny_model, train_step
+from .test_dashboard import CHROMIUM, _browser, _page
 
 STEPS = 24
 SEQ = 128
@@ -47,6 +49,8 @@ def test_a_trial_runs_on_real_steps_within_the_budget_and_is_reported(tmp_path: 
             peaks.append(h.last_stats.saved_peak_bytes)
         plans = httpx.get(f"{srv.url}/api/v1/jobs/explore/plans", timeout=10).json()["plans"]
         text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        prices = httpx.get(f"{srv.url}/api/v1/jobs/explore", timeout=10).json()["ranks"][0]["prices"]
+        shown = dashboard_prices(srv.url) if os.path.exists(CHROMIUM) else None
         h.close()
     reasons = [p["reason"] for p in plans]
     trials = [r for r in reasons if r.startswith("trial: selective")]
@@ -62,3 +66,25 @@ def test_a_trial_runs_on_real_steps_within_the_budget_and_is_reported(tmp_path: 
     }
     # Each trial runs explore_steps (2) steps; the counter saw them, and no more than their share allows.
     assert 2 <= counted["explore"] <= 2 + 0.05 * STEPS + 2, counted
+    # How sure each price is: selective was timed by the trial, recomputing by every step.
+    by_mode = {p["mode"]: p for p in prices}
+    assert set(by_mode) == {"selective", "recompute"}
+    assert by_mode["selective"]["timed_blocks"] >= 2 and by_mode["selective"]["state"] in ("measured", "trial")
+    assert by_mode["recompute"]["state"] == "measured" and by_mode["recompute"]["scale"] > 0
+    if shown is not None:
+        assert "selective" in shown and "recompute measured" in shown and "blocks timed" in shown, shown
+
+
+def dashboard_prices(url: str) -> str:
+    """The price line of the job's rank, as the dashboard (real Chromium) shows it."""
+    pw, browser = _browser()
+    try:
+        page, errors = _page(browser)
+        page.goto(f"{url}/#job=explore")
+        page.wait_for_selector("#ranks-body tr[data-rank] .prices", timeout=15_000)
+        text = page.locator("#ranks-body tr[data-rank] .prices").inner_text()
+        assert errors == []
+        return text
+    finally:
+        browser.close()
+        pw.stop()
