@@ -22,6 +22,9 @@ from rematd.planner.units import Mode, Shape
 # Steps over which the memory of a target crossing fades by half.
 CROSSING_HALF_LIFE_STEPS = 256
 
+HELD_LENGTHS = 3
+"""Lengths held for a phase that get table entries of their own."""
+
 MAX_STEP = 2**53
 """Bound on a restored step count or length: beyond it a float loses whole numbers."""
 
@@ -64,14 +67,23 @@ class Learned:
     headroom_steps: int = 0
     dwell: int = 0
     last_loosen_step: int = NEVER
+    held: deque[int] = field(default_factory=lambda: deque(maxlen=HELD_LENGTHS))
+    """Lengths held for a phase (``loosen_after_steps`` steps in a row), most recent last: each gets an
+    entry of its own, planned at that length rather than at the top of its bucket."""
+    run: tuple[int, int] = (0, 0)
+    """The length of the last steps and how many steps in a row had it."""
 
     def note_shape(self, shape: Shape) -> None:
         if shape.batch:
             self.batch = shape.batch
-        if shape.seq_len:
-            self.seqs.add(shape.seq_len)
+        seq = shape.seq_len
+        if seq:
+            self.seqs.add(seq)
             if len(self.seqs) > 64:
                 self.seqs = {min(self.seqs), max(self.seqs)}
+            self.run = (seq, self.run[1] + 1 if self.run[0] == seq else 1)
+            if self.run[1] == self.config.loosen_after_steps and seq not in self.held:
+                self.held.append(seq)
 
     def learn_seconds(self, profile: Profile, obs: StepObservation, modes: tuple[Mode, ...]) -> None:
         """Measured rematerialisation seconds against the profile's for the blocks that ran each mode."""
@@ -109,9 +121,10 @@ class Learned:
             return []
         lo, hi = self.bucket_of(min(self.seqs)), self.bucket_of(4 * max(self.seqs))
         rungs = [lo]
-        while rungs[-1] < hi and len(rungs) < self.config.max_entries:
+        held = [q for q in self.held if q != self.bucket_of(q)]
+        while rungs[-1] < hi and len(rungs) + len(held) < self.config.max_entries:
             rungs.append(self.bucket_of(rungs[-1] + 1))
-        return rungs
+        return sorted({*rungs, *held})
 
     def correction(self, seq: int, *, pessimistic: bool = False) -> float:
         """Measured/predicted for a bucket: its second-largest recent ratio (the largest when
