@@ -204,7 +204,11 @@ class TrainingSide:
             except ValueError as err:
                 log.warning("%s; planning from the profile", err)
                 warm = None
-            session.base = warm or session.base
+            if warm is not None:
+                # A starting point, not a pin: the planner goes on from it, loosening where this job
+                # measures room (and tightening at once where it must).
+                planner.continue_from(warm)
+                session.base = warm
         with self.sessions.lock:
             session.sent = self.pinned_or(session, session.base)
         return session, recorded
