@@ -154,13 +154,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small model and few rounds (smoke run)")
     parser.add_argument("--out", default="artifacts/bench-phases.json")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--d-model", type=int, default=128, help="model width (128)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per batch (4)")
+    parser.add_argument("--lengths", default="256,160", help="sequence length of each phase (256,160)")
+    parser.add_argument("--warmup", type=int, default=30, help="rounds per phase before measuring (30)")
+    parser.add_argument("--steps", type=int, default=10, help="measured rounds per phase (10)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         setup = Setup(n_layer=4, d_model=32, n_head=2, batch=2, lengths=(64, 40), warmup=12, steps=3)
     else:
-        setup = Setup(n_layer=12, d_model=128, n_head=4, batch=4, lengths=(256, 160), warmup=30, steps=10)
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+        setup = Setup(
+            n_layer=12, d_model=args.d_model, n_head=4, batch=args.batch, lengths=lengths, warmup=args.warmup,
+            steps=args.steps,
+        )  # fmt: skip
     report = {"torch": torch.__version__, "threads": torch.get_num_threads(), **run(setup, [0.45, 0.7])}
     cols = [
         ("budget_ratio", "budget", ".0%"),

@@ -3,30 +3,22 @@ plans (stored, selective and recomputed blocks in every order) at lengths other 
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 import torch
 
 from rematd import client
-from rematd.client.applier import NO_PLAN
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
 from rematd.planner import Mode, Shape
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.reasons import letters
 
 from .helpers import batch
+from .test_modes import pin
 
 N = 6
 PLANS = 14
-
-
-def pin(h: client.Handle, modes: tuple[Mode, ...]) -> None:
-    """Force the modes of every following step (what a plan from the planner would do)."""
-    h._applier._pending = None
-    h._applier.plan = dataclasses.replace(NO_PLAN, version=10**6, modes=modes)
-    h._applier.invalidate()
 
 
 def step(model: torch.nn.Module, h: client.Handle, seq: int, seed: int) -> int:
