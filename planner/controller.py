@@ -69,7 +69,8 @@ class Controller(TablePricing):
         self._learned.note_shape(obs.shape)
         self._learn(obs, measured_modes, target)
         bucket = self.bucket_of(obs.shape.seq_len) if obs.shape.seq_len else 0
-        self.trial_step = self._explorer.note(obs, bucket, measured_modes)
+        ran = entry_for(self.table, obs.shape) if bucket else None
+        self.trial_step = self._explorer.note(obs, bucket, ran.max_seq_len if ran else 0, measured_modes)
         moves = self._moves(target, obs.static_bytes)
         change = (
             self._tighten(moves, obs, target) or self._loosen(moves, obs, target) or self._extend(moves, obs, target)
@@ -90,7 +91,8 @@ class Controller(TablePricing):
             over = explorer.stop()
             assert over is not None
             return self._decision(list(self.table), obs.shape, target, static, trial_over_reason(over))
-        entry = next((e for e in self.table if e.max_seq_len == bucket), None)
+        # The entry the step ran with: a length held for a phase has its own, below its bucket's top.
+        entry = entry_for(self.table, obs.shape) if bucket else None
         ratios = self._learned.buckets.get(bucket)
         # Only from a settled plan that recomputes something, with this length's peaks measured.
         if (
@@ -102,12 +104,12 @@ class Controller(TablePricing):
             return None
         if ratios is None or len(ratios.ratios) < 2:
             return None
-        shape = self._shape(bucket)
+        shape = self._shape(entry.max_seq_len)
         options = at_shape(self.profile, shape, self.config.allowed_modes, self._learned.timing.scales).options
         slack = int(target * LOOSEN_SLACK)
         for mode in explorer.untried(bucket, {o.mode for opts in options for o in opts}, obs.step):
             trial = explorer.propose(
-                seq=bucket,
+                seq=entry.max_seq_len,
                 current=entry.modes,
                 mode=mode,
                 offers=lambda i, m: any(o.mode == m for o in options[i]),

@@ -33,7 +33,7 @@ class Trial:
     """A trial in force: the table entry at ``seq`` runs ``modes`` instead of its own."""
 
     seq: int
-    """Top of the length bucket whose entry the trial replaces."""
+    """Longest length of the table entry the trial replaces."""
     mode: Mode
     """The mode being measured."""
     modes: tuple[Mode, ...]
@@ -65,9 +65,9 @@ class Explorer:
         self._ran = 0
         self._seen: dict[tuple[int, Mode], _Seen] = {}
 
-    def note(self, obs: StepObservation, bucket: int, ran: tuple[Mode, ...] | None) -> bool:
-        """One step at length bucket ``bucket`` that ran ``ran``: its timed modes count as measured there.
-        True when the step was a trial's."""
+    def note(self, obs: StepObservation, bucket: int, entry: int, ran: tuple[Mode, ...] | None) -> bool:
+        """One step at length bucket ``bucket`` that ran ``ran`` under the table entry up to length
+        ``entry``: its timed modes count as measured there. True when the step was a trial's."""
         self.steps += 1
         for m in obs.mode_seconds:
             if m.blocks > 0:
@@ -75,7 +75,7 @@ class Explorer:
                 seen.blocks += m.blocks
                 seen.last_step = obs.step
         trial = self.trial
-        if trial is None or bucket != trial.seq or ran != trial.modes:
+        if trial is None or entry != trial.seq or ran != trial.modes:
             return False
         self.trial_steps += 1
         self._ran += 1

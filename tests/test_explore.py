@@ -249,3 +249,13 @@ def test_a_trial_says_what_it_measures() -> None:
     trial = next(r for r in reasons if r.startswith("trial:"))
     assert "selective on blocks" in trial and "to measure what selective costs" in trial and "target" in trial
     assert any(r.startswith("trial over: selective") for r in reasons)
+
+
+def test_a_length_held_for_a_phase_is_tried_on_its_own_entry() -> None:
+    # 56 tokens, held: after the dwell it has an entry of its own, and a trial replaces that entry (the
+    # one its steps run), not the one at the top of its bucket.
+    job = Job(session(budget=4500), selective_seconds=0.002, budget=4500)
+    job.run(60, seq=56)
+    assert 56 in [e.max_seq_len for e in job.session.plan.shape_plans]
+    assert job.trials, "the trial ran on the steps of that length"
+    assert K in job.session.plan.modes_for(Shape(batch=2, seq_len=56, tokens=112), N)
