@@ -107,19 +107,26 @@ class Controller(TablePricing):
         shape = self._shape(entry.max_seq_len)
         options = at_shape(self.profile, shape, self.config.allowed_modes, self._learned.timing.scales).options
         slack = int(target * LOOSEN_SLACK)
+        at = self._at(shape)
+        # Never past what an out-of-memory event capped this length at.
+        ceiling = self._learned.ceiling(entry.max_seq_len)
+
+        def fits(modes: tuple[Mode, ...]) -> bool:
+            below = ceiling is None or at.cost(modes)[0] < ceiling
+            return below and self._fits(modes, shape, slack, static, pessimistic=True)
+
         for mode in explorer.untried(bucket, {o.mode for opts in options for o in opts}, obs.step):
             trial = explorer.propose(
                 seq=entry.max_seq_len,
                 current=entry.modes,
                 mode=mode,
                 offers=lambda i, m: any(o.mode == m for o in options[i]),
-                fits=lambda modes: self._fits(modes, shape, slack, static, pessimistic=True),
+                fits=fits,
                 step=obs.step,
             )
             if trial is None:
                 continue
             explorer.start(trial)
-            at = self._at(shape)
             peak, extra = at.cost(trial.modes)
             tried = dataclasses.replace(
                 entry,
