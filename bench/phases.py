@@ -61,7 +61,7 @@ def families(n: int, profile: Profile, shape: Shape, budget: int) -> dict[str, t
     options = profile.options_at(shape)
     other = profile.other_at(shape)
     for name, head, tail in (("first-m R", R, S), ("first-m s", K, S), ("first-m R, rest s", R, K)):
-        for m in range(n + 1):
+        for m in range(1, n + 1):  # none of them (m = 0) is storing every block, already a contender
             modes = (head,) * m + (tail,) * (n - m)
             if peak_of(choose(options, modes), outside_bytes=other, outside_in_backward=False) <= budget:
                 plans[name.replace("m", str(m))] = modes

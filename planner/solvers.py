@@ -153,12 +153,20 @@ def _ordered(
     found = _solve_fitting(knapsack, options, target, static, exact)
     if found is not None:
         best = _arranged(options, found, target, static, outside)
+
+    def widened(extra: int) -> Choice | None:
+        wider = _solve_fitting(knapsack, options, target + extra, static, exact)
+        return _arranged(options, wider, target, static, outside) if wider is not None else None
+
     lo, hi = 0, max((o.transient for opts in options for o in opts), default=0)
+    # The widest first: where it fits (a plan that stores its last blocks), no search is needed.
+    widest = widened(hi) if hi > 0 else None
+    if widest is not None:
+        return widest if best is None or widest.extra_seconds < best.extra_seconds - 1e-15 else best
     grain = max(1, hi // 64)
     while hi - lo > grain:
         mid = (lo + hi) // 2
-        wider = _solve_fitting(knapsack, options, target + mid, static, exact)
-        fitting = _arranged(options, wider, target, static, outside) if wider is not None else None
+        fitting = widened(mid)
         if fitting is None:
             hi = mid
             continue
