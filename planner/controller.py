@@ -79,11 +79,12 @@ class Controller(TablePricing):
             # A new table (made without the trial) overtakes a trial in force.
             self._explorer.stop()
             return change
-        return self._explore(obs, bucket, target)
+        return self._explore(obs, bucket, ran, target)
 
-    def _explore(self, obs: StepObservation, bucket: int, target: int) -> Decision | None:
-        """End a trial that has run its steps, or start one where a mode is unmeasured at this length
-        and the budget allows it (:mod:`rematd.planner.explore`)."""
+    def _explore(self, obs: StepObservation, bucket: int, entry: ShapePlan | None, target: int) -> Decision | None:
+        """End a trial that has run its steps, or start one on ``entry`` (the one the step ran with: a
+        length held for a phase has its own, below its bucket's top) where a mode is unmeasured at this
+        length and the budget allows it (:mod:`rematd.planner.explore`)."""
         explorer, static = self._explorer, obs.static_bytes
         if explorer.trial is not None:
             if not explorer.trial_done:
@@ -91,9 +92,7 @@ class Controller(TablePricing):
             over = explorer.stop()
             assert over is not None
             return self._decision(list(self.table), obs.shape, target, static, trial_over_reason(over))
-        # The entry the step ran with: a length held for a phase has its own, below its bucket's top.
-        entry = entry_for(self.table, obs.shape) if bucket else None
-        ratios = self._learned.buckets.get(bucket)
+        measured = self._learned.buckets.get(bucket)
         # Only from a settled plan that recomputes something, with this length's peaks measured.
         if (
             entry is None
@@ -102,7 +101,7 @@ class Controller(TablePricing):
             or all(m == Mode.STORE for m in entry.modes)
         ):
             return None
-        if ratios is None or len(ratios.ratios) < 2:
+        if measured is None or len(measured.ratios) < 2:
             return None
         shape = self._shape(entry.max_seq_len)
         options = at_shape(self.profile, shape, self.config.allowed_modes, self._learned.timing.scales).options
@@ -122,7 +121,6 @@ class Controller(TablePricing):
                 mode=mode,
                 offers=lambda i, m: any(o.mode == m for o in options[i]),
                 fits=fits,
-                step=obs.step,
             )
             if trial is None:
                 continue

@@ -118,7 +118,6 @@ class Explorer:
         mode: Mode,
         offers: Callable[[int, Mode], bool],
         fits: Callable[[tuple[Mode, ...]], bool],
-        step: int,
     ) -> Trial | None:
         """A trial of ``mode`` on up to ``explore_blocks`` blocks of ``current``: recomputing blocks first
         (the untried mode keeps more than recomputing and less than storing), then stored ones, each
