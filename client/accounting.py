@@ -100,6 +100,8 @@ class SavedTensorAccounting:
         self.peak_bytes = 0
         self.excluded: frozenset[tuple[str, int]] = frozenset()
         self._held: list[list[_Held]] = []
+        self._held_until: dict[int, list[list[_Held]]] = {}
+        """Held counts by the id of the tensor whose gradient frees them (ids of this step's tensors)."""
         self._open: list[Callable[[object], None]] = []
         self._transient = 0
         self._transient_owner: object | None = None
@@ -174,6 +176,8 @@ class SavedTensorAccounting:
         watch = [t for t in until_grad_of if t.requires_grad]
         if watch:
             torch.autograd.graph.register_multi_grad_hook(watch, lambda _grads: held.clear(), mode="any")
+            for t in watch:
+                self._held_until.setdefault(id(t), []).append(held)
 
     def rematerialise(
         self, nbytes: int, between: Iterable[torch.Tensor], until_grad_of: Iterable[torch.Tensor]
@@ -188,6 +192,11 @@ class SavedTensorAccounting:
         token = object()
 
         def start(_grads: object) -> None:
+            # The block after this one is done: what it held until this gradient is freed before this
+            # block rematerialises anything (its own hook, registered later, fires after this one).
+            for t in outs:
+                for held in self._held_until.pop(id(t), ()):
+                    held.clear()
             # Backward runs blocks one after another: the previous block's rematerialised
             # activations are gone once the next one starts (its end hook may fire after this).
             with self._lock:
@@ -220,6 +229,7 @@ class SavedTensorAccounting:
         for held in self._held:
             held.clear()
         self._held.clear()
+        self._held_until.clear()
         for end in self._open:
             end(None)
         self._open.clear()

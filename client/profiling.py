@@ -37,7 +37,10 @@ def exponents(t: torch.Tensor, shape: Shape) -> tuple[int, int]:
     b, s = shape.batch, shape.seq_len
     dims = list(t.shape)
     eb = es = 0
-    if b > 1 and s > 1 and b * s in dims:
+    # A feature width can equal batch x sequence (a 4x MLP at b*s = 4d): with both present apart, the
+    # tensor is [batch, seq, ...] and the width is not folded tokens.
+    apart = b in dims and s in dims and (b != s or dims.count(b) > 1)
+    if b > 1 and s > 1 and b * s in dims and not apart:
         dims.remove(b * s)
         eb, es = 1, 1
     elif b > 1 and b in dims and b != s:

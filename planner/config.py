@@ -20,6 +20,8 @@ class ControllerConfig:
     """Upper bound of the dwell, which doubles each time a loosening is undone soon after."""
     max_correction: float = 4.0
     """Upper bound of the learned measured/predicted correction factor."""
+    min_correction: float = 0.5
+    """Lower bound of that factor: peaks measured below the prediction let plans use the room, this far."""
     correction_window: int = 8
     """Recent measured/predicted ratios kept per sequence-length bucket."""
     oom_correction_step: float = 1.25
@@ -30,6 +32,15 @@ class ControllerConfig:
     """Most entries of the plan table."""
     allowed_modes: frozenset[Mode] | None = None
     """Modes the planner may choose besides STORE (None: every mode the profile offers)."""
+    explore_share: float = 0.05
+    """Most of the steps spent on trials of modes not yet measured at a length: trial steps stay within
+    ``explore_steps + explore_share x steps`` (0: never explore)."""
+    explore_steps: int = 2
+    """Steps one trial runs."""
+    explore_blocks: int = 2
+    """Blocks one trial switches to the mode it measures."""
+    explore_stale_steps: int = 5000
+    """Steps after which a mode measured at a length counts as unmeasured there again."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin_ratio < 1.0:
@@ -40,10 +51,17 @@ class ControllerConfig:
             raise ValueError("max_loosen_after_steps must be >= loosen_after_steps")
         if self.max_correction < 1.0:
             raise ValueError(f"max_correction must be >= 1, got {self.max_correction!r}")
+        if not 0.0 < self.min_correction <= 1.0:
+            raise ValueError(f"min_correction must be in (0, 1], got {self.min_correction!r}")
         if self.correction_window < 1:
             raise ValueError(f"correction_window must be >= 1, got {self.correction_window!r}")
         if self.oom_correction_step <= 1.0:
             raise ValueError(f"oom_correction_step must be > 1, got {self.oom_correction_step!r}")
+        if not 0.0 <= self.explore_share < 1.0:
+            raise ValueError(f"explore_share must be in [0, 1), got {self.explore_share!r}")
+        for name in ("explore_steps", "explore_blocks", "explore_stale_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.bucket_ratio <= 1.0:
             raise ValueError(f"bucket_ratio must be > 1, got {self.bucket_ratio!r}")
         if self.max_entries < 1:

@@ -3,26 +3,27 @@ at once and loosens only after sustained headroom.
 
 Each table entry is the cheapest plan that fits the target at the top of its
 sequence-length bucket, so a step of a new length gets a plan before it runs.
-Measured peaks correct the cost model per bucket; the correction ignores a
-single outlier unless that outlier crossed the target.
+Measured peaks correct the cost model per bucket, up or down; the correction
+ignores a single outlier unless that outlier crossed the target. Where a mode's
+seconds are unmeasured at a length and the budget allows it, a short trial
+measures them (:mod:`rematd.planner.explore`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import overhead_ratio
-from rematd.planner.learned import Learned
+from rematd.planner.decision import Decision, Moves
+from rematd.planner.explore import Explorer, trial_over_reason, trial_reason
 from rematd.planner.model import Mode, Profile, Shape, ShapePlan, StepObservation
 from rematd.planner.plan import entry_for
+from rematd.planner.pricing import TablePricing
 from rematd.planner.reasons import human_bytes, initial_reason, recomputes_less, what_changed
 from rematd.planner.risk import usable_bytes
-from rematd.planner.shapes import AtShape, Scales, at_shape
-from rematd.planner.solvers import Choice, solve_prepared
-from rematd.planner.timing import TimeScales
+from rematd.planner.shapes import at_shape
 
 __all__ = ["Controller", "ControllerConfig", "Decision", "human_bytes"]
 
@@ -30,165 +31,14 @@ __all__ = ["Controller", "ControllerConfig", "Decision", "human_bytes"]
 LOOSEN_SLACK = 0.97
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Decision:
-    """A change of plan the controller asks for."""
-
-    modes: tuple[Mode, ...]
-    """Modes for the shape just observed (or the profile's shape)."""
-    table: tuple[ShapePlan, ...]
-    """The plan table."""
-    predicted_peak_bytes: int
-    predicted_overhead_ratio: float
-    target_bytes: int
-    reason: str
-
-
-@dataclass(slots=True)
-class _Moves:
-    """How the table the step's measurements call for differs from the one in force, by length."""
-
-    current: dict[int, ShapePlan]
-    desired: dict[int, ShapePlan]
-    tighter: list[int] = field(default_factory=list)
-    looser: list[int] = field(default_factory=list)
-    new: list[int] = field(default_factory=list)
-
-    def table(self, take: list[int]) -> tuple[ShapePlan, ...]:
-        """The desired entries at ``take`` and at new lengths, the current ones elsewhere."""
-        return tuple(
-            entry if seq in take or seq in self.new else self.current.get(seq, entry)
-            for seq, entry in self.desired.items()
-        )
-
-
-class Controller:
+class Controller(TablePricing):
     """Turns a stream of step observations into plan-table changes."""
 
     def __init__(self, profile: Profile, config: ControllerConfig | None = None) -> None:
-        self.profile = profile
-        self.config = config or ControllerConfig()
-        ref = profile.shape
-        self._learned = Learned(
-            config=self.config,
-            batch=ref.batch or 1,
-            seqs={ref.seq_len} if ref.seq_len else set(),
-            dwell=self.config.loosen_after_steps,
-        )
-        self._cache: dict[tuple[int, int, int, int, int, int | None, Scales], Choice] = {}
-        self.table: tuple[ShapePlan, ...] = ()
-        self._entries: dict[tuple[Choice, int, int, int, Scales], ShapePlan] = {}
-
-    @property
-    def timing(self) -> TimeScales:
-        """What the modes are measured to cost, against the profile."""
-        return self._learned.timing
-
-    @property
-    def loosening_pending(self) -> bool:
-        """Whether steps with room are being counted towards a looser plan."""
-        return self._learned.headroom_steps > 0
-
-    def bucket_of(self, seq: int) -> int:
-        """The top of the bucket ``seq`` falls in: a rung of a geometric ladder."""
-        return self._learned.bucket_of(seq)
-
-    def correction(self, seq: int, *, pessimistic: bool = False) -> float:
-        """Measured/predicted for a bucket: its second-largest recent ratio (the largest when
-        ``pessimistic``), at least 1. Buckets never measured borrow the largest of any bucket.
-        """
-        return self._learned.correction(seq, pessimistic=pessimistic)
-
-    # -- planning -------------------------------------------------------------
-
-    def _at(self, shape: Shape | None, *, restricted: bool = False) -> AtShape:
-        """The profile prepared at ``shape``; ``restricted`` limits the options to the configured
-        modes (what the solver may pick), unrestricted ones price any plan, including one made under
-        other settings."""
-        return at_shape(
-            self.profile,
-            shape if shape is None or shape.seq_len else None,
-            self.config.allowed_modes if restricted else None,
-            self._learned.timing.scales,
-            prune=restricted,
-        )
-
-    def _shape(self, seq: int) -> Shape:
-        batch = self._learned.batch
-        return Shape(batch=batch, seq_len=seq, tokens=batch * seq)
-
-    def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
-        corr = self._learned.correction(shape.seq_len) if shape.seq_len else 1.0
-        ceiling = self._learned.ceiling(shape.seq_len)
-        key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self._learned.timing.scales)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        at = self._at(shape, restricted=True)
-        # The correction scales activations, not the static memory.
-        other = at.other_bytes
-        effective = static + int(max(0, target - static) / corr) - other
-        if ceiling is not None:
-            effective = min(effective, static + ceiling - 1)
-        choice = solve_prepared(at.knapsack, at.options, effective, static_bytes=static, outside_bytes=other)
-        if other:
-            choice = dataclasses.replace(
-                choice,
-                predicted_peak_bytes=choice.predicted_peak_bytes + other,
-                fits=choice.predicted_peak_bytes + other <= target,
-            )
-        if len(self._cache) > 64:
-            self._cache.clear()
-        self._cache[key] = choice
-        return choice
-
-    def _entry(self, seq: int, choice: Choice, static: int) -> ShapePlan:
-        key = (choice, seq, self._learned.batch, static, self._learned.timing.scales)
-        hit = self._entries.get(key)
-        if hit is not None:
-            return hit
-        shape = self._shape(seq)
-        at = self._at(shape)
-        peak, extra = at.cost(choice.modes)
-        entry = ShapePlan(
-            max_seq_len=seq,
-            max_tokens=shape.tokens,
-            modes=choice.modes,
-            predicted_peak_bytes=static + at.other_bytes + peak,
-            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
-        )
-        if len(self._entries) > 64:
-            self._entries.clear()
-        self._entries[key] = entry
-        return entry
-
-    def _desired(self, target: int, static: int) -> list[tuple[ShapePlan, Choice]]:
-        out = []
-        for seq in self._learned.ladder():
-            choice = self._solve_at(self._shape(seq), target, static)
-            out.append((self._entry(seq, choice, static), choice))
-        return out
-
-    def _extra(self, modes: tuple[Mode, ...], seq: int) -> float:
-        return self._at(self._shape(seq)).cost(modes)[1]
-
-    def _decision(self, table: list[ShapePlan], shape: Shape, target: int, static: int, reason: str) -> Decision:
-        entry = entry_for(table, shape)
-        at = self._at(shape)
-        modes = entry.modes if entry else (Mode.STORE,) * len(at.options)
-        peak, extra = at.cost(modes)
-        if shape.seq_len:
-            note = self._solve_at(shape, target, static).note
-            if note and note not in reason:
-                reason = f"{reason}; {note}"
-        return Decision(
-            modes=modes,
-            table=tuple(table),
-            predicted_peak_bytes=static + at.other_bytes + peak,
-            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
-            target_bytes=target,
-            reason=reason,
-        )
+        super().__init__(profile, config)
+        self._explorer = Explorer(self.config)
+        self.trial_step = False
+        """Whether the last step observed ran a trial's modes."""
 
     def initial(self, *, budget_bytes: int, static_bytes: int = 0) -> Decision:
         target = self.config.target_bytes(budget_bytes)
@@ -218,8 +68,84 @@ class Controller:
         target = self.config.target_bytes(usable_bytes(obs))
         self._learned.note_shape(obs.shape)
         self._learn(obs, measured_modes, target)
+        bucket = self.bucket_of(obs.shape.seq_len) if obs.shape.seq_len else 0
+        ran = entry_for(self.table, obs.shape) if bucket else None
+        self.trial_step = self._explorer.note(obs, bucket, ran.max_seq_len if ran else 0, measured_modes)
         moves = self._moves(target, obs.static_bytes)
-        return self._tighten(moves, obs, target) or self._loosen(moves, obs, target) or self._extend(moves, obs, target)
+        change = (
+            self._tighten(moves, obs, target) or self._loosen(moves, obs, target) or self._extend(moves, obs, target)
+        )
+        if change is not None:
+            # A new table (made without the trial) overtakes a trial in force.
+            self._explorer.stop()
+            return change
+        return self._explore(obs, bucket, ran, target)
+
+    def _explore(self, obs: StepObservation, bucket: int, entry: ShapePlan | None, target: int) -> Decision | None:
+        """End a trial that has run its steps, or start one on ``entry`` (the one the step ran with: a
+        length held for a phase has its own, below its bucket's top) where a mode is unmeasured at this
+        length and the budget allows it (:mod:`rematd.planner.explore`)."""
+        explorer, static = self._explorer, obs.static_bytes
+        if explorer.trial is not None:
+            if not explorer.trial_done:
+                return None
+            over = explorer.stop()
+            assert over is not None
+            return self._decision(list(self.table), obs.shape, target, static, trial_over_reason(over))
+        measured = self._learned.buckets.get(bucket)
+        # Only from a settled plan that recomputes something, with this length's peaks measured.
+        if (
+            entry is None
+            or self._learned.headroom_steps
+            or not explorer.may_start()
+            or all(m == Mode.STORE for m in entry.modes)
+        ):
+            return None
+        if measured is None or len(measured.ratios) < 2:
+            return None
+        shape = self._shape(entry.max_seq_len)
+        options = at_shape(self.profile, shape, self.config.allowed_modes, self._learned.timing.scales).options
+        slack = int(target * LOOSEN_SLACK)
+        at = self._at(shape)
+        # Never past what an out-of-memory event capped this length at.
+        ceiling = self._learned.ceiling(entry.max_seq_len)
+
+        def fits(modes: tuple[Mode, ...]) -> bool:
+            below = ceiling is None or at.cost(modes)[0] < ceiling
+            return below and self._fits(modes, shape, slack, static, pessimistic=True)
+
+        for mode in explorer.untried(bucket, {o.mode for opts in options for o in opts}, obs.step):
+            trial = explorer.propose(
+                seq=entry.max_seq_len,
+                current=entry.modes,
+                mode=mode,
+                offers=lambda i, m: any(o.mode == m for o in options[i]),
+                fits=fits,
+            )
+            if trial is None:
+                continue
+            explorer.start(trial)
+            peak, extra = at.cost(trial.modes)
+            tried = dataclasses.replace(
+                entry,
+                modes=trial.modes,
+                predicted_peak_bytes=static + at.other_bytes + peak,
+                predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
+            )
+            table = [tried if e is entry else e for e in self.table]
+            reason = trial_reason(trial, tried.predicted_peak_bytes, target)
+            return self._decision(table, obs.shape, target, static, reason)
+        return None
+
+    @property
+    def exploring(self) -> bool:
+        """Whether a trial of an unmeasured mode is in force."""
+        return self._explorer.trial is not None
+
+    @property
+    def explorer(self) -> Explorer:
+        """Which modes are measured at which lengths, the trial in force and what trials have cost."""
+        return self._explorer
 
     def _learn(self, obs: StepObservation, measured_modes: tuple[Mode, ...] | None, target: int) -> None:
         """The modes' measured seconds, and the measured/predicted peak of the step's bucket."""
@@ -231,14 +157,16 @@ class Controller:
             self._learned.learn_seconds(self.profile, obs, modes)
         if predicted > 0 and obs.peak_bytes > 0 and shape.seq_len:
             activations = max(0, obs.peak_bytes - obs.static_bytes)
-            ratio = min(self.config.max_correction, activations / predicted)
-            self._learned.bucket(shape.seq_len).record(ratio, crossed=obs.peak_bytes > target, step=obs.step)
+            cfg = self.config
+            ratio = min(cfg.max_correction, max(cfg.min_correction, activations / predicted))
+            crossed = obs.peak_bytes > target
+            self._learned.bucket(shape.seq_len).record(ratio, crossed=crossed, step=obs.step, floor=cfg.min_correction)
 
-    def _moves(self, target: int, static: int) -> _Moves:
+    def _moves(self, target: int, static: int) -> Moves:
         """Per length, whether the plan the model now prefers is tighter or looser than the one in force."""
         current = {e.max_seq_len: e for e in self.table}
         desired = self._desired(target, static)
-        moves = _Moves(current=current, desired={e.max_seq_len: e for e, _ in desired})
+        moves = Moves(current=current, desired={e.max_seq_len: e for e, _ in desired})
         moves.new = [seq for seq in moves.desired if seq not in current]
         slack = int(target * LOOSEN_SLACK)
         for entry, _choice in desired:
@@ -266,7 +194,7 @@ class Controller:
             moves.looser.append(seq)
         return moves
 
-    def _tighten(self, moves: _Moves, obs: StepObservation, target: int) -> Decision | None:
+    def _tighten(self, moves: Moves, obs: StepObservation, target: int) -> Decision | None:
         if not moves.tighter:
             return None
         learned = self._learned
@@ -282,7 +210,7 @@ class Controller:
         )
         return self._change(moves.table(moves.tighter), obs, target, f"tighten: {cause}")
 
-    def _loosen(self, moves: _Moves, obs: StepObservation, target: int) -> Decision | None:
+    def _loosen(self, moves: Moves, obs: StepObservation, target: int) -> Decision | None:
         learned = self._learned
         if not moves.looser:
             learned.headroom_steps = 0
@@ -303,7 +231,7 @@ class Controller:
         )
         return self._change(table, obs, target, label)
 
-    def _extend(self, moves: _Moves, obs: StepObservation, target: int) -> Decision | None:
+    def _extend(self, moves: Moves, obs: StepObservation, target: int) -> Decision | None:
         if not moves.new:
             return None
         added = ", ".join(f"up to {s}" for s in sorted(moves.new))
@@ -316,18 +244,11 @@ class Controller:
         reason = f"{cause}; {what_changed(before, table)}"
         return self._decision(list(table), obs.shape, target, obs.static_bytes, reason)
 
-    def _fits(
-        self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False
-    ) -> bool:
-        at = self._at(shape)
-        correction = self._learned.correction(shape.seq_len, pessimistic=pessimistic)
-        activations = (at.other_bytes + at.cost(modes)[0]) * correction
-        return static + activations <= target
-
     def after_oom(self, *, shape: Shape, budget_bytes: int, static_bytes: int) -> Decision:
         """An out-of-memory event: distrust the model at that shape and tighten at once."""
         cfg = self.config
         learned = self._learned
+        self._explorer.stop()
         seq = shape.seq_len or self.profile.shape.seq_len
         bucket = learned.bucket(seq)
         learned.headroom_steps = 0

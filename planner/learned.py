@@ -22,6 +22,9 @@ from rematd.planner.units import Mode, Shape
 # Steps over which the memory of a target crossing fades by half.
 CROSSING_HALF_LIFE_STEPS = 256
 
+HELD_LENGTHS = 3
+"""Lengths held for a phase that get table entries of their own."""
+
 MAX_STEP = 2**53
 """Bound on a restored step count or length: beyond it a float loses whole numbers."""
 
@@ -33,21 +36,23 @@ NEVER = -(10**9)
 class Bucket:
     ratios: deque[float]
     boost: float = 1.0
-    crossing: float = 1.0
-    """The largest ratio measured on a step that crossed the target; it fades slowly."""
+    crossing: float = 0.0
+    """The largest ratio measured on a step that crossed the target (0: none); it fades slowly."""
     crossing_step: int = 0
     ceiling: int | None = None
     """Predicted activation bytes of a plan that ran out of memory here: later plans stay below."""
 
-    def record(self, ratio: float, *, crossed: bool, step: int) -> None:
+    def record(self, ratio: float, *, crossed: bool, step: int, floor: float) -> None:
+        """One step's measured/predicted ``ratio``; ``floor``: the least correction, where a faded
+        crossing ends."""
         self.ratios.append(ratio)
         if crossed:
             # A crossing is evidence, not an outlier: make it count twice.
             self.ratios.append(ratio)
             self.crossing, self.crossing_step = max(self.crossing, ratio), step
-        elif self.crossing > 1.0:
+        elif self.crossing > floor:
             age = step - self.crossing_step
-            self.crossing = 1.0 + (self.crossing - 1.0) * 0.5 ** (age / CROSSING_HALF_LIFE_STEPS)
+            self.crossing = floor + (self.crossing - floor) * 0.5 ** (age / CROSSING_HALF_LIFE_STEPS)
             self.crossing_step = step
 
 
@@ -62,14 +67,23 @@ class Learned:
     headroom_steps: int = 0
     dwell: int = 0
     last_loosen_step: int = NEVER
+    held: deque[int] = field(default_factory=lambda: deque(maxlen=HELD_LENGTHS))
+    """Lengths held for a phase (``loosen_after_steps`` steps in a row), most recent last: each gets an
+    entry of its own, planned at that length rather than at the top of its bucket."""
+    run: tuple[int, int] = (0, 0)
+    """The length of the last steps and how many steps in a row had it."""
 
     def note_shape(self, shape: Shape) -> None:
         if shape.batch:
             self.batch = shape.batch
-        if shape.seq_len:
-            self.seqs.add(shape.seq_len)
+        seq = shape.seq_len
+        if seq:
+            self.seqs.add(seq)
             if len(self.seqs) > 64:
                 self.seqs = {min(self.seqs), max(self.seqs)}
+            self.run = (seq, self.run[1] + 1 if self.run[0] == seq else 1)
+            if self.run[1] == self.config.loosen_after_steps and seq not in self.held:
+                self.held.append(seq)
 
     def learn_seconds(self, profile: Profile, obs: StepObservation, modes: tuple[Mode, ...]) -> None:
         """Measured rematerialisation seconds against the profile's for the blocks that ran each mode."""
@@ -107,18 +121,21 @@ class Learned:
             return []
         lo, hi = self.bucket_of(min(self.seqs)), self.bucket_of(4 * max(self.seqs))
         rungs = [lo]
-        while rungs[-1] < hi and len(rungs) < self.config.max_entries:
+        held = [q for q in self.held if q != self.bucket_of(q)]
+        while rungs[-1] < hi and len(rungs) + len(held) < self.config.max_entries:
             rungs.append(self.bucket_of(rungs[-1] + 1))
-        return rungs
+        return sorted({*rungs, *held})
 
     def correction(self, seq: int, *, pessimistic: bool = False) -> float:
         """Measured/predicted for a bucket: its second-largest recent ratio (the largest when
-        ``pessimistic``), at least 1. Buckets never measured borrow the largest of any bucket.
+        ``pessimistic``), within the configured bounds: below 1 where steps measured less than
+        predicted. Buckets never measured borrow the largest of any bucket, at least 1.
         """
         bucket = self.buckets.get(self.bucket_of(seq))
         if bucket is None or not bucket.ratios:
             known = [self._measured(b, pessimistic) for b in self.buckets.values() if b.ratios]
-            return min(self.config.max_correction, max(known, default=1.0) * (bucket.boost if bucket else 1.0))
+            borrowed = max(1.0, *known) if known else 1.0
+            return min(self.config.max_correction, borrowed * (bucket.boost if bucket else 1.0))
         return self._measured(bucket, pessimistic)
 
     def _measured(self, bucket: Bucket, pessimistic: bool) -> float:
@@ -128,7 +145,8 @@ class Learned:
             # A crossing of the target is remembered far longer than the window: loosening
             # back into a plan that crossed it needs the memory to have faded.
             robust = max(robust, bucket.crossing)
-        return min(self.config.max_correction, max(1.0, robust) * bucket.boost)
+        cfg = self.config
+        return min(cfg.max_correction, max(cfg.min_correction, robust) * bucket.boost)
 
     def ceiling(self, seq: int) -> int | None:
         """The cap an out-of-memory event set at this length or a shorter one, scaled up to this length."""
@@ -175,7 +193,7 @@ class Learned:
             buckets[_whole(seq, "bucket", lo=1)] = Bucket(
                 deque((_num(r, "ratio", hi=cfg.max_correction) for r in ratios), maxlen=cfg.correction_window),
                 boost=_num(boost, "boost", lo=1.0, hi=cfg.max_correction),
-                crossing=_num(crossing, "crossing", lo=1.0, hi=cfg.max_correction),
+                crossing=_num(crossing, "crossing", hi=cfg.max_correction),
                 crossing_step=_whole(crossing_step, "crossing_step"),
                 ceiling=None if ceiling is None else _whole(ceiling, "ceiling"),
             )

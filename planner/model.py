@@ -171,6 +171,10 @@ class Profile:
     """The input shape the costs were measured at."""
     other: Size = field(default_factory=Size)
     """Activations saved outside the blocks (embeddings, head, loss): always stored."""
+    other_in_backward: bool = True
+    """Whether ``other`` is still held while the blocks' backward runs: on CUDA (gradients, optimizer
+    state, memory outside the blocks whatever the plan) it is; the saved tensors of the head and the
+    loss, all the CPU accounting counts there, are released before the blocks' backward starts."""
     _first: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """Per block, the first block with equal costs: costs are computed once per class of blocks."""
 
@@ -259,4 +263,9 @@ class Profile:
                     ),
                 )
             )
-        return Profile(blocks=tuple(blocks), shape=shape, other=Size.linear(self.other_at(shape)))
+        return Profile(
+            blocks=tuple(blocks),
+            shape=shape,
+            other=Size.linear(self.other_at(shape)),
+            other_in_backward=self.other_in_backward,
+        )

@@ -79,10 +79,37 @@ class PlannerSession:
         self._recent[plan.version] = plan
         return plan
 
+    def prices(self) -> list[dict[str, object]]:
+        """How sure each mode's price is, per mode the profile offers beyond storing: ``measured`` (its
+        seconds timed often enough: ``scale`` is measured over profiled), ``trial`` (being measured now)
+        or ``estimate`` (untried: priced at no less than recomputing), with the blocks timed so far."""
+        timing = self.controller.timing
+        scales = dict(timing.scales)
+        trial = self.controller.explorer.trial
+        offered = sorted({m.mode for b in self.profile.blocks for m in b.mode_costs()} - {Mode.STORE})
+        out: list[dict[str, object]] = []
+        for mode in offered:
+            measured = mode in timing.measured_modes
+            state = "trial" if trial is not None and trial.mode == mode else "measured" if measured else "estimate"
+            out.append(
+                {
+                    "mode": mode.name.lower(),
+                    "state": state,
+                    "timed_blocks": timing.timed_blocks(mode),
+                    "scale": scales.get(mode, 1.0) if measured else None,
+                }
+            )
+        return out
+
+    @property
+    def trial_step(self) -> bool:
+        """Whether the last step observed ran a trial of a mode not yet measured at its length."""
+        return self.controller.trial_step
+
     @property
     def steady(self) -> bool:
         """Whether the next steps, if like the last, would change nothing: no loosening under way."""
-        return not self.controller.loosening_pending
+        return not self.controller.loosening_pending and not self.controller.exploring
 
     def _adopt(self, decision: Decision | None) -> Plan | None:
         if decision is None:

@@ -56,13 +56,15 @@ class AtShape:
         self._costs: dict[tuple[Mode, ...], tuple[int, float]] = {}
 
     def cost(self, modes: tuple[Mode, ...]) -> tuple[int, float]:
-        """Bytes of activations at the peak (kept + the largest transient, without the activations
-        outside the blocks) and extra seconds of ``modes``; memoised, as a session prices the few
+        """Bytes of activations at the peak in backward order, less the activations outside the blocks
+        (which callers add), and extra seconds of ``modes``; memoised, as a session prices the few
         plans of its table over and over."""
         hit = self._costs.get(modes)
         if hit is None:
             chosen = choose(self.options, modes)
-            hit = (peak_of(chosen), sum(o.seconds for o in chosen))
+            outside = self.other_bytes
+            peak = peak_of(chosen, outside_bytes=outside, outside_in_backward=self.profile.other_in_backward)
+            hit = (peak - outside, sum(o.seconds for o in chosen))
             if len(self._costs) >= MAX_COSTS:
                 self._costs.clear()
             self._costs[modes] = hit

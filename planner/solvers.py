@@ -1,12 +1,19 @@
 """Solvers: a mode per block so that the predicted peak fits a target at least cost.
 
-The peak is static + sum(kept) + max(transient): additive but for the one
-largest rematerialisation. Each distinct transient is tried as a cap on it,
-leaving a multiple-choice knapsack (least extra seconds with kept bytes
-within target - static - cap). Small models get the exact optimum from a
+The knapsack bounds the peak by static + sum(kept) + max(transient): additive
+but for the one largest rematerialisation. Each distinct transient is tried as
+a cap on it, leaving a multiple-choice knapsack (least extra seconds with kept
+bytes within target - static - cap). Small models get the exact optimum from a
 Pareto-frontier dynamic programme per cap; larger ones the rounded greedy of
 :mod:`rematd.planner.knapsack`, optimal up to rounding one class's count.
 Both skip the caps a lower bound rules out.
+
+The peak itself follows the order of backward (:func:`rematd.planner.cost.peak_of`):
+a block rematerialises after the blocks behind it have released what they kept,
+so the bound overstates it by up to one rematerialisation. The solve therefore
+widens the knapsack's budget by as much of that as the real peak leaves
+(bisected), and within each class of identical blocks puts the modes that bring
+most back first, where fewer kept bytes are held, when the even spread does not fit.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from rematd.planner.cost import peak_of
 from rematd.planner.knapsack import Knapsack, spread
 from rematd.planner.model import Mode, Option, Profile, Shape
+from rematd.planner.ordered import TooManyStates, exact_ordered
 
 # Up to this many blocks the exact frontier programme is cheap.
 EXACT_BLOCKS = 12
@@ -68,12 +76,104 @@ def frequency_of(num_blocks: int, blocks: tuple[int, ...]) -> int:
     return k if every_k_blocks(num_blocks, k) == blocks else 0
 
 
-def _finish(options: list[list[Option]], modes: Sequence[Mode], target: int, static: int) -> Choice:
+@dataclass(frozen=True, slots=True)
+class Outside:
+    """Memory outside the blocks, as the peak in backward order counts it."""
+
+    bytes: int = 0
+    """Bytes outside the blocks at the end of forward (left out of the targets the solvers are given)."""
+    in_backward: bool = True
+    """Whether they are still held while the blocks' backward runs."""
+
+    def peak(self, chosen: Sequence[Option], static: int) -> int:
+        """The peak of ``chosen`` in backward order, less these bytes (what the targets compare with)."""
+        return peak_of(chosen, static, outside_bytes=self.bytes, outside_in_backward=self.in_backward) - self.bytes
+
+
+def _finish(
+    options: list[list[Option]], modes: Sequence[Mode], target: int, static: int, outside: Outside = Outside()
+) -> Choice:
     chosen = [next(o for o in opts if o.mode == m) for opts, m in zip(options, modes, strict=True)]
-    peak = peak_of(chosen, static)
+    peak = outside.peak(chosen, static)
     return Choice(
         modes=tuple(modes), predicted_peak_bytes=peak, extra_seconds=sum(o.seconds for o in chosen), fits=peak <= target
     )
+
+
+def front_loaded(options: list[list[Option]], modes: Sequence[Mode]) -> list[Mode]:
+    """The same count of each mode within each class of identical blocks, those that bring most back
+    in backward first and the stored blocks last: each rematerialisation then runs when the fewest
+    kept bytes are still held."""
+    out = list(modes)
+    for idx in _byte_classes(options):
+        by_mode = {o.mode: o for o in options[idx[0]]}
+        ordered = sorted((modes[i] for i in idx), key=lambda m: (m == Mode.STORE, -by_mode[m].transient, m))
+        for i, mode in zip(idx, ordered, strict=True):
+            out[i] = mode
+    return out
+
+
+def _arranged(options: list[list[Option]], choice: Choice, target: int, static: int, outside: Outside) -> Choice | None:
+    """``choice`` priced in backward order, as it is or front-loaded; None when neither fits ``target``."""
+    for modes in (choice.modes, tuple(front_loaded(options, choice.modes))):
+        found = _finish(options, modes, target, static, outside)
+        if found.fits:
+            return dataclasses.replace(found, extra_seconds=choice.extra_seconds)
+    return None
+
+
+def _ordered(
+    knapsack: Knapsack,
+    options: list[list[Option]],
+    target: int,
+    static: int,
+    exact: bool | None,
+    outside: Outside,
+) -> Choice | None:
+    """The cheapest choice whose peak in backward order fits ``target``: exact for small models
+    (:func:`rematd.planner.ordered.exact_ordered`, seconds pooled as for the bound), else the knapsack
+    solved under wider budgets (its bound overstates the peak by at most the largest
+    rematerialisation), bisected."""
+    if exact is None:
+        exact = len(options) <= EXACT_BLOCKS
+    if exact:
+        pooled = pool_seconds(options)
+        budget = target - static
+        try:
+            modes = exact_ordered(pooled, budget, budget + (0 if outside.in_backward else outside.bytes))
+        except TooManyStates:
+            pass
+        else:
+            if modes is None:
+                return None
+            # Evenly spread when that fits too (the same seconds: the blocks are alike).
+            spread_out = _finish(pooled, _respread(pooled, modes), target, static, outside)
+            return spread_out if spread_out.fits else _finish(pooled, modes, target, static, outside)
+    best = None
+    found = _solve_fitting(knapsack, options, target, static, exact)
+    if found is not None:
+        best = _arranged(options, found, target, static, outside)
+
+    def widened(extra: int) -> Choice | None:
+        wider = _solve_fitting(knapsack, options, target + extra, static, exact)
+        return _arranged(options, wider, target, static, outside) if wider is not None else None
+
+    lo, hi = 0, max((o.transient for opts in options for o in opts), default=0)
+    # The widest first: where it fits (a plan that stores its last blocks), no search is needed.
+    widest = widened(hi) if hi > 0 else None
+    if widest is not None:
+        return widest if best is None or widest.extra_seconds < best.extra_seconds - 1e-15 else best
+    grain = max(1, hi // 64)
+    while hi - lo > grain:
+        mid = (lo + hi) // 2
+        fitting = widened(mid)
+        if fitting is None:
+            hi = mid
+            continue
+        lo = mid
+        if best is None or fitting.extra_seconds < best.extra_seconds - 1e-15:
+            best = fitting
+    return best
 
 
 def _exact(options: list[list[Option]], cap: int, budget: int) -> tuple[float, list[Mode]] | None:
@@ -164,24 +264,30 @@ def solve_prepared(
     static_bytes: int = 0,
     exact: bool | None = None,
     outside_bytes: int = 0,
+    outside_in_backward: bool = True,
 ) -> Choice:
     """:func:`solve` with the knapsack already prepared from ``options`` (many targets, one shape).
 
-    When nothing fits: the cheapest plan whose predicted peak, with ``outside_bytes`` (memory outside
-    the blocks that ``target`` already leaves out), is within :data:`LEAN_NEAR` of the least.
+    ``outside_bytes``: memory outside the blocks, which ``target`` already leaves out; held while the
+    blocks' backward runs when ``outside_in_backward``. When nothing fits: the cheapest plan whose
+    predicted peak, with ``outside_bytes``, is within :data:`LEAN_NEAR` of the least.
     """
-    found = _solve_fitting(knapsack, options, target, static_bytes, exact)
+    outside = Outside(outside_bytes, outside_in_backward)
+    found = _ordered(knapsack, options, target, static_bytes, exact, outside)
     if found is not None:
         return found
-    floor, j = knapsack.least_peak()
+    j = knapsack.least_peak()[1]
+    leanest = _finish(options, knapsack.leanest(j), target, static_bytes, outside)
+    front = _finish(options, front_loaded(options, leanest.modes), target, static_bytes, outside)
+    leanest = front if front.predicted_peak_bytes < leanest.predicted_peak_bytes else leanest
+    floor = leanest.predicted_peak_bytes - static_bytes
     leanest = dataclasses.replace(
-        _finish(options, knapsack.leanest(j), target, static_bytes),
-        note=f"no plan fits: the leanest, {_mib(static_bytes + outside_bytes + floor)} predicted",
+        leanest, note=f"no plan fits: the leanest, {_mib(static_bytes + outside_bytes + floor)} predicted"
     )
     near = int(LEAN_NEAR * (static_bytes + outside_bytes + floor))
     if near <= 0:
         return leanest
-    close = _solve_fitting(knapsack, options, static_bytes + floor + near, static_bytes, exact)
+    close = _ordered(knapsack, options, static_bytes + floor + near, static_bytes, exact, outside)
     if close is None or close.extra_seconds >= leanest.extra_seconds:
         return leanest
     # As lean again as that speed allows: the least budget whose plan costs within LEAN_SECONDS of it.
@@ -189,11 +295,14 @@ def solve_prepared(
     lo, hi = floor, floor + near
     while hi - lo > max(1, near // 256):
         mid = (lo + hi) // 2
-        found = _solve_fitting(knapsack, options, static_bytes + mid, static_bytes, exact)
+        found = _ordered(knapsack, options, static_bytes + mid, static_bytes, exact, outside)
         if found is not None and found.extra_seconds <= limit:
             hi, close = mid, found
         else:
             lo = mid
+    close = dataclasses.replace(
+        _finish(options, close.modes, target, static_bytes, outside), extra_seconds=close.extra_seconds
+    )
     peak = close.predicted_peak_bytes
     return dataclasses.replace(
         close,

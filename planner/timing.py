@@ -193,6 +193,10 @@ class TimeScales:
             if n >= MIN_BLOCKS and self._predicted.get(m, 0) > 0 and self._whole(m) is not None
         )
 
+    def timed_blocks(self, mode: Mode) -> int:
+        """Blocks of ``mode`` timed so far (what its measured price rests on)."""
+        return self._blocks.get(mode, 0)
+
     @property
     def scales(self) -> tuple[tuple[Mode, float], ...]:
         """(mode, scale) for the modes whose measured seconds differ from the profile's; () for none."""

@@ -170,6 +170,12 @@ class Metrics:
         self.plans_issued = Counter("rematd_plans_issued", "Plans sent to training ranks.", ["job"], registry=None)
         self.oom_events = Counter("rematd_oom_events", "Out-of-memory events reported.", ["job"], registry=None)
         self.steps = Counter("rematd_steps", "Training steps reported.", ["job"], registry=None)
+        self.exploration_steps = Counter(
+            "rematd_exploration_steps",
+            "Training steps that ran a trial of a mode not yet measured at their length.",
+            ["job"],
+            registry=None,
+        )
         self.recompiles = Counter(
             "rematd_recompiles", "Graphs compiled for the blocks' variants (attach(..., compile=True)).", ["job"],
             registry=None,
@@ -225,6 +231,7 @@ class Metrics:
             "rematd_plans_issued": (self.plans_issued, "counter"),
             "rematd_oom_events": (self.oom_events, "counter"),
             "rematd_steps": (self.steps, "counter"),
+            "rematd_exploration_steps": (self.exploration_steps, "counter"),
             "rematd_recompiles": (self.recompiles, "counter"),
             "rematd_invalid_messages": (self.invalid_messages, "counter"),
             "rematd_record_rejected_rows": (self.rejected_rows, "counter"),
@@ -235,7 +242,7 @@ class Metrics:
             "rematd_active_streams": (self.active_streams, "gauge"),
         }
         r.register(_Summed(self))
-        self._per_job = (self.plans_issued, self.oom_events, self.steps, self.recompiles)
+        self._per_job = (self.plans_issued, self.oom_events, self.steps, self.exploration_steps, self.recompiles)
 
     def choose_jobs(self, jobs: dict[str, list[RankSample]]) -> set[str]:
         """The live jobs that get series: all up to ``max_jobs``, else those most at risk of running out of

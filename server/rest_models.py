@@ -113,6 +113,18 @@ class Controls(_Closed):
     ended_at: float | None
 
 
+class ModePrice(_Closed):
+    """How sure the planner is of what one mode costs on this rank."""
+
+    mode: ModeName
+    state: Literal["measured", "trial", "estimate"] = Field(
+        description="measured: timed often enough; trial: being measured now; estimate: untried, priced "
+        "at no less than recomputing"
+    )
+    timed_blocks: int = Field(description="blocks of this mode timed so far")
+    scale: float | None = Field(description="measured over profiled seconds, once measured")
+
+
 class RankView(_Closed):
     rank: int
     connected: bool
@@ -123,6 +135,7 @@ class RankView(_Closed):
     modes: list[ModeName] | None = Field(description="what its last step's length runs")
     checkpointed_blocks: list[int] | None
     oom_risk: float | None
+    prices: list[ModePrice] | None = Field(default=None, description="how sure each mode's price is (live ranks)")
 
 
 class InForce(_Closed):

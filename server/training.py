@@ -145,6 +145,7 @@ class TrainingSide:
                 # Present from the start at 0, so that increase() sees the first OOM.
                 self.metrics.oom_events.labels(job)
                 self.metrics.steps.labels(job)
+                self.metrics.exploration_steps.labels(job)
         log.info("rank %s of job %s %s", hello.rank, job, "resumed" if resumed else "connected")
         return session, session.sent
 
@@ -198,7 +199,11 @@ class TrainingSide:
             except ValueError as err:
                 log.warning("%s; planning from the profile", err)
                 warm = None
-            session.base = warm or session.base
+            if warm is not None:
+                # A starting point, not a pin: the planner goes on from it, loosening where this job
+                # measures room (and tightening at once where it must).
+                planner.continue_from(warm)
+                session.base = warm
         with self.sessions.lock:
             session.sent = self.pinned_or(session, session.base)
         return session, recorded
@@ -272,6 +277,8 @@ class TrainingSide:
             }
             session.has_stats = True
             self.metrics.steps.labels(job).inc(stats.steps)
+            if session.planner.trial_step:
+                self.metrics.exploration_steps.labels(job).inc(stats.steps)
             if stats.recompiles:
                 self.metrics.recompiles.labels(job).inc(stats.recompiles)
             if plan is not None:

@@ -102,7 +102,7 @@ class ReadViews:
         # A copy under the lock: HTTP reads run on a thread pool while the event loop adds ranks.
         with self.sessions.lock:
             live = {
-                s.hello.rank: (s.sent, len(s.hello.blocks), s.planner.oom_risk)
+                s.hello.rank: (s.sent, len(s.hello.blocks), s.planner.oom_risk, s.planner.prices())
                 for s in self.sessions.by_job.get(job, {}).values()
             }
         rank_views = []
@@ -134,6 +134,8 @@ class ReadViews:
                     "checkpointed_blocks": [i for i, m in enumerate(force["modes"]) if m != "store"] if force else None,
                     # An ended job carries no live risk: what it last measured is history.
                     "oom_risk": None if ended else (now[2] if now else last.get("oom_risk")),
+                    # How sure the planner is of each mode's price (live ranks only).
+                    "prices": now[3] if now else None,
                 }
             )
         peaks = [r["last_stats"]["peak_bytes"] for r in ranks if r["last_stats"]]

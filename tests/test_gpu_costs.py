@@ -183,10 +183,14 @@ def test_where_nothing_fits_the_plan_is_lean_and_fast_and_says_so(frac: float, m
         assert OFF in modes, "only offload, opted in, can reach this target"
         return
     full = STATIC["full"]
-    # Not offload everywhere at 5x, nor a block stored for 1% of the step at 7% more memory: every block
-    # recomputes: the leanest plan without offload, and within 10% of the leanest with it.
-    assert decision.modes == full, decision.modes
-    assert predicted_peak(full) <= 1.1 * predicted_peak((OFF,) * N)
+    # Not offload everywhere at 5x, nor a block stored for 1% of the step at 7% more memory: the plan
+    # recomputes all but the last blocks, whose stored activations are released before the others
+    # rematerialise: leaner than recomputing every block and no slower, and within 10% of the leanest
+    # with offload.
+    assert all(m == R for m in decision.modes[: N - 2]), decision.modes
+    assert predicted_peak(decision.modes) <= predicted_peak(full)
+    assert seconds_of(decision.modes) <= seconds_of(full) + 1e-9
+    assert predicted_peak(decision.modes) <= 1.1 * predicted_peak((OFF,) * N)
     assert "no plan fits" in decision.reason, decision.reason
     if OFF in modes:
         assert "within 10% of the leanest" in decision.reason, decision.reason

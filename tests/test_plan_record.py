@@ -162,8 +162,11 @@ def test_a_pin_by_modes_is_sent_recorded_and_checked(core: AdvisorCore) -> None:
 
 def test_a_warm_start_keeps_the_modes_and_the_table(core: AdvisorCore) -> None:
     first = run(core, "first")
+    at_128 = Shape(batch=1, seq_len=128, tokens=128)
     for n in range(len(LENGTHS), len(LENGTHS) + 25):
-        step(core, first, n, 128, 8000)
+        # Steps that peak where predicted: the plan it holds fits by the profile alone, as a warm start needs.
+        in_force = next(e for e in first.sent.shape_plans if e.max_tokens >= at_128.tokens)
+        step(core, first, n, 128, in_force.predicted_peak_bytes)
     held = first.sent
     core.close_session(first, ended=True)
     assert any(m == Mode.SELECTIVE for e in held.shape_plans for m in e.modes)
@@ -178,6 +181,27 @@ def test_a_warm_start_keeps_the_modes_and_the_table(core: AdvisorCore) -> None:
     recorded = core.job_plans("second")[0]
     assert recorded["modes"] == mode_names(held.block_modes(8))
     assert len(recorded["shape_plans"]) == len(held.shape_plans)
+    core.close_session(second, ended=True)
+
+
+def test_a_warm_start_loosens_where_this_job_measures_room(core: AdvisorCore) -> None:
+    first = run(core, "lean")
+    # The first job's steps at 128 peaked 30% over the prediction: its plan is lean.
+    for n in range(len(LENGTHS), len(LENGTHS) + 25):
+        in_force = next(e for e in first.sent.shape_plans if e.max_tokens >= 128)
+        step(core, first, n, 128, int(in_force.predicted_peak_bytes * 1.3))
+    core.close_session(first, ended=True)
+    lean = sum(m != Mode.STORE for m in first.sent.modes_for(Shape(batch=1, seq_len=128, tokens=128), 8))
+
+    second, plan = core.open_session(dataclasses.replace(modes_hello("roomy"), budget_bytes=20_000))
+    assert plan.reason.startswith("warm start from job lean"), plan.reason
+    # This job's steps peak where predicted, under twice the budget: within a few dwells the plan
+    # recomputes less than the one it started from.
+    for n in range(40):
+        in_force = next(e for e in second.sent.shape_plans if e.max_tokens >= 128)
+        step(core, second, n, 128, in_force.predicted_peak_bytes)
+    now = sum(m != Mode.STORE for m in second.sent.modes_for(Shape(batch=1, seq_len=128, tokens=128), 8))
+    assert now < lean, (lean, now, second.sent.reason)
     core.close_session(second, ended=True)
 
 

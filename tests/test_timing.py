@@ -113,7 +113,9 @@ def _run(session: PlannerSession, steps: int, selective_s: float, first: int = 0
 
 
 def test_a_mode_is_chosen_for_what_it_measures_not_for_what_the_profile_hopes() -> None:
-    session = PlannerSession(_profile(), budget_bytes=6000, config=ControllerConfig(loosen_after_steps=2))
+    # No trials here (tests/test_explore.py has them): a mode is measured only when a plan runs it.
+    config = ControllerConfig(loosen_after_steps=2, explore_share=0.0)
+    session = PlannerSession(_profile(), budget_bytes=6000, config=config)
     assert Mode.SELECTIVE not in session.plan.modes, "untried, selective costs what recomputing does"
     _run(session, 10, 0.005)
     assert Mode.SELECTIVE not in session.plan.modes, "never run, never measured: still priced as recomputing"
@@ -121,10 +123,12 @@ def test_a_mode_is_chosen_for_what_it_measures_not_for_what_the_profile_hopes() 
     session.controller.timing.observe([ModeSeconds(Mode.SELECTIVE, 8, 0.04)], {Mode.SELECTIVE: 0.01})
     changed = _run(session, 20, 0.005, first=10)
     assert Mode.SELECTIVE in session.plan.modes and changed
-    # Then it measures 20 ms: slower than recomputing and keeping more, it is never chosen again.
+    cheap = dict(session.controller.timing.scales)[Mode.SELECTIVE]
+    # Then it measures 20 ms: the plan gives it up for recomputation as soon as its price says so, and
+    # with no step running it, no measurement lowers that price again: it is never chosen again.
     changed = _run(session, 40, 0.02, first=30)
     assert Mode.SELECTIVE not in session.plan.modes, "dominated by recomputation"
-    assert dict(session.controller.timing.scales)[Mode.SELECTIVE] > 1, "priced over recomputing"
+    assert dict(session.controller.timing.scales)[Mode.SELECTIVE] > cheap, "priced higher than it was"
     assert len(changed) <= 2, f"it settles: {changed}"
 
 

@@ -213,6 +213,7 @@ class Hello:
             ),
             shape=self.profile_shape,
             other=self.other_activations,
+            other_in_backward=self.memory_source == MEMORY_CUDA,
         )
 
 

@@ -1,0 +1,66 @@
+"""The exact optimum under the peak in backward order, for small models.
+
+A block that rematerialises does so while the blocks before it still hold what
+they kept and the blocks after it have released theirs
+(:func:`rematd.planner.cost.peak_of`). So the peak depends on where each mode
+sits, not only on how many blocks take it. The programme walks the blocks in
+order keeping, per partial plan, the bytes kept so far, the worst moment of
+backward so far and the seconds; a partial plan is dropped when another keeps
+no more, peaks no higher and costs no more. Bounded: past ``MAX_STATES`` live
+partial plans it gives up and the caller falls back on the knapsack's bound.
+"""
+
+from __future__ import annotations
+
+from rematd.planner.model import Mode, Option
+
+MAX_STATES = 20_000
+"""Partial plans kept at once before the programme gives up (blocks of many unlike sizes)."""
+
+# A partial plan: (bytes kept so far, worst moment of backward so far, seconds, modes).
+_State = tuple[int, int, float, tuple[Mode, ...]]
+
+
+class TooManyStates(Exception):
+    """The programme grew past :data:`MAX_STATES` partial plans."""
+
+
+def exact_ordered(options: list[list[Option]], kept_budget: int, moment_budget: int) -> list[Mode] | None:
+    """The least extra seconds with every kept byte within ``kept_budget`` and every moment of backward
+    (kept bytes still held plus a block's rematerialisation) within ``moment_budget``; among equal
+    seconds, the fewest blocks not stored, then the lowest peak. None when nothing fits;
+    :class:`TooManyStates` past :data:`MAX_STATES` partial plans."""
+    states: list[_State] = [(0, 0, 0.0, ())]
+    for opts in options:
+        grown: list[_State] = []
+        for kept, worst, secs, modes in states:
+            for o in opts:
+                k = kept + o.kept
+                if k > kept_budget:
+                    continue
+                w = max(worst, k + o.transient) if o.transient else worst
+                if w > moment_budget:
+                    continue
+                grown.append((k, w, secs + o.seconds, (*modes, o.mode)))
+        if not grown:
+            return None
+        states = _pareto(grown)
+        if len(states) > MAX_STATES:
+            raise TooManyStates(f"more than {MAX_STATES} partial plans")
+    best = min(states, key=lambda s: (round(s[2], 12), sum(m != Mode.STORE for m in s[3]), max(s[0], s[1])))
+    return list(best[3])
+
+
+def _pareto(states: list[_State]) -> list[_State]:
+    """``states`` less those another keeps no more than, peaks no higher than and costs no more than."""
+    states.sort(key=lambda s: (s[0], s[1], s[2]))
+    front: list[tuple[int, float]] = []
+    out: list[_State] = []
+    for state in states:
+        _kept, worst, secs, _modes = state
+        # Every state in ``front`` keeps no more (sorted by kept): dominated if one peaks and costs no more.
+        if any(w <= worst and s <= secs + 1e-15 for w, s in front):
+            continue
+        front.append((worst, secs))
+        out.append(state)
+    return out

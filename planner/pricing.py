@@ -1,0 +1,162 @@
+"""The plan table's arithmetic, shared by the controller's decisions: what the profile costs at a
+length (with the measured prices), the cheapest plan that fits a target there once corrected by the
+measured peaks, an entry of the table, and whether a plan fits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rematd.planner.config import ControllerConfig
+from rematd.planner.cost import overhead_ratio
+from rematd.planner.decision import Decision
+from rematd.planner.learned import Learned
+from rematd.planner.model import Mode, Profile, Shape, ShapePlan
+from rematd.planner.plan import entry_for
+from rematd.planner.shapes import AtShape, Scales, at_shape
+from rematd.planner.solvers import Choice, solve_prepared
+from rematd.planner.timing import TimeScales
+
+
+class TablePricing:
+    """Prices and solves the plan table of one profile under what has been learned from measurements."""
+
+    def __init__(self, profile: Profile, config: ControllerConfig | None = None) -> None:
+        self.profile = profile
+        self.config = config or ControllerConfig()
+        ref = profile.shape
+        self._learned = Learned(
+            config=self.config,
+            batch=ref.batch or 1,
+            seqs={ref.seq_len} if ref.seq_len else set(),
+            dwell=self.config.loosen_after_steps,
+        )
+        self._cache: dict[tuple[int, int, int, int, int, int | None, Scales], Choice] = {}
+        self.table: tuple[ShapePlan, ...] = ()
+        self._entries: dict[tuple[Choice, int, int, int, Scales], ShapePlan] = {}
+
+    @property
+    def timing(self) -> TimeScales:
+        """What the modes are measured to cost, against the profile."""
+        return self._learned.timing
+
+    @property
+    def loosening_pending(self) -> bool:
+        """Whether steps with room are being counted towards a looser plan."""
+        return self._learned.headroom_steps > 0
+
+    def bucket_of(self, seq: int) -> int:
+        """The top of the bucket ``seq`` falls in: a rung of a geometric ladder."""
+        return self._learned.bucket_of(seq)
+
+    def correction(self, seq: int, *, pessimistic: bool = False) -> float:
+        """Measured/predicted for a bucket: its second-largest recent ratio (the largest when
+        ``pessimistic``), at least 1. Buckets never measured borrow the largest of any bucket.
+        """
+        return self._learned.correction(seq, pessimistic=pessimistic)
+
+    # -- planning -------------------------------------------------------------
+
+    def _at(self, shape: Shape | None, *, restricted: bool = False) -> AtShape:
+        """The profile prepared at ``shape``; ``restricted`` limits the options to the configured
+        modes (what the solver may pick), unrestricted ones price any plan, including one made under
+        other settings."""
+        return at_shape(
+            self.profile,
+            shape if shape is None or shape.seq_len else None,
+            self.config.allowed_modes if restricted else None,
+            self._learned.timing.scales,
+            prune=restricted,
+        )
+
+    def _shape(self, seq: int) -> Shape:
+        batch = self._learned.batch
+        return Shape(batch=batch, seq_len=seq, tokens=batch * seq)
+
+    def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
+        corr = self._learned.correction(shape.seq_len) if shape.seq_len else 1.0
+        ceiling = self._learned.ceiling(shape.seq_len)
+        key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self._learned.timing.scales)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        at = self._at(shape, restricted=True)
+        # The correction scales activations, not the static memory.
+        other = at.other_bytes
+        effective = static + int(max(0, target - static) / corr) - other
+        if ceiling is not None:
+            effective = min(effective, static + ceiling - 1)
+        choice = solve_prepared(
+            at.knapsack,
+            at.options,
+            effective,
+            static_bytes=static,
+            outside_bytes=other,
+            outside_in_backward=self.profile.other_in_backward,
+        )
+        if other:
+            # Fits: under the target once corrected (a correction below 1 lets the prediction exceed it).
+            choice = dataclasses.replace(
+                choice,
+                predicted_peak_bytes=choice.predicted_peak_bytes + other,
+                fits=choice.predicted_peak_bytes + other <= effective + other,
+            )
+        if len(self._cache) > 64:
+            self._cache.clear()
+        self._cache[key] = choice
+        return choice
+
+    def _entry(self, seq: int, choice: Choice, static: int) -> ShapePlan:
+        key = (choice, seq, self._learned.batch, static, self._learned.timing.scales)
+        hit = self._entries.get(key)
+        if hit is not None:
+            return hit
+        shape = self._shape(seq)
+        at = self._at(shape)
+        peak, extra = at.cost(choice.modes)
+        entry = ShapePlan(
+            max_seq_len=seq,
+            max_tokens=shape.tokens,
+            modes=choice.modes,
+            predicted_peak_bytes=static + at.other_bytes + peak,
+            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
+        )
+        if len(self._entries) > 64:
+            self._entries.clear()
+        self._entries[key] = entry
+        return entry
+
+    def _desired(self, target: int, static: int) -> list[tuple[ShapePlan, Choice]]:
+        out = []
+        for seq in self._learned.ladder():
+            choice = self._solve_at(self._shape(seq), target, static)
+            out.append((self._entry(seq, choice, static), choice))
+        return out
+
+    def _extra(self, modes: tuple[Mode, ...], seq: int) -> float:
+        return self._at(self._shape(seq)).cost(modes)[1]
+
+    def _decision(self, table: list[ShapePlan], shape: Shape, target: int, static: int, reason: str) -> Decision:
+        entry = entry_for(table, shape)
+        at = self._at(shape)
+        modes = entry.modes if entry else (Mode.STORE,) * len(at.options)
+        peak, extra = at.cost(modes)
+        if shape.seq_len:
+            note = self._solve_at(shape, target, static).note
+            if note and note not in reason:
+                reason = f"{reason}; {note}"
+        return Decision(
+            modes=modes,
+            table=tuple(table),
+            predicted_peak_bytes=static + at.other_bytes + peak,
+            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
+            target_bytes=target,
+            reason=reason,
+        )
+
+    def _fits(
+        self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False
+    ) -> bool:
+        at = self._at(shape)
+        correction = self._learned.correction(shape.seq_len, pessimistic=pessimistic)
+        activations = (at.other_bytes + at.cost(modes)[0]) * correction
+        return static + activations <= target

@@ -1,0 +1,261 @@
+"""The planner learns what its modes cost in the job: bounded, safe trials of unmeasured modes, and
+convergence to the plan that is fastest under the true costs, with a fake clock.
+
+A simulated job runs each step under the plan in force: its measured peak is the peak in backward
+order of the modes that ran (times a factor the profile does not know), and each mode's seconds come
+from true costs, not the profile's. Nothing here sleeps or reads a clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import pytest
+
+from rematd.planner import (
+    BlockCost,
+    ControllerConfig,
+    Mode,
+    ModeCost,
+    ModeSeconds,
+    PlannerSession,
+    Profile,
+    Shape,
+    Size,
+    StepObservation,
+)
+from rematd.planner.controller import LOOSEN_SLACK
+from rematd.planner.cost import choose, peak_of
+from rematd.planner.model import Option
+from rematd.planner.solvers import solve
+
+S, K, R = Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE
+N = 8
+REF = Shape(batch=2, seq_len=64, tokens=128)
+FORWARD = 0.01
+"""A block's forward, profiled and true: recomputing it adds this much."""
+
+
+def profile(selective_profiled: float = 0.004) -> Profile:
+    """Eight alike blocks: storing keeps 1000 bytes, selective 400 (600 rematerialised), recomputing 100."""
+    block = BlockCost(
+        saved_bytes=1000,
+        input_bytes=100,
+        forward_seconds=FORWARD,
+        modes=(
+            ModeCost(mode=S, kept=Size.linear(1000)),
+            ModeCost(mode=K, kept=Size.linear(400), transient=Size.linear(600), extra_seconds=selective_profiled),
+            ModeCost(mode=R, kept=Size.linear(100), transient=Size.linear(1000), extra_seconds=FORWARD),
+        ),
+    )
+    return Profile(blocks=(block,) * N, shape=REF)
+
+
+@dataclass
+class Job:
+    """A training job with true costs: what each step measures under the plan in force."""
+
+    session: PlannerSession
+    selective_seconds: float
+    """What selective truly adds per block (the profile prices it at no less than recomputing)."""
+    peak_factor: float = 1.0
+    """Measured peak over the profile's prediction (the profile's own error)."""
+    budget: int = 6000
+    step: int = 0
+    trials: list[tuple[int, tuple[Mode, ...], int]] = field(default_factory=list)
+    """(step, modes, measured peak) of the steps that ran a trial."""
+    peaks: list[int] = field(default_factory=list)
+
+    def run(self, steps: int, seq: int = 64) -> None:
+        for _ in range(steps):
+            shape = Shape(batch=2, seq_len=seq, tokens=2 * seq)
+            modes = self.session.plan.modes_for(shape, N)
+            peak = int(predicted(self.session.profile, modes, shape) * self.peak_factor)
+            scale = seq / 64
+            timed = tuple(
+                ModeSeconds(
+                    m,
+                    modes.count(m),
+                    modes.count(m) * scale * (self.selective_seconds if m == K else FORWARD if m == R else 0.0),
+                    forward_seconds=modes.count(m) * scale * FORWARD,
+                )
+                for m in (S, K, R)
+                if m in modes
+            )
+            self.session.observe(
+                StepObservation(
+                    step=self.step,
+                    peak_bytes=peak,
+                    budget_bytes=self.budget,
+                    shape=shape,
+                    plan_version=self.session.plan.version,
+                    mode_seconds=timed,
+                )
+            )
+            self.peaks.append(peak)
+            if self.session.controller.trial_step:
+                self.trials.append((self.step, modes, peak))
+            self.step += 1
+
+    def seconds(self, modes: tuple[Mode, ...]) -> float:
+        return sum(self.selective_seconds if m == K else FORWARD if m == R else 0.0 for m in modes)
+
+
+def predicted(p: Profile, modes: tuple[Mode, ...], shape: Shape) -> int:
+    return peak_of(choose(p.options_at(shape), modes))
+
+
+def fastest_that_fits(job: Job, target: int, shape: Shape = REF, *, slack: float = 1.0) -> float:
+    """The least true extra seconds of any plan whose peak fits ``target`` (times ``slack``: a plan
+    loosens only into what fits the loosening slack): the exact solver over the true prices."""
+    options = [
+        [Option(o.mode, o.kept, o.transient, job.seconds((o.mode,))) for o in opts]
+        for opts in job.session.profile.options_at(shape)
+    ]
+    choice = solve(options, int(target * slack / job.peak_factor), exact=True)
+    assert choice.fits
+    return choice.extra_seconds
+
+
+def session(config: ControllerConfig | None = None, budget: int = 6000, **kw: float) -> PlannerSession:
+    return PlannerSession(profile(**kw), budget_bytes=budget, config=config or ControllerConfig())
+
+
+def test_an_untried_mode_is_tried_measured_and_chosen_when_it_pays() -> None:
+    job = Job(session(), selective_seconds=0.002)
+    assert K not in job.session.plan.modes, "untried, selective is priced as recomputing"
+    job.run(60)
+    assert job.trials, "a trial ran"
+    assert any(K in modes for _, modes, _ in job.trials)
+    assert K in job.session.plan.modes, "measured cheap, selective wins the plan"
+    target = job.session.plan.target_bytes
+    ours = job.seconds(job.session.plan.modes)
+    assert ours <= 1.05 * fastest_that_fits(job, target) + 1e-12, job.session.plan.modes
+
+
+def test_a_mode_that_measures_dear_is_tried_once_and_dropped() -> None:
+    job = Job(session(), selective_seconds=0.03)  # three times recomputing
+    job.run(80)
+    assert any(K in modes for _, modes, _ in job.trials), "it was tried"
+    assert K not in job.session.plan.modes
+    tried_at = {s for s, modes, _ in job.trials if K in modes}
+    assert max(tried_at) - min(tried_at) < 10, "measured once at this length, not tried again"
+
+
+@pytest.mark.parametrize("budget", [3000, 4500, 6000, 8000])
+@pytest.mark.parametrize("factor", [0.8, 1.0, 1.08])
+def test_trials_never_cross_the_target_and_no_step_crosses_the_budget(budget: int, factor: float) -> None:
+    config = ControllerConfig(explore_share=0.2, explore_stale_steps=15)
+    job = Job(session(config, budget=budget), selective_seconds=0.004, peak_factor=factor, budget=budget)
+    for seq in (64, 48, 64, 40, 64):
+        job.run(40, seq=seq)
+    assert job.trials or all(m == S for m in job.session.plan.modes), "trials ran where something recomputes"
+    target = config.target_bytes(budget)
+    for step, modes, peak in job.trials:
+        assert peak <= target, f"trial at step {step} ({modes}) peaked at {peak} over the target {target}"
+    # Where a plan can fit at all, none crossed the budget.
+    leanest = max(predicted(job.session.profile, (R,) * N, Shape(batch=2, seq_len=s, tokens=2 * s)) for s in (64,))
+    if leanest * factor <= target:
+        assert max(job.peaks) <= budget
+
+
+@pytest.mark.parametrize("share", [0.02, 0.05, 0.2])
+def test_what_trials_cost_stays_within_their_share(share: float) -> None:
+    # Selective measures dear (so no plan keeps measuring it) and is stale after 10 steps: trials want
+    # to run far more often than they may.
+    config = ControllerConfig(explore_share=share, explore_stale_steps=10)
+    job = Job(session(config), selective_seconds=0.03)
+    for k in range(30):
+        job.run(10, seq=(64, 48, 40)[k % 3])
+    explorer = job.session.controller.explorer
+    assert explorer.trials >= 2
+    assert explorer.trial_steps == len(job.trials)
+    assert explorer.trial_steps <= config.explore_steps + share * explorer.steps
+
+
+def test_no_trials_when_exploration_is_off() -> None:
+    job = Job(session(ControllerConfig(explore_share=0.0)), selective_seconds=0.002)
+    job.run(100)
+    assert not job.trials and K not in job.session.plan.modes
+
+
+@pytest.mark.parametrize("truth", [0.001, 0.002, 0.004, 0.007, 0.012, 0.03])
+def test_converges_from_a_mispriced_start_to_the_fastest_plan_under_the_true_costs(truth: float) -> None:
+    # The profile says selective costs 4 ms (and untried, it is priced as recomputing's 10 ms); it truly
+    # costs ``truth``. After convergence the plan in force is the fastest that fits under the true costs.
+    job = Job(session(), selective_seconds=truth)
+    job.run(150)
+    target = job.session.plan.target_bytes
+    ours = job.seconds(job.session.plan.modes)
+    best = fastest_that_fits(job, target)
+    assert ours <= 1.05 * best + 1e-12, (truth, job.session.plan.modes, ours, best)
+    assert predicted(job.session.profile, job.session.plan.modes, REF) <= target
+
+
+def test_the_plan_uses_the_room_that_measured_peaks_show() -> None:
+    # Steps peak at 75% of the prediction: the correction goes below 1 and the plan keeps more.
+    job = Job(session(ControllerConfig(explore_share=0.0)), selective_seconds=0.01, peak_factor=0.75)
+    first = job.session.plan
+    job.run(40)
+    assert job.session.controller.correction(64) == pytest.approx(0.75, abs=0.01)
+    assert job.seconds(job.session.plan.modes) < job.seconds(first.modes)
+    assert max(job.peaks) <= job.session.plan.target_bytes
+    best = fastest_that_fits(job, job.session.plan.target_bytes, slack=LOOSEN_SLACK)
+    assert job.seconds(job.session.plan.modes) <= best + 1e-12
+
+
+def test_after_a_length_change_the_new_length_loosens_within_bounded_steps() -> None:
+    # As in the demo: long steps, then shorter ones with room; measured peaks are 80% of predicted.
+    job = Job(session(ControllerConfig(explore_share=0.0)), selective_seconds=0.01, peak_factor=0.8)
+    job.run(30, seq=96)
+    short = Shape(batch=2, seq_len=60, tokens=120)
+    before = job.session.plan.modes_for(short, N)
+    job.run(30, seq=60)
+    after = job.session.plan.modes_for(short, N)
+    # The length held for a phase has an entry of its own, planned at it rather than at its bucket's top.
+    assert 60 in [e.max_seq_len for e in job.session.plan.shape_plans]
+    assert job.seconds(after) < job.seconds(before) or job.seconds(before) == 0
+    best = fastest_that_fits(job, job.session.plan.target_bytes, short, slack=LOOSEN_SLACK)
+    assert job.seconds(after) <= best + 1e-12, after
+
+
+def test_a_warm_start_from_a_leaner_job_loosens_when_this_job_measures_room() -> None:
+    job = Job(session(ControllerConfig(explore_share=0.0), budget=9000), selective_seconds=0.01, budget=9000)
+    roomy = job.session.plan
+    # The plan of a job that ran under a third of this budget: every block recomputes.
+    lean = dataclasses.replace(
+        roomy,
+        version=roomy.version + 1,
+        modes=(R,) * N,
+        blocks=tuple(range(N)),
+        shape_plans=tuple(dataclasses.replace(e, modes=(R,) * N) for e in roomy.shape_plans),
+    )
+    job.session.continue_from(lean)
+    job.run(20)
+    best = fastest_that_fits(job, job.session.plan.target_bytes, slack=LOOSEN_SLACK)
+    assert job.seconds(job.session.plan.modes) <= best + 1e-12
+    assert job.session.plan.modes != (R,) * N
+
+
+def test_a_trial_says_what_it_measures() -> None:
+    job = Job(session(), selective_seconds=0.002)
+    reasons = []
+    for _ in range(40):
+        before = job.session.plan.version
+        job.run(1)
+        if job.session.plan.version != before:
+            reasons.append(job.session.plan.reason)
+    trial = next(r for r in reasons if r.startswith("trial:"))
+    assert "selective on blocks" in trial and "to measure what selective costs" in trial and "target" in trial
+    assert any(r.startswith("trial over: selective") for r in reasons)
+
+
+def test_a_length_held_for_a_phase_is_tried_on_its_own_entry() -> None:
+    # 56 tokens, held: after the dwell it has an entry of its own, and a trial replaces that entry (the
+    # one its steps run), not the one at the top of its bucket.
+    job = Job(session(budget=4500), selective_seconds=0.002, budget=4500)
+    job.run(60, seq=56)
+    assert 56 in [e.max_seq_len for e in job.session.plan.shape_plans]
+    assert job.trials, "the trial ran on the steps of that length"
+    assert K in job.session.plan.modes_for(Shape(batch=2, seq_len=56, tokens=112), N)

@@ -1,0 +1,90 @@
+"""Trials on real CPU training steps, through a real ``rematd serve`` on loopback: the trial runs the
+untried mode on a few blocks, stays within the budget, says so in its reason (REST) and is counted
+in Prometheus."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from rematd import client
+from rematd.planner.reasons import letters
+
+from .helpers import live_server, tiny_model, train_step
+from .test_dashboard import CHROMIUM, _browser, _page
+
+STEPS = 24
+SEQ = 128
+
+
+def no_checkpoint_peak(seq: int) -> int:
+    model = tiny_model(n_layer=4, d_model=32, seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    h = client.attach(model, optimizer=opt)
+    train_step(model, opt, seq)
+    peak = h.last_stats.saved_peak_bytes if h.last_stats else 0
+    h.close()
+    return peak
+
+
+def test_a_trial_runs_on_real_steps_within_the_budget_and_is_reported(tmp_path: Path) -> None:
+    # About half of what storing every block saves: the plan recomputes, and selective is untried.
+    budget = int(no_checkpoint_peak(SEQ) * 0.55)
+    with live_server(tmp_path) as srv:
+        model = tiny_model(n_layer=4, d_model=32, seed=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        h = client.attach(
+            model, server=srv.grpc, job="explore", budget_bytes=budget, optimizer=opt, modes=["selective", "recompute"]
+        )
+        ran, peaks = [], []
+        for step in range(STEPS):
+            train_step(model, opt, SEQ, seed=step)
+            assert h.flush(20.0), "the service did not answer in time"
+            assert h.last_stats is not None
+            ran.append(letters(tuple(h.modes)))
+            peaks.append(h.last_stats.saved_peak_bytes)
+        plans = httpx.get(f"{srv.url}/api/v1/jobs/explore/plans", timeout=10).json()["plans"]
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        prices = httpx.get(f"{srv.url}/api/v1/jobs/explore", timeout=10).json()["ranks"][0]["prices"]
+        shown = dashboard_prices(srv.url) if os.path.exists(CHROMIUM) else None
+        h.close()
+    reasons = [p["reason"] for p in plans]
+    trials = [r for r in reasons if r.startswith("trial: selective")]
+    assert trials, reasons
+    assert any(r.startswith("trial over: selective") for r in reasons), reasons
+    assert any("s" in modes for modes in ran[1:]), ran
+    assert max(peaks[1:]) <= budget, (peaks, budget)
+    counted = {
+        s.labels.get("job"): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "rematd_exploration_steps_total"
+    }
+    # Each trial runs explore_steps (2) steps; the counter saw them, and no more than their share allows.
+    assert 2 <= counted["explore"] <= 2 + 0.05 * STEPS + 2, counted
+    # How sure each price is: selective was timed by the trial, recomputing by every step.
+    by_mode = {p["mode"]: p for p in prices}
+    assert set(by_mode) == {"selective", "recompute"}
+    assert by_mode["selective"]["timed_blocks"] >= 2 and by_mode["selective"]["state"] in ("measured", "trial")
+    assert by_mode["recompute"]["state"] == "measured" and by_mode["recompute"]["scale"] > 0
+    if shown is not None:
+        assert "selective" in shown and "recompute measured" in shown and "blocks timed" in shown, shown
+
+
+def dashboard_prices(url: str) -> str:
+    """The price line of the job's rank, as the dashboard (real Chromium) shows it."""
+    pw, browser = _browser()
+    try:
+        page, errors = _page(browser)
+        page.goto(f"{url}/#job=explore")
+        page.wait_for_selector("#ranks-body tr[data-rank] .prices", timeout=15_000)
+        text = page.locator("#ranks-body tr[data-rank] .prices").inner_text()
+        assert errors == []
+        return text
+    finally:
+        browser.close()
+        pw.stop()
