@@ -95,11 +95,11 @@ def other_activations(
     the input; what the step created and kept (optimizer state) is later steps' static memory; the
     rest is taken to grow with tokens (:func:`rematd.client.memory.outside_blocks`).
 
-    ``gathered``: the parameters FSDP holds unsharded at the peak, a constant of the model's sharding
-    (:func:`rematd.client.sharding.gathered_at_peak_bytes`), kept out of what grows with tokens."""
+    ``gathered``: on CUDA, the parameters FSDP holds unsharded at the peak, a constant of the model's sharding
+    (:func:`rematd.client.sharding.gathered_at_peak_bytes`), kept out of what grows with tokens. (On the CPU a
+    sharded model's static bytes hold them.)"""
     if not isinstance(memory, CudaMemory):
-        grows = Size.linear(max(0, sample.saved_peak_bytes - static - gathered - blocks_bytes))
-        return with_constant(grows, gathered)
+        return Size.linear(max(0, sample.saved_peak_bytes - static - blocks_bytes))
     outside = outside_blocks(
         peak=sample.peak_allocated_bytes,
         static=static,
@@ -116,11 +116,6 @@ def other_activations(
     left = sum(t.bytes for t in growing) - taken
     terms = [*constant, Term(taken, 0, 0)] if taken else constant
     return Size(tuple([*terms, *([Term(left, 1, 1)] if left else [])]))
-
-
-def with_constant(size: Size, nbytes: int) -> Size:
-    """``size`` and ``nbytes`` more that do not grow with the input."""
-    return Size((*size.terms, Term(nbytes, 0, 0))) if nbytes else size
 
 
 def build_hello(

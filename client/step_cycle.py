@@ -133,11 +133,15 @@ class StepCycle:
                 b.step_shape = self.shape
         self.static = self.memory.static_bytes()
         if self.sharded is not None and not isinstance(self.memory, CudaMemory):
-            # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA, and the
-            # weights FSDP gathers are no activations.
+            # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA, and so are the
+            # parameters FSDP holds gathered at the peak (there at every moment of backward); the weights FSDP
+            # gathers are no activations.
             self.accounting.gathered = self.sharded.storages()
-            self.static += self.sharded.shard_bytes(self.optimizer)
+            self.static += self.sharded.shard_bytes(self.optimizer) + self.sharded.gathered_at_peak
         self.started = time.perf_counter()
+
+    def _on_cuda(self) -> bool:
+        return isinstance(self.memory, CudaMemory)
 
     def _first_step(self) -> None:
         """What can only be seen at the first step: whether (and how) the model is sharded."""
@@ -184,9 +188,7 @@ class StepCycle:
         assert self.memory is not None
         sample = self.memory.sample()
         if self.sharded is not None and not isinstance(self.memory, CudaMemory):
-            sample = dataclasses.replace(
-                sample, saved_peak_bytes=sample.saved_peak_bytes + self.static + self.sharded.gathered_at_peak
-            )
+            sample = dataclasses.replace(sample, saved_peak_bytes=sample.saved_peak_bytes + self.static)
         self.last_memory = sample
         if self.budget_bytes is None:
             self.budget_bytes = max(1, int(sample.total_bytes or self.memory.total_bytes or 2**40))
@@ -244,7 +246,9 @@ class StepCycle:
             budget_bytes=self.budget_bytes,
             static=self.static,
             fresh_grads=self.fresh_grads,
-            gathered=self.sharded.gathered_at_peak if self.sharded is not None else 0,
+            # On CUDA the gathered parameters are in the allocator's peak, beside the blocks; on the CPU they
+            # are part of the static bytes already.
+            gathered=self.sharded.gathered_at_peak if self.sharded is not None and self._on_cuda() else 0,
         )
 
     # -- saved-tensor accounting around the model's forward -------------------

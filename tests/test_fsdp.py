@@ -125,17 +125,18 @@ def test_fsdp_memory_is_in_the_plan_on_the_cpu_accounting_path(tmp_path: Path) -
     for rank, r in enumerate(run_ranks("fsdp_memory", tmp_path, world=2, config={})):
         # FSDP's gathered weights are not activations: the sharded blocks profile as the unsharded ones.
         assert r["sharded_saved"] == r["plain_saved"], rank
-        # The two blocks gathered at the start of backward, as a constant beside the activations.
-        assert r["gathered"] > 0 and [r["gathered"], 0, 0] in r["other_terms"], r
-        # The rank's shards (half the parameters, then their gradients and Adam's two moments) are static.
-        assert r["hello_static"] == r["full_param_bytes"] // 2
-        assert r["static"] == r["shard_bytes"] == 3 * r["full_param_bytes"] // 2
-        assert r["store_peak"] > r["static"] + r["gathered"]
+        # The rank's shards (half the parameters, then their gradients and Adam's two moments) are static, and
+        # so are the parameters gathered in backward (every moment of it holds some), not what grows with tokens.
+        assert r["gathered"] > 0 and all(t[1] or t[2] for t in r["other_terms"]), r
+        assert r["hello_static"] == r["full_param_bytes"] // 2 + r["gathered"]
+        assert r["shard_bytes"] == 3 * r["full_param_bytes"] // 2
+        assert r["static"] == r["shard_bytes"] + r["gathered"]
+        assert r["store_peak"] > r["static"]
         settled = r["runs"][2:]
         assert any(m != "STORE" for m in settled[-1]["modes"]), "the cut budget did not make the planner checkpoint"
         for run in settled:
             assert run["peak"] <= r["budget"], (run, r["budget"])
-            assert run["predicted"] >= r["static"] + r["gathered"]
+            assert run["predicted"] >= r["static"]
             assert abs(run["predicted"] - run["peak"]) <= 0.1 * run["peak"], run
 
 

@@ -59,8 +59,8 @@ def main() -> None:
         shard_bytes=sharded.shard_bytes(opt),
         full_param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
     )
-    activations = stats.saved_peak_bytes - stats.static_bytes - sharded.gathered_at_peak
-    budget = stats.static_bytes + sharded.gathered_at_peak + int(0.6 * activations)
+    activations = stats.saved_peak_bytes - stats.static_bytes
+    budget = stats.static_bytes + int(0.6 * activations)
     h.budget_bytes = budget
     runs = []
     for n in range(3, 9):
