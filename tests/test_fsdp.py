@@ -103,7 +103,9 @@ def test_ranks_that_plan_differently_run_the_leanest_plan_together(tmp_path: Pat
         assert len(modes) == 1, f"step {k}: the ranks ran {modes}"
         assert results[0]["steps"][k]["modes"] == results[0]["steps"][k]["own"]
         assert results[1]["steps"][k]["own"] != results[1]["steps"][k]["modes"], "rank 1 should plan otherwise"
-        assert all(r["steps"][k]["recomputed"] == len(r["steps"][k]["modes"]) for r in results)
+        # Where nothing fits, rank 0's plan is the leanest there is: every block but the last recomputes (the
+        # last one's activations are the first backward frees).
+        assert all(r["steps"][k]["recomputed"] >= len(r["steps"][k]["modes"]) - 1 for r in results)
     for rank, result in enumerate(results):
         assert all(s["loss_equal"] and s["grads_equal"] and s["params_equal"] for s in result["steps"]), rank
     assert results[0]["adopted"] == 0 and all(r["adopted"] >= 4 for r in results[1:])
@@ -147,7 +149,8 @@ def test_ranks_on_different_service_workers_run_one_plan(tmp_path: Path) -> None
     assert sorted(r["rank"] for r in job["ranks"]) == [0, 1] and job["world_size"] == 2
     for k in range(1, 6):
         assert results[0]["steps"][k]["modes"] == results[1]["steps"][k]["modes"], f"step {k}"
-    assert set(results[1]["steps"][-1]["modes"]) == {"RECOMPUTE"}, "rank 0's leaner plan was not run by rank 1"
+    last = results[1]["steps"][-1]["modes"]
+    assert last.count("RECOMPUTE") >= len(last) - 1, "rank 0's leaner plan was not run by rank 1"
     assert results[1]["adopted"] > 0 and results[0]["adopted"] == 0
 
 
