@@ -78,7 +78,8 @@ def test_plans_change_recompute_and_memory() -> None:
     assert h.plan.version >= 1
     train_step(model, opt, 64)
     assert h.plan.blocks, "a budget below the no-checkpoint peak must checkpoint"
-    assert "tighten" in h.plan.reason
+    # The cut tightened the plan (a trial of an untried mode may follow it within the new budget).
+    assert any("tighten" in p.reason for p in h.history), [p.reason for p in h.history]
     assert h.last_stats.saved_peak_bytes < free_peak
     assert h.last_stats.saved_peak_bytes <= h.budget_bytes
     flops_ckpt = _forward_flops(model, 64)
