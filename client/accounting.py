@@ -20,19 +20,19 @@ from rematd.client.errors import OutOfMemory
 def storage_id(t: torch.Tensor) -> int | None:
     """A storage's identity that outlives FSDP's resizing it to nothing and back (unlike its address)."""
     try:
-        return int(_plain(t).untyped_storage()._cdata)
+        return int(local_part(t).untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     """A distributed tensor's local part (what this rank holds); any other tensor as it is."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    t = _plain(t)
+    t = local_part(t)
     try:
         return (str(t.device), t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
@@ -40,7 +40,7 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 def storage_bytes(t: torch.Tensor) -> int:
-    t = _plain(t)
+    t = local_part(t)
     try:
         return int(t.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
@@ -69,7 +69,7 @@ def unique_bytes(tensors: Iterable[torch.Tensor], exclude: frozenset[tuple[str, 
 
 
 def _fast_key(t: torch.Tensor) -> tuple[str, int]:
-    t = _plain(t)
+    t = local_part(t)
     try:
         return (t.device.type, t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
@@ -128,7 +128,7 @@ class SavedTensorAccounting:
                 return t
         except (RuntimeError, NotImplementedError):
             # A distributed tensor (tensor parallel) has no storage of its own: its local part is what is held.
-            local = _plain(t)
+            local = local_part(t)
             if self.gathered and local is not t and storage_id(local) in self.gathered:
                 return t
             key, size = _fast_key(t), storage_bytes(t)

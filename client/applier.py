@@ -6,18 +6,10 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from rematd.client.plan_sync import leanest
 from rematd.client.switch import SwitchableBlock
 from rematd.planner import Mode, Plan, Shape
 from rematd.planner.plan import entry_for
-
-LEANNESS = (Mode.RECOMPUTE, Mode.OFFLOAD, Mode.SELECTIVE, Mode.STORE)
-"""Modes from the one that keeps the least on the device."""
-
-
-def leanest(offer: frozenset[Mode]) -> Mode:
-    """The mode of ``offer`` that keeps the least (recompute whenever it is offered)."""
-    return next((m for m in LEANNESS if m in offer), Mode.RECOMPUTE)
-
 
 log = logging.getLogger("rematd.client")
 

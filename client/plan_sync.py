@@ -17,7 +17,7 @@ leanness score), at the first forward of the step, when every rank is there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -30,6 +30,11 @@ PROFILING = 0
 
 _LEANNESS = {Mode.STORE: 0, Mode.SELECTIVE: 1, Mode.OFFLOAD: 2, Mode.RECOMPUTE: 2}
 """How much of a block's activations a mode keeps off the device, in order: more is leaner."""
+
+
+def leanest(offer: Collection[Mode]) -> Mode:
+    """The mode of ``offer`` that keeps the least on the device (recompute among equals; recompute when empty)."""
+    return max(offer, key=lambda m: (_LEANNESS[m], m is Mode.RECOMPUTE), default=Mode.RECOMPUTE)
 
 
 def leanness(codes: Sequence[int]) -> int:

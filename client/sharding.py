@@ -21,17 +21,14 @@ is private: where it cannot be read, the parameters' own sizes stand in.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from rematd.client.accounting import storage_id
+from rematd.client.accounting import local_part, storage_id
 from rematd.client.errors import UnsupportedModel
-
-log = logging.getLogger("rematd.client")
 
 try:  # torch >= 2.6 exports FSDP2 here; older builds have it under _composable
     from torch.distributed.fsdp import FSDPModule
@@ -121,16 +118,6 @@ def _names(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    if DTensor is not None and isinstance(t, DTensor):
-        return t.to_local()
-    return t
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return int(t.numel() * t.element_size())
-
-
 @dataclass(frozen=True, slots=True)
 class UnitMemory:
     """One FSDP unit's parameters as FSDP holds them."""
@@ -151,11 +138,9 @@ def _fsdp_params(unit: nn.Module) -> list[object]:
 def unit_memory(unit: nn.Module) -> UnitMemory:
     """How much the unit's parameters take gathered, and how much of that stays gathered after its forward."""
     try:
-        params = _fsdp_params(unit)
-        state = unit._get_fsdp_state()  # type: ignore[operator]
-        group = state._fsdp_param_group
+        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
         unsharded = 0
-        for p in params:
+        for p in group.fsdp_params if group is not None else ():
             dtype = getattr(p, "param_dtype", None) or p.orig_dtype  # type: ignore[attr-defined]
             unsharded += int(p._orig_size.numel()) * torch.empty((), dtype=dtype).element_size()  # type: ignore[attr-defined]
         if group is None or group.post_forward_mesh_info is None:
@@ -165,8 +150,7 @@ def unit_memory(unit: nn.Module) -> UnitMemory:
         size = int(group.post_forward_mesh_info.shard_mesh_size)
         return UnitMemory(unsharded, unsharded // max(1, size))
     except Exception:  # a torch whose private state differs: the parameters' global sizes stand in
-        own = [p for p in _own_parameters(unit)]
-        total = sum(p.numel() * p.element_size() for p in own)
+        total = sum(p.numel() * p.element_size() for p in _own_parameters(unit))
         return UnitMemory(int(total), 0)
 
 
@@ -206,8 +190,8 @@ def sharded_parameters(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    local = getattr(t, "_local_tensor", None)  # a DTensor's own part, without building a new view
-    return _nbytes(local if isinstance(local, torch.Tensor) else t)
+    local = local_part(t)
+    return int(local.numel() * local.element_size())
 
 
 def shard_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> int:
@@ -228,7 +212,7 @@ def shard_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
 def gathered_storages(model: nn.Module) -> frozenset[int]:
     """Identities of the storages FSDP gathers parameters into, once it has gathered them (FSDP keeps them
     and resizes them in place), so that saved-tensor accounting does not count gathered weights as activations."""
-    ids: set[int | None] = set()
+    tensors: list[torch.Tensor] = []
     for m in model.modules():
         if not is_unit(m):
             continue
@@ -237,19 +221,21 @@ def gathered_storages(model: nn.Module) -> frozenset[int]:
         except Exception:
             continue
         for p in params:
-            ids.update(storage_id(t) for t in getattr(p, "all_gather_outputs", None) or ())
+            tensors.extend(getattr(p, "all_gather_outputs", None) or ())
             unsharded = getattr(p, "_unsharded_param", None)
             if unsharded is not None:
-                ids.add(storage_id(unsharded))
-    ids.discard(None)
-    return frozenset(i for i in ids if i is not None)
+                tensors.append(unsharded)
+    return _storage_ids(tensors)
 
 
 def parameter_storages(module: nn.Module) -> frozenset[int]:
     """Identities of the storages of ``module``'s parameters as they are now (inside an FSDP unit's forward:
     the gathered ones)."""
-    ids = {storage_id(p) for p in module.parameters()}
-    return frozenset(i for i in ids if i is not None)
+    return _storage_ids(module.parameters())
+
+
+def _storage_ids(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    return frozenset(i for i in map(storage_id, tensors) if i is not None)
 
 
 class ShardedModel:

@@ -132,7 +132,7 @@ class StepCycle:
             for b in self.blocks:
                 b.step_shape = self.shape
         self.static = self.memory.static_bytes()
-        if self.sharded is not None and not isinstance(self.memory, CudaMemory):
+        if self.sharded is not None and not self._on_cuda():
             # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA, and so are the
             # parameters FSDP holds gathered at the peak (there at every moment of backward); the weights FSDP
             # gathers are no activations.
@@ -187,7 +187,7 @@ class StepCycle:
     def _report(self) -> None:
         assert self.memory is not None
         sample = self.memory.sample()
-        if self.sharded is not None and not isinstance(self.memory, CudaMemory):
+        if self.sharded is not None and not self._on_cuda():
             sample = dataclasses.replace(sample, saved_peak_bytes=sample.saved_peak_bytes + self.static)
         self.last_memory = sample
         if self.budget_bytes is None:
