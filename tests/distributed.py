@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,10 @@ def run_ranks(
             )
         )
     outputs: list[str] = []
+    deadline = time.monotonic() + timeout  # one for all ranks: a hung rank fails the test in ``timeout``
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             outputs.append(out)
     finally:
         for p in procs:
