@@ -14,14 +14,23 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
+_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O", Mode.COMPRESS: "C"}
 # How much of a block's forward runs again in backward: what "recomputes less" counts.
-_RECOMPUTED = {Mode.STORE: 0, Mode.OFFLOAD: 0, Mode.SELECTIVE: 1, Mode.RECOMPUTE: 2}
+_RECOMPUTED = {Mode.STORE: 0, Mode.OFFLOAD: 0, Mode.COMPRESS: 0, Mode.SELECTIVE: 1, Mode.RECOMPUTE: 2}
+LEGEND = "(. store, s selective, R recompute, O offload, C compress)"
 
 
 def letters(modes: tuple[Mode, ...]) -> str:
-    """Modes one letter a block: . store, s selective, R recompute, O offload."""
+    """Modes one letter a block: . store, s selective, R recompute, O offload, C compress."""
     return "".join(_LETTERS[m] for m in modes)
+
+
+def lossy_note(modes: tuple[Mode, ...], table: tuple[ShapePlan, ...]) -> str:
+    """What a plan that compresses says of it: its gradients are close to storing's, not bitwise equal."""
+    blocks = sorted({i for ms in (modes, *(e.modes for e in table)) for i, m in enumerate(ms) if m == Mode.COMPRESS})
+    if not blocks:
+        return ""
+    return f"lossy: blocks {', '.join(map(str, blocks))} compress their saved activations (C)"
 
 
 def changed(
@@ -57,9 +66,9 @@ def what_changed(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...], mo
             else f"length <= {seq}: {letters(new.modes)} (new)"
         )
     if not parts:
-        return "modes unchanged (. store, s selective, R recompute, O offload)"
+        return f"modes unchanged {LEGEND}"
     shown = parts[:most] + ([f"and {len(parts) - most} more"] if len(parts) > most else [])
-    return ", ".join(shown) + " (. store, s selective, R recompute, O offload)"
+    return ", ".join(shown) + f" {LEGEND}"
 
 
 def initial_reason(choice: Choice, target: int) -> str:

@@ -28,6 +28,8 @@ class Mode(enum.IntEnum):
     """Keep only the block's input; run its forward again in backward."""
     OFFLOAD = 4
     """Copy the saved activations to host memory until backward."""
+    COMPRESS = 5
+    """Keep the saved activations quantized (8 bits, or bf16) until backward: lossy, and only where enabled."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
