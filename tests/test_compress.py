@@ -4,6 +4,7 @@ close its gradients stay, and that the planner takes it only where it was enable
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from rematd.planner.cost import choose, peak_of
 from rematd.planner.model import BlockCost
 from rematd.records import BlockRecord, Hello, StepStats
 
+from .distributed import run_ranks
 from .helpers import batch, tiny_model
 
 SMALL = CompressConfig(min_bytes=1024)
@@ -259,3 +261,19 @@ def test_the_new_mode_crosses_the_wire() -> None:
         shape_plans=(entry,),
     )
     assert wire.plan_from_pb(wire.plan_to_pb(plan)) == plan
+
+
+def test_fsdp2_ranks_train_with_every_block_compressed(tmp_path: Path) -> None:
+    for rank, steps in enumerate(run_ranks("fsdp_compress", tmp_path, world=2, config={})):
+        profiled, *pinned = steps
+        for step in pinned:
+            where = (rank, step)
+            assert step["modes"] == [step["pinned"].upper()] * len(step["modes"]), where
+            assert step["loss_equal"], "forward is untouched: the losses are plain FSDP2's"
+            if step["pinned"] == "store":
+                assert step["error"] == 0.0, where
+            else:
+                assert 0 < step["error"] <= 0.03 and step["cosine"] >= 0.999, where
+        compressed = [s["saved_peak_bytes"] for s in pinned if s["pinned"] == "compress"]
+        stored = [s["saved_peak_bytes"] for s in pinned if s["pinned"] == "store"]
+        assert max(compressed) < min(stored), (rank, compressed, stored)
