@@ -135,14 +135,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, numel: int, dtype: t
 
 @dataclass(slots=True, eq=False)
 class Packed:
-    """One saved tensor as a compressed block keeps it."""
+    """A run of a storage's elements, compressed; the saved tensors that view it restore from it."""
 
     values: torch.Tensor
     scale: torch.Tensor | None
-    shape: torch.Size
+    numel: int
     dtype: torch.dtype
-    order: tuple[int, ...] | None
-    """The permutation that made it contiguous (None: it was copied contiguous)."""
     held: tuple[Any, ...] = ()
     """The accounting's holders of the compressed bytes (released with this)."""
     restored: weakref.ref[torch.Tensor] | None = None
@@ -152,34 +150,58 @@ class Packed:
         scale = self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
         return self.values.numel() * self.values.element_size() + scale
 
-    def restore(self) -> torch.Tensor:
-        """The tensor in its dtype, shape and (for a permuted one) strides; the same one while it lives."""
+    def flat(self) -> torch.Tensor:
+        """The run restored, 1-D; the same tensor while it lives (two ops' inputs share one copy)."""
         alive = self.restored() if self.restored is not None else None
         if alive is not None:
-            return alive  # saved twice (two ops' inputs): one restored copy serves both
-        numel = self.shape.numel()
-        flat = dequantize(self.values, self.scale, numel, self.dtype)
-        if self.order is None:
-            out = flat.view(self.shape)
-        else:
-            inverse = tuple(sorted(range(len(self.order)), key=lambda d: self.order[d]))  # type: ignore[index]
-            out = flat.view([self.shape[d] for d in self.order]).permute(inverse)
+            return alive
+        out = dequantize(self.values, self.scale, self.numel, self.dtype)
         self.restored = weakref.ref(out)
         return out
 
 
-def pack_tensor(t: torch.Tensor, config: CompressConfig) -> Packed | None:
-    """``t`` compressed; None when it holds what the format cannot represent (CPU only)."""
+@dataclass(slots=True, eq=False)
+class Saved:
+    """One saved tensor: a view of a packed run."""
+
+    packed: Packed
+    shape: torch.Size
+    order: tuple[int, ...] | None
+    """The permutation that made it contiguous (None: it was copied contiguous)."""
+
+    def restore(self) -> torch.Tensor:
+        """The tensor in its dtype, shape and (for a permuted one) strides."""
+        flat = self.packed.flat()
+        if self.order is None:
+            return flat.view(self.shape)
+        order = self.order
+        inverse = tuple(sorted(range(len(order)), key=lambda d: order[d]))
+        return flat.view([self.shape[d] for d in order]).permute(inverse)
+
+
+def region(t: torch.Tensor) -> tuple[tuple[object, ...], tuple[int, ...] | None]:
+    """What ``t`` compresses as: the run of its storage it covers (a dense tensor, in any order: views of
+    one run, a softmax's output and the batched matmul's view of it, share one compressed copy) or, for
+    a tensor with gaps, its own geometry; and the permutation that makes it contiguous."""
+    where = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.device)
     order = _dense_order(t)
+    return ((*where, t.numel()) if order is not None else (*where, tuple(t.shape), t.stride())), order
+
+
+def pack_run(t: torch.Tensor, order: tuple[int, ...] | None, config: CompressConfig) -> Packed | None:
+    """The run ``t`` covers, compressed; None when it holds what the format cannot represent (CPU only)."""
     flat = t.permute(order).reshape(-1) if order is not None else t.reshape(-1)
-    packed = quantize(flat, config)
-    if packed is None:
+    quantized = quantize(flat, config)
+    if quantized is None:
         return None
-    return Packed(values=packed[0], scale=packed[1], shape=t.shape, dtype=t.dtype, order=order)
+    return Packed(values=quantized[0], scale=quantized[1], numel=flat.numel(), dtype=t.dtype)
 
 
-def _geometry(t: torch.Tensor) -> tuple[object, ...]:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+def pack_tensor(t: torch.Tensor, config: CompressConfig) -> Saved | None:
+    """``t`` compressed on its own (no sharing with other views)."""
+    order = region(t)[1]
+    packed = pack_run(t, order, config)
+    return Saved(packed, t.shape, order) if packed is not None else None
 
 
 class Compressor:
@@ -200,6 +222,8 @@ class Compressor:
         """Around one block's forward. ``constants``: storages of its inputs that need no gradient;
         ``weights``: storages of its parameters as it runs them (FSDP's gathered ones)."""
         seen: dict[tuple[object, ...], tuple[weakref.ref[torch.Tensor], Packed]] = {}
+        """Runs compressed in this forward, by :func:`region`; the first view's liveness says the run is
+        the same memory still."""
         acct = self.accounting if self.accounting is not None and self.accounting.active else None
         excluded = self.accounting.excluded if self.accounting is not None else frozenset()
 
@@ -211,28 +235,28 @@ class Compressor:
                 return keep(t)
             if weights and storage_id(t) in weights:
                 return keep(t)
-            key = _geometry(t)
+            key, order = region(t)
             hit = seen.get(key)
             if hit is not None and hit[0]() is not None:
-                return hit[1]  # the same tensor saved again: compressed once
-            packed = pack_tensor(t, self.config)
+                return Saved(hit[1], t.shape, order)  # another view of a run already compressed
+            packed = pack_run(t, order, self.config)
             if packed is None:
                 return keep(t)
             if acct is not None:
                 packed.held = tuple(acct.pack(x) for x in (packed.values, packed.scale) if x is not None)
             seen[key] = (weakref.ref(t), packed)
-            return packed
+            return Saved(packed, t.shape, order)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
 
     def _unpack(self, x: Any) -> torch.Tensor:
-        if not isinstance(x, Packed):
+        if not isinstance(x, Saved):
             return SavedTensorAccounting.unpack(x)
         timer = self.timer
         if timer is None:
             return x.restore()
-        if x.values.is_cuda:
+        if x.packed.values.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = x.restore()
@@ -261,51 +285,57 @@ class CompressPrice:
 
 
 class CompressProbe:
-    """Measures at the profile what a block would keep compressed: it compresses each tensor the block
-    saved, as the mode would (once per view), times that and the restore, and counts the bytes."""
+    """Measures at the profile what a block would keep compressed: it compresses each run of memory the
+    block saved, as the mode would (once per :func:`region`), times that and the restore, and counts the
+    bytes."""
 
     def __init__(self, config: CompressConfig, constants: frozenset[int], cuda: bool) -> None:
         self.config = config
         self.constants = constants
         self.cuda = cuda
-        self._views: dict[tuple[str, int], dict[tuple[object, ...], torch.Tensor | None]] = {}
+        self._runs: dict[tuple[str, int], dict[tuple[object, ...], torch.Tensor | None]] = {}
+        """Per storage, the runs saved on it: a tensor to compress, or None for one kept as it is."""
 
     def record(self, key: tuple[str, int], t: torch.Tensor) -> None:
         """One saved tensor (not a parameter's) on the storage ``key``."""
-        views = self._views.setdefault(key, {})
-        ok = compressible(t, self.config, self.constants)
-        views[_geometry(t) if ok else ("kept",)] = t if ok else None
+        runs = self._runs.setdefault(key, {})
+        if compressible(t, self.config, self.constants):
+            runs.setdefault(region(t)[0], t)
+        else:
+            runs[("kept",)] = None
 
     def measure(self, stored: dict[tuple[str, int], int]) -> CompressPrice:
         """The price, from ``stored``: each storage's bytes when stored."""
         kept: dict[tuple[str, int], int] = {}
         restored: list[tuple[int, tuple[str, int]]] = []
         seconds = 0.0
-        for key, views in self._views.items():
-            full = stored.get(key, 0)
-            kept[key] = full if ("kept",) in views else 0
-            for t in views.values():
-                if t is None:
-                    continue
+        for key, runs in self._runs.items():
+            compressed, whole = 0, ("kept",) in runs
+            for t in (t for t in runs.values() if t is not None):
                 nbytes, spent = self._compress(t)
                 seconds += spent
-                kept[key] += full if nbytes is None else nbytes
-                if nbytes is not None:
-                    restored.append((t.numel() * t.element_size(), key))
-        # Backward restores a node's saved tensors together: a matmul's two inputs at most, for long.
-        largest = sorted(restored, reverse=True)[:2]
-        transient: dict[tuple[str, int], int] = {}
-        for nbytes, key in largest:
-            transient[key] = transient.get(key, 0) + nbytes
-        self._views.clear()
-        return CompressPrice(kept=kept, transient=transient, seconds=seconds)
+                whole = whole or nbytes is None
+                compressed += nbytes or 0
+                restored.append((t.numel() * t.element_size(), key))
+            # A storage some saved tensor keeps as it is stays whole, beside any compressed runs of it.
+            kept[key] = compressed + (stored.get(key, 0) if whole else 0)
+        self._runs.clear()
+        return CompressPrice(kept=kept, transient=_two_largest(restored), seconds=seconds)
 
     def _compress(self, t: torch.Tensor) -> tuple[int | None, float]:
         sync: Callable[[], None] = torch.cuda.synchronize if self.cuda else (lambda: None)
         sync()
         began = time.perf_counter()
-        packed = pack_tensor(t.detach(), self.config)
-        if packed is not None:
-            packed.restore()
+        saved = pack_tensor(t.detach(), self.config)
+        if saved is not None:
+            saved.restore()
         sync()
-        return (packed.nbytes if packed is not None else None), time.perf_counter() - began
+        return (saved.packed.nbytes if saved is not None else None), time.perf_counter() - began
+
+
+def _two_largest(restored: list[tuple[int, tuple[str, int]]]) -> dict[tuple[str, int], int]:
+    """Backward restores one node's saved tensors together (a matmul's two inputs): the transient bytes."""
+    transient: dict[tuple[str, int], int] = {}
+    for nbytes, key in sorted(restored, reverse=True)[:2]:
+        transient[key] = transient.get(key, 0) + nbytes
+    return transient
