@@ -61,14 +61,14 @@ def counting_batches(setup: Setup, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def tiny_llama(quick: bool) -> nn.Module:
+def tiny_llama(quick: bool, width: int = 128) -> nn.Module:
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64 if quick else 128,
-        intermediate_size=128 if quick else 384,
+        hidden_size=64 if quick else width,
+        intermediate_size=128 if quick else 3 * width,
         num_hidden_layers=2 if quick else 4,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -78,8 +78,8 @@ def tiny_llama(quick: bool) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def small_gpt(quick: bool) -> nn.Module:
-    return gpt(n_layer=2 if quick else 4, d_model=64 if quick else 128, n_head=4, seed=0)
+def small_gpt(quick: bool, width: int = 128) -> nn.Module:
+    return gpt(n_layer=2 if quick else 4, d_model=64 if quick else width, n_head=4, seed=0)
 
 
 def gpt_loss(model: nn.Module, data: torch.Tensor) -> torch.Tensor:
@@ -212,18 +212,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller models, 12 steps (smoke run)")
     parser.add_argument("--steps", type=int, default=0, help="training steps per run (default 300; 12 with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier timings)")
+    parser.add_argument("--width", type=int, default=128, help="the models' width (default 128)")
+    parser.add_argument("--models", default="gpt,llama", help="which models, comma-separated (default gpt,llama)")
     parser.add_argument("--out", default="artifacts/bench-compress.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     steps = args.steps or (12 if args.quick else 300)
     setup = Setup(batch=4, seq=64, steps=steps)
-    models = [("gpt", lambda: small_gpt(args.quick), gpt_loss), ("llama", lambda: tiny_llama(args.quick), hf_loss)]
+    builders = {
+        "gpt": (lambda: small_gpt(args.quick, args.width), gpt_loss),
+        "llama": (lambda: tiny_llama(args.quick, args.width), hf_loss),
+    }
+    models = [(name, *builders[name]) for name in args.models.split(",")]
     report: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": []}
     for name, build, loss_fn in models:
         began = time.perf_counter()
         result = bench_model(name, build, loss_fn, setup)
         report["models"].append(result)
-        print(f"\n{name}: batch {setup.batch}, seq {setup.seq}, {steps} steps ({time.perf_counter() - began:.0f} s)")
+        took = time.perf_counter() - began
+        print(f"\n{name}: width {args.width}, batch {setup.batch}, seq {setup.seq}, {steps} steps ({took:.0f} s)")
         print(table(result["rows"], COLUMNS), flush=True)
     write_json(args.out, report)
     print(f"\nwrote {args.out}")

@@ -167,7 +167,7 @@ class Saved:
     packed: Packed
     shape: torch.Size
     order: tuple[int, ...] | None
-    """The permutation that made it contiguous (None: it was copied contiguous)."""
+    """The permutation that made it contiguous (None: it was contiguous, or copied contiguous)."""
 
     def restore(self) -> torch.Tensor:
         """The tensor in its dtype, shape and (for a permuted one) strides."""
@@ -184,6 +184,8 @@ def region(t: torch.Tensor) -> tuple[tuple[object, ...], tuple[int, ...] | None]
     one run, a softmax's output and the batched matmul's view of it, share one compressed copy) or, for
     a tensor with gaps, its own geometry; and the permutation that makes it contiguous."""
     where = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.device)
+    if t.is_contiguous():
+        return (*where, t.numel()), None
     order = _dense_order(t)
     return ((*where, t.numel()) if order is not None else (*where, tuple(t.shape), t.stride())), order
 
