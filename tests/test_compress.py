@@ -265,7 +265,7 @@ def test_the_new_mode_crosses_the_wire() -> None:
 
 def test_fsdp2_ranks_train_with_every_block_compressed(tmp_path: Path) -> None:
     for rank, steps in enumerate(run_ranks("fsdp_compress", tmp_path, world=2, config={})):
-        profiled, *pinned = steps
+        _profiling, *pinned = steps
         for step in pinned:
             where = (rank, step)
             assert step["modes"] == [step["pinned"].upper()] * len(step["modes"]), where
