@@ -24,6 +24,7 @@ synchronisation on CUDA, where such a block of elements restores as NaN).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import weakref
@@ -38,6 +39,8 @@ from torch.nn import functional as F
 from rematd.client.accounting import SavedTensorAccounting, storage_id, storage_key
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.planner import Mode
+
+log = logging.getLogger("rematd.client")
 
 FORMATS = ("int8", "fp8", "bf16")
 """What a compressed element is: an 8-bit integer or an FP8 (e4m3) number with a scale per block of
@@ -218,6 +221,8 @@ class Compressor:
         self.config = config
         self.accounting = accounting
         self.timer = timer
+        self.failed = False
+        """Whether compressing some tensor failed (logged once; that tensor was kept as it is)."""
 
     @contextmanager
     def block(self, constants: frozenset[int] = frozenset(), weights: frozenset[int] = frozenset()) -> Iterator[None]:
@@ -241,7 +246,7 @@ class Compressor:
             hit = seen.get(key)
             if hit is not None and hit[0]() is not None:
                 return Saved(hit[1], t.shape, order)  # another view of a run already compressed
-            packed = pack_run(t, order, self.config)
+            packed = self._pack_run(t, order)
             if packed is None:
                 return keep(t)
             if acct is not None:
@@ -251,6 +256,20 @@ class Compressor:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
+
+    def _pack_run(self, t: torch.Tensor, order: tuple[int, ...] | None) -> Packed | None:
+        """:func:`pack_run`, or None (the tensor kept as it is) when compressing fails: the step goes on."""
+        try:
+            return pack_run(t, order, self.config)
+        except Exception as err:
+            if not self.failed:
+                self.failed = True
+                log.warning(
+                    "rematd: compressing a saved tensor failed (%s: %s); such tensors are kept as they are",
+                    type(err).__name__,
+                    str(err)[:300],
+                )
+            return None
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, Saved):

@@ -277,3 +277,34 @@ def test_fsdp2_ranks_train_with_every_block_compressed(tmp_path: Path) -> None:
         compressed = [s["saved_peak_bytes"] for s in pinned if s["pinned"] == "compress"]
         stored = [s["saved_peak_bytes"] for s in pinned if s["pinned"] == "store"]
         assert max(compressed) < min(stored), (rank, compressed, stored)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("format", ["int8", "fp8"])
+def test_on_cuda_compressed_gradients_stay_close_and_restores_are_timed(format: str) -> None:
+    model = tiny_model(d_model=128, seed=3).cuda()
+    config = CompressConfig(format=format, min_bytes=1024)
+    h = client.attach(model, budget_bytes=2**40, modes=ALL_COMPRESS, compress=config)
+    data = batch(64, size=4, seed=9).cuda()
+    lm_loss(model, data).backward()  # the profiling step
+    h.step()
+    model.zero_grad()
+    grads = {}
+    for mode in ("store", "compress"):
+        h.pin_modes(mode)
+        lm_loss(model, data).backward()
+        h.step()
+        grads[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad()
+    error, cosine = error_and_cosine(grads["compress"], grads["store"])
+    assert 0 < error <= 0.03 and cosine >= 0.999, (error, cosine)
+    h.flush()
+    h.pin_modes("compress")
+    lm_loss(model, data).backward()
+    h.step()
+    lm_loss(model, data).backward()
+    h.step()
+    torch.cuda.synchronize()
+    assert h.last_stats is not None
+    assert any(m.mode == Mode.COMPRESS and m.blocks > 0 for m in h.last_stats.mode_seconds)
+    h.close()
