@@ -47,7 +47,8 @@ class Setup:
     seq: int
     steps: int
     batches: int = 16
-    """Distinct batches, cycled through."""
+    """Distinct batches, cycled through (as many as the steps: the loss measures the chain, not a memorised
+    set of batches)."""
 
 
 def markov_batches(setup: Setup, seed: int = 0) -> list[torch.Tensor]:
@@ -223,7 +224,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     steps = args.steps or (12 if args.quick else 300)
-    setup = Setup(batch=4, seq=64, steps=steps)
+    setup = Setup(batch=4, seq=64, steps=steps, batches=steps)
     builders = {
         "gpt": (lambda: small_gpt(args.quick, args.width), gpt_loss),
         "llama": (lambda: tiny_llama(args.quick, args.width), hf_loss),
