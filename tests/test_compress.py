@@ -49,7 +49,7 @@ def grads_after(model: nn.Module, h: client.Handle | None, seed: int) -> tuple[f
 
 
 def error_and_cosine(got: list[torch.Tensor], exact: list[torch.Tensor]) -> tuple[float, float]:
-    a, b = torch.cat([g.flatten() for g in got]), torch.cat([g.flatten() for g in exact])
+    a, b = torch.cat([g.flatten() for g in got]).double(), torch.cat([g.flatten() for g in exact]).double()
     return float((a - b).norm() / b.norm()), float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
