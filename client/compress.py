@@ -228,9 +228,8 @@ class Compressor:
     def block(self, constants: frozenset[int] = frozenset(), weights: frozenset[int] = frozenset()) -> Iterator[None]:
         """Around one block's forward. ``constants``: storages of its inputs that need no gradient;
         ``weights``: storages of its parameters as it runs them (FSDP's gathered ones)."""
+        # Runs compressed in this forward, by region(): while the first view lives, the run is the same memory.
         seen: dict[tuple[object, ...], tuple[weakref.ref[torch.Tensor], Packed]] = {}
-        """Runs compressed in this forward, by :func:`region`; the first view's liveness says the run is
-        the same memory still."""
         acct = self.accounting if self.accounting is not None and self.accounting.active else None
         excluded = self.accounting.excluded if self.accounting is not None else frozenset()
 
