@@ -48,7 +48,7 @@ from rematd import client
 from rematd.client.accounting import SavedTensorAccounting
 from rematd.client.models import TinyGPT, lm_loss
 from rematd.client.selective import selective_context
-from rematd.planner import Mode
+from rematd.planner import letters
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +68,6 @@ class Setup:
 QUICK = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq": 16, "batch": 2, "steps": 4, "warmup": 3}
 FULL = {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq": 1024, "batch": 8, "steps": 10, "warmup": 6}
 WHOLE_RATIOS = (1.0, 0.5, 0.2)
-LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "o"}
 ADAPTIVE_LENGTHS = (256, 512, 768, 1024, 1536, 2048)
 
 
@@ -242,7 +241,7 @@ def rematd_through(setup: Setup, budgets: list[int]) -> list[dict[str, Any]]:
                 "budget_mib": budget / MiB,
                 "step_s": median(times),
                 "peak_mib": max(peaks) / MiB,
-                "modes": "".join(LETTERS[m] for m in h.modes),
+                "modes": letters(h.modes),
                 "graphs": stats.graphs,
                 "compile_s": stats.seconds,
                 "first_steps_s": first,
@@ -356,7 +355,7 @@ def main() -> None:
                 ("step_s", "rematd s", ".4f"),
                 ("peak_mib", "peak MiB", ",.3f"),
                 ("fits", "fits", ""),
-                ("modes", "modes (. store, s selective, R recompute, o offload)", "s"),
+                ("modes", "modes (. store, s selective, R recompute, O offload)", "s"),
                 ("best_compiled", "fastest compiled that fits", "s"),
                 ("vs_best", "x it", ".3f"),
                 ("graphs", "graphs", "d"),

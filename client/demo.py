@@ -21,7 +21,7 @@ import torch
 from rematd.client.attach import attach
 from rematd.client.handle import Handle
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
-from rematd.planner import Mode, blocks_of, frequency_of
+from rematd.planner import Mode, blocks_of, frequency_of, letters
 
 MiB = 2**20
 
@@ -70,12 +70,9 @@ def batches(cfg: DemoConfig) -> Iterator[tuple[int, torch.Tensor]]:
         yield step, torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
 
 
-LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
-
-
 def mode_letters(h: Handle) -> str:
     """The modes in force, one letter a block."""
-    return "".join(LETTERS[m] for m in h.modes)
+    return letters(h.modes)
 
 
 def checkpoint_every(h: Handle) -> str:

@@ -37,8 +37,8 @@ from rematd.client.sharding import check_units
 from rematd.client.step_cycle import StepCycle
 from rematd.client.stream import StreamBackend
 from rematd.client.unwrap import unwrap
+from rematd.messages import StepStats
 from rematd.planner import Mode, Plan, Shape
-from rematd.records import StepStats
 
 log = logging.getLogger("rematd.client")
 

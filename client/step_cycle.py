@@ -34,8 +34,8 @@ from rematd.client.oom_policy import free_after_oom, oom_message
 from rematd.client.parts import BlockParts
 from rematd.client.plan_sync import PROFILING, PlanAgreement
 from rematd.client.sharding import ShardedModel, has_dtensors, is_sharded
+from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Shape
-from rematd.records import Hello, OomReport, StepStats
 
 log = logging.getLogger("rematd.client")
 

@@ -34,8 +34,10 @@ from rematd.planner.solvers import (
     solve_min_recompute,
     solve_none,
 )
+from rematd.planner.units import MODE_LETTERS, letters
 
 __all__ = [
+    "MODE_LETTERS",
     "AllocatorFigures",
     "BlockCost",
     "Choice",
@@ -56,6 +58,7 @@ __all__ = [
     "blocks_of",
     "every_k_blocks",
     "frequency_of",
+    "letters",
     "oom_risk",
     "peak_of",
     "predict_overhead_ratio",

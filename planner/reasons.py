@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rematd.planner.plan import ShapePlan
 from rematd.planner.solvers import Choice
-from rematd.planner.units import Mode
+from rematd.planner.units import Mode, letters
 
 
 def human_bytes(n: float) -> str:
@@ -14,14 +14,8 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
 # How much of a block's forward runs again in backward: what "recomputes less" counts.
 _RECOMPUTED = {Mode.STORE: 0, Mode.OFFLOAD: 0, Mode.SELECTIVE: 1, Mode.RECOMPUTE: 2}
-
-
-def letters(modes: tuple[Mode, ...]) -> str:
-    """Modes one letter a block: . store, s selective, R recompute, O offload."""
-    return "".join(_LETTERS[m] for m in modes)
 
 
 def changed(

@@ -1,4 +1,4 @@
-"""The record's SQLite file deleted, replaced or truncated under a serving service: seen within a second,
+"""The store's SQLite file deleted, replaced or truncated under a serving service: seen within a second,
 /readyz turns 503 with the reason, a metric says so, nothing is written into a fresh file, and the newest
 step reports wait in memory until the file is back."""
 
@@ -56,7 +56,7 @@ def _until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
 def _lost_metric(svc: ServiceThread) -> str:
     assert svc.service.bound is not None
     text = httpx.get(f"http://{svc.service.bound.http}/metrics", timeout=10).text
-    return next(line for line in text.splitlines() if line.startswith("rematd_record_lost "))
+    return next(line for line in text.splitlines() if line.startswith("rematd_store_lost "))
 
 
 def test_a_deleted_record_is_seen_and_nothing_is_written_into_a_fresh_file(served: tuple[ServiceThread, Path]) -> None:
@@ -69,7 +69,7 @@ def test_a_deleted_record_is_seen_and_nothing_is_written_into_a_fresh_file(serve
     assert _lost_metric(svc).endswith(" 1.0")
     assert svc.service.bound is not None
     _, err = session(svc.service.bound.grpc, [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="during")))])
-    assert err is not None  # a hello is refused while the record cannot take it
+    assert err is not None  # a hello is refused while the store cannot take it
     time.sleep(0.6)
     assert not db.exists()  # no fresh, empty record in its place
 
@@ -79,7 +79,7 @@ def test_a_record_moved_away_and_back_keeps_the_reports_sent_meanwhile(served: t
     _report(svc, "moved", range(3))
     aside = db.with_name("aside.db")
     os.rename(db, aside)
-    sqlite3.connect(db).close()  # someone else's empty file where the record was
+    sqlite3.connect(db).close()  # someone else's empty file where the store was
     assert _until(lambda: _ready(svc).status_code == 503)
     assert "replaced" in _ready(svc).json()["detail"]
     store = svc.service.core.store

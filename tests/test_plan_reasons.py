@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 import re
 
+from rematd.messages import open_planner
 from rematd.planner import Mode, Plan, Shape, ShapePlan, StepObservation
 from rematd.planner.reasons import recomputes_less, what_changed
-from rematd.records import open_planner
 
 from .test_plan_record import modes_hello
 

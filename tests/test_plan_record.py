@@ -1,4 +1,4 @@
-"""Plans kept whole: modes and per-length tables from the planner to the record, the REST API, pins and warm starts."""
+"""Plans kept whole: modes and per-length tables from the planner to the store, the REST API, pins and warm starts."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
+from rematd.messages import BlockRecord, Hello, StepStats
 from rematd.planner import Mode, ModeCost, Shape, Size
-from rematd.records import BlockRecord, Hello, StepStats
-from rematd.server.core import AdvisorCore, RankSession, mode_names
-from rematd.server.metrics import Metrics
-from rematd.server.rest import create_app
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore, RankSession, mode_names
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
+from rematd.server.transport.rest import create_app
 
 LETTERS = {"store": ".", "selective": "s", "recompute": "R", "offload": "O"}
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from rematd.messages import MEMORY_CUDA, BlockRecord, Hello, StepStats, observation
 from rematd.planner import BlockCost, Mode, PlannerSession, Profile, Shape, StepObservation
 from rematd.planner.risk import GRAIN, device_room_bytes, fragmented_bytes, oom_risk, usable_bytes
-from rematd.records import MEMORY_CUDA, BlockRecord, Hello, StepStats, observation
 
 DATA = json.loads((Path(__file__).parent / "data" / "h100_gpt2.json").read_text())
 GiB = 2**30
