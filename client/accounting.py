@@ -59,15 +59,6 @@ def tensors_in(values: Iterable[Any]) -> list[torch.Tensor]:
     return found
 
 
-def unique_bytes(tensors: Iterable[torch.Tensor], exclude: frozenset[tuple[str, int]] = frozenset()) -> int:
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        key = storage_key(t)
-        if key not in exclude:
-            seen[key] = storage_bytes(t)
-    return sum(seen.values())
-
-
 def _fast_key(t: torch.Tensor) -> tuple[str, int]:
     t = local_part(t)
     try:

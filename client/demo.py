@@ -8,6 +8,7 @@ when they shrink.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import tempfile
@@ -133,7 +134,7 @@ def train(
     return h
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rematd demo", description=__doc__.splitlines()[0])
     parser.add_argument("--server", help="host:port of a running rematd service (default: start one in-process)")
     parser.add_argument("--no-serve", action="store_true", help="exit when training ends instead of serving")
@@ -150,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sync", action="store_true", help="wait for the service's answer after each step (repeatable runs)"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be at least 3")
@@ -157,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--budget-mib must be positive")
     cfg = DemoConfig(steps=args.steps, budget_mib=args.budget_mib)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-
     if args.server:
         train(cfg, server=args.server, job=args.job, sync=args.sync)
-        return 0
+    else:
+        _with_service(cfg, args)
+    return 0
 
+
+def _with_service(cfg: DemoConfig, args: argparse.Namespace) -> None:
+    """Train against a service started in this process, then serve its dashboard until Ctrl-C."""
     from rematd.server.app import ServeConfig, ServiceThread
 
     tmp = tempfile.TemporaryDirectory(prefix="rematd-demo-")
@@ -170,24 +180,21 @@ def main(argv: list[str] | None = None) -> int:
         port = {} if args.http_port is None else {"http_port": args.http_port}
         service = ServiceThread(ServeConfig(grpc_port=0, db=db, **port))
         bound = service.start()
-    except OSError:
+    except OSError:  # the default dashboard port is taken: any free one
         service = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=db))
         bound = service.start()
-    print(f"rematd service: gRPC {bound.grpc}, dashboard {bound.dashboard}, record {bound.db}")
+    print(f"rematd service: gRPC {bound.grpc}, dashboard {bound.dashboard}, store {bound.db}")
     try:
         train(cfg, server=bound.grpc, job=args.job, sync=args.sync)
         print(f"\ndashboard: {bound.dashboard}   plans: http://{bound.http}/api/v1/jobs/{args.job}/plans")
         if not args.no_serve:
             print("serving until Ctrl-C")
-            try:
+            with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(3600)
-            except KeyboardInterrupt:
-                pass
     finally:
         service.stop()
         tmp.cleanup()
-    return 0
 
 
 if __name__ == "__main__":

@@ -232,6 +232,10 @@ class ServeConfig:
     """Where the workers of one service leave what worker 0 adds to its /metrics ("" with one process)."""
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_security()
+
+    def _check_numbers(self) -> None:
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
@@ -241,11 +245,13 @@ class ServeConfig:
                 raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.max_job_series < 1:
             raise ValueError(f"max-job-series must be >= 1, got {self.max_job_series}")
-        if self.metrics_need_token and self.token is None:
-            raise ValueError("metrics-need-token needs a token (REMATD_TOKEN or --token-file)")
         for name in ("compact_seconds", "controls_poll_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
+
+    def _check_security(self) -> None:
+        if self.metrics_need_token and self.token is None:
+            raise ValueError("metrics-need-token needs a token (REMATD_TOKEN or --token-file)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls-cert and tls-key go together")
         for name in ("tls_cert", "tls_key"):

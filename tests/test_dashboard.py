@@ -17,7 +17,7 @@ from .dashboard_helpers import ARTIFACTS, CHROMIUM, served_jobs
 from .dashboard_helpers import browser_session as _browser
 from .dashboard_helpers import new_page as _page
 from .helpers import LiveServer, live_server
-from .test_plan_record import letters
+from .test_plan_rows import letters
 from .test_service import hello, stats
 
 served = pytest.fixture(scope="module")(served_jobs)

@@ -94,10 +94,6 @@ class Sessions:
         Striped: ranks that share a stripe wait for each other's transitions, the rest never do."""
         return self._transitions[hash((job, rank)) % _TRANSITION_STRIPES]
 
-    def get(self, job: str, rank: int) -> RankSession | None:
-        with self.lock:
-            return self.by_key.get((job, rank))
-
     def of_job(self, job: str) -> list[RankSession]:
         with self.lock:
             return list(self.by_job.get(job, {}).values())

@@ -94,61 +94,72 @@ class TrainingSide:
         hello = dataclasses.replace(hello, blocks=self.sessions.shared(hello.blocks))
         now = time.time()
         job = hello.job_id
-        reg = self.sessions
-        with reg.transitions(job, hello.rank):
-            with reg.lock:
-                existing = reg.by_key.get((job, hello.rank))
-                try:
-                    owner = check_claim(existing, hello, self.config.session_expiry_seconds)
-                except SessionTaken:
-                    self.metrics.invalid_messages.inc()
-                    raise
-                resumed = (
-                    existing is not None
-                    and owner
-                    and hello.plan_version > 0
-                    and existing.hello.model_fingerprint == hello.model_fingerprint
-                    and len(existing.hello.blocks) == len(hello.blocks)
-                )
-                jumped = False
-                if resumed and existing is not None:
-                    session = existing
-                    session.hello = hello
-                    if hello.plan_version > session.sent.version:
-                        # The rank planned on its own while cut off: continue above its versions.
-                        # Under its planning lock (taken inside the registry's, never the other way
-                        # round): a stats thread of its old stream may still be planning.
-                        with session.planning:
-                            session.planner.renumber_after(hello.plan_version)
-                            session.base = session.planner.plan
-                        session.sent = self.pinned_or(session, session.base)
-                        jumped = session.sent.version > hello.plan_version
+        with self.sessions.transitions(job, hello.rank):
+            with self.sessions.lock:
+                resumed, jumped = self._resume(hello)
             recorded = False
-            if not resumed:
+            if resumed is None:
                 session, recorded = self._fresh(hello, planner, self._past(hello))
+            else:
+                session = resumed
             for plan in (session.base, session.sent):
                 self.check_fits(plan, "hello.blocks")
             self.controls.reopen(job, now)
-            new_plan = (not resumed or jumped) and not recorded
-            row = policy.plan_row(session.sent, len(hello.blocks)) if new_plan else None
-            self.writes.opened(hello, now, row)
+            new_plan = (resumed is None or jumped) and not recorded
+            self.writes.opened(hello, now, policy.plan_row(session.sent, len(hello.blocks)) if new_plan else None)
             if new_plan:
                 self.metrics.plans_issued.labels(job).inc()
-            with reg.lock:
-                if reg.by_key.get(session.key) is not session:
-                    # New, or resumed but forgotten (expired, its job dropped) while the store was
-                    # written outside the registry's lock: registered again, or its end would go unrecorded.
-                    reg.add(session)
-                session.streams += 1
-                session.ended = False
-                session.disconnected_at = None
-                self.metrics.active_streams.inc()
-                # Present from the start at 0, so that increase() sees the first OOM.
-                self.metrics.oom_events.labels(job)
-                self.metrics.steps.labels(job)
-                self.metrics.exploration_steps.labels(job)
-        log.info("rank %s of job %s %s", hello.rank, job, "resumed" if resumed else "connected")
+            with self.sessions.lock:
+                self._connected(session)
+        log.info("rank %s of job %s %s", hello.rank, job, "connected" if resumed is None else "resumed")
         return session, session.sent
+
+    def _resume(self, hello: Hello) -> tuple[RankSession | None, bool]:
+        """Under the registry's lock: the rank's live session when this hello resumes it (the same owner,
+        model and blocks, and a plan in force), else None; and whether the plan it is sent jumped above
+        the version the rank has."""
+        existing = self.sessions.by_key.get((hello.job_id, hello.rank))
+        try:
+            owner = check_claim(existing, hello, self.config.session_expiry_seconds)
+        except SessionTaken:
+            self.metrics.invalid_messages.inc()
+            raise
+        if (
+            existing is None
+            or not owner
+            or hello.plan_version == 0
+            or existing.hello.model_fingerprint != hello.model_fingerprint
+            or len(existing.hello.blocks) != len(hello.blocks)
+        ):
+            return None, False
+        session = existing
+        session.hello = hello
+        if hello.plan_version <= session.sent.version:
+            return session, False
+        # The rank planned on its own while cut off: continue above its versions. Under its planning
+        # lock (taken inside the registry's, never the other way round): a stats thread of its old
+        # stream may still be planning.
+        with session.planning:
+            session.planner.renumber_after(hello.plan_version)
+            session.base = session.planner.plan
+        session.sent = self.pinned_or(session, session.base)
+        return session, session.sent.version > hello.plan_version
+
+    def _connected(self, session: RankSession) -> None:
+        """Under the registry's lock: the session counts one more stream, registered if it is not."""
+        if self.sessions.by_key.get(session.key) is not session:
+            # New, or resumed but forgotten (expired, its job dropped) while the store was written
+            # outside the registry's lock: registered again, or its end would go unwritten.
+            self.sessions.add(session)
+        session.streams += 1
+        session.ended = False
+        session.disconnected_at = None
+        self.metrics.active_streams.inc()
+        job = session.hello.job_id
+        # Present from the start at 0, so that increase() sees the first OOM.
+        self.metrics.oom_events.labels(job)
+        self.metrics.steps.labels(job)
+        self.metrics.exploration_steps.labels(job)
 
     def _past(self, hello: Hello) -> _Past:
         """The store's reads for a new session, done with no lock of the core held."""

@@ -213,121 +213,167 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         stream's task is cancelled meanwhile: a session left open would refuse the rank's reconnect."""
         await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(self._close_blocking, session, ended)))
 
-    async def Session(
-        self,
-        request_iterator: AsyncIterator[pb.ClientMessage],
-        context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage],
-    ) -> AsyncIterator[pb.ServerMessage]:
+    def _admitted(
+        self, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage]
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Why a new stream is refused (shutting down, no or a wrong token); None when it is taken."""
         try:
             if self.draining:
                 raise ShuttingDown("the service is shutting down; reconnect to another replica or later")
             header = next((v for k, v in (context.invocation_metadata() or ()) if k == METADATA_KEY), None)
             self.auth.check(header if isinstance(header, str) else None)
         except _DOMAIN_ERRORS as err:
-            self._end(context, self._failure(err))
+            return self._failure(err)
+        return None
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[pb.ClientMessage],
+        context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage],
+    ) -> AsyncIterator[pb.ServerMessage]:
+        refused = self._admitted(context)
+        if refused is not None:
+            self._end(context, refused)
             return
-        core = self.core
-        durations = core.metrics.message_duration
-        session: RankSession | None = None
-        ended = False
-        secret_sent = False
-        received = 0
+        stream = _Stream(self, context)
+        self._open.add(stream.open)
         messages = aiter(request_iterator)
-        stream = _OpenStream(asyncio.current_task())
-        self._open.add(stream)
         try:
-            while True:
-                if self.closing:
-                    self._end(context, await self._told_to_reconnect())
-                    return
-                stream.reading = True
-                try:
-                    msg = await anext(messages)
-                except StopAsyncIteration:
-                    return
-                except DecodeError as err:
-                    core.metrics.invalid_messages.inc()
-                    bad = InvalidMessage("message", f"not a rematd.v1.ClientMessage ({err})")
-                    self._end(context, self._failure(bad))
-                    return
-                except asyncio.CancelledError:
-                    if not stream.told:
-                        raise
-                    self._end(context, await self._told_to_reconnect())
-                    return
-                finally:
-                    stream.reading = False
-                started = time.perf_counter()
-                received += msg.ByteSize()
-                kind = msg.WhichOneof("kind")
-                out: Sequence[pb.ServerMessage] = ()
-                failure: tuple[grpc.StatusCode, str] | None = None
-                try:
-                    if kind == "hello":
-                        if session is not None:
-                            raise InvalidMessage("hello", "sent twice on one stream")
-                        opened = await self._hello(msg.hello)
-                        if isinstance(opened[0], RankSession) and isinstance(opened[1], Plan):
-                            session = opened[0]
-                            self._collections.opened()
-                            out = (pb.ServerMessage(plan=wire.plan_to_pb(opened[1])),)
-                        elif isinstance(opened[0], grpc.StatusCode) and isinstance(opened[1], str):
-                            failure = opened[0], opened[1]
-                        del opened
-                    elif kind is None:
-                        core.metrics.invalid_messages.inc()
-                        raise InvalidMessage("kind", "empty message: set one of hello, stats, oom, goodbye")
-                    elif session is None:
-                        raise SessionError(f"send hello before {kind}")
-                    elif kind == "stats":
-                        try:
-                            precheck_stats(msg.stats)
-                        except InvalidMessage:
-                            core.metrics.invalid_messages.inc()
-                            raise
-                        stats = wire.stats_from_pb(msg.stats)
-                        if len(session.hello.blocks) >= OFF_LOOP_BLOCKS:
-                            new = await _to_the_end(core.on_stats, session, stats)
-                        else:
-                            new = core.on_stats(session, stats)
-                        ack = pb.ServerMessage(
-                            ack=pb.StepAck(
-                                step=stats.step,
-                                plan_version=session.sent.version,
-                                oom_risk=session.planner.oom_risk,
-                                report_interval_seconds=core.report_interval(session),
-                                session_secret="" if secret_sent else session.secret,
-                            )
-                        )
-                        secret_sent = True
-                        out = (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
-                    elif kind == "oom" and not session.ooms.take():
-                        core.metrics.oom_dropped.inc()  # over the rank's rate: neither planned nor recorded
-                    elif kind == "oom":
-                        new = await _to_the_end(core.on_oom, session, wire.oom_from_pb(msg.oom))
-                        if new is not None:
-                            out = (pb.ServerMessage(plan=wire.plan_to_pb(new)),)
-                    elif kind == "goodbye":
-                        ended = True
-                except _DOMAIN_ERRORS as err:
-                    failure = self._failure(err)
-                except Exception as err:
-                    # Ends this stream only: the rank reconnects.
-                    failure = self._fault(str(kind), err)
-                if kind is not None:
-                    durations.labels(kind).observe(time.perf_counter() - started)
+            while (msg := await stream.next_message(messages)) is not None:
+                out, failure = await stream.answer(msg)
                 if failure is not None:
                     self._end(context, failure)
                     return
                 for m in out:
                     yield m
-                if ended:
+                if stream.ended:
                     return
         finally:
-            self._open.discard(stream)
-            self._collections.request(received)
-            if session is not None:
-                await self._close(session, ended=ended)
+            self._open.discard(stream.open)
+            self._collections.request(stream.received)
+            if stream.session is not None:
+                await self._close(stream.session, ended=stream.ended)
+
+
+_Answer = tuple[Sequence[pb.ServerMessage], tuple[grpc.StatusCode, str] | None]
+"""What a message is answered with, and the status that ends the stream instead, if any."""
+
+
+class _Stream:
+    """One rank's stream: awaiting its hello (no ``session`` yet), then open until the rank says goodbye
+    (``ended``), a message fails, or the service shuts down and tells it to reconnect."""
+
+    def __init__(
+        self, servicer: AdvisorServicer, context: grpc.aio.ServicerContext[pb.ClientMessage, pb.ServerMessage]
+    ) -> None:
+        self.servicer = servicer
+        self.core = servicer.core
+        self.context = context
+        self.open = _OpenStream(asyncio.current_task())
+        self.session: RankSession | None = None
+        self.ended = False
+        self.secret_sent = False
+        self.received = 0
+        """Bytes received, for the collector's schedule."""
+
+    async def next_message(self, messages: AsyncIterator[pb.ClientMessage]) -> pb.ClientMessage | None:
+        """The rank's next message; None once the stream is over (its status set where it failed)."""
+        servicer = self.servicer
+        if servicer.closing:
+            servicer._end(self.context, await servicer._told_to_reconnect())
+            return None
+        self.open.reading = True
+        try:
+            msg = await anext(messages)
+        except StopAsyncIteration:
+            return None
+        except DecodeError as err:
+            self.core.metrics.invalid_messages.inc()
+            bad = InvalidMessage("message", f"not a rematd.v1.ClientMessage ({err})")
+            servicer._end(self.context, servicer._failure(bad))
+            return None
+        except asyncio.CancelledError:
+            if not self.open.told:
+                raise
+            servicer._end(self.context, await servicer._told_to_reconnect())
+            return None
+        finally:
+            self.open.reading = False
+        self.received += msg.ByteSize()
+        return msg
+
+    async def answer(self, msg: pb.ClientMessage) -> _Answer:
+        """Handle one message; a domain error is the client's (its status), anything else the service's."""
+        started = time.perf_counter()
+        kind = msg.WhichOneof("kind")
+        try:
+            answer = await self._dispatch(kind, msg)
+        except _DOMAIN_ERRORS as err:
+            answer = (), self.servicer._failure(err)
+        except Exception as err:
+            # Ends this stream only: the rank reconnects.
+            answer = (), self.servicer._fault(str(kind), err)
+        if kind is not None:
+            self.core.metrics.message_duration.labels(kind).observe(time.perf_counter() - started)
+        return answer
+
+    async def _dispatch(self, kind: str | None, msg: pb.ClientMessage) -> _Answer:
+        if kind == "hello":
+            return await self._on_hello(msg.hello)
+        if kind is None:
+            self.core.metrics.invalid_messages.inc()
+            raise InvalidMessage("kind", "empty message: set one of hello, stats, oom, goodbye")
+        if self.session is None:
+            raise SessionError(f"send hello before {kind}")
+        if kind == "stats":
+            return await self._on_stats(self.session, msg.stats), None
+        if kind == "oom":
+            return await self._on_oom(self.session, msg.oom), None
+        self.ended = True  # goodbye
+        return (), None
+
+    async def _on_hello(self, hello: pb.Hello) -> _Answer:
+        if self.session is not None:
+            raise InvalidMessage("hello", "sent twice on one stream")
+        opened = await self.servicer._hello(hello)
+        if isinstance(opened[0], RankSession) and isinstance(opened[1], Plan):
+            self.session = opened[0]
+            self.servicer._collections.opened()
+            return (pb.ServerMessage(plan=wire.plan_to_pb(opened[1])),), None
+        if isinstance(opened[0], grpc.StatusCode) and isinstance(opened[1], str):
+            return (), (opened[0], opened[1])
+        return (), None
+
+    async def _on_stats(self, session: RankSession, msg: pb.StepStats) -> Sequence[pb.ServerMessage]:
+        core = self.core
+        try:
+            precheck_stats(msg)
+        except InvalidMessage:
+            core.metrics.invalid_messages.inc()
+            raise
+        stats = wire.stats_from_pb(msg)
+        if len(session.hello.blocks) >= OFF_LOOP_BLOCKS:
+            new = await _to_the_end(core.on_stats, session, stats)
+        else:
+            new = core.on_stats(session, stats)
+        ack = pb.ServerMessage(
+            ack=pb.StepAck(
+                step=stats.step,
+                plan_version=session.sent.version,
+                oom_risk=session.planner.oom_risk,
+                report_interval_seconds=core.report_interval(session),
+                session_secret="" if self.secret_sent else session.secret,
+            )
+        )
+        self.secret_sent = True
+        return (pb.ServerMessage(plan=wire.plan_to_pb(new)), ack) if new is not None else (ack,)
+
+    async def _on_oom(self, session: RankSession, msg: pb.OomEvent) -> Sequence[pb.ServerMessage]:
+        if not session.ooms.take():
+            self.core.metrics.oom_dropped.inc()  # over the rank's rate: neither planned nor written
+            return ()
+        new = await _to_the_end(self.core.on_oom, session, wire.oom_from_pb(msg))
+        return (pb.ServerMessage(plan=wire.plan_to_pb(new)),) if new is not None else ()
 
 
 class Health:

@@ -115,26 +115,34 @@ class BodyGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await _json(send, *refusal)
+            return
+        await self.app(scope, *self._bounded(receive, send))
+
+    def _refusal(self, scope: Scope) -> tuple[int, str, dict[str, str]] | None:
+        """Why a request is answered before its route sees it (status, detail, headers); None to go on."""
         problem = ambiguous_headers(scope.get("headers", ()))
         if problem:
-            await _json(send, 400, problem, {"Connection": "close"})
-            return
+            return 400, problem, {"Connection": "close"}
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         if scope["method"] not in _READS:
             try:
                 authorize_write(headers, self.auth)
             except CrossSiteWrite as err:
                 self.on_unauthenticated()
-                await _json(send, 403, str(err), {"Connection": "close"})
-                return
+                return 403, str(err), {"Connection": "close"}
             except Unauthenticated as err:
                 self.on_unauthenticated()
-                await _json(send, 401, str(err), {"WWW-Authenticate": "Bearer", "Connection": "close"})
-                return
+                return 401, str(err), {"WWW-Authenticate": "Bearer", "Connection": "close"}
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            await _json(send, 413, f"the body must be at most {self.max_body_bytes} bytes", {"Connection": "close"})
-            return
+            return 413, f"the body must be at most {self.max_body_bytes} bytes", {"Connection": "close"}
+        return None
+
+    def _bounded(self, receive: Receive, send: Send) -> tuple[Receive, Send]:
+        """``receive`` and ``send`` for the route, cut off once the body grows past ``max_body_bytes``."""
         seen = 0
         refused = started = False
 
@@ -162,7 +170,7 @@ class BodyGuard:
                 started = True
             await send(message)
 
-        await self.app(scope, counted, watched)
+        return counted, watched
 
 
 def _error(e: Any) -> dict[str, Any]:

@@ -8,6 +8,8 @@ off the parsed message, so refusing a message costs the same whatever it carries
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rematd.messages import JOB_ID_RE, MAX_BLOCKS, MAX_TERMS, InvalidMessage
 from rematd.server.transport.http_guard import bounded
 from rematd.v1 import advisor_pb2 as pb
@@ -52,8 +54,14 @@ def precheck_hello(msg: pb.Hello) -> None:
         if len(getattr(msg, name)) > MAX_NAME_CHARS:
             raise InvalidMessage(f"hello.{name}", f"longer than {MAX_NAME_CHARS} characters")
     _terms("hello.other_activations", msg.other_activations)
+    _precheck_blocks(msg.blocks)
+    if msg.HasField("plan"):
+        _precheck_plan(msg.plan, n)
+
+
+def _precheck_blocks(blocks: Sequence[pb.BlockProfile]) -> None:
     terms = 0
-    for i, b in enumerate(msg.blocks):
+    for i, b in enumerate(blocks):
         if len(b.modes) > MAX_MODES:
             raise InvalidMessage(f"hello.blocks[{i}].modes", f"{len(b.modes)} entries for {MAX_MODES} modes")
         if len(b.name) > MAX_NAME_CHARS:
@@ -62,23 +70,24 @@ def precheck_hello(msg: pb.Hello) -> None:
             _terms(f"hello.blocks[{i}].modes[{j}].kept", m.kept)
             _terms(f"hello.blocks[{i}].modes[{j}].transient", m.transient)
             terms += len(m.kept) + len(m.transient)
-    if terms > TERMS_PER_BLOCK * n:
+    if terms > TERMS_PER_BLOCK * len(blocks):
         raise InvalidMessage(
-            "hello.blocks", f"{terms} size terms for {n} blocks; a profile has at most {TERMS_PER_BLOCK} per block"
+            "hello.blocks",
+            f"{terms} size terms for {len(blocks)} blocks; a profile has at most {TERMS_PER_BLOCK} per block",
         )
-    if msg.HasField("plan"):
-        plan = msg.plan
-        if len(plan.checkpoint_blocks) > n or len(plan.block_modes) > n:
-            raise InvalidMessage("hello.plan", f"names more blocks than the profile's {n}")
-        if len(plan.shape_plans) > MAX_SHAPE_PLANS:
-            raise InvalidMessage(
-                "hello.plan.shape_plans", f"{len(plan.shape_plans)} entries; at most {MAX_SHAPE_PLANS}"
-            )
-        if len(plan.reason) > MAX_TEXT_CHARS:
-            raise InvalidMessage("hello.plan.reason", f"longer than {MAX_TEXT_CHARS} characters")
-        for k, entry in enumerate(plan.shape_plans):
-            if len(entry.block_modes) > n:
-                raise InvalidMessage(f"hello.plan.shape_plans[{k}].block_modes", f"names more blocks than {n}")
+
+
+def _precheck_plan(plan: pb.Plan, n: int) -> None:
+    """The plan a reconnecting rank has in force: no more blocks than its profile, bounded text and table."""
+    if len(plan.checkpoint_blocks) > n or len(plan.block_modes) > n:
+        raise InvalidMessage("hello.plan", f"names more blocks than the profile's {n}")
+    if len(plan.shape_plans) > MAX_SHAPE_PLANS:
+        raise InvalidMessage("hello.plan.shape_plans", f"{len(plan.shape_plans)} entries; at most {MAX_SHAPE_PLANS}")
+    if len(plan.reason) > MAX_TEXT_CHARS:
+        raise InvalidMessage("hello.plan.reason", f"longer than {MAX_TEXT_CHARS} characters")
+    for k, entry in enumerate(plan.shape_plans):
+        if len(entry.block_modes) > n:
+            raise InvalidMessage(f"hello.plan.shape_plans[{k}].block_modes", f"names more blocks than {n}")
 
 
 def precheck_stats(msg: pb.StepStats) -> None:

@@ -83,7 +83,7 @@ def test_a_record_moved_away_and_back_keeps_the_reports_sent_meanwhile(served: t
     assert _until(lambda: _ready(svc).status_code == 503)
     assert "replaced" in _ready(svc).json()["detail"]
     store = svc.service.core.store
-    live = svc.service.core.sessions.get("moved", 0)
+    live = svc.service.core.sessions.by_key.get(("moved", 0))
     assert live is not None
     for step in range(3, 8):
         svc.service.core.on_stats(live, stats(step, 4000))

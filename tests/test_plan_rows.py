@@ -17,11 +17,8 @@ from rematd.server.metrics.registry import Metrics
 from rematd.server.store.store import Store
 from rematd.server.transport.rest import create_app
 
-LETTERS = {"store": ".", "selective": "s", "recompute": "R", "offload": "O"}
-
-
 def letters(names: list[str]) -> str:
-    return "".join(LETTERS[n] for n in names)
+    return "".join(Mode.named(n).letter for n in names)
 
 
 def mode_block(i: int, *, selective: bool = True, recompute: bool = True, offload: bool = False) -> BlockRecord:
