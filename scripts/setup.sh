@@ -39,7 +39,7 @@ fi
 # torch and torchvision must load together. PyPI's torchvision is built for torch's CUDA build: beside the CPU
 # build its ops library does not load and `import torchvision` fails (so do timm, and transformers' models).
 # The models need none of those ops: rematd.torchvision_ops makes every Python of this environment import
-# torchvision without them (a .pth file; see the README's set-up section).
+# torchvision without them (a .pth file; see docs/setup.md).
 if ! "$VENV/bin/python" -m rematd.torchvision_ops --check; then
     if ! "$VENV/bin/python" -m rematd.torchvision_ops --install; then
         echo "setup: torchvision does not load beside $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')." >&2

@@ -1,4 +1,4 @@
-"""``python -m bench.fsdp --quick`` runs end to end on two CPU ranks and reports what the README shows."""
+"""``python -m bench.fsdp --quick`` runs end to end on two CPU ranks and reports what docs/benchmarks.md shows."""
 
 from __future__ import annotations
 
