@@ -17,6 +17,7 @@ from rematd.server.metrics.registry import Metrics
 from rematd.server.store.store import Store
 from rematd.server.transport.rest import create_app
 
+
 def letters(names: list[str]) -> str:
     return "".join(Mode.named(n).letter for n in names)
 
