@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 from rematd.messages import MAX_INT, Hello, InvalidMessage, OomReport, StepStats, observation, open_planner
 from rematd.planner import Plan, PlannerSession, StepObservation
@@ -25,10 +25,13 @@ from rematd.server.core.ownership import JobTokens, check_claim
 from rematd.server.core.rank_writes import RankWrites, warm_row
 from rematd.server.core.sessions import RankSession, Sessions
 from rematd.server.metrics.registry import Metrics
-from rematd.server.store.rows import LastStepRow, OomRow, WarmPlanRow
+from rematd.server.store.rows import LastStepRow, OomRow, StepRow, WarmPlanRow, keys
 from rematd.server.store.store import Store
 
 log = logging.getLogger("rematd.server")
+
+REPORTED = tuple(name for name in keys(StepRow) if name in keys(StepStats))
+"""The fields of a step's row that its report carries under the same name."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -311,18 +314,20 @@ class TrainingSide:
         """The step's row; its prediction is of the plan it ran (the plan in force now if that is unknown)."""
         n = len(session.hello.blocks)
         ran = ran or session.sent
-        return LastStepRow(
-            step=stats.step,
-            time=now,
-            peak_bytes=obs.peak_bytes,
-            budget_bytes=stats.budget_bytes,
-            predicted_peak_bytes=policy.predicted_at(session.planner, ran, stats.shape, obs.static_bytes, n),
-            plan_version=stats.plan_version,
-            seq_len=stats.shape.seq_len,
-            batch=stats.shape.batch,
-            step_seconds=stats.step_seconds,
-            oom_risk=session.planner.oom_risk,
-            recompiles_total=session.recompiles,
+        # What the report and the row both name is copied as it came: a field added to both needs no line here.
+        copied = {name: getattr(stats, name) for name in REPORTED}
+        return cast(
+            LastStepRow,
+            dict(
+                **copied,
+                time=now,
+                peak_bytes=obs.peak_bytes,
+                predicted_peak_bytes=policy.predicted_at(session.planner, ran, stats.shape, obs.static_bytes, n),
+                seq_len=stats.shape.seq_len,
+                batch=stats.shape.batch,
+                oom_risk=session.planner.oom_risk,
+                recompiles_total=session.recompiles,
+            ),
         )
 
     def _count_step(self, job: str, session: RankSession, stats: StepStats, plan: Plan | None) -> None:
