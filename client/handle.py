@@ -159,7 +159,9 @@ class Handle:
     @engine.setter
     def engine(self, engine: nn.Module | None) -> None:
         if engine is not None and not is_engine(engine):
-            raise TypeError(f"engine must be a DeepSpeed engine (deepspeed.initialize's first result), got {engine!r}")
+            raise TypeError(
+                f"engine must be a DeepSpeed engine (deepspeed.initialize's first result), got {type(engine).__name__}"
+            )
         if self._unfollow is not None:
             self._unfollow()
             self._unfollow = None
