@@ -77,7 +77,7 @@ def _refuse_own_checkpointing(model: nn.Module) -> None:
     configured = False
     if "deepspeed" in sys.modules:  # importing it only to ask would cost seconds for every model
         with contextlib.suppress(Exception):
-            from deepspeed import checkpointing
+            from deepspeed import checkpointing  # type: ignore[import-untyped]
 
             configured = bool(checkpointing.is_configured())
     if turned_on or configured:
@@ -110,7 +110,7 @@ class EngineStep:
 
 def follow(engine: nn.Module, after: Callable[[], None]) -> Callable[[], None]:
     """Run ``after()`` after each ``engine.step()`` that stepped; returns what undoes it."""
-    own = engine.step
+    own: Callable[..., Any] = engine.step  # type: ignore[assignment]
     engine.__dict__["step"] = EngineStep(own, after)
 
     def undo() -> None:
@@ -146,8 +146,11 @@ def _named(fn: object, name: str, depth: int = 2) -> Any:
     """``fn``, or a function it wraps (by closure, as DeepSpeed's decorators do), named ``name``."""
     if getattr(fn, "__name__", "") == name:
         return fn
-    inner = (c for c in _cells(fn) if callable(c)) if depth else ()
-    return next((found for c in inner if (found := _named(c, name, depth - 1)) is not None), None)
+    for inner in _cells(fn) if depth else ():
+        found = _named(inner, name, depth - 1) if callable(inner) else None
+        if found is not None:
+            return found
+    return None
 
 
 def _start_of_forward_hook(model: nn.Module) -> tuple[int, Any] | None:

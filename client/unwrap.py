@@ -38,6 +38,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     refuse_own_checkpointing(model)
     refuse_unsupported(model)
     if isinstance(model, nn.parallel.DistributedDataParallel) or is_engine(model):
-        inner: nn.Module = model.module
+        inner = model.module
+        assert isinstance(inner, nn.Module)
         return inner
     return model
