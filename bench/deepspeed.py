@@ -27,16 +27,9 @@ from typing import Any
 import torch
 
 from bench.fsdp import build, launch
+from tests.workers.deepspeed_models import LIVE, RELEASED
 
-CONFIGS = {
-    "released": {
-        "stage3_param_persistence_threshold": 0,
-        "stage3_max_live_parameters": 0,
-        "stage3_max_reuse_distance": 0,
-        "stage3_prefetch_bucket_size": 0,
-    },
-    "live": {"stage3_param_persistence_threshold": 0},
-}
+CONFIGS = {"released": RELEASED, "live": LIVE}
 CONTENDERS = ("plain", "recompute", "switch", "switch, trace left alone")
 
 
@@ -86,31 +79,53 @@ def step(eng: Any, ids: torch.Tensor) -> None:
     eng.step()
 
 
-def counted(args: argparse.Namespace, zero: dict[str, Any], contender: str, batches: list[Any]) -> dict[str, Any]:
-    from rematd.client.deepspeed import ZeroModel
-    from tests.collectives import counting
+class Run:
+    """One engine of a configuration: its all-gathers per counted step and its timed steps."""
 
-    eng, h = engine(args, zero, contender)
-    own = ZeroModel.switched
-    if contender.endswith("left alone"):
-        ZeroModel.switched = lambda self, rerun: None  # type: ignore[method-assign]
-    gathers, seconds = [], []
-    try:
-        for k, ids in enumerate(batches[: args.steps]):
-            if h is not None and contender.startswith("switch") and k == args.switch_at:
-                h.pin_modes("recompute")
-            with counting() as counts:
-                step(eng, ids)
-            gathers.append(counts.get("all_gather", 0))
-        for ids in batches[args.steps :] if contender in ("plain", "recompute") else ():
-            start = time.perf_counter()
-            step(eng, ids)
-            seconds.append(time.perf_counter() - start)
-    finally:
-        ZeroModel.switched = own  # type: ignore[method-assign]
-    if h is not None:
-        h.close()
-    return {"gathers": gathers, "step_seconds": statistics.median(seconds) if seconds else None}
+    def __init__(self, args: argparse.Namespace, zero: dict[str, Any], contender: str) -> None:
+        self.args, self.contender = args, contender
+        self.engine, self.handle = engine(args, zero, contender)
+        self.gathers: list[int] = []
+        self.seconds: list[float] = []
+
+    def count(self, batches: list[Any]) -> None:
+        from rematd.client.deepspeed import ZeroModel
+        from tests.collectives import counting
+
+        own = ZeroModel.switched
+        if self.contender.endswith("left alone"):
+            ZeroModel.switched = lambda self, rerun: None  # type: ignore[method-assign]
+        try:
+            for k, ids in enumerate(batches):
+                if self.handle is not None and self.contender.startswith("switch") and k == self.args.switch_at:
+                    self.handle.pin_modes("recompute")
+                with counting() as counts:
+                    step(self.engine, ids)
+                self.gathers.append(counts.get("all_gather", 0))
+        finally:
+            ZeroModel.switched = own  # type: ignore[method-assign]
+
+    def time(self, ids: Any) -> None:
+        start = time.perf_counter()
+        step(self.engine, ids)
+        self.seconds.append(time.perf_counter() - start)
+
+    def result(self) -> dict[str, Any]:
+        if self.handle is not None:
+            self.handle.close()
+        return {"gathers": self.gathers, "step_seconds": statistics.median(self.seconds) if self.seconds else None}
+
+
+def configuration(args: argparse.Namespace, zero: dict[str, Any], batches: list[Any]) -> dict[str, Any]:
+    """Every contender's counted steps, then plain and all-recompute timed in turn, step by step (the
+    machine's load drifts alike for both)."""
+    runs = {c: Run(args, zero, c) for c in CONTENDERS}
+    for run in runs.values():
+        run.count(batches[: args.steps])
+    for ids in batches[args.steps :]:
+        for c in ("plain", "recompute"):
+            runs[c].time(ids)
+    return {c: run.result() for c, run in runs.items()}
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,7 +136,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     data = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, 4096, (args.batch, args.seq), generator=data) for _ in range(args.steps + args.timed)]
-    result = {name: {c: counted(args, zero, c, batches) for c in CONTENDERS} for name, zero in CONFIGS.items()}
+    result = {name: configuration(args, zero, batches) for name, zero in CONFIGS.items()}
     torch.distributed.destroy_process_group()
     return {"rank": rank, "configs": result}
 

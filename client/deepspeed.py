@@ -92,7 +92,7 @@ def _refuse_own_checkpointing(model: nn.Module) -> None:
 
 class EngineStep:
     """``engine.step`` as rematd leaves it: the engine's own, then ``after()`` when it stepped the optimizer
-    (at a gradient accumulation boundary). A copy of the engine calls the engine's own only."""
+    (at a gradient accumulation boundary, where ``global_steps`` moves)."""
 
     __slots__ = ("after", "own")
 

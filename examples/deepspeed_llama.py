@@ -19,11 +19,9 @@ import logging
 
 import deepspeed
 import torch
+from fsdp_llama import llama, say  # beside this file: the same model and per-step line as the FSDP example
 
 from rematd import client
-from rematd.planner import Mode
-
-LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "o"}
 
 
 def parse() -> argparse.Namespace:
@@ -40,21 +38,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--server", default=None, help="a rematd service host:port (default: plan in-process)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     return p.parse_args()
-
-
-def llama(layers: int, hidden: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128),
-        max_position_embeddings=4096,
-    )
-    return LlamaForCausalLM(config)
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
@@ -88,14 +71,7 @@ def main() -> None:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()  # the last micro-batch's steps the optimizer, and the handle with it
-        memory = h.last_memory  # on CUDA the allocator's peak; on the CPU the accounting's
-        peak = (memory.peak_allocated_bytes or memory.saved_peak_bytes) if memory is not None else 0
-        plan = "".join(LETTERS[m] for m in h.modes)
-        print(
-            f"rank {rank} step {step:3d} seq {seq:5d} plan {plan} v{h.plan.version} "
-            f"peak {peak / 2**20:8.1f} MiB budget {budget / 2**20:8.1f} MiB loss {loss.item():.3f}",
-            flush=True,
-        )
+        say(h, rank, step, seq, budget, loss)
     h.close()
 
 

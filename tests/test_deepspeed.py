@@ -99,6 +99,7 @@ def test_attach_refuses_deepspeed_set_ups_it_cannot_checkpoint_saying_what_to_ch
 def test_zero3_partitions_and_gathered_parameters_are_static_memory_in_the_plan(tmp_path: Path) -> None:
     (mem,) = run_ranks("deepspeed_refusals", tmp_path, world=1, config="memory", timeout=TIMEOUT, env=DS)
     assert mem["step_count"] == 2, "engine.step() did not end the handle's steps"
+    assert mem["engine_step_restored"] and mem["steps_after_close"] == 0
     # One rank holds everything: parameters, gradients and fp32 master weights (4 bytes each), Adam's 2 moments.
     assert mem["shard_bytes"] >= 5 * mem["full_param_bytes"]
     # A recomputed block held through its backward and the next one prefetched: two blocks' parameters.

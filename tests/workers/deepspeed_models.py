@@ -1,36 +1,13 @@
-"""The models and DeepSpeed configs the DeepSpeed workers train: stock ``transformers`` models from tiny configs."""
+"""The DeepSpeed configs the DeepSpeed workers train with; the models are the FSDP workers' (stock ``transformers``
+models from tiny configs, dropout on)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-import transformers
-from torch import nn
+from tests.workers.fsdp_exact import VOCAB, build
 
-VOCAB = 64
-
-
-def build(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    if name == "llama":
-        cfg: Any = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attention_dropout=0.1,
-            max_position_embeddings=64,
-            use_cache=False,
-        )
-        return transformers.LlamaForCausalLM(cfg)
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=4, n_head=4, use_cache=False
-    )  # dropout 0.1 everywhere by default
-    return transformers.GPT2LMHeadModel(cfg)
-
+__all__ = ["VOCAB", "build", "ds_config"]
 
 RELEASED = {
     "stage3_param_persistence_threshold": 0,

@@ -52,10 +52,8 @@ def memory() -> dict[str, Any]:
     """A ZeRO-3 step with every block stored: the figures the plan's static memory is made of."""
     engine = engine_for(ds_config({"stage": 3}))
     h = client.attach(engine)
-    for step in range(2):
-        ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step))
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
+    for seed in range(2):
+        step(engine, seed)
     zero = h._cycle.zero
     assert zero is not None and h.last_stats is not None
     names = dict(engine.module.named_modules())
@@ -68,7 +66,16 @@ def memory() -> dict[str, Any]:
         "step_count": h.step_count,
     }
     h.close()
+    step(engine, 2)  # closed: the engine steps as its own, the handle no more
+    out["steps_after_close"] = h.step_count - out["step_count"]
+    out["engine_step_restored"] = "step" not in engine.__dict__
     return out
+
+
+def step(engine: Any, seed: int) -> None:
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
 
 
 def main() -> None:
