@@ -118,6 +118,7 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
         "step_count": h.step_count,
         "blocks": h.blocks,
         "restarts": zero.restarts if zero is not None else None,
+        "agreed": h._cycle.agreement is not None,
         "static": h.last_stats.static_bytes if h.last_stats is not None else None,
     }
     counter.remove()
