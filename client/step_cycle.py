@@ -63,13 +63,8 @@ class StepCycle:
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.blocks = parts.blocks
-        self.accounting = parts.accounting
-        self.applier = parts.applier
         self.backend = backend
-        self.timer = parts.timer
-        self.offloader = parts.offloader
-        self.compiled = parts.compiled
+        self._use(parts)
         self.who = Identity(
             job=job or f"job-{uuid.uuid4().hex[:8]}", fingerprint=fingerprint, margin_ratio=margin_ratio
         )
@@ -104,6 +99,15 @@ class StepCycle:
         self.agreement: PlanAgreement | None = None
         self.ran: tuple[Mode, ...] = ()
         """The modes the step runs, when they are not its plan's (a pin, or the plan the ranks agreed on)."""
+
+    def _use(self, parts: BlockParts) -> None:
+        """The blocks and what wraps them, as ``attach`` built them."""
+        self.blocks = parts.blocks
+        self.accounting = parts.accounting
+        self.applier = parts.applier
+        self.timer = parts.timer
+        self.offloader = parts.offloader
+        self.compiled = parts.compiled
 
     # -- a step's start and end ----------------------------------------------
 
