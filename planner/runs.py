@@ -20,7 +20,7 @@ class Runs:
     """Per run of ``RUN`` consecutive segments: the bytes freed and seconds added by those that hold
     at a cap."""
 
-    def __init__(self, segments: Sequence[tuple[int, int, float, int, int, float]]) -> None:
+    def __init__(self, segments: Sequence[tuple[int, int, float, int, float]]) -> None:
         """``segments``: (bytes freed per block, blocks, seconds added per block, lo, hi), in scan order."""
         self.steps: list[list[int]] = []
         self.freed: list[list[int]] = []
@@ -28,7 +28,7 @@ class Runs:
         for start in range(0, len(segments), RUN):
             self._add_run(segments[start : start + RUN])
 
-    def _add_run(self, run: Sequence[tuple[int, int, float, int, int, float]]) -> None:
+    def _add_run(self, run: Sequence[tuple[int, int, float, int, float]]) -> None:
         events: dict[int, list[tuple[int, float]]] = {}
         for freed, w, added, lo, hi in run:
             events.setdefault(lo, []).append((freed * w, added * w))
