@@ -66,6 +66,7 @@ class Setup:
 
 
 QUICK = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq": 16, "batch": 2, "steps": 4, "warmup": 3}
+MID = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq": 128, "batch": 4, "steps": 6, "warmup": 3}
 FULL = {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq": 1024, "batch": 8, "steps": 10, "warmup": 6}
 WHOLE_RATIOS = (1.0, 0.5, 0.2)
 LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "o"}
@@ -322,16 +323,45 @@ def run(setup: Setup, *, with_adaptive: bool = False, adaptive_steps: int = 30) 
     return payload
 
 
+def at_budget(setup: Setup, ratio: float, rounds: int = 2) -> dict[str, Any]:
+    """rematd with ``compile=True`` against ``torch.compile``'s own activation memory budget at the same
+    bytes: ``ratio`` of what eager steps without checkpointing save. Eager, the compiled model and rematd
+    are measured one after another, ``rounds`` times over, each ratio the median of its rounds."""
+    rows: dict[str, list[dict[str, Any]]] = {"eager": [], f"whole-{ratio}": [], "rematd": []}
+    for _ in range(rounds):
+        eager = measure(setup, "eager")
+        budget = int(eager["peak_mib"] * MiB * ratio)
+        rows["eager"].append(eager)
+        rows[f"whole-{ratio}"].append(measure(setup, f"whole-{ratio}"))
+        rows["rematd"].append(rematd_through(setup, [budget])[0])
+    out = []
+    for name, runs in rows.items():
+        step_s = median([r["step_s"] for r in runs])
+        row = {**runs[-1], "strategy": name, "step_s": step_s, "peak_mib": max(r["peak_mib"] for r in runs)}
+        row["ratio"] = median([r["step_s"] / e["step_s"] for r, e in zip(runs, rows["eager"], strict=True)])
+        row["budget_mib"] = rows["eager"][-1]["peak_mib"] * ratio
+        row["fits"] = row["peak_mib"] <= row["budget_mib"]
+        out.append(row)
+    return {"setup": asdict(setup), "ratio": ratio, "rows": out}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
     parser.add_argument("--adaptive", action="store_true", help="also the adaptive-length scenario")
     parser.add_argument("--out", default="bench/compiled.json")
+    parser.add_argument("--mid", action="store_true", help="a CPU-sized model: 4 blocks, d_model 128, batch 4 x 128")
+    parser.add_argument(
+        "--at", type=float, default=0.0, help="only rematd against torch.compile's budget at this fraction of eager's"
+    )
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.quick
-    shape = QUICK if args.quick else FULL
+    cuda = torch.cuda.is_available() and not (args.quick or args.mid)
+    shape = QUICK if args.quick else MID if args.mid else FULL
     setup = Setup(**shape, device="cuda" if cuda else "cpu", backend=args.backend, bf16=cuda)  # type: ignore[arg-type]
+    if args.at:
+        at_report(setup, args.at, args.out)
+        return
     payload = run(setup, with_adaptive=args.adaptive, adaptive_steps=8 if args.quick else 40)
     print(f"{setup}")
     print(
@@ -367,6 +397,23 @@ def main() -> None:
     if "adaptive" in payload:
         print("\nadaptive:", payload["adaptive"])
     write_json(args.out, payload)
+
+
+def at_report(setup: Setup, ratio: float, out: str) -> None:
+    payload = at_budget(setup, ratio)
+    print(f"{setup}")
+    columns = [
+        ("strategy", "strategy", "s"),
+        ("step_s", "step s", ".4f"),
+        ("ratio", "x eager", ".3f"),
+        ("peak_mib", "peak MiB", ",.2f"),
+        ("budget_mib", "budget MiB", ",.2f"),
+        ("fits", "fits", ""),
+        ("modes", "rematd's modes", "s"),
+        ("compile_s", "compile s", ".1f"),
+    ]
+    print(table(payload["rows"], columns))
+    write_json(out, payload)
 
 
 if __name__ == "__main__":
