@@ -355,9 +355,12 @@ def main() -> None:
     parser.add_argument(
         "--at", type=float, default=0.0, help="only rematd against torch.compile's budget at this fraction of eager's"
     )
+    parser.add_argument("--warmup", type=int, default=0, help="steps before measuring (default: the size's own)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not (args.quick or args.mid)
-    shape = QUICK if args.quick else MID if args.mid else FULL
+    shape = {**(QUICK if args.quick else MID if args.mid else FULL)}
+    if args.warmup:
+        shape["warmup"] = args.warmup
     setup = Setup(**shape, device="cuda" if cuda else "cpu", backend=args.backend, bf16=cuda)  # type: ignore[arg-type]
     if args.at:
         at_report(setup, args.at, args.out)

@@ -79,6 +79,9 @@ class CompiledRunner(Runner):
 
     def __init__(self, setup: Setup, ratio: float) -> None:
         model = gpt(setup.n_layer, setup.d_model, setup.n_head)
+        # A class of its own per budget: Dynamo would otherwise serve every budget the graph compiled first
+        # (its guards pass for another instance of the same class), whatever the budget in force.
+        model.__class__ = type(f"TinyGPT{round(ratio * 100)}", (type(model),), {})
         compiled: Any = torch.compile(model)
         super().__init__(f"compile-{ratio:.0%}", compiled, torch.optim.SGD(model.parameters(), lr=1e-4), None, [], [])
         self.ratio = ratio
