@@ -82,5 +82,5 @@ class ControllerConfig:
         return int(budget_bytes * (1.0 - self.margin_ratio))
 
     def settled_target(self, target: int) -> int:
-        """``target`` (under ``margin_ratio``) moved to ``settled_margin_ratio``: the same budget, the smaller margin."""
+        """``target`` (under ``margin_ratio``) moved to ``settled_margin_ratio``: same budget, smaller margin."""
         return int(target * (1.0 - self.settled_margin_ratio) / (1.0 - self.margin_ratio))
