@@ -134,6 +134,7 @@ class Knapsack:
                 hulls = tuple(tuple(hull([o for o in merged if o[2] <= t])) for t in thresholds)
             classes.append(_Class(tuple(idx), thresholds, hulls))
         self._classes = classes
+        self._hulls: dict[int, list[tuple[_Opt, ...]]] = {}
         self.alike = tuple(c.blocks for c in classes if len(c.blocks) > 1)
         """The classes of two blocks or more: the blocks alike in bytes (the solvers arrange modes within them)."""
         # Below the largest of the classes' smallest transients some class has no option at all.
@@ -369,9 +370,18 @@ class Knapsack:
             i = picks.index(here)
             lo, hi = picks[max(0, i - 1)], picks[min(len(picks) - 1, i + 1)]
 
+    def _hulls_at(self, cap: int) -> list[tuple[_Opt, ...]]:
+        """Each class's hull under ``cap``; the last few kept (a solve's widenings come back to the same caps)."""
+        hit = self._hulls.get(cap)
+        if hit is None:
+            if len(self._hulls) >= 8:
+                self._hulls.clear()
+            hit = self._hulls[cap] = [c.hulls[c.state(cap)] if len(c.hulls) > 1 else c.hulls[0] for c in self._classes]
+        return hit
+
     def _modes(self, j: int, budget: int) -> Solution:
         cap = self.caps[j]
-        hulls = [c.hulls[c.state(cap)] if len(c.hulls) > 1 else c.hulls[0] for c in self._classes]
+        hulls = self._hulls_at(cap)
         counts = [[len(c.blocks)] + [0] * (len(h) - 1) for c, h in zip(self._classes, hulls, strict=True)]
         secs = self._scan(j, budget, record=counts)
         modes = [Mode.STORE] * self.num_blocks

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rematd.planner.cost import peak_of
+from rematd.planner.cost import choose, peak_of
 from rematd.planner.knapsack import Knapsack, spread
 from rematd.planner.model import Mode, Option, Profile, Shape
 from rematd.planner.ordered import TooManyStates, exact_ordered
@@ -93,7 +93,7 @@ class Outside:
 def _finish(
     options: list[list[Option]], modes: Sequence[Mode], target: int, static: int, outside: Outside = Outside()
 ) -> Choice:
-    chosen = [next(o for o in opts if o.mode == m) for opts, m in zip(options, modes, strict=True)]
+    chosen = choose(options, modes)
     peak = outside.peak(chosen, static)
     return Choice(
         modes=tuple(modes), predicted_peak_bytes=peak, extra_seconds=sum(o.seconds for o in chosen), fits=peak <= target
@@ -358,7 +358,7 @@ def _exact_over_caps(knapsack: Knapsack, options: list[list[Option]], budget: in
         if found is None:
             continue
         secs, modes = found
-        chosen = [next(o for o in opts if o.mode == m) for opts, m in zip(options, modes, strict=True)]
+        chosen = choose(options, modes)
         key = (round(secs, 12), sum(m != Mode.STORE for m in modes), peak_of(chosen), modes)
         if best is None or key[:3] < best[:3]:
             best = key
