@@ -36,7 +36,7 @@ import functools
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -323,26 +323,76 @@ def run(setup: Setup, *, with_adaptive: bool = False, adaptive_steps: int = 30) 
     return payload
 
 
-def at_budget(setup: Setup, ratio: float, rounds: int = 2) -> dict[str, Any]:
+@dataclass
+class Contender:
+    """One model stepped in turn with the others: its runner, meter, the patch it compiles under, its record."""
+
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    meter: Meter
+    patch: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    times: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+
+    def step(self, setup: Setup, data: torch.Tensor, record: bool) -> None:
+        with self.patch():  # the partitioner reads the budget whenever it compiles
+            seconds, peak = step(setup, self.model, self.opt, data, self.meter)
+        if record:
+            self.times.append(seconds)
+            self.peaks.append(peak)
+
+
+def at_budget_contenders(setup: Setup, ratio: float) -> tuple[list[Contender], int]:
+    """Eager without checkpointing, ``torch.compile`` at ``activation_memory_budget = ratio``, and rematd
+    with ``compile=True`` at ``ratio`` of the bytes eager saves; and that budget."""
+    import torch._functorch.config as functorch_config
+
+    eager_model = _model(setup)
+    eager = Contender(
+        "eager", eager_model, torch.optim.SGD(eager_model.parameters(), lr=1e-4), Meter(setup, eager_model)
+    )
+    eager.step(setup, _data(setup), record=True)
+    budget = int(eager.peaks.pop() * ratio)
+    eager.times.clear()
+    whole_model = _model(setup)
+    compiled: Any = torch.compile(whole_model, backend=setup.backend)
+    whole = Contender(
+        f"whole-{ratio}",
+        compiled,
+        torch.optim.SGD(whole_model.parameters(), lr=1e-4),
+        Meter(setup, whole_model),
+        patch=lambda: functorch_config.patch(activation_memory_budget=ratio),
+    )
+    ours_model = _model(setup)
+    h = client.attach(ours_model, compile=setup.backend, budget_bytes=budget)
+    ours = Contender(
+        "rematd", ours_model, torch.optim.SGD(ours_model.parameters(), lr=1e-4), Meter(setup, ours_model, h)
+    )
+    return [eager, whole, ours], budget
+
+
+def at_budget(setup: Setup, ratio: float) -> dict[str, Any]:
     """rematd with ``compile=True`` against ``torch.compile``'s own activation memory budget at the same
-    bytes: ``ratio`` of what eager steps without checkpointing save. Eager, the compiled model and rematd
-    are measured one after another, ``rounds`` times over, each ratio the median of its rounds."""
-    rows: dict[str, list[dict[str, Any]]] = {"eager": [], f"whole-{ratio}": [], "rematd": []}
-    for _ in range(rounds):
-        eager = measure(setup, "eager")
-        budget = int(eager["peak_mib"] * MiB * ratio)
-        rows["eager"].append(eager)
-        rows[f"whole-{ratio}"].append(measure(setup, f"whole-{ratio}"))
-        rows["rematd"].append(rematd_through(setup, [budget])[0])
-    out = []
-    for name, runs in rows.items():
-        step_s = median([r["step_s"] for r in runs])
-        row = {**runs[-1], "strategy": name, "step_s": step_s, "peak_mib": max(r["peak_mib"] for r in runs)}
-        row["ratio"] = median([r["step_s"] / e["step_s"] for r, e in zip(runs, rows["eager"], strict=True)])
-        row["budget_mib"] = rows["eager"][-1]["peak_mib"] * ratio
-        row["fits"] = row["peak_mib"] <= row["budget_mib"]
-        out.append(row)
-    return {"setup": asdict(setup), "ratio": ratio, "rows": out}
+    bytes, stepped in turn round after round (each round in its own order): each ratio is the median over
+    the measured rounds of each round's step time over eager's."""
+    contenders, budget = at_budget_contenders(setup, ratio)
+    for i in range(setup.warmup + setup.steps):
+        data = _data(setup, seed=i + 1)
+        for c in random.Random(i).sample(contenders, len(contenders)):
+            c.step(setup, data, record=i >= setup.warmup)
+    eager = contenders[0]
+    rows = []
+    for c in contenders:
+        row: dict[str, Any] = {"strategy": c.name, "step_s": median(c.times), "peak_mib": max(c.peaks) / MiB}
+        row["ratio"] = median([t / e for t, e in zip(c.times, eager.times, strict=True)])
+        row["budget_mib"] = budget / MiB
+        row["fits"] = max(c.peaks) <= budget
+        if c.meter.handle is not None:
+            row["modes"] = "".join(LETTERS[m] for m in c.meter.handle.modes)
+            c.meter.handle.close()
+        rows.append(row)
+    return {"setup": asdict(setup), "ratio": ratio, "rows": rows}
 
 
 def main() -> None:
@@ -413,7 +463,6 @@ def at_report(setup: Setup, ratio: float, out: str) -> None:
         ("budget_mib", "budget MiB", ",.2f"),
         ("fits", "fits", ""),
         ("modes", "rematd's modes", "s"),
-        ("compile_s", "compile s", ".1f"),
     ]
     print(table(payload["rows"], columns))
     write_json(out, payload)
