@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rematd.planner.cost import choose, peak_of
-from rematd.planner.knapsack import Knapsack, spread
+from rematd.planner.knapsack import Knapsack
 from rematd.planner.model import Mode, Option, Profile, Shape
 from rematd.planner.ordered import TooManyStates, exact_ordered
+from rematd.planner.spread import spread
 
 # Up to this many blocks the exact frontier programme is cheap.
 EXACT_BLOCKS = 12
