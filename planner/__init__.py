@@ -29,10 +29,7 @@ from rematd.planner.solvers import (
     every_k_blocks,
     frequency_of,
     solve,
-    solve_every,
-    solve_full,
     solve_min_recompute,
-    solve_none,
 )
 from rematd.planner.units import MODE_LETTERS, letters
 
@@ -64,8 +61,5 @@ __all__ = [
     "predict_overhead_ratio",
     "predict_peak_bytes",
     "solve",
-    "solve_every",
-    "solve_full",
     "solve_min_recompute",
-    "solve_none",
 ]

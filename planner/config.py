@@ -14,6 +14,13 @@ class ControllerConfig:
 
     margin_ratio: float = 0.1
     """Fraction of the budget kept free: target = budget x (1 - margin_ratio)."""
+    settled_margin_ratio: float = 0.005
+    """The margin at a length whose measured peaks have settled on the model's: the last
+    ``correction_window`` measured/predicted ratios there within ``settled_spread`` of each other, no
+    crossing of the target above them remembered, no out-of-memory event. The margin guards against
+    the prediction's error, which those measurements bound (on the CPU's accounting, to a few KiB)."""
+    settled_spread: float = 0.005
+    """How far apart (as a fraction) the recent measured/predicted ratios of a length may be for it to settle."""
     loosen_after_steps: int = 5
     """Consecutive steps with room for a looser plan before the plan loosens."""
     max_loosen_after_steps: int = 80
@@ -45,6 +52,10 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin_ratio < 1.0:
             raise ValueError(f"margin_ratio must be in [0, 1), got {self.margin_ratio!r}")
+        if not 0.0 <= self.settled_margin_ratio <= self.margin_ratio:
+            raise ValueError(f"settled_margin_ratio must be in [0, margin_ratio], got {self.settled_margin_ratio!r}")
+        if self.settled_spread < 0.0:
+            raise ValueError(f"settled_spread must be >= 0, got {self.settled_spread!r}")
         if self.loosen_after_steps < 1:
             raise ValueError(f"loosen_after_steps must be >= 1, got {self.loosen_after_steps!r}")
         if self.max_loosen_after_steps < self.loosen_after_steps:
@@ -69,3 +80,7 @@ class ControllerConfig:
 
     def target_bytes(self, budget_bytes: int) -> int:
         return int(budget_bytes * (1.0 - self.margin_ratio))
+
+    def settled_target(self, target: int) -> int:
+        """``target`` (under ``margin_ratio``) moved to ``settled_margin_ratio``: same budget, smaller margin."""
+        return int(target * (1.0 - self.settled_margin_ratio) / (1.0 - self.margin_ratio))

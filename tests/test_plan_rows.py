@@ -162,9 +162,10 @@ def test_a_warm_start_keeps_the_modes_and_the_table(core: AdvisorCore) -> None:
     first = run(core, "first")
     at_128 = Shape(batch=1, seq_len=128, tokens=128)
     for n in range(len(LENGTHS), len(LENGTHS) + 25):
-        # Steps that peak where predicted: the plan it holds fits by the profile alone, as a warm start needs.
+        # Steps that peak where predicted, give or take 1%: the plan it holds fits by the profile alone, as
+        # a warm start needs (peaks that settled on the model would let it use a margin a new job has not earned).
         in_force = next(e for e in first.sent.shape_plans if e.max_tokens >= at_128.tokens)
-        step(core, first, n, 128, in_force.predicted_peak_bytes)
+        step(core, first, n, 128, int(in_force.predicted_peak_bytes * (0.99 if n % 2 else 1.0)))
     held = first.sent
     core.close_session(first, ended=True)
     assert any(m == Mode.SELECTIVE for e in held.shape_plans for m in e.modes)
