@@ -50,6 +50,11 @@ class ControllerConfig:
     """Steps after which a mode measured at a length counts as unmeasured there again."""
 
     def __post_init__(self) -> None:
+        self._check_margins()
+        self._check_corrections()
+        self._check_exploration()
+
+    def _check_margins(self) -> None:
         if not 0.0 <= self.margin_ratio < 1.0:
             raise ValueError(f"margin_ratio must be in [0, 1), got {self.margin_ratio!r}")
         if not 0.0 <= self.settled_margin_ratio <= self.margin_ratio:
@@ -60,6 +65,8 @@ class ControllerConfig:
             raise ValueError(f"loosen_after_steps must be >= 1, got {self.loosen_after_steps!r}")
         if self.max_loosen_after_steps < self.loosen_after_steps:
             raise ValueError("max_loosen_after_steps must be >= loosen_after_steps")
+
+    def _check_corrections(self) -> None:
         if self.max_correction < 1.0:
             raise ValueError(f"max_correction must be >= 1, got {self.max_correction!r}")
         if not 0.0 < self.min_correction <= 1.0:
@@ -68,6 +75,8 @@ class ControllerConfig:
             raise ValueError(f"correction_window must be >= 1, got {self.correction_window!r}")
         if self.oom_correction_step <= 1.0:
             raise ValueError(f"oom_correction_step must be > 1, got {self.oom_correction_step!r}")
+
+    def _check_exploration(self) -> None:
         if not 0.0 <= self.explore_share < 1.0:
             raise ValueError(f"explore_share must be in [0, 1), got {self.explore_share!r}")
         for name in ("explore_steps", "explore_blocks", "explore_stale_steps"):
