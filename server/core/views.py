@@ -76,17 +76,10 @@ class InForce(TypedDict):
     predicted_overhead_ratio: float
 
 
-class JobView(TypedDict):
-    job: str
+class JobView(JobRow):
+    """A job as the store keeps it, with its ranks, its plan in force and the figures they give."""
+
     state: JobState
-    created_at: float
-    updated_at: float
-    ended_at: float | None
-    world_size: int
-    num_blocks: int
-    budget_bytes: int
-    model_fingerprint: str
-    device: str
     ranks: list[RankView]
     plan: StoredPlanRow | None
     in_force: InForce | None
