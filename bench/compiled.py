@@ -48,7 +48,7 @@ from rematd import client
 from rematd.client.accounting import SavedTensorAccounting
 from rematd.client.models import TinyGPT, lm_loss
 from rematd.client.selective import selective_context
-from rematd.planner import Mode
+from rematd.planner import letters
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,9 +66,9 @@ class Setup:
 
 
 QUICK = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq": 16, "batch": 2, "steps": 4, "warmup": 3}
+MID = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq": 128, "batch": 4, "steps": 6, "warmup": 3}
 FULL = {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq": 1024, "batch": 8, "steps": 10, "warmup": 6}
 WHOLE_RATIOS = (1.0, 0.5, 0.2)
-LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "o"}
 ADAPTIVE_LENGTHS = (256, 512, 768, 1024, 1536, 2048)
 
 
@@ -242,7 +242,7 @@ def rematd_through(setup: Setup, budgets: list[int]) -> list[dict[str, Any]]:
                 "budget_mib": budget / MiB,
                 "step_s": median(times),
                 "peak_mib": max(peaks) / MiB,
-                "modes": "".join(LETTERS[m] for m in h.modes),
+                "modes": letters(h.modes),
                 "graphs": stats.graphs,
                 "compile_s": stats.seconds,
                 "first_steps_s": first,
@@ -328,10 +328,22 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
     parser.add_argument("--adaptive", action="store_true", help="also the adaptive-length scenario")
     parser.add_argument("--out", default="bench/compiled.json")
+    parser.add_argument("--mid", action="store_true", help="a CPU-sized model: 4 blocks, d_model 128, batch 4 x 128")
+    parser.add_argument(
+        "--at", type=float, default=0.0, help="only rematd against torch.compile's budget at this fraction of eager's"
+    )
+    parser.add_argument("--warmup", type=int, default=0, help="steps before measuring (default: the size's own)")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.quick
-    shape = QUICK if args.quick else FULL
+    cuda = torch.cuda.is_available() and not (args.quick or args.mid)
+    shape = {**(QUICK if args.quick else MID if args.mid else FULL)}
+    if args.warmup:
+        shape["warmup"] = args.warmup
     setup = Setup(**shape, device="cuda" if cuda else "cpu", backend=args.backend, bf16=cuda)  # type: ignore[arg-type]
+    if args.at:
+        from bench.compiled_budget import at_report  # it builds on this module
+
+        at_report(setup, args.at, args.out)
+        return
     payload = run(setup, with_adaptive=args.adaptive, adaptive_steps=8 if args.quick else 40)
     print(f"{setup}")
     print(
@@ -356,7 +368,7 @@ def main() -> None:
                 ("step_s", "rematd s", ".4f"),
                 ("peak_mib", "peak MiB", ",.3f"),
                 ("fits", "fits", ""),
-                ("modes", "modes (. store, s selective, R recompute, o offload)", "s"),
+                ("modes", "modes (. store, s selective, R recompute, O offload)", "s"),
                 ("best_compiled", "fastest compiled that fits", "s"),
                 ("vs_best", "x it", ".3f"),
                 ("graphs", "graphs", "d"),

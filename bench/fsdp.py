@@ -176,7 +176,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def launch(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
+def launch(args: argparse.Namespace, argv: list[str], module: str = "bench.fsdp") -> list[dict[str, Any]]:
     import socket
 
     with socket.socket() as s:
@@ -195,7 +195,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "REMATD_BENCH_RESULT": f"{out}-rank{rank}.json",
         }
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.fsdp", *argv, "--worker"], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv, "--worker"], env=env))
     try:
         codes = [p.wait(timeout=3600) for p in procs]
     finally:

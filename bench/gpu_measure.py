@@ -17,7 +17,7 @@ import torch
 from bench.common import median
 from bench.gpu_models import Job, ModelSpec, build
 from bench.gpu_strategies import STRATEGIES, Context
-from rematd.planner.reasons import letters
+from rematd.planner import letters
 
 
 def _cuda(device: torch.device) -> bool:

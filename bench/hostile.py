@@ -30,8 +30,8 @@ from bench.loop_stall import while_probing
 from bench.rejected_streams import packed_hello
 from bench.served import served
 from rematd import wire
+from rematd.messages import BlockRecord, Hello, StepStats
 from rematd.planner import Shape
-from rematd.records import BlockRecord, Hello, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

@@ -155,7 +155,7 @@ def print_row(r: Level) -> None:
 
 
 def markdown(levels: list[Level]) -> str:
-    """The curve as a Markdown table, the one the README shows."""
+    """The curve as a Markdown table, the one docs/benchmarks.md shows."""
     head = (
         "| ranks | live | ramp s | failed streams | reports/s | steps/s | p50 ms | p99 ms | max ms | stalest view s "
         "| errors | server cores | server RSS MiB | KiB/rank | generator cores | generator lag p50 / p99 / max ms "

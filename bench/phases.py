@@ -20,16 +20,19 @@ round's ratio), its plan, its largest peak and its steps over the budget
 from __future__ import annotations
 
 import argparse
+import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from bench.common import MiB, gpt, median, table, timed_step, tokens, write_json
-from bench.strategies import LETTERS, Runner
+from bench.strategies import Runner
 from rematd import client
-from rematd.planner import Mode, Profile, Shape
+from rematd.client.accounting import SavedTensorAccounting
+from rematd.planner import Mode, Profile, Shape, letters
 from rematd.planner.cost import choose, peak_of
+from rematd.planner.plan import entry_for
 
 S, K, R = Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE
 
@@ -69,81 +72,147 @@ def families(n: int, profile: Profile, shape: Shape, budget: int) -> dict[str, t
     return plans
 
 
-def run(setup: Setup, ratios: list[float]) -> dict[str, Any]:
+class CompiledRunner(Runner):
+    """``torch.compile`` with its own activation memory budget: every step (a new length recompiles)
+    under ``activation_memory_budget``; its peak from the saved-tensor hooks (what the compiled graph
+    saves for backward)."""
+
+    def __init__(self, setup: Setup, ratio: float) -> None:
+        model = gpt(setup.n_layer, setup.d_model, setup.n_head)
+        # A class of its own per budget: Dynamo would otherwise serve every budget the graph compiled first
+        # (its guards pass for another instance of the same class), whatever the budget in force.
+        model.__class__ = type(f"TinyGPT{round(ratio * 100)}", (type(model),), {})
+        compiled: Any = torch.compile(model)
+        super().__init__(f"compile-{ratio:.0%}", compiled, torch.optim.SGD(model.parameters(), lr=1e-4), None, [], [])
+        self.ratio = ratio
+        self.acct = SavedTensorAccounting()
+        self.acct.exclude_module_state(model)
+        self.acct.active = True
+
+    def step(self, data: torch.Tensor, record: bool) -> None:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.ratio), self.acct.hooks():
+            t = timed_step(self.model, self.opt, data)
+        peak = self.acct.take_peak()
+        if record:
+            self.times.append(t)
+            self.peaks.append(peak)
+
+
+@dataclass(slots=True)
+class Ours:
+    """rematd at one budget, with what it did over a phase."""
+
+    runner: Runner
+    budget: int
+    over: int = 0
+    trials_before: int = 0
+
+    @property
+    def session(self) -> Any:
+        return self.runner.handle._backend._session  # type: ignore[union-attr]
+
+    def predicted(self, shape: Shape) -> int:
+        """The model's peak for the entry in force at ``shape``, uncorrected by the measured peaks."""
+        entry = entry_for(self.session.plan.shape_plans, shape)
+        return int(entry.predicted_peak_bytes)
+
+
+def attach(setup: Setup, budget: int) -> Runner:
+    model = gpt(setup.n_layer, setup.d_model, setup.n_head)
+    h = client.attach(model, budget_bytes=budget, modes=["recompute", "selective"])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    timed_step(model, opt, tokens(setup.batch, setup.lengths[0], 0), h.step)  # the profiling step
+    return Runner("", model, opt, h, [], [])
+
+
+def pin_statics(statics: dict[str, Runner], plans: dict[str, tuple[Mode, ...]], setup: Setup, seq: int) -> None:
+    """Each static plan of this length on a runner of its own (made once per plan name)."""
+    for name, modes in plans.items():
+        runner = statics.setdefault(name, attach(setup, 2**50))
+        runner.times, runner.peaks = [], []
+        runner.handle.pin_modes(modes)  # type: ignore[union-attr]
+        runner.step(tokens(setup.batch, seq, 0), record=False)  # the pin applies at this step's boundary
+
+
+def ratio_to(r: Runner, base: list[float], steps: int) -> float:
+    """Median over the last ``steps`` rounds of each round's step time over no checkpointing's."""
+    return median([t / b for t, b in zip(r.times[-steps:], base[-steps:], strict=True)])
+
+
+Measured = dict[str, tuple[float, int, str]]
+"""Per static plan: its ratio to no checkpointing, its largest peak, its modes."""
+
+
+def phase_row(
+    ours: Ours, ratio: float, seq: int, base: list[float], setup: Setup, statics: Measured, compiled: Runner | None
+) -> dict[str, Any]:
+    """One budget at one length: rematd against the fastest static plan that fits and torch.compile's budget."""
+    r, budget = ours.runner, ours.budget
+    mine = ratio_to(r, base, setup.steps)
+    fitting = {k: v for k, v in statics.items() if v[1] <= budget}
+    best = min(fitting.items(), key=lambda kv: kv[1][0]) if fitting else None
+    measured = r.peaks[-1]
+    predicted = ours.predicted(Shape(batch=setup.batch, seq_len=seq, tokens=setup.batch * seq))
+    row: dict[str, Any] = {
+        "budget_ratio": ratio,
+        "budget_mib": budget / MiB,
+        "seq": seq,
+        "rematd_ratio": mine,
+        "rematd_modes": letters(r.handle.modes),  # type: ignore[union-attr]
+        "rematd_peak_mib": max(r.peaks[-setup.steps :]) / MiB,
+        "predicted_peak_mib": predicted / MiB,
+        "predicted_error": predicted / measured - 1.0 if measured else None,
+        "steps_over_budget": ours.over,
+        "trial_steps": ours.session.controller.explorer.trial_steps - ours.trials_before,
+        "best_static": best[0] if best else "none fits",
+        "best_static_modes": best[1][2] if best else "",
+        "best_static_ratio": best[1][0] if best else None,
+        "vs_best_static": mine / best[1][0] if best else None,
+        "static": {k: {"ratio": v[0], "peak_mib": v[1] / MiB} for k, v in statics.items()},
+    }
+    if compiled is not None:
+        row["compile_ratio"] = ratio_to(compiled, base, setup.steps)
+        row["compile_peak_mib"] = max(compiled.peaks[-setup.steps :]) / MiB
+        row["vs_compile"] = mine / row["compile_ratio"]
+    return row
+
+
+def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[str, Any]:
     n, longest = setup.n_layer, max(setup.lengths)
-    modes_offered = ["recompute", "selective"]
-    first = tokens(setup.batch, setup.lengths[0], 0)
-
-    def attach(budget: int) -> Runner:
-        model = gpt(n, setup.d_model, setup.n_head)
-        h = client.attach(model, budget_bytes=budget, modes=modes_offered)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        timed_step(model, opt, first, h.step)  # the profiling step
-        return Runner("", model, opt, h, [], [])
-
-    none = attach(2**50)
+    none = attach(setup, 2**50)
     none.handle.pin_modes((S,) * n)  # type: ignore[union-attr]
     timed_step(none.model, none.opt, tokens(setup.batch, longest, 0), none.handle.step)  # type: ignore[union-attr]
     none_peak = none.handle.last_stats.saved_peak_bytes  # type: ignore[union-attr]
     profile = none.handle._backend._hello.profile()  # type: ignore[union-attr]
-    budgets = {ratio: int(none_peak * ratio) for ratio in ratios}
-    ours = {ratio: attach(budget) for ratio, budget in budgets.items()}
+    ours = {ratio: Ours(attach(setup, int(none_peak * ratio)), int(none_peak * ratio)) for ratio in ratios}
+    compiled = {ratio: CompiledRunner(setup, ratio) for ratio in ratios} if with_compile else {}
     statics: dict[str, Runner] = {}
     rows = []
     for phase, seq in enumerate(setup.lengths):
         shape = Shape(batch=setup.batch, seq_len=seq, tokens=setup.batch * seq)
         plans: dict[str, tuple[Mode, ...]] = {}
-        for budget in budgets.values():
-            plans.update(families(n, profile, shape, budget))
-        for name, modes in plans.items():
-            runner = statics.setdefault(name, attach(2**50))
-            runner.times, runner.peaks = [], []
-            runner.handle.pin_modes(modes)  # type: ignore[union-attr]
-            runner.step(tokens(setup.batch, seq, 0), record=False)  # the pin applies at this step's boundary
-        base: list[float] = []
-        trials = {ratio: r.handle._backend._session.controller.explorer.trial_steps for ratio, r in ours.items()}  # type: ignore[union-attr]
-        over = dict.fromkeys(ratios, 0)
+        for o in ours.values():
+            plans.update(families(n, profile, shape, o.budget))
+            o.over, o.trials_before = 0, o.session.controller.explorer.trial_steps
+        pin_statics(statics, plans, setup, seq)
+        for c in compiled.values():
+            c.times, c.peaks = [], []
+        everyone = [none, *(o.runner for o in ours.values()), *compiled.values(), *(statics[k] for k in plans)]
         for i in range(setup.warmup + setup.steps):
             data = tokens(setup.batch, seq, 1000 * phase + i + 1)
-            record = i >= setup.warmup
-            none.step(data, record)
-            if record:
-                base.append(none.times[-1])
-            for ratio, r in ours.items():
-                r.step(data, record)
-                assert r.handle is not None and r.handle.last_stats is not None
-                over[ratio] += r.handle.last_stats.saved_peak_bytes > budgets[ratio]
-            for name in plans:
-                statics[name].step(data, record=True)
-        peaks = {name: max(statics[name].peaks) for name in plans}
-        ratio_of = {
-            name: median([t / b for t, b in zip(statics[name].times[setup.warmup :], base, strict=True)])
-            for name in plans
+            # Rounds in turn, each in its own order, so that the machine's drift falls on every contender alike.
+            for r in random.Random(1000 * phase + i).sample(everyone, len(everyone)):
+                r.step(data, record=True)
+            for o in ours.values():
+                o.over += o.runner.handle.last_stats.saved_peak_bytes > o.budget  # type: ignore[union-attr]
+        measured: Measured = {
+            k: (ratio_to(statics[k], none.times, setup.steps), max(statics[k].peaks), letters(plans[k])) for k in plans
         }
-        for ratio, r in ours.items():
-            budget = budgets[ratio]
-            mine = median([t / b for t, b in zip(r.times[-setup.steps :], base, strict=True)])
-            fitting = {k: v for k, v in ratio_of.items() if peaks[k] <= budget}
-            best = min(fitting.items(), key=lambda kv: kv[1]) if fitting else None
-            session = r.handle._backend._session  # type: ignore[union-attr]
-            rows.append(
-                {
-                    "budget_ratio": ratio,
-                    "budget_mib": budget / MiB,
-                    "seq": seq,
-                    "rematd_ratio": mine,
-                    "rematd_modes": "".join(LETTERS[m] for m in r.handle.modes),  # type: ignore[union-attr]
-                    "rematd_peak_mib": max(r.peaks[-setup.steps :]) / MiB,
-                    "steps_over_budget": over[ratio],
-                    "trial_steps": session.controller.explorer.trial_steps - trials[ratio],
-                    "best_static": best[0] if best else "none fits",
-                    "best_static_modes": "".join(LETTERS[m] for m in plans[best[0]]) if best else "",
-                    "best_static_ratio": best[1] if best else None,
-                    "vs_best_static": mine / best[1] if best else None,
-                    "static": {k: {"ratio": v, "peak_mib": peaks[k] / MiB} for k, v in ratio_of.items()},
-                }
-            )
-    for r in (none, *statics.values(), *ours.values()):
+        for ratio, o in ours.items():
+            rows.append(phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio)))
+    for r in (none, *statics.values(), *(o.runner for o in ours.values())):
         if r.handle is not None:
             r.handle.close()
     return {"setup": asdict(setup), "none_peak_mib": none_peak / MiB, "rows": rows}
@@ -159,6 +228,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="256,160", help="sequence length of each phase (256,160)")
     parser.add_argument("--warmup", type=int, default=30, help="rounds per phase before measuring (30)")
     parser.add_argument("--steps", type=int, default=10, help="measured rounds per phase (10)")
+    parser.add_argument(
+        "--compile", action="store_true", help="add torch.compile at activation_memory_budget = each budget's ratio"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,7 +242,7 @@ def main() -> None:
             n_layer=12, d_model=args.d_model, n_head=4, batch=args.batch, lengths=lengths, warmup=args.warmup,
             steps=args.steps,
         )  # fmt: skip
-    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), **run(setup, [0.45, 0.7])}
+    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), **run(setup, [0.45, 0.7], args.compile)}
     cols = [
         ("budget_ratio", "budget", ".0%"),
         ("seq", "length", "d"),
@@ -178,6 +250,8 @@ def main() -> None:
         ("rematd_modes", "its plan", ""),
         ("rematd_peak_mib", "peak MiB", ".1f"),
         ("budget_mib", "budget MiB", ".1f"),
+        ("predicted_peak_mib", "predicted MiB", ".1f"),
+        ("predicted_error", "predicted / peak - 1", "+.1%"),
         ("steps_over_budget", "over", "d"),
         ("trial_steps", "trials", "d"),
         ("best_static", "fastest static that fits", ""),
@@ -185,6 +259,12 @@ def main() -> None:
         ("best_static_ratio", "its ratio", ".3f"),
         ("vs_best_static", "rematd / it", ".3f"),
     ]
+    if args.compile:
+        cols += [
+            ("compile_ratio", "compile at budget", ".3f"),
+            ("compile_peak_mib", "its peak MiB", ".1f"),
+            ("vs_compile", "rematd / it", ".3f"),
+        ]
     print(table(report["rows"], cols))
     write_json(args.out, report)
     print(f"\nwrote {args.out}")

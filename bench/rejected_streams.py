@@ -24,8 +24,8 @@ import grpc
 
 from bench.served import served
 from rematd import wire
+from rematd.messages import BlockRecord, Hello
 from rematd.planner import Shape
-from rematd.records import BlockRecord, Hello
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

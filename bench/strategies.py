@@ -29,7 +29,7 @@ from bench.common import MiB, gpt, median, table, timed_step, tokens, write_json
 from rematd import client
 from rematd.client.accounting import tensors_in
 from rematd.client.models import TinyGPT
-from rematd.planner import Mode, Shape, solve
+from rematd.planner import Mode, Shape, letters, solve
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,9 +80,6 @@ class SegmentedGPT(TinyGPT):
             x = out
         logits: torch.Tensor = self.head(self.ln_f(x))
         return logits
-
-
-LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
 
 
 @dataclass(slots=True)
@@ -184,7 +181,7 @@ def budgets_table(setup: Setup, ratios: list[float], compile_ratios: list[float]
             "rematd_ratio": ratio_of(r),
             "rematd_peak_mib": max(r.peaks) / MiB,
             "rematd_fits": max(r.peaks) <= budget,
-            "rematd_modes": "".join(LETTERS[m] for m in r.handle.modes),
+            "rematd_modes": letters(r.handle.modes),
             "best_static": best[0] if best else "none fits",
             "best_static_ratio": best[1]["ratio"] if best else None,
         }

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rematd.client.deepspeed import is_zero_param
 from rematd.client.errors import OutOfMemory
 
 
@@ -59,15 +60,6 @@ def tensors_in(values: Iterable[Any]) -> list[torch.Tensor]:
     return found
 
 
-def unique_bytes(tensors: Iterable[torch.Tensor], exclude: frozenset[tuple[str, int]] = frozenset()) -> int:
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        key = storage_key(t)
-        if key not in exclude:
-            seen[key] = storage_bytes(t)
-    return sum(seen.values())
-
-
 def _fast_key(t: torch.Tensor) -> tuple[str, int]:
     t = local_part(t)
     try:
@@ -110,6 +102,8 @@ class SavedTensorAccounting:
         """Storages FSDP gathers parameters into (:func:`rematd.client.sharding.gathered_storages`): not activations."""
         self.active = False
         """True while the model's forward runs under this accounting's hooks."""
+        self.zero3 = False
+        """Whether parameters are ZeRO-3's: gathered anew at each use, saved for backward as weights."""
         self.hard_limit_bytes: int | None = None
         """Live bytes a pack may not take the total above: it raises ``OutOfMemory`` instead."""
 
@@ -120,6 +114,8 @@ class SavedTensorAccounting:
 
     def pack(self, t: torch.Tensor) -> Any:
         # The hot path (once per saved tensor): one storage object for both the key and the size.
+        if self.zero3 and is_zero_param(t):
+            return t
         try:
             st = t.untyped_storage()
             key = (t.device.type, st.data_ptr())

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from rematd.messages import JOB_ID_RE
 from rematd.planner import Mode
-from rematd.records import JOB_ID_RE
 
-MODE_NAMES = {m.name.lower(): m for m in Mode}
+MODE_NAMES = {m.label: m for m in Mode}
 ACCEPTED_MODES = ", ".join(repr(n) for n in MODE_NAMES)
 
 # What the wire's integer fields (and the service's records) carry.

@@ -40,7 +40,8 @@ def attach(
     ``ValueError`` naming it, before the model is touched.
 
     Args:
-        model: the model being trained.
+        model: the model being trained, or the DeepSpeed engine that trains it (its
+            ``step()`` then ends each of the handle's steps; see ``docs/deepspeed.md``).
         server: ``"host:port"`` (or ``"[v6addr]:port"``, or a gRPC target
             such as ``"dns:///host:port"``) of a rematd service; ``None``
             plans in-process.

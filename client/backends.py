@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
 from rematd.planner import Plan, PlannerSession
-from rematd.records import Hello, OomReport, StepStats, observation, open_planner
 
 PlanCallback = Callable[[Plan], None]
 

@@ -8,6 +8,7 @@ when they shrink.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import torch
 from rematd.client.attach import attach
 from rematd.client.handle import Handle
 from rematd.client.models import GPTConfig, TinyGPT, lm_loss
-from rematd.planner import Mode, blocks_of, frequency_of
+from rematd.planner import Mode, blocks_of, frequency_of, letters
 
 MiB = 2**20
 
@@ -70,12 +71,9 @@ def batches(cfg: DemoConfig) -> Iterator[tuple[int, torch.Tensor]]:
         yield step, torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
 
 
-LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
-
-
 def mode_letters(h: Handle) -> str:
     """The modes in force, one letter a block."""
-    return "".join(LETTERS[m] for m in h.modes)
+    return letters(h.modes)
 
 
 def checkpoint_every(h: Handle) -> str:
@@ -136,7 +134,7 @@ def train(
     return h
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rematd demo", description=__doc__.splitlines()[0])
     parser.add_argument("--server", help="host:port of a running rematd service (default: start one in-process)")
     parser.add_argument("--no-serve", action="store_true", help="exit when training ends instead of serving")
@@ -153,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sync", action="store_true", help="wait for the service's answer after each step (repeatable runs)"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be at least 3")
@@ -160,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--budget-mib must be positive")
     cfg = DemoConfig(steps=args.steps, budget_mib=args.budget_mib)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-
     if args.server:
         train(cfg, server=args.server, job=args.job, sync=args.sync)
-        return 0
+    else:
+        _with_service(cfg, args)
+    return 0
 
+
+def _with_service(cfg: DemoConfig, args: argparse.Namespace) -> None:
+    """Train against a service started in this process, then serve its dashboard until Ctrl-C."""
     from rematd.server.app import ServeConfig, ServiceThread
 
     tmp = tempfile.TemporaryDirectory(prefix="rematd-demo-")
@@ -173,24 +180,21 @@ def main(argv: list[str] | None = None) -> int:
         port = {} if args.http_port is None else {"http_port": args.http_port}
         service = ServiceThread(ServeConfig(grpc_port=0, db=db, **port))
         bound = service.start()
-    except OSError:
+    except OSError:  # the default dashboard port is taken: any free one
         service = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=db))
         bound = service.start()
-    print(f"rematd service: gRPC {bound.grpc}, dashboard {bound.dashboard}, record {bound.db}")
+    print(f"rematd service: gRPC {bound.grpc}, dashboard {bound.dashboard}, store {bound.db}")
     try:
         train(cfg, server=bound.grpc, job=args.job, sync=args.sync)
         print(f"\ndashboard: {bound.dashboard}   plans: http://{bound.http}/api/v1/jobs/{args.job}/plans")
         if not args.no_serve:
             print("serving until Ctrl-C")
-            try:
+            with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(3600)
-            except KeyboardInterrupt:
-                pass
     finally:
         service.stop()
         tmp.cleanup()
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from torch import nn
 
 from rematd.client.accounting import tensors_in
 from rematd.client.switch import SwitchableBlock
+from rematd.messages import BlockRecord
 from rematd.planner import Shape
-from rematd.records import BlockRecord
 
 
 def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape:

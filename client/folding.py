@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rematd.messages import StepStats
 from rematd.planner import Mode, ModeSeconds
 from rematd.planner.risk import GRAIN, device_room_bytes
-from rematd.records import StepStats
 
 PEAK_BAND = 0.02
 """How far a peak may move from the last one reported and still count as steady."""

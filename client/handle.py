@@ -26,6 +26,7 @@ from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.compiled import CompileStats
 from rematd.client.compress import CompressConfig, check_compress
 from rematd.client.connection import StreamConfig
+from rematd.client.deepspeed import follow, is_engine
 from rematd.client.describe import dist_rank, model_fingerprint
 from rematd.client.discovery import find_blocks
 from rematd.client.errors import UnsupportedModel
@@ -38,8 +39,8 @@ from rematd.client.sharding import check_units
 from rematd.client.step_cycle import StepCycle
 from rematd.client.stream import StreamBackend
 from rematd.client.unwrap import unwrap
+from rematd.messages import StepStats
 from rematd.planner import Mode, Plan, Shape
-from rematd.records import StepStats
 
 log = logging.getLogger("rematd.client")
 
@@ -80,6 +81,7 @@ class Handle:
         if compress is not None and Mode.COMPRESS not in offered:
             raise ValueError("compress= configures the 'compress' mode, which modes= does not enable: add 'compress'")
         self._offered = offered
+        engine = model if is_engine(model) else None
         model = unwrap(model)
         self.model = model
         found = find_blocks(model, blocks)
@@ -108,11 +110,17 @@ class Handle:
         self._life = self._cycle.life
         self._oom = OomPolicy(self._cycle.recover, closed=lambda: self._life.closed)
         self._hooks = [
-            model.register_forward_pre_hook(AttachedHook(self._pre_forward), with_kwargs=True),
+            # Before ZeRO-3's own pre-hooks (attached to an engine, after them otherwise): a plan switch must
+            # restart its fetch trace before the step's first fetch.
+            model.register_forward_pre_hook(
+                AttachedHook(self._pre_forward), with_kwargs=True, prepend=engine is not None
+            ),
             model.register_forward_hook(AttachedHook(self._post_forward), always_call=True),
         ]
         self._optimizer_hook: RemovableHandle | None = None
         self.optimizer = optimizer
+        self._unfollow: Callable[[], None] | None = None
+        self.engine = engine
 
     # -- public -----------------------------------------------------------
 
@@ -148,6 +156,26 @@ class Handle:
         self._cycle.optimizer = optimizer
         if optimizer is not None:
             self._optimizer_hook = optimizer.register_step_post_hook(AttachedHook(self._optimizer_stepped))
+
+    @property
+    def engine(self) -> nn.Module | None:
+        """The DeepSpeed engine after whose ``step()`` (at each accumulation boundary) the handle's :meth:`step`
+        runs by itself: the one ``attach`` was given, or set here after ``deepspeed.initialize`` when rematd was
+        attached to the model before it; ``None`` stops following it."""
+        return self._cycle.engine
+
+    @engine.setter
+    def engine(self, engine: nn.Module | None) -> None:
+        if engine is not None and not is_engine(engine):
+            raise TypeError(
+                f"engine must be a DeepSpeed engine (deepspeed.initialize's first result), got {type(engine).__name__}"
+            )
+        if self._unfollow is not None:
+            self._unfollow()
+            self._unfollow = None
+        self._cycle.engine = engine
+        if engine is not None:
+            self._unfollow = follow(engine, self.step)
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -311,6 +339,8 @@ class Handle:
             return
         for h in (*self._hooks, *self._parts.hooks, *([self._optimizer_hook] if self._optimizer_hook else [])):
             h.remove()
+        if self._unfollow is not None:
+            self._unfollow()
         for b in self._blocks:
             b.restore()
         try:

@@ -18,8 +18,8 @@ from rematd.client.describe import block_records
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
 from rematd.client.profiling import host_bandwidth
 from rematd.client.switch import SwitchableBlock
+from rematd.messages import Hello
 from rematd.planner import Mode, Shape, Size, Term
-from rematd.records import Hello
 
 log = logging.getLogger("rematd.client")
 

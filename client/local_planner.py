@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
 from rematd.planner import Plan, PlannerSession
-from rematd.records import Hello, OomReport, StepStats, observation, open_planner
 
 log = logging.getLogger("rematd.client")
 
@@ -45,7 +45,7 @@ class LocalPlanner:
         return session.plan
 
     def take(self, item: StepStats | OomReport, hello: Hello) -> Plan | None:
-        """A record the service would have had; the new plan it leads to, if any."""
+        """A store the service would have had; the new plan it leads to, if any."""
         assert self._session is not None, "start() first"
         if isinstance(item, StepStats):
             return self._session.observe(observation(hello, item))

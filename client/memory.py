@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from rematd.client.accounting import SavedTensorAccounting
+from rematd.messages import MEMORY_CUDA, MEMORY_SAVED
 from rematd.planner import AllocatorFigures, Size, Term
-from rematd.records import MEMORY_CUDA, MEMORY_SAVED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from rematd.client.backends import Backend
+from rematd.client.deepspeed import ZeroModel, is_zero3
 from rematd.client.describe import dist_rank, shape_of
 from rematd.client.hello import (
     Identity,
@@ -34,10 +35,13 @@ from rematd.client.oom_policy import free_after_oom, oom_message
 from rematd.client.parts import BlockParts
 from rematd.client.plan_sync import PROFILING, PlanAgreement
 from rematd.client.sharding import ShardedModel, has_dtensors, is_sharded
+from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Shape
-from rematd.records import Hello, OomReport, StepStats
 
 log = logging.getLogger("rematd.client")
+
+RERUN = frozenset({Mode.SELECTIVE, Mode.RECOMPUTE})
+"""Modes whose block runs its forward again in backward."""
 
 
 class StepCycle:
@@ -59,13 +63,8 @@ class StepCycle:
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.blocks = parts.blocks
-        self.accounting = parts.accounting
-        self.applier = parts.applier
         self.backend = backend
-        self.timer = parts.timer
-        self.offloader = parts.offloader
-        self.compiled = parts.compiled
+        self._use(parts)
         self.who = Identity(
             job=job or f"job-{uuid.uuid4().hex[:8]}", fingerprint=fingerprint, margin_ratio=margin_ratio
         )
@@ -93,9 +92,22 @@ class StepCycle:
         """Whether the ranks agree on one plan each step (None: when the parameters are distributed tensors)."""
         self.sharded: ShardedModel | None = None
         """FSDP's figures, for a model sharded with ``fully_shard`` (found at the first step)."""
+        self.zero: ZeroModel | None = None
+        """ZeRO-3's figures and fetch trace, for a model whose parameters it partitions (found at the first step)."""
+        self.engine: nn.Module | None = None
+        """The DeepSpeed engine whose step ends a step, when known: its optimizer's partitions are static memory."""
         self.agreement: PlanAgreement | None = None
         self.ran: tuple[Mode, ...] = ()
         """The modes the step runs, when they are not its plan's (a pin, or the plan the ranks agreed on)."""
+
+    def _use(self, parts: BlockParts) -> None:
+        """The blocks and what wraps them, as ``attach`` built them."""
+        self.blocks = parts.blocks
+        self.accounting = parts.accounting
+        self.applier = parts.applier
+        self.timer = parts.timer
+        self.offloader = parts.offloader
+        self.compiled = parts.compiled
 
     # -- a step's start and end ----------------------------------------------
 
@@ -128,6 +140,8 @@ class StepCycle:
         if self.agreement is not None and runs_in is not Phase.RETRY:
             self._agree()
         self.ran = self._modes_run(runs_in)
+        if self.zero is not None:
+            self.zero.switched(tuple(b.mode in RERUN and not b.profiling for b in self.blocks))
         if self.blocks[0].step_shape != self.shape:
             for b in self.blocks:
                 b.step_shape = self.shape
@@ -138,6 +152,9 @@ class StepCycle:
             # gathers are no activations.
             self.accounting.gathered = self.sharded.storages()
             self.static += self.sharded.shard_bytes(self.optimizer) + self.sharded.gathered_at_peak
+        if self.zero is not None and not self._on_cuda():
+            # As for FSDP: the rank's partitions and what ZeRO-3 holds gathered at the peak are static memory.
+            self.static += self.zero.shard_bytes(self.engine) + self.zero.gathered_at_peak
         self.started = time.perf_counter()
 
     def _on_cuda(self) -> bool:
@@ -150,9 +167,18 @@ class StepCycle:
             self.sharded = ShardedModel(self.model, [(b.name, b.module) for b in self.blocks])
             for b in self.blocks:
                 b.sharded = True
-        agree = distributed if self.same_plan is None else self.same_plan
+        if is_zero3(self.model):
+            self._first_zero3_step()
+        # ZeRO-3 ranks gather in lockstep: one rank recomputing alone would wait on the others' gathers.
+        agree = (distributed or self.zero is not None) if self.same_plan is None else self.same_plan
         if agree and dist_rank()[1] > 1:
             self.agreement = PlanAgreement()
+
+    def _first_zero3_step(self) -> None:
+        self.zero = ZeroModel(self.model, [b.module for b in self.blocks])
+        self.accounting.zero3 = True
+        for b in self.blocks:
+            b.zero3 = True
 
     def _agree(self) -> None:
         """Run the plan every rank agrees on (the leanest of theirs) instead of this rank's own."""
@@ -248,8 +274,14 @@ class StepCycle:
             fresh_grads=self.fresh_grads,
             # On CUDA the gathered parameters are in the allocator's peak, beside the blocks; on the CPU they
             # are part of the static bytes already.
-            gathered=self.sharded.gathered_at_peak if self.sharded is not None and self._on_cuda() else 0,
+            gathered=self._gathered_on_cuda(),
         )
+
+    def _gathered_on_cuda(self) -> int:
+        if not self._on_cuda():
+            return 0
+        sharded = self.sharded.gathered_at_peak if self.sharded is not None else 0
+        return sharded + (self.zero.gathered_at_peak if self.zero is not None else 0)
 
     # -- saved-tensor accounting around the model's forward -------------------
 

@@ -35,8 +35,8 @@ from rematd.client.connection import StreamConfig
 from rematd.client.folding import Folder
 from rematd.client.local_planner import FALLBACK_MAX_FAILURES, LocalPlanner
 from rematd.client.throttle import Throttled
+from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Plan
-from rematd.records import Hello, OomReport, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -245,7 +245,7 @@ class StreamBackend:
                 else:
                     continue
             except Exception as err:  # one bad record is dropped; the stream carries the next
-                self._fault("converting a record for the wire", err)
+                self._fault("converting a store for the wire", err)
                 continue
             yield from msgs
 

@@ -8,6 +8,7 @@ block's own forward back instead: it is not attached.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.caches import holds_cache
 from rematd.client.compress import Compressor, CompressProbe, constant_storages
+from rematd.client.deepspeed import is_zero_param, kept_gathered
 from rematd.client.offload import Offloader
 from rematd.client.profiling import BlockMeasure, Profiler
 from rematd.client.recompute_timing import RecomputeTimer
@@ -86,6 +88,8 @@ class SwitchableBlock:
         """The compiled variants this block runs (``attach(..., compile=...)``); None: eager."""
         self.sharded = False
         """Whether the block runs inside an FSDP unit: its parameters are gathered into FSDP's storages."""
+        self.zero3 = False
+        """Whether ZeRO-3 partitions its parameters: a recomputation keeps them gathered for the backward."""
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = _SwitchedForward(self)
@@ -207,10 +211,13 @@ class SwitchableBlock:
     def _run(self, mode: Mode, *args: Any, **kwargs: Any) -> Any:
         """The block's own forward, as the checkpoint calls it: in forward, and again in backward to
         rematerialise what it did not keep, which is timed for the planner."""
-        if self._in_forward or self.timer is None:
+        if self._in_forward:
             return self._original(*args, **kwargs)
-        cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
-        return self.timer.run(mode, self._original, cuda, *args, **kwargs)
+        with kept_gathered(self.module) if self.zero3 else contextlib.nullcontext():
+            if self.timer is None:
+                return self._original(*args, **kwargs)
+            cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
+            return self.timer.run(mode, self._original, cuda, *args, **kwargs)
 
     def _transient_bytes(self, mode: Mode) -> int:
         if self.measure is None:
@@ -235,6 +242,8 @@ class SwitchableBlock:
             counting.gathered |= gathered
 
         def pack(t: torch.Tensor) -> Any:
+            if self.zero3 and is_zero_param(t):
+                return t  # a weight ZeRO-3 gathered for this forward
             profiler.record(t)
             return counting.pack(t) if counting is not None else t
 

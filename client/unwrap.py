@@ -1,9 +1,11 @@
-"""Which module ``attach`` works on: DDP's inner module, an FSDP2 model as it is; compiled and FSDP1 models refused."""
+"""Which module ``attach`` works on: DDP's and DeepSpeed's inner module, an FSDP2 model as it is; compiled, FSDP1 and
+DeepSpeed pipeline models refused."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from rematd.client.deepspeed import is_engine, refuse_unsupported
 from rematd.client.errors import UnsupportedModel
 from rematd.client.refusals import refuse_own_checkpointing
 from rematd.client.sharding import refuse_fsdp1
@@ -34,7 +36,9 @@ def unwrap(model: nn.Module) -> nn.Module:
             )
     refuse_fsdp1(model)
     refuse_own_checkpointing(model)
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        inner: nn.Module = model.module
+    refuse_unsupported(model)
+    if isinstance(model, nn.parallel.DistributedDataParallel) or is_engine(model):
+        inner = model.module
+        assert isinstance(inner, nn.Module)
         return inner
     return model

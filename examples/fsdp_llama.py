@@ -56,6 +56,18 @@ def llama(layers: int, hidden: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def say(h: client.Handle, rank: int, step: int, seq: int, budget: int, loss: torch.Tensor) -> None:
+    """One line per step: the plan the rank ran, its peak against the budget."""
+    memory = h.last_memory  # on CUDA the allocator's peak; on the CPU the accounting's
+    peak = (memory.peak_allocated_bytes or memory.saved_peak_bytes) if memory is not None else 0
+    plan = "".join(LETTERS[m] for m in h.modes)
+    print(
+        f"rank {rank} step {step:3d} seq {seq:5d} plan {plan} v{h.plan.version} "
+        f"peak {peak / 2**20:8.1f} MiB budget {budget / 2**20:8.1f} MiB loss {loss.item():.3f}",
+        flush=True,
+    )
+
+
 def main() -> None:
     args = parse()
     cuda = torch.cuda.is_available()
@@ -83,14 +95,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        memory = h.last_memory  # on CUDA the allocator's peak; on the CPU the accounting's
-        peak = (memory.peak_allocated_bytes or memory.saved_peak_bytes) if memory is not None else 0
-        plan = "".join(LETTERS[m] for m in h.modes)
-        print(
-            f"rank {rank} step {step:3d} seq {seq:5d} plan {plan} v{h.plan.version} "
-            f"peak {peak / 2**20:8.1f} MiB budget {budget / 2**20:8.1f} MiB loss {loss.item():.3f}",
-            flush=True,
-        )
+        say(h, rank, step, seq, budget, loss)
     h.close()
     dist.destroy_process_group()
 

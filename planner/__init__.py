@@ -29,13 +29,12 @@ from rematd.planner.solvers import (
     every_k_blocks,
     frequency_of,
     solve,
-    solve_every,
-    solve_full,
     solve_min_recompute,
-    solve_none,
 )
+from rematd.planner.units import MODE_LETTERS, letters
 
 __all__ = [
+    "MODE_LETTERS",
     "AllocatorFigures",
     "BlockCost",
     "Choice",
@@ -56,13 +55,11 @@ __all__ = [
     "blocks_of",
     "every_k_blocks",
     "frequency_of",
+    "letters",
     "oom_risk",
     "peak_of",
     "predict_overhead_ratio",
     "predict_peak_bytes",
     "solve",
-    "solve_every",
-    "solve_full",
     "solve_min_recompute",
-    "solve_none",
 ]

@@ -14,6 +14,13 @@ class ControllerConfig:
 
     margin_ratio: float = 0.1
     """Fraction of the budget kept free: target = budget x (1 - margin_ratio)."""
+    settled_margin_ratio: float = 0.005
+    """The margin at a length whose measured peaks have settled on the model's: the last
+    ``correction_window`` measured/predicted ratios there within ``settled_spread`` of each other, no
+    crossing of the target above them remembered, no out-of-memory event. The margin guards against
+    the prediction's error, which those measurements bound (on the CPU's accounting, to a few KiB)."""
+    settled_spread: float = 0.005
+    """How far apart (as a fraction) the recent measured/predicted ratios of a length may be for it to settle."""
     loosen_after_steps: int = 5
     """Consecutive steps with room for a looser plan before the plan loosens."""
     max_loosen_after_steps: int = 80
@@ -43,12 +50,23 @@ class ControllerConfig:
     """Steps after which a mode measured at a length counts as unmeasured there again."""
 
     def __post_init__(self) -> None:
+        self._check_margins()
+        self._check_corrections()
+        self._check_exploration()
+
+    def _check_margins(self) -> None:
         if not 0.0 <= self.margin_ratio < 1.0:
             raise ValueError(f"margin_ratio must be in [0, 1), got {self.margin_ratio!r}")
+        if not 0.0 <= self.settled_margin_ratio <= self.margin_ratio:
+            raise ValueError(f"settled_margin_ratio must be in [0, margin_ratio], got {self.settled_margin_ratio!r}")
+        if self.settled_spread < 0.0:
+            raise ValueError(f"settled_spread must be >= 0, got {self.settled_spread!r}")
         if self.loosen_after_steps < 1:
             raise ValueError(f"loosen_after_steps must be >= 1, got {self.loosen_after_steps!r}")
         if self.max_loosen_after_steps < self.loosen_after_steps:
             raise ValueError("max_loosen_after_steps must be >= loosen_after_steps")
+
+    def _check_corrections(self) -> None:
         if self.max_correction < 1.0:
             raise ValueError(f"max_correction must be >= 1, got {self.max_correction!r}")
         if not 0.0 < self.min_correction <= 1.0:
@@ -57,6 +75,8 @@ class ControllerConfig:
             raise ValueError(f"correction_window must be >= 1, got {self.correction_window!r}")
         if self.oom_correction_step <= 1.0:
             raise ValueError(f"oom_correction_step must be > 1, got {self.oom_correction_step!r}")
+
+    def _check_exploration(self) -> None:
         if not 0.0 <= self.explore_share < 1.0:
             raise ValueError(f"explore_share must be in [0, 1), got {self.explore_share!r}")
         for name in ("explore_steps", "explore_blocks", "explore_stale_steps"):
@@ -69,3 +89,7 @@ class ControllerConfig:
 
     def target_bytes(self, budget_bytes: int) -> int:
         return int(budget_bytes * (1.0 - self.margin_ratio))
+
+    def settled_target(self, target: int) -> int:
+        """``target`` (under ``margin_ratio``) moved to ``settled_margin_ratio``: same budget, smaller margin."""
+        return int(target * (1.0 - self.settled_margin_ratio) / (1.0 - self.margin_ratio))

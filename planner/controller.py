@@ -159,7 +159,7 @@ class Controller(TablePricing):
             activations = max(0, obs.peak_bytes - obs.static_bytes)
             cfg = self.config
             ratio = min(cfg.max_correction, max(cfg.min_correction, activations / predicted))
-            crossed = obs.peak_bytes > target
+            crossed = obs.peak_bytes > self._target_at(target, shape.seq_len)
             self._learned.bucket(shape.seq_len).record(ratio, crossed=crossed, step=obs.step, floor=cfg.min_correction)
 
     def _moves(self, target: int, static: int) -> Moves:
@@ -168,9 +168,10 @@ class Controller(TablePricing):
         desired = self._desired(target, static)
         moves = Moves(current=current, desired={e.max_seq_len: e for e, _ in desired})
         moves.new = [seq for seq in moves.desired if seq not in current]
-        slack = int(target * LOOSEN_SLACK)
         for entry, _choice in desired:
             seq = entry.max_seq_len
+            # Where the peaks have settled, their spread is the slack: the pessimistic correction holds it.
+            slack = target if self._learned.settled(seq) else int(target * LOOSEN_SLACK)
             old = current.get(seq)
             if old is None or old.modes == entry.modes:
                 continue
@@ -203,9 +204,10 @@ class Controller(TablePricing):
             # The last loosening was undone quickly: wait longer before the next.
             learned.dwell = min(self.config.max_loosen_after_steps, learned.dwell * 2)
         seq = obs.shape.seq_len
+        here = self._target_at(target, seq)
         cause = (
-            f"a step of length {seq} peaked at {human_bytes(obs.peak_bytes)}, over the target of {human_bytes(target)}"
-            if obs.peak_bytes > target
+            f"a step of length {seq} peaked at {human_bytes(obs.peak_bytes)}, over the target of {human_bytes(here)}"
+            if obs.peak_bytes > here
             else f"steps of length {seq} are predicted to pass the target of {human_bytes(target)}"
         )
         return self._change(moves.table(moves.tighter), obs, target, f"tighten: {cause}")

@@ -50,10 +50,12 @@ def choose(options: list[list[Option]], modes: Sequence[Mode]) -> list[Option]:
     """The options that ``modes`` pick, one per block."""
     out = []
     for i, (opts, mode) in enumerate(zip(options, modes, strict=True)):
-        found = next((o for o in opts if o.mode == mode), None)
-        if found is None:
+        for o in opts:  # a plain loop: the solvers pick a thousand blocks' options several times a solve
+            if o.mode == mode:
+                out.append(o)
+                break
+        else:
             raise ValueError(f"block {i} has no {mode.name} option")
-        out.append(found)
     return out
 
 

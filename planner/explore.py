@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from rematd.planner.config import ControllerConfig
 from rematd.planner.model import Mode, StepObservation
-from rematd.planner.reasons import human_bytes, letters
+from rematd.planner.reasons import human_bytes
 from rematd.planner.timing import MIN_BLOCKS
+from rematd.planner.units import letters
 
 EXPLORED = (Mode.SELECTIVE, Mode.OFFLOAD)
 """Modes priced pessimistically until measured: the ones worth a trial."""

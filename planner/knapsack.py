@@ -31,8 +31,11 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from rematd.planner.model import Mode, Option
+from rematd.planner.runs import RUN, Runs
+from rematd.planner.spread import place
 
 INF = math.inf
 # Up to this many feasible caps, every one is a candidate.
@@ -132,6 +135,9 @@ class Knapsack:
                 hulls = tuple(tuple(hull([o for o in merged if o[2] <= t])) for t in thresholds)
             classes.append(_Class(tuple(idx), thresholds, hulls))
         self._classes = classes
+        self._hulls: dict[int, list[tuple[_Opt, ...]]] = {}
+        self.alike = tuple(c.blocks for c in classes if len(c.blocks) > 1)
+        """The classes of two blocks or more: the blocks alike in bytes (the solvers arrange modes within them)."""
         # Below the largest of the classes' smallest transients some class has no option at all.
         start = max(c.thresholds[0] for c in classes)
         self.caps = sorted({t for c in classes for t in c.thresholds if t >= start})
@@ -191,6 +197,7 @@ class Knapsack:
         place = {(s[6], s[4], s[7]): i for i, s in enumerate(segments)}
         self._segments = [(*s[:8], i, place.get((s[6], s[4], s[7] - 1), -1)) for i, s in enumerate(segments)]
         segments = self._segments
+        self._runs = Runs([(s[1], s[3], s[2], s[4], s[5]) for s in segments])
         # The relaxation with every option allowed: prefix sums over the last states' segments,
         # and the largest transient its choice reaches.
         self._final_slopes: list[float] = []
@@ -254,20 +261,15 @@ class Knapsack:
         secs = self._base_secs[j]
         if need <= 0:
             return secs
-        it = iter(self._segments)
-        for seg in it:
-            if seg[4] <= cap < seg[5]:
-                if seg[1] * seg[3] >= need:
-                    break
-                need -= seg[1] * seg[3]
-                secs += seg[2] * seg[3]
-        else:
+        found = self._whole(cap, need, secs)
+        if found is None:
             return INF
+        need, secs, seg = found
         freed, added, at = seg[1], seg[2], seg[8]
         k = -(-need // freed)
         best, pick = k * added, at
         looked = 0
-        for _slope, freed2, added2, w2, lo2, hi2, _ci2, _v2, at2, prev2 in it:
+        for _slope, freed2, added2, w2, lo2, hi2, _ci2, _v2, at2, prev2 in islice(self._segments, at + 1, None):
             if lo2 <= cap < hi2:
                 # Open only where the segment before it on its hull was taken whole.
                 if prev2 < at:
@@ -286,6 +288,25 @@ class Knapsack:
             record[ci][v] -= k
             record[ci][v + 1] += k
         return secs + best
+
+    def _whole(self, cap: int, need: int, secs: float) -> tuple[int, float, _Segment] | None:
+        """The segments taken whole at ``cap`` before ``need`` bytes are freed: the bytes still needed,
+        the seconds with them, and the segment that meets the need; None when all of them fall short.
+        Whole runs of segments are skipped on their sums."""
+        runs, segments = self._runs, self._segments
+        for r in range(len(runs)):
+            freed, added = runs.at(r, cap)
+            if freed < need:
+                need -= freed
+                secs += added
+                continue
+            for seg in islice(segments, r * RUN, (r + 1) * RUN):
+                if seg[4] <= cap < seg[5]:
+                    if seg[1] * seg[3] >= need:
+                        return need, secs, seg
+                    need -= seg[1] * seg[3]
+                    secs += seg[2] * seg[3]
+        return None
 
     def solve(self, budget: int) -> Solution | None:
         """The least extra seconds with kept bytes + the largest transient within ``budget``;
@@ -350,38 +371,30 @@ class Knapsack:
             i = picks.index(here)
             lo, hi = picks[max(0, i - 1)], picks[min(len(picks) - 1, i + 1)]
 
+    def _hulls_at(self, cap: int) -> list[tuple[_Opt, ...]]:
+        """Each class's hull under ``cap``; the last few kept (a solve's widenings come back to the same caps)."""
+        hit = self._hulls.get(cap)
+        if hit is None:
+            if len(self._hulls) >= 8:
+                self._hulls.clear()
+            hit = self._hulls[cap] = [c.hulls[c.state(cap)] if len(c.hulls) > 1 else c.hulls[0] for c in self._classes]
+        return hit
+
     def _modes(self, j: int, budget: int) -> Solution:
         cap = self.caps[j]
-        counts = [[len(c.blocks)] + [0] * (len(c.hulls[c.state(cap)]) - 1) for c in self._classes]
+        hulls = self._hulls_at(cap)
+        counts = [[len(c.blocks)] + [0] * (len(h) - 1) for c, h in zip(self._classes, hulls, strict=True)]
         secs = self._scan(j, budget, record=counts)
         modes = [Mode.STORE] * self.num_blocks
         kept = transient = 0
-        for c, cnt in zip(self._classes, counts, strict=True):
-            h = c.hulls[c.state(cap)]
-            remaining: Sequence[int] = c.blocks
-            # The most-recomputing vertex first, spread evenly over the class's blocks.
-            for v in range(len(h) - 1, -1, -1):
-                if not cnt[v]:
-                    continue
+        for c, h, cnt in zip(self._classes, hulls, counts, strict=True):
+            if len(c.blocks) == 1:
+                o = h[cnt.index(1)]
+                modes[c.blocks[0]] = o[3]
+                kept += o[0]
+                transient = max(transient, o[2])
+                continue
+            for v in place(c.blocks, cnt, h, modes):
                 kept += cnt[v] * h[v][0]
                 transient = max(transient, h[v][2])
-                picked = spread(remaining, cnt[v]) if v and cnt[v] < len(remaining) else remaining
-                for i in picked:
-                    modes[i] = h[v][3]
-                if picked is not remaining:
-                    taken = set(picked)
-                    remaining = [i for i in remaining if i not in taken]
         return Solution(modes=tuple(modes), seconds=secs, kept=kept, transient=transient)
-
-
-def spread(indices: Sequence[int], count: int) -> list[int]:
-    """``count`` of ``indices`` spread evenly, as "every k-th" when some k gives exactly that many."""
-    n = len(indices)
-    if count >= n:
-        return list(indices)
-    if count <= 0:
-        return []
-    for k in range(1, n + 1):
-        if math.ceil(n / k) == count:
-            return [indices[j] for j in range(0, n, k)]
-    return [indices[(j * n) // count] for j in range(count)]

@@ -148,6 +148,17 @@ class Learned:
         cfg = self.config
         return min(cfg.max_correction, max(cfg.min_correction, robust) * bucket.boost)
 
+    def settled(self, seq: int) -> bool:
+        """Whether the measured peaks at ``seq``'s bucket have settled on the model: a full window of
+        measured/predicted ratios within ``settled_spread`` of each other, no remembered crossing of the
+        target above them, no out-of-memory event there or at a shorter length."""
+        cfg = self.config
+        bucket = self.buckets.get(self.bucket_of(seq)) if seq else None
+        if bucket is None or len(bucket.ratios) < cfg.correction_window or bucket.boost > 1.0:
+            return False
+        lo, hi = min(bucket.ratios), max(bucket.ratios)
+        return hi <= lo * (1.0 + cfg.settled_spread) and bucket.crossing <= hi and self.ceiling(seq) is None
+
     def ceiling(self, seq: int) -> int | None:
         """The cap an out-of-memory event set at this length or a shorter one, scaled up to this length."""
         if not seq:

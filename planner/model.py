@@ -235,37 +235,3 @@ class Profile:
     def forward_seconds_at(self, shape: Shape | None = None) -> float:
         total = sum(b.forward_seconds for b in self.blocks)
         return total * (self.time_ratio(shape) if shape else 1.0)
-
-    def scaled_to(self, shape: Shape) -> Profile:
-        """The same costs re-expressed with ``shape`` as their reference."""
-        if shape == self.shape:
-            return self
-        opts = self.options_at(shape)
-        ratio = self.time_ratio(shape)
-        blocks = []
-        for b, o in zip(self.blocks, opts, strict=True):
-            by_mode = {x.mode: x for x in o}
-            store = by_mode[Mode.STORE]
-            rec = by_mode.get(Mode.RECOMPUTE)
-            blocks.append(
-                BlockCost(
-                    saved_bytes=store.kept,
-                    input_bytes=rec.kept if rec else b.input_bytes,
-                    forward_seconds=b.forward_seconds * ratio,
-                    modes=tuple(
-                        ModeCost(
-                            mode=x.mode,
-                            kept=Size.linear(x.kept),
-                            transient=Size.linear(x.transient),
-                            extra_seconds=x.seconds,
-                        )
-                        for x in o
-                    ),
-                )
-            )
-        return Profile(
-            blocks=tuple(blocks),
-            shape=shape,
-            other=Size.linear(self.other_at(shape)),
-            other_in_backward=self.other_in_backward,
-        )

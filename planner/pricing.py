@@ -72,7 +72,13 @@ class TablePricing:
         batch = self._learned.batch
         return Shape(batch=batch, seq_len=seq, tokens=batch * seq)
 
+    def _target_at(self, target: int, seq: int) -> int:
+        """The target at length ``seq``: ``target`` where its peaks have not settled on the model, else
+        the same budget under the smaller margin they earned (:meth:`ControllerConfig.settled_target`)."""
+        return self.config.settled_target(target) if self._learned.settled(seq) else target
+
     def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
+        target = self._target_at(target, shape.seq_len)
         corr = self._learned.correction(shape.seq_len) if shape.seq_len else 1.0
         ceiling = self._learned.ceiling(shape.seq_len)
         key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self._learned.timing.scales)
@@ -157,6 +163,7 @@ class TablePricing:
         self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False
     ) -> bool:
         at = self._at(shape)
+        target = self._target_at(target, shape.seq_len)
         correction = self._learned.correction(shape.seq_len, pessimistic=pessimistic)
         activations = (at.other_bytes + at.cost(modes)[0]) * correction
         return static + activations <= target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rematd.planner.plan import ShapePlan
 from rematd.planner.solvers import Choice
-from rematd.planner.units import Mode
+from rematd.planner.units import Mode, letters
 
 
 def human_bytes(n: float) -> str:
@@ -14,17 +14,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O", Mode.COMPRESS: "C"}
 # How much of a block's forward runs again in backward: what "recomputes less" counts.
 _RECOMPUTED = {Mode.STORE: 0, Mode.OFFLOAD: 0, Mode.COMPRESS: 0, Mode.SELECTIVE: 1, Mode.RECOMPUTE: 2}
 LEGEND = "(. store, s selective, R recompute, O offload)"
 LEGEND_COMPRESS = "(. store, s selective, R recompute, O offload, C compress)"
 """The key once some plan shown compresses; without, the key as it always was (readers match it)."""
-
-
-def letters(modes: tuple[Mode, ...]) -> str:
-    """Modes one letter a block: . store, s selective, R recompute, O offload, C compress."""
-    return "".join(_LETTERS[m] for m in modes)
 
 
 def lossy_note(modes: tuple[Mode, ...], table: tuple[ShapePlan, ...]) -> str:

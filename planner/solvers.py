@@ -23,10 +23,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rematd.planner.cost import peak_of
-from rematd.planner.knapsack import Knapsack, spread
+from rematd.planner.cost import choose, peak_of
+from rematd.planner.knapsack import Knapsack
 from rematd.planner.model import Mode, Option, Profile, Shape
 from rematd.planner.ordered import TooManyStates, exact_ordered
+from rematd.planner.spread import spread
 
 # Up to this many blocks the exact frontier programme is cheap.
 EXACT_BLOCKS = 12
@@ -93,19 +94,21 @@ class Outside:
 def _finish(
     options: list[list[Option]], modes: Sequence[Mode], target: int, static: int, outside: Outside = Outside()
 ) -> Choice:
-    chosen = [next(o for o in opts if o.mode == m) for opts, m in zip(options, modes, strict=True)]
+    chosen = choose(options, modes)
     peak = outside.peak(chosen, static)
     return Choice(
         modes=tuple(modes), predicted_peak_bytes=peak, extra_seconds=sum(o.seconds for o in chosen), fits=peak <= target
     )
 
 
-def front_loaded(options: list[list[Option]], modes: Sequence[Mode]) -> list[Mode]:
+def front_loaded(
+    options: list[list[Option]], modes: Sequence[Mode], alike: Sequence[Sequence[int]] | None = None
+) -> list[Mode]:
     """The same count of each mode within each class of identical blocks, those that bring most back
     in backward first and the stored blocks last: each rematerialisation then runs when the fewest
-    kept bytes are still held."""
+    kept bytes are still held. ``alike``: those classes of two blocks or more, where already known."""
     out = list(modes)
-    for idx in _byte_classes(options):
+    for idx in _byte_classes(options) if alike is None else alike:
         by_mode = {o.mode: o for o in options[idx[0]]}
         ordered = sorted((modes[i] for i in idx), key=lambda m: (m == Mode.STORE, -by_mode[m].transient, m))
         for i, mode in zip(idx, ordered, strict=True):
@@ -113,13 +116,16 @@ def front_loaded(options: list[list[Option]], modes: Sequence[Mode]) -> list[Mod
     return out
 
 
-def _arranged(options: list[list[Option]], choice: Choice, target: int, static: int, outside: Outside) -> Choice | None:
+def _arranged(
+    knapsack: Knapsack, options: list[list[Option]], choice: Choice, target: int, static: int, outside: Outside
+) -> Choice | None:
     """``choice`` priced in backward order, as it is or front-loaded; None when neither fits ``target``."""
-    for modes in (choice.modes, tuple(front_loaded(options, choice.modes))):
-        found = _finish(options, modes, target, static, outside)
-        if found.fits:
-            return dataclasses.replace(found, extra_seconds=choice.extra_seconds)
-    return None
+    found = _finish(options, choice.modes, target, static, outside)
+    if not found.fits:
+        loaded = tuple(front_loaded(options, choice.modes, knapsack.alike))
+        # Nothing to rearrange where no two blocks are alike.
+        found = _finish(options, loaded, target, static, outside) if loaded != choice.modes else found
+    return dataclasses.replace(found, extra_seconds=choice.extra_seconds) if found.fits else None
 
 
 def _ordered(
@@ -152,11 +158,11 @@ def _ordered(
     best = None
     found = _solve_fitting(knapsack, options, target, static, exact)
     if found is not None:
-        best = _arranged(options, found, target, static, outside)
+        best = _arranged(knapsack, options, found, target, static, outside)
 
     def widened(extra: int) -> Choice | None:
         wider = _solve_fitting(knapsack, options, target + extra, static, exact)
-        return _arranged(options, wider, target, static, outside) if wider is not None else None
+        return _arranged(knapsack, options, wider, target, static, outside) if wider is not None else None
 
     lo, hi = 0, max((o.transient for opts in options for o in opts), default=0)
     # The widest first: where it fits (a plan that stores its last blocks), no search is needed.
@@ -278,7 +284,7 @@ def solve_prepared(
         return found
     j = knapsack.least_peak()[1]
     leanest = _finish(options, knapsack.leanest(j), target, static_bytes, outside)
-    front = _finish(options, front_loaded(options, leanest.modes), target, static_bytes, outside)
+    front = _finish(options, front_loaded(options, leanest.modes, knapsack.alike), target, static_bytes, outside)
     leanest = front if front.predicted_peak_bytes < leanest.predicted_peak_bytes else leanest
     floor = leanest.predicted_peak_bytes - static_bytes
     leanest = dataclasses.replace(
@@ -353,35 +359,11 @@ def _exact_over_caps(knapsack: Knapsack, options: list[list[Option]], budget: in
         if found is None:
             continue
         secs, modes = found
-        chosen = [next(o for o in opts if o.mode == m) for opts, m in zip(options, modes, strict=True)]
+        chosen = choose(options, modes)
         key = (round(secs, 12), sum(m != Mode.STORE for m in modes), peak_of(chosen), modes)
         if best is None or key[:3] < best[:3]:
             best = key
     return best[3] if best is not None else None
-
-
-def smallest_peak(options: list[list[Option]], target: int, *, static_bytes: int = 0) -> Choice:
-    """The modes with the least predicted peak, whatever they cost."""
-    knapsack = Knapsack(options)
-    return _finish(options, knapsack.leanest(knapsack.least_peak()[1]), target, static_bytes)
-
-
-def _uniform(profile: Profile, blocks: tuple[int, ...], target: int, static: int, shape: Shape | None) -> Choice:
-    chosen = set(blocks)
-    modes = [Mode.RECOMPUTE if i in chosen else Mode.STORE for i in range(profile.num_blocks)]
-    return _finish(profile.options_at(shape), modes, target, static)
-
-
-def solve_none(profile: Profile, target: int, *, static_bytes: int = 0, shape: Shape | None = None) -> Choice:
-    return _uniform(profile, (), target, static_bytes, shape)
-
-
-def solve_full(profile: Profile, target: int, *, static_bytes: int = 0, shape: Shape | None = None) -> Choice:
-    return _uniform(profile, tuple(range(profile.num_blocks)), target, static_bytes, shape)
-
-
-def solve_every(profile: Profile, k: int, target: int, *, static_bytes: int = 0, shape: Shape | None = None) -> Choice:
-    return _uniform(profile, every_k_blocks(profile.num_blocks, k), target, static_bytes, shape)
 
 
 def solve_min_recompute(

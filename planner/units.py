@@ -31,6 +31,33 @@ class Mode(enum.IntEnum):
     COMPRESS = 5
     """Keep the saved activations quantized (8 bits, or bf16) until backward: lossy, and only where enabled."""
 
+    @property
+    def label(self) -> str:
+        """The mode's name as people read it, in REST, the dashboard and Prometheus labels: ``"store"``."""
+        return self.name.lower()
+
+    @property
+    def letter(self) -> str:
+        """One character a block, as plans are printed and stored: ``".sROC"``."""
+        return MODE_LETTERS[self]
+
+    @classmethod
+    def named(cls, label: str) -> Mode:
+        """The mode of a ``label``; ValueError naming the known ones."""
+        for mode in cls:
+            if mode.label == label:
+                return mode
+        raise ValueError(f"unknown mode {label!r}; use {', '.join(m.label for m in cls)}")
+
+
+MODE_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O", Mode.COMPRESS: "C"}
+"""The mode vocabulary's letters, the one place they are defined."""
+
+
+def letters(modes: tuple[Mode, ...] | list[Mode]) -> str:
+    """Modes one letter a block, as the demo prints them: . store, s selective, R recompute, O offload, C compress."""
+    return "".join(MODE_LETTERS[m] for m in modes)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shape:

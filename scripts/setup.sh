@@ -11,6 +11,7 @@ else
     TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
 fi
 TORCHVISION_SPEC=${TORCHVISION_SPEC:-torchvision==0.28.0}
+DEEPSPEED_SPEC=${DEEPSPEED_SPEC:-deepspeed==0.19.8}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 # Debian packages some tests need (promtool, a browser): installed when we can, as root.
@@ -35,11 +36,15 @@ fi
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "$TORCHVISION_SPEC" 2>/dev/null ||
     "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "$TORCHVISION_SPEC" --extra-index-url "$TORCH_CPU_INDEX"
 "$VENV/bin/python" -m pip install -q -e '.[dev]'
+# DeepSpeed for its tests (ZeRO on CPU ranks). Its build imports torch, so it builds against the torch pinned above
+# (no isolated build env, which would fetch another torch), and without its CUDA ops (DS_BUILD_OPS=0): the CPU ops it
+# needs it compiles on first use.
+DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --no-build-isolation "$DEEPSPEED_SPEC"
 
 # torch and torchvision must load together. PyPI's torchvision is built for torch's CUDA build: beside the CPU
 # build its ops library does not load and `import torchvision` fails (so do timm, and transformers' models).
 # The models need none of those ops: rematd.torchvision_ops makes every Python of this environment import
-# torchvision without them (a .pth file; see the README's set-up section).
+# torchvision without them (a .pth file; see docs/setup.md).
 if ! "$VENV/bin/python" -m rematd.torchvision_ops --check; then
     if ! "$VENV/bin/python" -m rematd.torchvision_ops --install; then
         echo "setup: torchvision does not load beside $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')." >&2

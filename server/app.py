@@ -16,8 +16,6 @@ from pathlib import Path
 import grpc
 import uvicorn
 
-from rematd.server import peers
-from rematd.server.auth import load_job_tokens
 from rematd.server.config import (
     ExposedWithoutToken,
     ServeConfig,
@@ -25,13 +23,16 @@ from rematd.server.config import (
     default_db_path,
     is_loopback,
 )
-from rematd.server.connections import fd_budget, guarded_protocol
-from rematd.server.core import AdvisorCore
-from rematd.server.grpc_service import build_server
-from rematd.server.metrics import Metrics
-from rematd.server.ownership import JobTokens
-from rematd.server.rest import create_app
-from rematd.server.store import Store, database_url, redact_url
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.core.ownership import JobTokens
+from rematd.server.metrics import peers
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.database import database_url, redact_url
+from rematd.server.store.store import Store
+from rematd.server.transport.auth import load_job_tokens
+from rematd.server.transport.connections import Budget, fd_budget, guarded_protocol
+from rematd.server.transport.grpc_service import AdvisorServicer, Health, build_server
+from rematd.server.transport.rest import create_app
 
 # Where they were defined before the settings had a module of their own.
 __all__ = [
@@ -48,13 +49,13 @@ __all__ = [
 log = logging.getLogger("rematd.server")
 
 SHUTDOWN_WRITES_SECONDS = 30.0
-"""At shutdown, how long the core's queued writes get to reach the record."""
+"""At shutdown, how long the core's queued writes get to reach the store."""
 SHUTDOWN_RETRY_SECONDS = 15.0
-"""At shutdown, how long buffered step reports wait for a record that refuses them (a full disk) to take them."""
+"""At shutdown, how long buffered step reports wait for a store that refuses them (a full disk) to take them."""
 
 
 def store_config(config: ServeConfig) -> StoreConfig:
-    """The record's settings, naming the record ``--db`` gives."""
+    """The store's settings, naming the store ``--db`` gives."""
     return dataclasses.replace(config.store, url=database_url(config.db_path))
 
 
@@ -119,7 +120,7 @@ class Service:
                 log.exception("periodic %s failed; trying again in %.0f s", work, seconds)
 
     async def _flush_patiently(self, seconds: float) -> bool:
-        """Write the buffered step reports, trying again while the record refuses them (a full disk may get
+        """Write the buffered step reports, trying again while the store refuses them (a full disk may get
         room) for up to ``seconds``; False if it never took them."""
         deadline = time.monotonic() + seconds
         while True:
@@ -131,7 +132,7 @@ class Service:
                     return False
                 if deadline - time.monotonic() > seconds - 0.5:
                     log.warning(
-                        "the record cannot be written at shutdown (%s): %d step report(s) wait; trying for %.0f s",
+                        "the store cannot be written at shutdown (%s): %d step report(s) wait; trying for %.0f s",
                         self.store.last_failure,
                         self.store.pending(),
                         seconds,
@@ -139,114 +140,152 @@ class Service:
                 await asyncio.sleep(0.5)
 
     async def run(self, stop: asyncio.Event, ready: threading.Event | None = None) -> None:
-        cfg = self.config
-        budget = fd_budget(cfg.http_options)
-        server, servicer, health = build_server(self.core, auth=cfg.auth, options=cfg.grpc, max_connections=budget.grpc)
-        grpc_port = self._bind_grpc(server)
-        web: _QuietServer | None = None
-        sock: socket.socket | None = None
-        http_port = 0
-        if cfg.http:
-            family = socket.AF_INET6 if ":" in cfg.http_host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((cfg.http_host, cfg.http_port))
-            except OSError as err:
-                sock.close()
-                raise OSError(f"cannot bind HTTP to {cfg.http_host}:{cfg.http_port}: {err}") from err
-            http_port = sock.getsockname()[1]
-            web = _QuietServer(
-                uvicorn.Config(
-                    create_app(self.core, cfg.auth, serving=lambda: self.serving),
-                    log_level="warning",
-                    lifespan="off",
-                    access_log=False,
-                    ssl_certfile=cfg.tls_cert or None,
-                    ssl_keyfile=cfg.tls_key or None,
-                    http=guarded_protocol(budget.http, cfg.http_options.http_request_seconds),
-                    timeout_keep_alive=max(1, round(cfg.http_options.http_keepalive_seconds)),
-                )
-            )
-        await server.start()
-        await health.set(True)
-        self.serving = True
-        web_task = asyncio.create_task(web.serve(sockets=[sock])) if web is not None and sock is not None else None
-        if web is not None and web_task is not None:
-            while not web.started and not web_task.done():
-                await asyncio.sleep(0.01)
-            if web_task.done():
-                await web_task
-        chores = [
-            asyncio.create_task(self._every(cfg.controls_poll_seconds, "controls", self.core.refresh_controls)),
-            asyncio.create_task(self._every(cfg.compact_seconds, "compact", self.core.compact)),
-            # Often enough that a rank goes within a quarter of the expiry after it is due.
-            asyncio.create_task(
-                self._every(min(30.0, cfg.core.session_expiry_seconds / 4), "expiry", self.core.expire_sessions)
-            ),
-        ]
-        if cfg.shared_dir:
-            shared = Path(cfg.shared_dir)
-            if cfg.worker_index == 0:
-                self.core.metrics.peers = lambda: peers.gather(shared, skip=0)
-            else:
-                chores.append(
-                    asyncio.create_task(
-                        self._every(
-                            peers.PUBLISH_SECONDS,
-                            "publishing to worker 0",
-                            lambda: peers.publish(
-                                self.core.metrics, self.core.rank_samples(), shared, cfg.worker_index
-                            ),
-                        )
-                    )
-                )
-        self.bound = Bound(
-            grpc=f"{cfg.grpc_host}:{grpc_port}",
-            http=f"{cfg.http_host}:{http_port}",
-            db=redact_url(self.store.path if "://" in (cfg.db or "") else self.db_path),
-            tls=cfg.tls,
-            limits=budget.describe(),
-        )
+        """Start, serve until ``stop`` is set, then stop gracefully; ``ready`` is set once both transports listen."""
+        running = await self._start()
         if ready is not None:
             ready.set()
         try:
             await stop.wait()
         finally:
-            # Health says NOT_SERVING first, so probes and balancers move away; then streams get their grace.
-            self.serving = False
-            servicer.draining = True
-            await health.set(False)
-            if cfg.drain_seconds:
-                await asyncio.sleep(cfg.drain_seconds)
-            for chore in chores:
-                chore.cancel()
-            if web is not None:
-                web.should_exit = True
-            # Open streams are told to reconnect elsewhere now, rather than cut off when the grace
-            # ends; what they sent is written first, so the replica they reach next has it.
-            servicer.close_streams()
-            if not await asyncio.to_thread(self.core.drain_writes, SHUTDOWN_WRITES_SECONDS):
-                log.error(
-                    "the record did not take the service's last writes within %.0f s; stopping without them",
-                    SHUTDOWN_WRITES_SECONDS,
-                )
-            pending = self.store.pending()
-            if not await self._flush_patiently(SHUTDOWN_RETRY_SECONDS):
-                # Said in one line: a failing disk is an operator's problem, not a bug with a traceback.
-                log.error(
-                    "the record cannot be written at shutdown (%s): %d buffered step report(s) are lost",
-                    self.store.last_failure,
-                    pending,
-                )
-            servicer.flushed.set()
-            await server.stop(cfg.grace_seconds)
-            if web_task is not None:
-                await web_task
-            if sock is not None:
-                sock.close()
-            await asyncio.to_thread(self.core.close)
-            await asyncio.to_thread(self.store.close)
+            await self._stop(running)
+
+    async def _start(self) -> _Running:
+        cfg = self.config
+        budget = fd_budget(cfg.http_options)
+        server, servicer, health = build_server(self.core, auth=cfg.auth, options=cfg.grpc, max_connections=budget.grpc)
+        grpc_port = self._bind_grpc(server)
+        sock = self._bind_http() if cfg.http else None
+        web = self._web(budget) if sock is not None else None
+        await server.start()
+        await health.set(True)
+        self.serving = True
+        running = _Running(server=server, servicer=servicer, health=health, web=web, sock=sock)
+        if web is not None and sock is not None:
+            running.web_task = await self._serve_http(web, sock)
+        running.chores = self._chores()
+        self.bound = Bound(
+            grpc=f"{cfg.grpc_host}:{grpc_port}",
+            http=f"{cfg.http_host}:{sock.getsockname()[1] if sock is not None else 0}",
+            db=redact_url(self.store.path if "://" in (cfg.db or "") else self.db_path),
+            tls=cfg.tls,
+            limits=budget.describe(),
+        )
+        return running
+
+    def _bind_http(self) -> socket.socket:
+        cfg = self.config
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.http_host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.http_host, cfg.http_port))
+        except OSError as err:
+            sock.close()
+            raise OSError(f"cannot bind HTTP to {cfg.http_host}:{cfg.http_port}: {err}") from err
+        return sock
+
+    def _web(self, budget: Budget) -> _QuietServer:
+        cfg = self.config
+        return _QuietServer(
+            uvicorn.Config(
+                create_app(self.core, cfg.auth, serving=lambda: self.serving),
+                log_level="warning",
+                lifespan="off",
+                access_log=False,
+                ssl_certfile=cfg.tls_cert or None,
+                ssl_keyfile=cfg.tls_key or None,
+                http=guarded_protocol(budget.http, cfg.http_options.http_request_seconds),
+                timeout_keep_alive=max(1, round(cfg.http_options.http_keepalive_seconds)),
+            )
+        )
+
+    @staticmethod
+    async def _serve_http(web: _QuietServer, sock: socket.socket) -> asyncio.Task[None]:
+        """Serve HTTP on ``sock``; returns once it listens (raises if it could not start)."""
+        task = asyncio.create_task(web.serve(sockets=[sock]))
+        while not web.started and not task.done():
+            await asyncio.sleep(0.01)
+        if task.done():
+            await task
+        return task
+
+    def _chores(self) -> list[asyncio.Task[None]]:
+        """The periodic work: controls other workers wrote, compaction, expiry, and sharing metrics."""
+        cfg = self.config
+        core = self.core
+        chores = [
+            asyncio.create_task(self._every(cfg.controls_poll_seconds, "controls", core.refresh_controls)),
+            asyncio.create_task(self._every(cfg.compact_seconds, "compact", core.compact)),
+            # Often enough that a rank goes within a quarter of the expiry after it is due.
+            asyncio.create_task(
+                self._every(min(30.0, cfg.core.session_expiry_seconds / 4), "expiry", core.expire_sessions)
+            ),
+        ]
+        if not cfg.shared_dir:
+            return chores
+        shared = Path(cfg.shared_dir)
+        if cfg.worker_index == 0:
+            core.metrics.peers = lambda: peers.gather(shared, skip=0)
+            return chores
+
+        def publish() -> None:
+            peers.publish(core.metrics, core.rank_samples(), shared, cfg.worker_index)
+
+        chores.append(asyncio.create_task(self._every(peers.PUBLISH_SECONDS, "publishing to worker 0", publish)))
+        return chores
+
+    async def _stop(self, running: _Running) -> None:
+        """Health says NOT_SERVING first, so probes and balancers move away; then streams get their grace,
+        and what they sent is written before the servers and the store close."""
+        self.serving = False
+        running.servicer.draining = True
+        await running.health.set(False)
+        if self.config.drain_seconds:
+            await asyncio.sleep(self.config.drain_seconds)
+        for chore in running.chores:
+            chore.cancel()
+        if running.web is not None:
+            running.web.should_exit = True
+        # Open streams are told to reconnect elsewhere now, rather than cut off when the grace
+        # ends; what they sent is written first, so the replica they reach next has it.
+        running.servicer.close_streams()
+        await self._write_last()
+        running.servicer.flushed.set()
+        await running.server.stop(self.config.grace_seconds)
+        if running.web_task is not None:
+            await running.web_task
+        if running.sock is not None:
+            running.sock.close()
+        await asyncio.to_thread(self.core.close)
+        await asyncio.to_thread(self.store.close)
+
+    async def _write_last(self) -> None:
+        """The core's queued writes and the buffered step reports, given time for a full disk to get room."""
+        if not await asyncio.to_thread(self.core.drain_writes, SHUTDOWN_WRITES_SECONDS):
+            log.error(
+                "the store did not take the service's last writes within %.0f s; stopping without them",
+                SHUTDOWN_WRITES_SECONDS,
+            )
+        pending = self.store.pending()
+        if not await self._flush_patiently(SHUTDOWN_RETRY_SECONDS):
+            # Said in one line: a failing disk is an operator's problem, not a bug with a traceback.
+            log.error(
+                "the store cannot be written at shutdown (%s): %d buffered step report(s) are lost",
+                self.store.last_failure,
+                pending,
+            )
+
+
+@dataclass(slots=True, kw_only=True)
+class _Running:
+    """What a started service holds until it stops."""
+
+    server: grpc.aio.Server
+    servicer: AdvisorServicer
+    health: Health
+    web: _QuietServer | None
+    sock: socket.socket | None
+    web_task: asyncio.Task[None] | None = None
+    chores: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
 
 class ServiceThread:

@@ -9,12 +9,12 @@ import argparse
 import logging
 import sys
 
-from rematd.server.auth import load_token
 from rematd.server.config import ExposedWithoutToken, ServeConfig
 from rematd.server.flags import Flag, add_flags, build
-from rematd.server.log_limits import RepeatLimit
 from rematd.server.run import bad_db, run_one
-from rematd.server.store import StoreError
+from rematd.server.runtime.log_limits import RepeatLimit
+from rematd.server.store.database import StoreError
+from rematd.server.transport.auth import load_token
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rematd.server.auth import TokenAuth, load_job_tokens
+from rematd.server.transport.auth import TokenAuth, load_job_tokens
 
 NO_FLAG = "no_flag"
 """Field metadata key: why the setting has no ``rematd serve`` flag of its own."""
@@ -51,9 +51,9 @@ class CoreConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreConfig:
-    """How the record is kept."""
+    """How the store is kept."""
 
-    url: str = field(default="sqlite:///:memory:", metadata={NO_FLAG: "rematd serve names the record with --db"})
+    url: str = field(default="sqlite:///:memory:", metadata={NO_FLAG: "rematd serve names the store with --db"})
     """SQLAlchemy URL, or a plain path to a SQLite file."""
     keep_steps: int = 2000
     """Per rank, the latest steps kept at full resolution; older ones are down-sampled."""
@@ -142,7 +142,7 @@ class HttpOptions:
 
     max_http_connections: int = 512
     """Most HTTP connections open at once (more are answered 503 and closed); lowered to a quarter of the
-    process's file-descriptor limit when that is less, so gRPC streams and the record keep theirs."""
+    process's file-descriptor limit when that is less, so gRPC streams and the store keep theirs."""
     http_request_seconds: float = 10.0
     """A connection that has not sent a whole request this long after it opened (or after the first byte
     of its next request) is closed: idle and slow-header connections hold no descriptor for long."""
@@ -173,12 +173,12 @@ def is_loopback(host: str) -> bool:
 
 class ExposedWithoutToken(ValueError):
     """A service that would listen beyond loopback with no token: anyone who reaches a port could stream
-    into the record, or pin and end jobs."""
+    into the store, or pin and end jobs."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
-    """Where the service listens, who may do what, and how it keeps its record.
+    """Where the service listens, who may do what, and how it keeps its store.
 
     ``core``, ``store`` and ``grpc`` are the parts' own settings; their flags are their fields' names.
     """
@@ -192,7 +192,7 @@ class ServeConfig:
     http_port: int = 8080
     """HTTP port; 0 picks a free one."""
     db: str = ""
-    """The record: a SQLite file, or a database URL such as postgresql://user@host/rematd
+    """The store: a SQLite file, or a database URL such as postgresql://user@host/rematd
     (default: rematd/rematd.db under $XDG_DATA_HOME, else under ~/.local/share)."""
     public_reads: bool = False
     """Serve reads without a token even when HTTP binds a non-loopback address."""
@@ -232,6 +232,10 @@ class ServeConfig:
     """Where the workers of one service leave what worker 0 adds to its /metrics ("" with one process)."""
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_security()
+
+    def _check_numbers(self) -> None:
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
@@ -241,11 +245,13 @@ class ServeConfig:
                 raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.max_job_series < 1:
             raise ValueError(f"max-job-series must be >= 1, got {self.max_job_series}")
-        if self.metrics_need_token and self.token is None:
-            raise ValueError("metrics-need-token needs a token (REMATD_TOKEN or --token-file)")
         for name in ("compact_seconds", "controls_poll_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
+
+    def _check_security(self) -> None:
+        if self.metrics_need_token and self.token is None:
+            raise ValueError("metrics-need-token needs a token (REMATD_TOKEN or --token-file)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls-cert and tls-key go together")
         for name in ("tls_cert", "tls_key"):
@@ -274,7 +280,7 @@ class ServeConfig:
 
     @property
     def db_path(self) -> str:
-        """The record as given, or the default SQLite file."""
+        """The store as given, or the default SQLite file."""
         return self.db or str(default_db_path())
 
     @property

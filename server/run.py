@@ -8,14 +8,14 @@ import signal
 import sys
 
 from rematd import __version__
-from rematd.server.allocator import limit_arenas
 from rematd.server.app import Service
 from rematd.server.config import ServeConfig
-from rematd.server.store import StoreError, redact_url
+from rematd.server.runtime.allocator import limit_arenas
+from rematd.server.store.database import StoreError, redact_url
 
 
 def bad_db(config: ServeConfig, err: Exception) -> int:
-    """Exit status 2, after one line naming the record (its password hidden) and what is wrong with it."""
+    """Exit status 2, after one line naming the store (its password hidden) and what is wrong with it."""
     print(f"rematd serve: --db {redact_url(config.db_path)}: {err}", file=sys.stderr)
     return 2
 
@@ -42,13 +42,13 @@ def run_one(config: ServeConfig, *, announce: bool = True) -> int:
                 if config.http:
                     scheme = "https" if b.tls else "http"
                     print(f"dashboard and REST on {scheme}://{b.http}/ (metrics at /metrics)", flush=True)
-                print(f"record: {b.db}", flush=True)
+                print(f"store: {b.db}", flush=True)
                 print(b.limits, flush=True)
         await task
 
     # Fewer, larger young-generation collections: a busy service allocates many short-lived messages.
     # Memory that ended streams held does not wait for these thresholds: the gRPC servicer asks for a
-    # collection soon after streams end (rematd.server.collector).
+    # collection soon after streams end (rematd.server.runtime.gc_schedule).
     gc.set_threshold(50_000, 20, 100)
     limit_arenas()
     try:

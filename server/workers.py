@@ -3,7 +3,7 @@
 The kernel spreads new connections over the processes; a rank's stream stays
 on the process that accepted it, so its in-memory session state is per
 process. Worker 0 also serves HTTP; the others serve gRPC only. All share the
-record, and operator controls written through worker 0 reach the others by
+store, and operator controls written through worker 0 reach the others by
 polling it; the others publish their live ranks and counts for worker 0's
 /metrics (``peers``).
 """
@@ -23,7 +23,7 @@ from typing import Any
 from rematd.server.app import store_config
 from rematd.server.config import ServeConfig
 from rematd.server.run import run_one
-from rematd.server.store import Store
+from rematd.server.store.store import Store
 
 
 def _worker(config: ServeConfig, index: int) -> None:
@@ -43,7 +43,7 @@ def serve_workers(config: ServeConfig, workers: int) -> int:
         config = dataclasses.replace(config, grpc_port=port)
     # Every worker binds the same port.
     config = dataclasses.replace(config, grpc=dataclasses.replace(config.grpc, reuse_port=True))
-    # Migrate once, here, before the workers open the record.
+    # Migrate once, here, before the workers open the store.
     Store(store_config(config)).close()
     shared = tempfile.mkdtemp(prefix="rematd-workers-")
     ctx = mp.get_context("spawn")

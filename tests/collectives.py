@@ -41,3 +41,10 @@ def counting() -> Iterator[Counter[str]]:
     counts: Counter[str] = Counter()
     with _Count(counts):
         yield counts
+
+
+def differences(plain: dict[str, int], ours: dict[str, int], kinds: tuple[str, ...] = ("all_gather",)) -> list[str]:
+    """How a step's collectives with rematd differ from the same step without it, for ``kinds`` (empty: none)."""
+    return [
+        f"{k}: {ours.get(k, 0)} with rematd, {plain.get(k, 0)} without" for k in kinds if ours.get(k) != plain.get(k)
+    ]

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from rematd import client, wire
+from rematd.messages import Hello, StepStats
 from rematd.planner import Shape
-from rematd.records import Hello, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
 from .helpers import LiveServer, live_server, tiny_model, train_step
-from .test_plan_record import LENGTHS, modes_hello
+from .test_plan_rows import LENGTHS, modes_hello
 from .test_service import _fields, hello, stats
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -12,8 +12,8 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rematd.records import OomReport
-from rematd.server.metrics import Metrics
+from rematd.messages import OomReport
+from rematd.server.metrics.registry import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -56,8 +56,8 @@ def alert_names() -> list[str]:
 def exported_names(*, per_rank: bool = False) -> set[str]:
     """Every sample name rematd's registry exposes with a job running, read from a real exposition
     (with ``per_rank``, as ``--per-rank-metrics`` makes it)."""
-    from rematd.server.core import AdvisorCore
-    from rematd.server.store import Store
+    from rematd.server.core.advisor import AdvisorCore
+    from rematd.server.store.store import Store
 
     from .test_service import hello, stats
 

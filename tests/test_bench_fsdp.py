@@ -1,36 +1,17 @@
-"""``python -m bench.fsdp --quick`` runs end to end on two CPU ranks and reports what the README shows."""
+"""``python -m bench.fsdp --quick`` runs end to end on two CPU ranks and reports what docs/benchmarks.md shows."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-from .distributed import ROOT
+from .distributed import run_launcher
 
 
 def test_the_fsdp_benchmark_runs_and_keeps_rematd_under_its_budget(tmp_path: Path) -> None:
     out = tmp_path / "fsdp.json"
     args = ["--quick", "--rounds", "1", "--steps", "1", "--warmup", "1", "--out", str(out)]
-    # Its own session: on a timeout the launcher and the ranks it started are killed together.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.fsdp", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    stdout = run_launcher("bench.fsdp", args)
     assert "| rematd |" in stdout and "| full |" in stdout
     report = json.loads(out.read_text())
     for rank in report["ranks"]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rematd.server.collector import Collections
+from rematd.server.runtime.gc_schedule import Collections
 
 
 class _Node:

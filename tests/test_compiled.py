@@ -22,8 +22,8 @@ from rematd.client import compiled as compiled_module
 from rematd.client.folding import fold
 from rematd.client.guard import UnsupportedModel
 from rematd.client.models import TinyGPT, lm_loss
+from rematd.messages import BlockRecord, Hello, InvalidMessage, StepStats
 from rematd.planner import Mode, Shape
-from rematd.records import BlockRecord, Hello, InvalidMessage, StepStats
 from rematd.server import ServeConfig, ServiceThread
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
@@ -280,7 +280,7 @@ def test_service_counts_a_jobs_recompiles(tmp_path: Path) -> None:
         assert 'rematd_recompiles_total{job="compiled-job"} 5.0' in scraped
     finally:
         svc.stop()
-    # The count is in the record: a restarted service shows it, and the rank's run goes on counting.
+    # The count is in the store: a restarted service shows it, and the rank's run goes on counting.
     svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
     svc.start()
     try:

@@ -17,7 +17,7 @@ from .dashboard_helpers import ARTIFACTS, CHROMIUM, served_jobs
 from .dashboard_helpers import browser_session as _browser
 from .dashboard_helpers import new_page as _page
 from .helpers import LiveServer, live_server
-from .test_plan_record import letters
+from .test_plan_rows import letters
 from .test_service import hello, stats
 
 served = pytest.fixture(scope="module")(served_jobs)
@@ -143,7 +143,7 @@ def test_dashboard_shows_the_modes_in_force_by_length(served: LiveServer) -> Non
         cell = page.locator('#jobs-body tr[data-job="modes-job"] td.plan')
         assert f"len 128 (≤{force['max_seq_len']})" in cell.inner_text()
         assert cell.locator(".strip").get_attribute("data-modes") == letters(force["modes"])
-        # The graphs its ranks compiled, kept in the record after the job ended.
+        # The graphs its ranks compiled, kept in the store after the job ended.
         assert job["recompiles"] == 5
         row = page.locator('#jobs-body tr[data-job="modes-job"]')
         assert row.locator("td.recompiles").inner_text() == "5"

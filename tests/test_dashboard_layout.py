@@ -10,7 +10,7 @@ import pytest
 
 from .dashboard_helpers import ARTIFACTS, CHROMIUM, browser_session, new_page, served_jobs
 from .helpers import LiveServer
-from .test_plan_record import letters
+from .test_plan_rows import letters
 
 served = pytest.fixture(scope="module")(served_jobs)
 # Every cell's content stays inside the cell: nothing is drawn over a neighbour.

@@ -69,7 +69,7 @@ def test_rematd_builds_the_image_and_needs_a_token(compose: dict[str, Any]) -> N
     assert context == ROOT
     assert (context / rematd["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
     assert re.fullmatch(r"\$\{REMATD_TOKEN:\?.+\}", rematd["environment"]["REMATD_TOKEN"]), "refuse to start without"
-    assert "rematd-data:/data" in rematd["volumes"], "the record (/data/rematd.db) outlives the container"
+    assert "rematd-data:/data" in rematd["volumes"], "the store (/data/rematd.db) outlives the container"
     grafana = service(compose, "grafana")
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")

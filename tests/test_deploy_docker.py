@@ -150,7 +150,7 @@ def test_healthcheck_ports_and_command() -> None:
     command = one(stage, "ENTRYPOINT").exec_form() + one(stage, "CMD").exec_form()
     assert command == ["rematd", "serve", "--grpc-host", "0.0.0.0", "--http-host", "0.0.0.0", "--db", "/data/rematd.db"]
     volume = one(stage, "VOLUME").exec_form()
-    assert volume == ["/data"], "the record lives on the volume"
+    assert volume == ["/data"], "the store lives on the volume"
 
 
 def test_dockerignore_keeps_the_sources_the_build_copies() -> None:

@@ -78,7 +78,7 @@ def test_deployment_probes_resources_security_and_token() -> None:
     assert ports == {"grpc": 50051, "http": 8080}
 
     ready = c["readinessProbe"]["httpGet"]
-    assert ready["path"] == "/readyz" and ready["port"] in ("http", ports["http"]), "ready when the record is writable"
+    assert ready["path"] == "/readyz" and ready["port"] in ("http", ports["http"]), "ready when the store is writable"
     for probe in ("livenessProbe", "startupProbe"):
         get = c[probe]["httpGet"]
         assert get["path"] == "/healthz" and get["port"] in ("http", ports["http"])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rematd.server.core import AdvisorCore
-from rematd.server.retention_clock import RetentionClock
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.store.retention_clock import RetentionClock
+from rematd.server.store.store import Store
 
 from .test_service import hello, stats
 

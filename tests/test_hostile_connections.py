@@ -23,8 +23,8 @@ import pytest
 
 from bench.served import addresses, stop
 from rematd import wire
-from rematd.server.connections import FD_RESERVE, framing_problem
-from rematd.server.log_limits import RepeatLimit
+from rematd.server.runtime.log_limits import RepeatLimit
+from rematd.server.transport.connections import FD_RESERVE, framing_problem
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

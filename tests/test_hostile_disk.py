@@ -87,7 +87,7 @@ def test_a_full_disk_fails_readiness_counts_failures_and_shuts_down_cleanly(tmp_
         assert ready.status_code == 503, ready.text
         assert "cannot be written" in ready.json()["detail"]
         assert httpx.get(f"http://{http}/healthz").status_code == 200, "alive: restarting would not help"
-        assert _metric(http, "rematd_record_write_failures_total") >= 1
+        assert _metric(http, "rematd_store_write_failures_total") >= 1
         # Reads still answer (without what could not be written).
         assert httpx.get(f"http://{http}/api/v1/jobs", timeout=10).status_code == 200
         before = len(log.read_bytes())
@@ -97,7 +97,7 @@ def test_a_full_disk_fails_readiness_counts_failures_and_shuts_down_cleanly(tmp_
         assert "Traceback" not in shutdown, shutdown
         # The outage is said in one line per failure, not a traceback each (those are for bugs).
         whole = log.read_text(errors="replace")
-        assert "Traceback" not in whole and "the record cannot be written" in whole, whole[-3000:]
+        assert "Traceback" not in whole and "the store cannot be written" in whole, whole[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -105,8 +105,8 @@ def test_a_full_disk_fails_readiness_counts_failures_and_shuts_down_cleanly(tmp_
 
 
 def test_readiness_comes_back_when_the_disk_does(tmp_path: Path) -> None:
-    """A record that failed and takes writes again is found ready by the probe write, without traffic."""
-    from rematd.server.store import Store
+    """A store that failed and takes writes again is found ready by the probe write, without traffic."""
+    from rematd.server.store.store import Store
 
     store = Store(tmp_path / "r.db")
     try:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rematd import wire
-from rematd.server.http_guard import MAX_BODY_BYTES
+from rematd.server.transport.http_guard import MAX_BODY_BYTES
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

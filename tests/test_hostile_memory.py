@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from bench.rejected_streams import measure
+from rematd.messages import BlockRecord, Hello
 from rematd.planner import Shape, shapes
-from rematd.records import BlockRecord, Hello
-from rematd.server import sessions as sessions_mod
-from rematd.server.core import AdvisorCore
-from rematd.server.metrics import Metrics
-from rematd.server.store import Store
+from rematd.server.core import sessions as sessions_mod
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
 
 from .helpers import live_server
 

@@ -12,10 +12,10 @@ import pytest
 from bench.rejected_streams import packed_hello
 from rematd import wire
 from rematd.client.arguments import check_job
+from rematd.messages import OomReport
 from rematd.planner import Mode, Plan, Shape, ShapePlan
-from rematd.records import OomReport
 from rematd.server import ServiceThread
-from rematd.server.rate import OOM_BURST as RATE_BURST
+from rematd.server.core.rate import OOM_BURST as RATE_BURST
 from rematd.v1 import advisor_pb2 as pb
 
 from .test_service import hello, session, stats
@@ -49,7 +49,7 @@ def test_a_step_report_with_200k_mode_seconds_is_refused_before_conversion(
     )
     assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "stats.mode_seconds" in (err.details() or "")
-    assert converted == []  # refused on its count: none of its entries was turned into a record
+    assert converted == []  # refused on its count: none of its entries was turned into a store
 
 
 def test_a_step_report_naming_more_block_modes_than_a_model_has_is_refused_before_conversion(

@@ -17,8 +17,8 @@ import torch
 
 from rematd import client, wire
 from rematd.client.credential import JOB_TOKEN_ENV
+from rematd.messages import Hello, OomReport
 from rematd.planner import Shape
-from rematd.records import Hello, OomReport
 from rematd.server import ServeConfig, ServiceThread
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
@@ -71,7 +71,7 @@ class _Held:
 def _connected(svc: ServiceThread, job: str, rank: int, want: int) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        s = svc.service.core.sessions.get(job, rank)
+        s = svc.service.core.sessions.by_key.get((job, rank))
         if s is not None and s.streams == want:
             return
         time.sleep(0.02)
@@ -92,7 +92,7 @@ def test_a_stranger_cannot_resume_a_lost_rank_nor_teach_it_fake_ooms(service_thr
         _, err = session(target, [pb.ClientMessage(hello=wire.hello_to_pb(stranger)), pb.ClientMessage(oom=oom)])
         assert err is not None and err.code() == grpc.StatusCode.ABORTED
         assert "is held by process 1234 on trainer-host" in (err.details() or "")
-    rank = service_thread.service.core.sessions.get("poison", 0)
+    rank = service_thread.service.core.sessions.by_key.get(("poison", 0))
     assert rank is not None and rank.hello.pid == 1234  # still the trainer's session
     # The trainer comes back with its credential and session secret: its session resumes, no OOM on record.
     back = dataclasses.replace(mine, session_secret=session_secret, plan_version=rank.sent.version if rank else 1)

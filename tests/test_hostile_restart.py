@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from rematd.messages import observation, open_planner
 from rematd.planner import Controller, ControllerConfig
-from rematd.records import observation, open_planner
-from rematd.server.core import AdvisorCore, RankSession
-from rematd.server.metrics import Metrics
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore, RankSession
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
 
 from .test_service import hello, stats
 
@@ -53,7 +53,7 @@ def test_a_restarted_service_continues_what_the_controller_learned(tmp_path: Pat
     assert _changes(restarted_core, restarted, 1, 400) == expected
     assert restarted.sent.version == ref.sent.version
 
-    # Without what was learned (a record from before it was kept), the new process loosens far sooner.
+    # Without what was learned (a store from before it was kept), the new process loosens far sooner.
     amnesiac_core = AdvisorCore(Store(tmp_path / "amnesiac.db"), Metrics())
     amnesiac = _reconnect(amnesiac_core, sent)
     forgot = _changes(amnesiac_core, amnesiac, 1, 400)

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from prometheus_client.registry import Collector
 
+from rematd.messages import OomReport
 from rematd.planner import Shape
-from rematd.records import OomReport
 from rematd.server import ServeConfig, ServiceThread
 
 from .test_service import hello, stats
@@ -33,7 +33,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceThread]
     for j in range(JOBS):
         session, _ = core.open_session(hello(job=f"job-{j:02d}"))
         core.on_stats(session, stats(0, 3000 + 500 * j))  # later jobs nearer their budget: more at risk
-    busy = core.sessions.get("job-00", 0)
+    busy = core.sessions.by_key.get(("job-00", 0))
     assert busy is not None
     for step in range(7):
         core.on_oom(busy, OomReport(step=step, shape=Shape(batch=1, seq_len=64, tokens=64), plan_version=0))

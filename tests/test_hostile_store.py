@@ -1,4 +1,4 @@
-"""A record that is rematd's or refused: atomic migrations, foreign databases left untouched (SQLite, PostgreSQL)."""
+"""A store that is rematd's or refused: atomic migrations, foreign databases left untouched (SQLite, PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from rematd.server import schema
 from rematd.server.config import StoreConfig
-from rematd.server.store import SCHEMA_VERSION, Store, StoreError, database_url
+from rematd.server.store import schema
+from rematd.server.store.database import StoreError, database_url
+from rematd.server.store.schema import SCHEMA_VERSION
+from rematd.server.store.store import Store
 
 from .test_service_store import postgres_url  # noqa: F401  (a fixture)
 
@@ -108,7 +110,7 @@ def test_another_applications_sqlite_file_is_refused_untouched(tmp_path: Path, d
     con.executescript(ddl)
     con.close()
     before = _digest(db)
-    with pytest.raises(StoreError, match="not a rematd record"):
+    with pytest.raises(StoreError, match="not a rematd store"):
         Store(db)
     assert _digest(db) == before
     con = sqlite3.connect(db)
@@ -125,7 +127,7 @@ def test_serve_exits_2_on_a_foreign_sqlite_file(tmp_path: Path) -> None:
     before = _digest(db)
     done = _serve(str(db))
     assert done.returncode == 2, done.stderr
-    assert "not a rematd record" in done.stderr and "users" in done.stderr
+    assert "not a rematd store" in done.stderr and "users" in done.stderr
     assert "Traceback" not in done.stderr
     assert _digest(db) == before
 
@@ -164,7 +166,7 @@ def test_another_applications_postgresql_database_is_refused_untouched(postgres_
     with engine.begin() as conn:
         conn.execute(text("CREATE TABLE jobs (id BIGINT PRIMARY KEY, cron TEXT)"))
     engine.dispose()
-    with pytest.raises(StoreError, match="not a rematd record"):
+    with pytest.raises(StoreError, match="not a rematd store"):
         Store(StoreConfig(url=database_url(url)))
     assert _pg_tables(url) == {"jobs"}
     done = _serve(url)

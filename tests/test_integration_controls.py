@@ -167,5 +167,5 @@ def test_lightning_through_rematd_is_bitwise_the_plain_run_with_the_cache_off() 
     assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
     cached = _lightning_run(pl, rematd=False, use_cache=True)
     diff = max(float((a - b).abs().max()) for a, b in zip(cached, ours, strict=True))
-    # The cache the plain run builds changes the order of float sums: close, not equal (1.1e-6 measured).
-    assert 0 < diff < 1e-4, diff
+    # The cache the plain run builds may change the order of float sums: close (1.1e-6 measured), if not equal.
+    assert diff < 1e-4, diff

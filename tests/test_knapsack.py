@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rematd.planner import BlockCost, Mode, Option, Profile, peak_of
 from rematd.planner.cost import bound_of
 from rematd.planner.knapsack import INF, Knapsack
+from rematd.planner.runs import RUN, Runs
 from rematd.planner.shapes import at_shape
 from rematd.planner.solvers import solve
 
@@ -120,3 +122,23 @@ def test_identical_blocks_form_one_class_and_get_every_kth() -> None:
     assert tight.fits
     recomputed = [i for i, m in enumerate(tight.modes) if m == Mode.RECOMPUTE]
     assert recomputed and len({b - a for a, b in itertools.pairwise(recomputed)}) <= 2  # spread evenly
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 100), st.integers(1, 4), st.floats(0.0, 1.0), st.integers(0, 50), st.integers(1, 60)),
+        min_size=1,
+        max_size=80,
+    ),
+    st.integers(0, 120),
+)
+def test_runs_sum_what_holds_at_a_cap(raw: list[tuple[int, int, float, int, int]], cap: int) -> None:
+    """A run's sums at a cap are those of its segments that hold there, each taken whole."""
+    segments = [(freed, w, added, lo, float("inf") if span > 50 else lo + span) for freed, w, added, lo, span in raw]
+    runs = Runs(segments)
+    for r in range(len(runs)):
+        held = [s for s in segments[r * RUN : (r + 1) * RUN] if s[3] <= cap < s[4]]
+        freed, added = runs.at(r, cap)
+        assert freed == sum(s[0] * s[1] for s in held)
+        assert added == pytest.approx(sum(s[2] * s[1] for s in held), abs=1e-9)

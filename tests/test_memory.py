@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rematd.client.memory import CudaMemory, outside_blocks
+from rematd.messages import MEMORY_CUDA
 from rematd.planner import Mode, Shape, Size, Term
-from rematd.records import MEMORY_CUDA
 
 
 class FakeCuda:

@@ -90,4 +90,4 @@ BLOCKS = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_trains_bitwise_as_without_rematd(name: str) -> None:
     h = train_side_by_side(CASES[name]())
-    assert h.blocks == BLOCKS[name], "the blocks the README's table lists"
+    assert h.blocks == BLOCKS[name], "the blocks docs/client.md's table lists"

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from rematd.messages import MAX_INT, BlockRecord, Hello, InvalidMessage, open_planner
 from rematd.planner import Mode, Plan, PlannerSession, Shape, ShapePlan
-from rematd.records import MAX_INT, BlockRecord, Hello, InvalidMessage, open_planner
-from rematd.server import plan_policy as policy
+from rematd.server.core import plan_policy as policy
 
 N = 6
 

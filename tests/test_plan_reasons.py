@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import re
 
+from rematd.messages import open_planner
 from rematd.planner import Mode, Plan, Shape, ShapePlan, StepObservation
 from rematd.planner.reasons import recomputes_less, what_changed
-from rematd.records import open_planner
 
-from .test_plan_record import modes_hello
+from .test_plan_rows import modes_hello
 
 WEIGHT = {".": 0, "O": 0, "s": 1, "R": 2}
 CODE = {".": Mode.STORE, "s": Mode.SELECTIVE, "R": Mode.RECOMPUTE, "O": Mode.OFFLOAD}

@@ -113,6 +113,10 @@ def test_bad_inputs_are_named() -> None:
         )
     with pytest.raises(ValueError, match="margin_ratio"):
         ControllerConfig(margin_ratio=1.5)
+    with pytest.raises(ValueError, match="settled_margin_ratio"):
+        ControllerConfig(margin_ratio=0.05, settled_margin_ratio=0.1)
+    with pytest.raises(ValueError, match="settled_spread"):
+        ControllerConfig(settled_spread=-0.01)
     with pytest.raises(ValueError, match="budget_bytes"):
         PlannerSession(uniform(2), budget_bytes=0)
 

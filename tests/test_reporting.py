@@ -15,9 +15,9 @@ from rematd.client.folding import Folder, fold, steady
 from rematd.planner import Mode
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.config import CoreConfig
-from rematd.server.core import AdvisorCore
-from rematd.server.metrics import Metrics
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
 from rematd.v1 import advisor_pb2 as pb
 
 from .helpers import tiny_model, train_step

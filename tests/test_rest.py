@@ -12,11 +12,11 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from rematd.server.auth import TokenAuth
-from rematd.server.core import AdvisorCore
-from rematd.server.metrics import Metrics
-from rematd.server.rest import create_app
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
+from rematd.server.transport.auth import TokenAuth
+from rematd.server.transport.rest import create_app
 
 from .test_service import hello, stats
 

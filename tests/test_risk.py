@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from rematd.messages import MEMORY_CUDA, BlockRecord, Hello, StepStats, observation
 from rematd.planner import BlockCost, Mode, PlannerSession, Profile, Shape, StepObservation
 from rematd.planner.risk import GRAIN, device_room_bytes, fragmented_bytes, oom_risk, usable_bytes
-from rematd.records import MEMORY_CUDA, BlockRecord, Hello, StepStats, observation
 
 DATA = json.loads((Path(__file__).parent / "data" / "h100_gpt2.json").read_text())
 GiB = 2**30
@@ -191,10 +191,12 @@ def test_an_idle_cache_does_not_ratchet_the_plan_tighter() -> None:
     """After a spike the allocator keeps its reserve: a tighter plan leaves more of it idle, and split. With
     room on the device that costs no allocation anything, so it must not tighten the plan again and again."""
     s = PlannerSession(profile(), budget_bytes=BUDGET, static_bytes=STATIC)
-    first = s.plan.version
+    first = s.plan.predicted_peak_bytes
     reserved = BUDGET + 2 * GiB  # what a spike left reserved
+    planned = []
     for i in range(1, 13):
         peak = s.plan.predicted_peak_bytes
+        planned.append(peak)
         obs = dataclasses.replace(
             clean(peak),
             step=i,
@@ -205,4 +207,5 @@ def test_an_idle_cache_does_not_ratchet_the_plan_tighter() -> None:
             free_bytes=TOTAL - reserved - 2 * GiB,
         )
         s.observe(obs)
-    assert s.plan.version == first and s.capacity_bytes == BUDGET, "no capacity lost, no plan changed"
+    # (Peaks that settle on the model may loosen it, under the smaller margin they earn.)
+    assert min(planned) >= first and s.capacity_bytes == BUDGET, "no capacity lost, the plan never tighter"

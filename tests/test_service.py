@@ -10,13 +10,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rematd import wire
+from rematd.messages import BlockRecord, Hello, InvalidMessage, StepStats
 from rematd.planner import Shape
-from rematd.records import BlockRecord, Hello, InvalidMessage, StepStats
 from rematd.server import ServiceThread
-from rematd.server.core import AdvisorCore
-from rematd.server.metrics import Metrics
-from rematd.server.rest import create_app
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
+from rematd.server.transport.rest import create_app
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

@@ -15,11 +15,11 @@ import torch
 from sqlalchemy import exc as sa_exc
 
 from rematd import client, wire
-from rematd.records import InvalidMessage, StepStats
+from rematd.messages import InvalidMessage, StepStats
 from rematd.server import ServeConfig, ServiceThread
-from rematd.server.core import RankSession
-from rematd.server.errors import JobNotFound, SessionError, ShuttingDown, Unauthenticated
-from rematd.server.grpc_service import status_of
+from rematd.server.core.advisor import RankSession
+from rematd.server.core.errors import JobNotFound, SessionError, ShuttingDown, Unauthenticated
+from rematd.server.transport.grpc_service import status_of
 from rematd.v1 import advisor_pb2 as pb
 
 from .helpers import tiny_model, train_step
@@ -71,7 +71,7 @@ def test_a_fault_of_the_service_is_internal_logged_counted_and_the_client_reconn
             h.flush(1.0)  # the faulted step is never answered: do not wait long for it
         assert faults == [3]
         assert wait_for(lambda: any(r["step"] >= 9 for r in core.store.stats("faulty", 100))), (
-            "the rank reconnected and its later steps reached the record"
+            "the rank reconnected and its later steps reached the store"
         )
         assert h.stream is not None and h.stream.connected and "INTERNAL" in (h.stream.last_error or "")
     finally:
@@ -128,7 +128,7 @@ def test_while_the_record_fails_a_bug_still_gets_its_traceback_and_a_database_er
             raise raised.pop(0)
 
         monkeypatch.setattr(core, "on_stats", failing)
-        # As the record's own write failure leaves it: failing, with the reason.
+        # As the store's own write failure leaves it: failing, with the reason.
         monkeypatch.setattr(core.store, "failing_since", time.monotonic())
         monkeypatch.setattr(core.store, "last_failure", "disk I/O error")
         caplog.set_level(logging.WARNING)
@@ -142,7 +142,7 @@ def test_while_the_record_fails_a_bug_still_gets_its_traceback_and_a_database_er
         logged = [r for r in caplog.records if "handling a stats message failed" in r.getMessage()]
         assert len(logged) == 2
         assert logged[0].exc_info is not None and "a bug, not the disk" in str(logged[0].exc_info[1])
-        assert logged[1].exc_info is None and "the record cannot be written (disk I/O error)" in logged[1].getMessage()
+        assert logged[1].exc_info is None and "the store cannot be written (disk I/O error)" in logged[1].getMessage()
         assert _metric(bound.http, 'rematd_service_faults_total{kind="stats"}').strip() == "2.0"
     finally:
         monkeypatch.undo()

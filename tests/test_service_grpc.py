@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 
 from rematd import wire
 from rematd.server import ServeConfig, ServiceThread
-from rematd.server.auth import TokenAuth
 from rematd.server.config import GrpcOptions
-from rematd.server.core import AdvisorCore
-from rematd.server.grpc_service import build_server
-from rematd.server.metrics import Metrics
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
+from rematd.server.transport.auth import TokenAuth
+from rematd.server.transport.grpc_service import build_server
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

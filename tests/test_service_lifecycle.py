@@ -16,14 +16,15 @@ import httpx
 import pytest
 
 from rematd import wire
+from rematd.messages import Hello, StepStats
 from rematd.planner import Plan
-from rematd.records import Hello, StepStats
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.config import CoreConfig, StoreConfig
-from rematd.server.core import AdvisorCore, RankSession
-from rematd.server.errors import SessionTaken
-from rematd.server.metrics import Metrics
-from rematd.server.store import Store, database_url
+from rematd.server.core.advisor import AdvisorCore, RankSession
+from rematd.server.core.errors import SessionTaken
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.database import database_url
+from rematd.server.store.store import Store
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -134,7 +135,7 @@ def test_ranks_lost_longer_than_the_expiry_are_forgotten_with_their_jobs_series(
     assert core.expire_sessions(now + 61) == 1
     assert {s.job for s in core.rank_samples()} == {"alive"}, "a connected rank never expires"
     assert core.metrics.registry.get_sample_value("rematd_steps_total", {"job": "crashed"}) is None
-    assert core.get_job("crashed")["state"] == "disconnected", "the record keeps the job as it was left"
+    assert core.get_job("crashed")["state"] == "disconnected", "the store keeps the job as it was left"
     # A rank that comes back after its expiry starts afresh, continuing its plan history.
     back, plan = core.open_session(Hello(**{**_fields(h1), "plan_version": 1}))
     assert plan.version == 2 and back is not r1
@@ -174,7 +175,7 @@ def test_shutdown_tells_open_streams_to_reconnect_before_the_grace_ends(tmp_path
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down; reconnect" in (caught.value.details() or "")
             assert waited < 2.5, f"told after {waited:.1f} s, with a grace of 5 s"
-            # What the rank sent is in the record before it is told to go elsewhere.
+            # What the rank sent is in the store before it is told to go elsewhere.
             with sqlite3.connect(db) as conn:
                 assert conn.execute("SELECT peak_bytes FROM stats WHERE job='moving'").fetchall() == [(1234,)]
     finally:
@@ -217,7 +218,7 @@ def test_readiness_turns_503_as_the_service_starts_draining(tmp_path: Path) -> N
         ready = httpx.get(f"http://{bound.http}/readyz", timeout=10)
         assert ready.status_code == 200 and ready.json() == {"status": "ready"}
         svc.begin_stop()
-        # Within the drain: the record still takes writes, HTTP still answers, and balancers are told to go.
+        # Within the drain: the store still takes writes, HTTP still answers, and balancers are told to go.
         got: list[httpx.Response] = []
         assert wait_for(
             lambda: got.append(httpx.get(f"http://{bound.http}/readyz", timeout=10)) or got[-1].status_code == 503,
@@ -242,7 +243,7 @@ def test_a_slow_record_at_one_streams_end_does_not_hold_up_another_streams_acks(
     def slow(*, job: str, rank: int | None = None, state: str) -> None:
         if job == "leaving":
             writing.set()
-            time.sleep(delay)  # as a record on a slow disk takes its time
+            time.sleep(delay)  # as a store on a slow disk takes its time
         real(job=job, rank=rank, state=state)
 
     monkeypatch.setattr(store, "set_rank_state", slow)
@@ -296,7 +297,7 @@ def test_operator_changes_and_a_resume_wait_for_the_ranks_planning(core: Advisor
 def test_a_cancelled_stream_closes_its_session_only_after_its_planning_thread_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rematd.server import grpc_service
+    from rematd.server.transport import grpc_service
 
     monkeypatch.setattr(grpc_service, "OFF_LOOP_BLOCKS", 1)  # every step planned on a worker thread
     svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))

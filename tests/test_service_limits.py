@@ -1,4 +1,4 @@
-"""Integers the record cannot hold: refused by name on arrival, guarded where they are derived,
+"""Integers the store cannot hold: refused by name on arrival, guarded where they are derived,
 and a row the database still refuses costs only itself."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from google.protobuf.message import Message
 
 from rematd import wire
 from rematd.server import ServeConfig, ServiceThread
-from rematd.server.core import AdvisorCore
-from rematd.server.metrics import Metrics
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
 from rematd.v1 import advisor_pb2 as pb
 
 from .test_service import hello, session, stats
 
-MAX_INT = 2**63 - 1  # the record's columns are signed 64-bit
+MAX_INT = 2**63 - 1  # the store's columns are signed 64-bit
 TOO_BIG = MAX_INT + 1
 
 
@@ -107,7 +107,7 @@ def test_an_integer_past_the_record_is_refused_by_name(live: ServiceThread, path
     _, err = session(live.service.bound.grpc, _messages(path, TOO_BIG))
     assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, err)
     assert (err.details() or "").startswith(f"{path}:"), err.details()
-    # The largest value the record holds is accepted wherever it is not nonsense on its own.
+    # The largest value the store holds is accepted wherever it is not nonsense on its own.
     _, err = session(live.service.bound.grpc, _messages(path, MAX_INT))
     assert err is None or err.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, err)
 
@@ -152,7 +152,7 @@ def test_the_service_is_whole_after_the_refusals(live: ServiceThread) -> None:
     assert err is None and [m.WhichOneof("kind") for m in got] == ["plan", "ack"]
     store = live.service.store
     store.flush()
-    assert store.pending() == 0 and store.buffer.rejected == 0, "nothing out of range reached the record"
+    assert store.pending() == 0 and store.buffer.rejected == 0, "nothing out of range reached the store"
 
 
 def test_a_row_the_database_refuses_is_set_aside_and_the_rest_are_written(tmp_path: Path) -> None:
@@ -169,7 +169,7 @@ def test_a_row_the_database_refuses_is_set_aside_and_the_rest_are_written(tmp_pa
     assert [r["peak_bytes"] for r in core.job_stats("fine")] == [100, 200]
     assert core.store.pending() == 0
     assert core.store.buffer.rejected == 1 and core.store.buffer.set_aside[0][1]["job"] == "poison"
-    assert core.metrics.registry.get_sample_value("rematd_record_rejected_rows_total") == 1.0
+    assert core.metrics.registry.get_sample_value("rematd_store_rejected_rows_total") == 1.0
     # Later flushes and reads are not held up by it.
     core.on_stats(fine, stats(2, 300))
     assert [r["step"] for r in core.job_stats("fine")] == [0, 1, 2]

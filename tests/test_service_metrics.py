@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rematd.server.core import AdvisorCore
-from rematd.server.metrics import Metrics
-from rematd.server.store import Store
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.store import Store
 
 from .test_service import hello, stats
 

@@ -18,9 +18,9 @@ from cryptography.x509.oid import NameOID
 from rematd import wire
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.app import ExposedWithoutToken
-from rematd.server.auth import TokenAuth, load_token
 from rematd.server.cli import main as cli_main
-from rematd.server.errors import Unauthenticated
+from rematd.server.core.errors import Unauthenticated
+from rematd.server.transport.auth import TokenAuth, load_token
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

@@ -1,4 +1,4 @@
-"""The record: migrations, down-sampling, retention, restarts, warm starts; SQLite and a real PostgreSQL."""
+"""The store: migrations, down-sampling, retention, restarts, warm starts; SQLite and a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ import httpx
 import pytest
 
 from rematd import wire
+from rematd.messages import BlockRecord, Hello
 from rematd.planner import Mode
-from rematd.records import BlockRecord, Hello
 from rematd.server.config import StoreConfig
-from rematd.server.core import AdvisorCore
-from rematd.server.metrics import Metrics
-from rematd.server.store import _TYPES, MIGRATIONS, SCHEMA_VERSION, Store, database_url
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store.database import database_url
+from rematd.server.store.schema import _TYPES, MIGRATIONS, SCHEMA_VERSION
+from rematd.server.store.store import Store
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -80,7 +82,7 @@ def _exercise(store: Store) -> None:
     assert [p["version"] for p in core.job_plans("db-job")][:2] == [1, 2]
     assert core.job_ooms("db-job")[0]["message"] == "CUDA out of memory"
     assert core.job_stats("db-job")[0]["peak_bytes"] == 9500
-    # Controls written by one core (a worker or a replica) reach another through the record.
+    # Controls written by one core (a worker or a replica) reach another through the store.
     other = AdvisorCore(store, Metrics())
     assert other.job_controls("db-job")["pin_every"] == 1
     core.unpin("db-job")
@@ -144,7 +146,7 @@ def test_a_record_from_before_migrations_is_upgraded(tmp_path: Path) -> None:
 
 
 def test_a_record_of_schema_2_is_upgraded_and_its_plans_read_back_with_modes(tmp_path: Path) -> None:
-    """A record written before plans kept their modes: migrations 1-2 as they shipped, rows as rematd wrote them."""
+    """A store written before plans kept their modes: migrations 1-2 as they shipped, rows as rematd wrote them."""
     db = tmp_path / "v2.db"
     con = sqlite3.connect(db)
     con.execute("CREATE TABLE schema_version (version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at REAL)")
@@ -200,7 +202,7 @@ def test_a_month_long_job_stays_small(tmp_path: Path) -> None:
     s, _ = core.open_session(hello(job="long"))
     core.close_session(s, ended=False)
     start = float(int(time.time()) - 30 * 86400)  # whole seconds: the retention boundary is exact
-    # A month of one step a minute, written straight into the record.
+    # A month of one step a minute, written straight into the store.
     rows = [
         {"step": i, "time": start + 60 * i, "peak_bytes": 1000 + (5000 if i == 777 else i % 50), "budget_bytes": 10_000,
          "predicted_peak_bytes": 900, "plan_version": 1, "seq_len": 64, "batch": 1, "step_seconds": 0.1}
@@ -283,7 +285,7 @@ def test_a_migration_missing_below_the_highest_applied_is_applied(tmp_path: Path
     db = tmp_path / "gap.db"
     Store(db).close()
     con = sqlite3.connect(db)
-    # A record at every version but 3: migration 3's columns absent, and so is its row.
+    # A store at every version but 3: migration 3's columns absent, and so is its row.
     for table, column in [
         ("plans", "modes"),
         ("plans", "shape_plans"),

@@ -1,4 +1,4 @@
-"""The record's fifth migration (each step's OOM risk) on a record of version 4, and the stored columns' codecs."""
+"""The store's fifth migration (each step's OOM risk) on a store of version 4, and the stored columns' codecs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event
 
-from rematd.server import rows
-from rematd.server.store import _TYPES, MIGRATIONS, SCHEMA_VERSION, Store
+from rematd.server.store import columns as rows
+from rematd.server.store.schema import _TYPES, MIGRATIONS, SCHEMA_VERSION
+from rematd.server.store.store import Store
 
 
 def _row(step: int, **extra: object) -> dict[str, object]:
@@ -19,7 +20,7 @@ def _row(step: int, **extra: object) -> dict[str, object]:
 
 
 def _version_4_file(db: Path) -> None:
-    """A record as rematd wrote it at schema version 4: migrations 1-4 as they shipped, and rows in them."""
+    """A store as rematd wrote it at schema version 4: migrations 1-4 as they shipped, and rows in them."""
     con = sqlite3.connect(db)
     con.execute("CREATE TABLE schema_version (version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at REAL)")
     for version, description, statements in MIGRATIONS:

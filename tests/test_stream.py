@@ -17,7 +17,7 @@ import torch
 from bench.served import stop
 from rematd import client
 from rematd.client.stream import StreamBackend, StreamConfig
-from rematd.records import StepStats
+from rematd.messages import StepStats
 
 from .helpers import tiny_model, train_step
 from .stream_helpers import Recorder, free_port, make_cert, run_steps, serve_recorder, start_serve

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rematd import client, wire
+from rematd.messages import InvalidMessage, StepStats
 from rematd.planner import (
     BlockCost,
     Controller,
@@ -23,7 +24,6 @@ from rematd.planner import (
     StepObservation,
 )
 from rematd.planner.timing import MIN_BLOCKS, TimeScales
-from rematd.records import InvalidMessage, StepStats
 
 from .helpers import tiny_model, train_step
 

@@ -12,8 +12,8 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
 from rematd import wire
+from rematd.messages import MEMORY_CUDA, BlockRecord, Hello, InvalidMessage, OomReport, StepStats
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
-from rematd.records import MEMORY_CUDA, BlockRecord, Hello, InvalidMessage, OomReport, StepStats
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,8 +19,7 @@ from typing import Any, cast
 
 from google.protobuf.message import Message
 
-from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
-from rematd.records import (
+from rematd.messages import (
     MAX_BLOCKS,
     MEMORY_CUDA,
     MEMORY_SAVED,
@@ -30,6 +29,7 @@ from rematd.records import (
     OomReport,
     StepStats,
 )
+from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
 from rematd.v1 import advisor_pb2 as pb
 
 WIRE_RECORDS: Mapping[type, type[Message]] = {
@@ -49,9 +49,9 @@ WIRE_RECORDS: Mapping[type, type[Message]] = {
 RENAMED: Mapping[tuple[str, str], tuple[str, str]] = {
     ("Plan", "checkpoint_blocks"): (
         "blocks",
-        "the wire says what the blocks do; the record holds them as a set, sorted and deduplicated on the way in",
+        "the wire says what the blocks do; the store holds them as a set, sorted and deduplicated on the way in",
     ),
-    ("Plan", "block_modes"): ("modes", "the wire's name says they are per block; the record's tuple is of Mode"),
+    ("Plan", "block_modes"): ("modes", "the wire's name says they are per block; the store's tuple is of Mode"),
     ("ShapePlan", "block_modes"): ("modes", "as Plan.block_modes"),
     ("StepStats", "block_modes"): ("modes", "as Plan.block_modes"),
 }
@@ -68,7 +68,7 @@ def _copied(record: type, message: type[Message]) -> tuple[str, ...]:
 
 
 COPIED: Mapping[type, tuple[str, ...]] = {record: _copied(record, msg) for record, msg in WIRE_RECORDS.items()}
-"""The fields copied by name: scalar on the wire, the same name in the record."""
+"""The fields copied by name: scalar on the wire, the same name in the store."""
 
 
 def _copy(record: type, source: object) -> dict[str, Any]:

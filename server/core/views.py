@@ -1,0 +1,310 @@
+"""What the REST API reads: jobs with their ranks and the plan in force, and a job's plans,
+statistics and OOM events, shaped from the store and the live sessions.
+
+The shapes of what it returns are defined here, once; the REST API's response models are these types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, cast
+
+from pydantic import Field
+from typing_extensions import TypedDict
+
+from rematd.messages import InvalidMessage
+from rematd.planner import Plan, Shape
+from rematd.server.core.controls import require_job
+from rematd.server.core.figures import headroom_ratio, job_oom_risk, job_peak
+from rematd.server.core.paging import JOBS_PAGE, ROWS_PAGE, Page, decode, encode
+from rematd.server.core.plan_policy import entry_in_force, mode_names
+from rematd.server.core.sessions import CONNECTED, ENDED, Sessions
+from rematd.server.store.rows import (
+    ControlsRow,
+    JobRow,
+    LastStepRow,
+    ModeName,
+    RankRow,
+    StoredOomRow,
+    StoredPlanRow,
+    StoredStepRow,
+)
+from rematd.server.store.store import Store
+
+JobState = Literal["running", "disconnected", "ended"]
+JOB_STATES: tuple[JobState, ...] = ("running", "disconnected", "ended")
+STATS_ROWS = 2000
+"""Rows a read of a job's statistics returns unless it asks for another number."""
+
+
+class ModePrice(TypedDict):
+    """How sure the planner is of what one mode costs on this rank."""
+
+    mode: ModeName
+    state: Annotated[
+        Literal["measured", "trial", "estimate"],
+        Field(
+            description="measured: timed often enough; trial: being measured now; estimate: untried, priced "
+            "at no less than recomputing"
+        ),
+    ]
+    timed_blocks: Annotated[int, Field(description="blocks of this mode timed so far")]
+    scale: Annotated[float | None, Field(description="measured over profiled seconds, once measured")]
+
+
+class RankView(TypedDict):
+    rank: int
+    connected: bool
+    state: Annotated[str, Field(description="connected, disconnected or ended")]
+    device: str
+    last_stats: LastStepRow | None
+    plan_version: int | None
+    modes: Annotated[list[ModeName] | None, Field(description="what its last step's length runs")]
+    checkpointed_blocks: list[int] | None
+    oom_risk: float | None
+    prices: Annotated[list[ModePrice] | None, Field(description="how sure each mode's price is (live ranks)")]
+
+
+class InForce(TypedDict):
+    """What the job's newest step length runs under its newest plan."""
+
+    seq_len: int | None
+    max_seq_len: int | None
+    modes: list[ModeName]
+    predicted_peak_bytes: int
+    predicted_overhead_ratio: float
+
+
+class JobView(JobRow):
+    """A job as the store keeps it, with its ranks, its plan in force and the figures they give."""
+
+    state: JobState
+    ranks: list[RankView]
+    plan: StoredPlanRow | None
+    in_force: InForce | None
+    peak_bytes: int | None
+    headroom_ratio: float | None
+    oom_risk: float | None
+    oom_events: int
+    recompiles: int
+    controls: ControlsRow
+
+
+@dataclass(frozen=True, slots=True)
+class _Live:
+    """A live rank's plan and risk, as read under the registry's lock."""
+
+    sent: Plan
+    num_blocks: int
+    oom_risk: float
+    prices: list[dict[str, object]]
+
+    def modes(self, last: LastStepRow | None) -> list[ModeName]:
+        """What a step of the rank's last length runs under the plan it has."""
+        if not last or not last["seq_len"]:
+            return mode_names(self.sent.block_modes(self.num_blocks))
+        tokens = last["seq_len"] * (last["batch"] or 1)
+        shape = Shape(batch=last["batch"] or 1, seq_len=last["seq_len"], tokens=tokens)
+        return mode_names(self.sent.modes_for(shape, self.num_blocks))
+
+
+def _job_state(row: JobRow, ranks: list[RankRow]) -> JobState:
+    states = {r["state"] for r in ranks}
+    if row["ended_at"] is not None or (states and states == {ENDED}):
+        return "ended"
+    return "running" if CONNECTED in states else "disconnected"
+
+
+def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, ended: bool) -> RankView:
+    last = r["last_stats"]
+    modes: list[ModeName] | None = None
+    if live is not None:
+        modes = live.modes(last)
+    elif own_plan is not None:
+        # Not live: what the rank's own last plan runs (the job's newest may be another rank's).
+        seq = last["seq_len"] if last else None
+        modes = entry_in_force(own_plan, seq, seq * (last["batch"] or 1) if last and seq else 0)["modes"]
+    return RankView(
+        rank=r["rank"],
+        connected=r["state"] == CONNECTED,
+        state=r["state"],
+        device=r["device"],
+        last_stats=last,
+        plan_version=live.sent.version if live else (last["plan_version"] if last else None),
+        modes=modes,
+        checkpointed_blocks=[i for i, m in enumerate(modes) if m != "store"] if modes is not None else None,
+        # An ended job carries no live risk: what it last measured is history.
+        oom_risk=None if ended else (live.oom_risk if live else (last.get("oom_risk") if last else None)),
+        prices=cast("list[ModePrice]", live.prices) if live else None,
+    )
+
+
+def _newest_step(ranks: list[RankRow]) -> LastStepRow | None:
+    """The job's newest step over its ranks (by step, then time)."""
+    steps = [r["last_stats"] for r in ranks if r["last_stats"]]
+    return max(steps, key=lambda s: (s["step"], s["time"])) if steps else None
+
+
+def _in_force(plan: StoredPlanRow | None, newest: LastStepRow | None) -> InForce | None:
+    """What the job's newest step length runs under its newest plan."""
+    if plan is None:
+        return None
+    seq = newest["seq_len"] if newest else None
+    tokens = seq * (newest["batch"] or 1) if newest and seq else None
+    return InForce(seq_len=seq, **entry_in_force(plan, seq, tokens))  # type: ignore[typeddict-item]
+
+
+class ReadViews:
+    """Reads of the store joined with what the live sessions hold now.
+
+    ``settle`` is called before each read: it waits for the writes handed over before the read, so
+    that a read sees what the streams sent until then.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        sessions: Sessions,
+        *,
+        job_controls: Callable[[str], ControlsRow],
+        settle: Callable[[], object],
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.job_controls = job_controls
+        self.settle = settle
+
+    def _require_job(self, job: str) -> JobRow:
+        self.settle()
+        return require_job(self.store, job)
+
+    def list_jobs(self, state: str | None = None) -> list[Any]:
+        return self.jobs_page(state, limit=None).rows
+
+    def jobs_page(self, state: str | None = None, *, limit: int | None = JOBS_PAGE, cursor: str | None = None) -> Page:
+        """Jobs in the order they were created: ``limit`` of them after ``cursor`` (all with ``limit`` None)."""
+        if state is not None and state not in JOB_STATES:
+            raise InvalidMessage("state", f"must be one of {JOB_STATES}, got {state!r}")
+        after = decode(cursor, list)
+        self.settle()
+        ranks: dict[str, list[RankRow]] = {}
+        for r in self.store.all_ranks():
+            ranks.setdefault(r["job"], []).append(r)
+        plans = self.store.latest_plans()
+        rank_plans: dict[str, dict[int, StoredPlanRow]] = {}
+        for (job, rank), p in self.store.latest_rank_plans().items():
+            rank_plans.setdefault(job, {})[rank] = p
+        ooms = self.store.oom_counts()
+        views: list[JobView] = []
+        last: list[Any] = []
+        for row in self.store.jobs():
+            position = [row["created_at"], row["job"]]
+            if after is not None and position <= after:
+                continue
+            if limit is not None and len(views) == limit:
+                return Page(views, encode(last))
+            view = self.job_view(
+                row, ranks.get(row["job"], []), plans.get(row["job"]), ooms.get(row["job"], 0),
+                rank_plans.get(row["job"], {}),
+            )  # fmt: skip
+            last = position
+            if state is None or view["state"] == state:
+                views.append(view)
+        return Page(views, None)
+
+    def get_job(self, job: str) -> JobView:
+        row = self._require_job(job)
+        plans = self.store.plans(job)
+        own = {int(p["rank"]): p for p in plans}  # in the order they were made: each rank's last wins
+        return self.job_view(row, self.store.ranks(job), plans[-1] if plans else None, len(self.store.ooms(job)), own)
+
+    def job_view(
+        self,
+        row: JobRow,
+        ranks: list[RankRow],
+        plan: StoredPlanRow | None,
+        ooms: int,
+        rank_plans: dict[int, StoredPlanRow],
+    ) -> JobView:
+        """A job as the REST API shows it; ``plan`` is the job's newest, ``rank_plans`` each rank's own newest."""
+        job = row["job"]
+        state = _job_state(row, ranks)
+        ended = state == "ended"
+        live = self._live(job)
+        rank_views = [_rank_view(r, live.get(r["rank"]), rank_plans.get(r["rank"]), ended) for r in ranks]
+        peak = job_peak(r["last_stats"]["peak_bytes"] if r["last_stats"] else None for r in ranks)
+        return JobView(
+            job=job,
+            state=state,
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            ended_at=row["ended_at"],
+            world_size=row["world_size"],
+            num_blocks=row["num_blocks"],
+            budget_bytes=row["budget_bytes"],
+            model_fingerprint=row["model_fingerprint"],
+            device=row["device"],
+            ranks=rank_views,
+            plan=plan,
+            in_force=_in_force(plan, _newest_step(ranks)),
+            peak_bytes=peak,
+            headroom_ratio=headroom_ratio(row["budget_bytes"], peak),
+            oom_risk=job_oom_risk((v["oom_risk"] for v in rank_views), ended=ended),
+            oom_events=ooms,
+            recompiles=sum(r["last_stats"].get("recompiles_total", 0) for r in ranks if r["last_stats"]),
+            controls=self.job_controls(job),
+        )
+
+    def _live(self, job: str) -> dict[int, _Live]:
+        """What the job's live ranks hold now, copied under the lock: HTTP reads run on a thread pool while
+        the event loop adds ranks."""
+        with self.sessions.lock:
+            return {
+                s.hello.rank: _Live(s.sent, len(s.hello.blocks), s.planner.oom_risk, s.planner.prices())
+                for s in self.sessions.by_job.get(job, {}).values()
+            }
+
+    def job_plans(self, job: str) -> list[StoredPlanRow]:
+        self._require_job(job)
+        return self.store.plans(job)
+
+    def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+        """A job's plans, oldest first: ``limit`` of them after ``cursor``."""
+        after = decode(cursor, int) or 0
+        self._require_job(job)
+        return _by_id(self.store.plans(job, after=after, limit=limit + 1), limit)
+
+    def job_stats(
+        self,
+        job: str,
+        *,
+        limit: int = STATS_ROWS,
+        since: float | None = None,
+        until: float | None = None,
+        rank: int | None = None,
+    ) -> list[StoredStepRow]:
+        self._require_job(job)
+        if since is not None and until is not None and since > until:
+            raise InvalidMessage("since", f"since ({since}) is after until ({until})")
+        return self.store.stats(job, limit, since=since, until=until, rank=rank)
+
+    def job_ooms(self, job: str) -> list[StoredOomRow]:
+        self._require_job(job)
+        return self.store.ooms(job)
+
+    def ooms_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+        """A job's OOM events, oldest first: ``limit`` of them after ``cursor``."""
+        after = decode(cursor, int) or 0
+        self._require_job(job)
+        return _by_id(self.store.ooms(job, after=after, limit=limit + 1), limit)
+
+
+def _by_id(rows: list[Any], limit: int) -> Page:
+    """A page of rows read one past ``limit``, without their row ids."""
+    more = len(rows) > limit
+    rows = rows[:limit]
+    last = rows[-1]["id"] if rows else 0
+    for r in rows:
+        del r["id"]
+    return Page(rows, encode(last) if more else None)

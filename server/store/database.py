@@ -1,0 +1,86 @@
+"""Reaching the store's database: URLs, the engine, and what to say when it cannot be used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.pool import StaticPool
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened: a URL rematd cannot use, a database out of reach, a file it cannot create."""
+
+
+def is_store_error(err: BaseException) -> bool:
+    """Whether ``err`` came from the database (or the disk under it), not from a bug in rematd."""
+    return isinstance(err, (sa_exc.SQLAlchemyError, StoreError, OSError))
+
+
+def database_url(db: str | Path) -> str:
+    """A SQLAlchemy URL from ``--db``: a URL stays as it is, anything else is a SQLite path."""
+    s = str(db)
+    if "://" in s:
+        if s.startswith("postgresql://"):
+            # psycopg 3 is the driver the postgres extra installs.
+            return "postgresql+psycopg://" + s[len("postgresql://") :]
+        return s
+    if s == ":memory:":
+        return "sqlite:///:memory:"
+    return f"sqlite:///{Path(s).expanduser()}"
+
+
+def redact_url(url: str) -> str:
+    """A database URL without its password, for messages and logs."""
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def why(err: BaseException) -> str:
+    """What went wrong with the store, in one line, without SQLAlchemy's background links."""
+    if isinstance(err, sa_exc.NoSuchModuleError):
+        return "no database of that kind: give a SQLite path, sqlite:///PATH or postgresql://USER@HOST/DB"
+    if isinstance(err, sa_exc.ArgumentError):
+        return f"not a database URL ({str(err).splitlines()[0]})"
+    if isinstance(err, ImportError):
+        return f"its driver is not installed ({err}); install rematd[postgres] for PostgreSQL"
+    if isinstance(err, sa_exc.DBAPIError):
+        return (
+            f"cannot use the database: {str(err.orig).strip().splitlines()[0] if str(err.orig).strip() else err.orig!r}"
+        )
+    if isinstance(err, OSError):
+        return f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def dialect_of(url: str) -> str:
+    return "postgresql" if url.startswith("postgresql") else "sqlite"
+
+
+def open_engine(url: str) -> Engine:
+    """The engine of a store's URL; a SQLite file's folder is created."""
+    if dialect_of(url) != "sqlite":
+        return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=4)
+    memory = url.endswith(":memory:")
+    database = make_url(url).database
+    if database and not memory:
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": 30},
+        poolclass=StaticPool if memory else None,
+    )
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi: Any, _record: Any) -> None:
+        # No journal mode here: it is the file's, set once the file is known to be rematd's.
+        cur = dbapi.cursor()
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    return engine

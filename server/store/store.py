@@ -1,0 +1,496 @@
+"""The store: jobs, their ranks, plans, step statistics, OOM events, operator controls and warm-start
+plans, in SQLite by default or PostgreSQL by URL.
+
+SQLAlchemy Core over hand-written, numbered migrations (``schema``). Every write of this process takes
+one lock (SQLite has one writer; PostgreSQL gets the same serialisation per process, which is cheap
+because the write-behind buffer turns many small writes into few transactions); reads take none.
+Plans, OOM events and operator controls are written at once (a restart loses none); step statistics
+go through the write-behind buffer (``write_behind``), written at least every ``flush_seconds``.
+Reads of what that buffer holds (statistics, ranks' last steps, jobs) write it first, so they see
+every write before them; other reads do not wait on it.
+
+A slow database, for a test without a mock: a ``before_cursor_execute`` listener on
+``Store.engine`` runs before every statement the store sends, the write-behind buffer's included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+from sqlalchemy import Engine, text
+from sqlalchemy import exc as sa_exc
+
+from rematd.server.config import StoreConfig
+from rematd.server.store import schema
+from rematd.server.store.columns import (
+    controls_out,
+    controls_params,
+    decoded,
+    dumps,
+    loads,
+    plan_out,
+    plan_params,
+    warm_params,
+    warm_plan_out,
+)
+from rematd.server.store.compaction import compact
+from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, why
+from rematd.server.store.file_watch import FileWatch, sqlite_file
+from rematd.server.store.rows import (
+    OOM_COLUMNS,
+    ControlsRow,
+    JobRow,
+    LastStepRow,
+    OomRow,
+    PlanRow,
+    RankRow,
+    StoredControlsRow,
+    StoredOomRow,
+    StoredPlanRow,
+    StoredStepRow,
+    WarmPlanRow,
+)
+from rematd.server.store.write_behind import WriteBehind
+
+log = logging.getLogger("rematd.server")
+
+_PLANS = "SELECT plans.*, jobs.num_blocks AS job_blocks FROM plans JOIN jobs ON jobs.job = plans.job"
+
+_NOT_ID_JOB = ("id", "job")
+
+_UPSERT_JOB = """INSERT INTO jobs (job, created_at, updated_at, world_size, num_blocks, budget_bytes,
+        model_fingerprint, device, ended_at)
+    VALUES (:job, :now, :now, :ws, :nb, :b, :fp, :dev, NULL)
+    ON CONFLICT(job) DO UPDATE SET updated_at=excluded.updated_at, world_size=excluded.world_size,
+    num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
+    model_fingerprint=excluded.model_fingerprint, device=excluded.device, ended_at=NULL"""
+
+_UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state) VALUES (:job, :rank, :device, :state)
+    ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state"""
+
+_ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
+    predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans)
+    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now, :modes, :table)"""
+
+_ADD_OOM = """INSERT INTO oom_events (job, rank, step, time, seq_len, batch, plan_version, message)
+    VALUES (:job, :rank, :step, :time, :seq_len, :batch, :plan_version, :message)"""
+
+
+_SET_CONTROLS = """INSERT INTO job_controls (job, pin_blocks, pin_every, margin_ratio, budget_bytes, ended_at,
+    revision, updated_at, pin_modes) VALUES (:job, :pb, :pe, :mr, :bb, :ea, :rev, :now, :pm)
+    ON CONFLICT(job) DO UPDATE SET pin_blocks=excluded.pin_blocks, pin_every=excluded.pin_every,
+    pin_modes=excluded.pin_modes, margin_ratio=excluded.margin_ratio, budget_bytes=excluded.budget_bytes,
+    ended_at=excluded.ended_at, revision=excluded.revision, updated_at=excluded.updated_at"""
+
+_REMEMBER_WARM = """INSERT INTO warm_plans (model_fingerprint, device, shape_bucket, job, blocks, num_blocks,
+    budget_bytes, updated_at, modes, shape_plans)
+    VALUES (:model_fingerprint, :device, :shape_bucket, :job, :blocks, :num_blocks, :budget_bytes, :updated_at,
+            :modes, :shape_plans)
+    ON CONFLICT(model_fingerprint, device, shape_bucket) DO UPDATE SET job=excluded.job,
+    blocks=excluded.blocks, num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
+    updated_at=excluded.updated_at, modes=excluded.modes, shape_plans=excluded.shape_plans"""
+
+_SAVE_LEARNED = """INSERT INTO learned_state VALUES (:job, :rank, :state, :now)
+    ON CONFLICT(job, rank) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at"""
+
+
+def _opened(url: str, path: str, lock: threading.RLock) -> Engine:
+    """An engine on ``url`` with the schema brought up to date; StoreError naming what is wrong."""
+    try:
+        engine = open_engine(url)
+        schema.migrate(engine, path=path, lock=lock)
+    except StoreError:
+        raise
+    except (sa_exc.SQLAlchemyError, OSError, ImportError) as err:
+        raise StoreError(why(err)) from err
+    return engine
+
+
+class Store:
+    """Thread-safe access to the store.
+
+    ``engine`` (a SQLAlchemy ``Engine``) is the one every statement goes through; ``buffer`` holds
+    step statistics not yet written.
+    """
+
+    def __init__(self, db: str | Path | StoreConfig) -> None:
+        config = db if isinstance(db, StoreConfig) else StoreConfig(url=database_url(db))
+        url = config.url if "://" in config.url else database_url(config.url)
+        self.path = str(db) if not isinstance(db, StoreConfig) else url
+        self.dialect = dialect_of(url)
+        self.config = config
+        self._lock = threading.RLock()
+        self.engine = _opened(url, self.path, self._lock)
+        """The SQLAlchemy engine every statement of the store goes through. Tests may listen to its events:
+        ``sqlalchemy.event.listen(store.engine, "before_cursor_execute", slow)`` with a ``slow`` that sleeps
+        makes a slow database without a mock (``slow(conn, cursor, statement, parameters, context, many)``)."""
+        self.buffer = WriteBehind(self.engine, self._lock, config.max_buffered)
+        file = sqlite_file(url)
+        self.watch = FileWatch(file) if file else None
+        """The SQLite file the store was opened on (None for PostgreSQL or memory)."""
+        self.failing_since: float | None = None
+        """When (monotonic) writes to the store began to fail; None while they succeed."""
+        self.last_failure = ""
+        self.on_write_failure: Callable[[], None] | None = None
+        """Called once per failed write (the core counts them in a metric)."""
+        self._last_probe = 0.0
+        self.lost = ""
+        """Why the store's file is not the store any more ("" while it is): writes stop until it is back."""
+        self._closed = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
+        self._flusher.start()
+
+    def schema_version(self) -> int:
+        with self.engine.connect() as conn:
+            return schema.version(conn, self.path)
+
+    def compact(self, now: float | None = None, live: Collection[str] = ()) -> dict[str, int]:
+        """Down-sample old statistics and apply retention, keeping every row of the ``live`` jobs; returns rows
+        deleted by kind."""
+        self.flush()
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            return compact(conn, self.config, time.time() if now is None else now, live)
+
+    def close(self) -> None:
+        """Write what is buffered and let go of the database; a store that cannot be written loses the
+        buffered rows, said in one line of the log, rather than failing the shutdown."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._flusher.join(5)
+        pending = self.pending()
+        try:
+            self.flush()
+        except Exception as err:
+            log.error("the store cannot be written (%s): %d buffered step report(s) are lost", why(err), pending)
+        self.engine.dispose()
+
+    # -- the health of writes ------------------------------------------------------------
+
+    def check_file(self) -> str:
+        """Look at the store's file (deleted, replaced, truncated?); returns why it is lost, or ""."""
+        if self.watch is None:
+            return ""
+        problem = self.watch.problem()
+        if problem and not self.lost:
+            log.error(
+                "%s; writes stop (step reports are kept in memory, the newest %d) until it is back or the service "
+                "restarts",
+                problem,
+                self.buffer.max_buffered * 4,
+            )
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+            self.last_failure = problem
+        elif self.lost and not problem:
+            log.info("the database file %s is back; writes resume", self.watch.path)
+        self.lost = problem
+        return problem
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Track whether writes succeed: readiness and a metric show a store that cannot be written."""
+        try:
+            if self.lost:
+                # Not into a file no name reaches, nor into a fresh empty one.
+                raise StoreError(self.lost)
+            yield
+        except Exception as err:
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+            self.last_failure = why(err)
+            if self.on_write_failure is not None:
+                self.on_write_failure()
+            raise
+
+    def writable(self, probe_every: float = 1.0) -> bool:
+        """Whether the store takes writes. While writes fail, a probe write (at most one per
+        ``probe_every`` seconds) finds out when it takes them again, with or without traffic: only
+        the probe clears a failure, since a write that changed nothing succeeds on a full disk too."""
+        if self.check_file():
+            return False
+        if self.failing_since is None:
+            return True
+        now = time.monotonic()
+        if now - self._last_probe >= probe_every:
+            self._last_probe = now
+            with contextlib.suppress(Exception), self._writing(), self._lock, self.engine.begin() as conn:
+                # A new value each time: SQLite skips a write that leaves a row as it was.
+                conn.execute(
+                    text(
+                        "INSERT INTO write_probe VALUES (1, :t) "
+                        "ON CONFLICT(id) DO UPDATE SET written_at = excluded.written_at"
+                    ),
+                    {"t": time.time()},
+                )
+                self.failing_since = None
+        return self.failing_since is None
+
+    def _write(self, sql: str, params: dict[str, Any] | list[dict[str, Any]]) -> None:
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            conn.execute(text(sql), params)
+
+    def _read(self, sql: str, params: dict[str, Any] | None = None, *, fresh: bool = True) -> list[Any]:
+        """Rows of a query; ``fresh`` (for what the buffer holds) writes the buffer first."""
+        if fresh:
+            try:
+                self.flush()
+            except Exception:  # a store that cannot be written can still be read: without the buffered rows
+                log.warning("reading the store without its buffered rows: %s", self.last_failure)
+        with self.engine.connect() as conn:
+            return list(conn.execute(text(sql), params or {}).mappings().all())
+
+    def pending(self) -> int:
+        return self.buffer.pending()
+
+    def flush(self) -> None:
+        """Write buffered statistics in one transaction (rows the database refuses are set aside)."""
+        if self.buffer.idle():
+            return
+        if self.lost:
+            self.buffer.bound()
+        with self._writing():
+            self.buffer.flush()
+
+    # -- writes ----------------------------------------------------------------------
+
+    def open_rank(
+        self,
+        *,
+        job: str,
+        rank: int,
+        now: float,
+        world_size: int,
+        num_blocks: int,
+        budget_bytes: int,
+        fingerprint: str,
+        device: str = "",
+        plan: PlanRow | None = None,
+    ) -> None:
+        """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on."""
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            conn.execute(
+                text(_UPSERT_JOB),
+                {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
+                 "dev": device},
+            )  # fmt: skip
+            conn.execute(text(_UPSERT_RANK), {"job": job, "rank": rank, "device": device, "state": "connected"})
+            if plan is not None:
+                conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
+
+    def set_rank_state(self, *, job: str, rank: int | None = None, state: str) -> None:
+        if rank is None:
+            self._write("UPDATE ranks SET state=:state WHERE job=:job", {"state": state, "job": job})
+        else:
+            self._write(
+                "UPDATE ranks SET state=:state WHERE job=:job AND rank=:rank",
+                {"state": state, "job": job, "rank": rank},
+            )
+
+    def end_job(self, job: str, now: float) -> None:
+        self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})
+
+    def end_job_if_done(self, job: str, now: float) -> None:
+        """Mark the job ended when every rank the store has of it said goodbye (on any worker or replica)."""
+        self._write(
+            """UPDATE jobs SET ended_at=:now WHERE job=:job AND ended_at IS NULL AND NOT EXISTS
+               (SELECT 1 FROM ranks WHERE ranks.job=:job AND ranks.state <> 'ended')""",
+            {"now": now, "job": job},
+        )
+
+    def add_plan(self, *, job: str, rank: int, plan: PlanRow, now: float) -> None:
+        self._write(_ADD_PLAN, plan_params(job, rank, plan, now))
+
+    def add_stats(self, *, job: str, rank: int, row: LastStepRow) -> None:
+        """Buffer one step's statistics; written within ``flush_seconds``."""
+        if self.buffer.add(job=job, rank=rank, row=row):
+            self.flush()
+
+    def add_oom(self, *, job: str, rank: int, row: OomRow) -> None:
+        self._write(_ADD_OOM, {**{k: row[k] for k in OOM_COLUMNS}, "job": job, "rank": rank})  # type: ignore[literal-required]
+
+    def set_controls(self, job: str, controls: ControlsRow, now: float) -> int:
+        """Replace a job's operator controls; returns their new revision."""
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            rev = int(conn.execute(text("SELECT COALESCE(MAX(revision), 0) FROM job_controls")).scalar() or 0) + 1
+            conn.execute(text(_SET_CONTROLS), controls_params(job, controls, rev, now))
+            return rev
+
+    def remember_warm_plan(self, row: WarmPlanRow) -> None:
+        """Keep ``row`` as the plan the next job of its model, device and size starts from."""
+        self._write(_REMEMBER_WARM, warm_params(row))
+
+    def save_learned(self, *, job: str, rank: int, state: dict[str, Any], now: float) -> None:
+        """What a rank's controller learned, kept beside its plan history for a restarted service."""
+        self._write(_SAVE_LEARNED, {"job": job, "rank": rank, "state": dumps(state), "now": now})
+
+    # -- reads -----------------------------------------------------------------------
+
+    def jobs(self) -> list[JobRow]:
+        return [cast(JobRow, dict(r)) for r in self._read("SELECT * FROM jobs ORDER BY created_at, job")]
+
+    def job(self, job: str) -> JobRow | None:
+        rows = self._read("SELECT * FROM jobs WHERE job=:job", {"job": job})
+        return cast(JobRow, dict(rows[0])) if rows else None
+
+    def all_ranks(self) -> list[RankRow]:
+        return self._ranks("SELECT * FROM ranks ORDER BY job, rank", {})
+
+    def ranks(self, job: str) -> list[RankRow]:
+        return self._ranks("SELECT * FROM ranks WHERE job=:job ORDER BY rank", {"job": job})
+
+    def _ranks(self, sql: str, params: dict[str, Any]) -> list[RankRow]:
+        return [cast(RankRow, decoded(r, json_columns=("last_stats",))) for r in self._read(sql, params)]
+
+    def last_rank_stats(self, job: str, rank: int) -> LastStepRow | None:
+        """A rank's last statistics: the buffer's newest if it holds one, else the store's. The buffer is
+        not written first: a hello must not wait for other jobs' rows."""
+        pending = self.buffer.last(job, rank)
+        if pending is not None:
+            return pending
+        rows = self._read(
+            "SELECT last_stats FROM ranks WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}, fresh=False
+        )
+        found: LastStepRow | None = loads(rows[0]["last_stats"]) if rows else None
+        return found
+
+    def plans(self, job: str, *, after: int = 0, limit: int | None = None) -> list[StoredPlanRow]:
+        """A job's plans, oldest first: all, or ``limit`` of those written after row ``after`` (each with its
+        row ``id`` then)."""
+        if limit is None:
+            rows = self._read(f"{_PLANS} WHERE plans.job=:job ORDER BY plans.id", {"job": job}, fresh=False)
+            return [cast(StoredPlanRow, plan_out(r)) for r in rows]
+        rows = self._read(
+            f"{_PLANS} WHERE plans.job=:job AND plans.id > :after ORDER BY plans.id LIMIT :n",
+            {"job": job, "after": after, "n": limit},
+            fresh=False,
+        )
+        return [cast(StoredPlanRow, plan_out(r, ("job",))) for r in rows]
+
+    def latest_rank_plans(self) -> dict[tuple[str, int], StoredPlanRow]:
+        """Each rank's newest plan, by (job, rank)."""
+        rows = self._read(f"{_PLANS} WHERE plans.id IN (SELECT MAX(id) FROM plans GROUP BY job, rank)", fresh=False)
+        out = {}
+        for r in rows:
+            d = plan_out(r, ("id",))
+            out[(d.pop("job"), int(d["rank"]))] = cast(StoredPlanRow, d)
+        return out
+
+    def latest_plans(self) -> dict[str, StoredPlanRow]:
+        """Each job's newest plan."""
+        rows = self._read(f"{_PLANS} WHERE plans.id IN (SELECT MAX(id) FROM plans GROUP BY job)", fresh=False)
+        out = {}
+        for r in rows:
+            d = plan_out(r, ("id",))
+            out[d.pop("job")] = cast(StoredPlanRow, d)
+        return out
+
+    def last_plan_version(self, job: str, rank: int) -> int:
+        rows = self._read(
+            "SELECT MAX(version) AS v FROM plans WHERE job=:job AND rank=:rank",
+            {"job": job, "rank": rank},
+            fresh=False,
+        )
+        return int(rows[0]["v"] or 0)
+
+    def last_plan(self, job: str, rank: int) -> StoredPlanRow | None:
+        rows = self._read(
+            f"{_PLANS} WHERE plans.job=:job AND plans.rank=:rank ORDER BY plans.id DESC LIMIT 1",
+            {"job": job, "rank": rank},
+            fresh=False,
+        )
+        return cast(StoredPlanRow, plan_out(rows[0])) if rows else None
+
+    def stats(
+        self,
+        job: str,
+        limit: int,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        rank: int | None = None,
+    ) -> list[StoredStepRow]:
+        """A job's latest ``limit`` steps, oldest first; ``oom_risk`` is None on rows that did not carry it."""
+        where = ["job=:job"]
+        params: dict[str, Any] = {"job": job, "limit": limit}
+        bounds = {"since": ("time >=", since), "until": ("time <=", until), "rank": ("rank =", rank)}
+        for name, (condition, value) in bounds.items():
+            if value is not None:
+                where.append(f"{condition} :{name}")
+                params[name] = value
+        rows = self._read(
+            f"SELECT * FROM (SELECT * FROM stats WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT :limit) t "
+            "ORDER BY id",
+            params,
+        )
+        return [cast(StoredStepRow, decoded(r, drop=_NOT_ID_JOB)) for r in rows]
+
+    def count_stats(self, job: str | None = None) -> int:
+        if job is None:
+            rows = self._read("SELECT COUNT(*) AS n FROM stats")
+        else:
+            rows = self._read("SELECT COUNT(*) AS n FROM stats WHERE job=:job", {"job": job})
+        return int(rows[0]["n"])
+
+    def ooms(self, job: str, *, after: int = 0, limit: int | None = None) -> list[StoredOomRow]:
+        """A job's OOM events, oldest first: all, or ``limit`` of those written after row ``after`` (each with
+        its row ``id`` then)."""
+        if limit is None:
+            rows = self._read("SELECT * FROM oom_events WHERE job=:job ORDER BY id", {"job": job}, fresh=False)
+            return [cast(StoredOomRow, decoded(r, drop=_NOT_ID_JOB)) for r in rows]
+        rows = self._read(
+            "SELECT * FROM oom_events WHERE job=:job AND id > :after ORDER BY id LIMIT :n",
+            {"job": job, "after": after, "n": limit},
+            fresh=False,
+        )
+        return [cast(StoredOomRow, decoded(r, drop=("job",))) for r in rows]
+
+    def oom_counts(self) -> dict[str, int]:
+        return {
+            r["job"]: int(r["n"])
+            for r in self._read("SELECT job, COUNT(*) AS n FROM oom_events GROUP BY job", fresh=False)
+        }
+
+    def controls_since(self, revision: int) -> list[StoredControlsRow]:
+        """Controls changed after ``revision`` (every worker and replica polls this)."""
+        rows = self._read(
+            "SELECT * FROM job_controls WHERE revision > :r ORDER BY revision", {"r": revision}, fresh=False
+        )
+        return [cast(StoredControlsRow, controls_out(r)) for r in rows]
+
+    def warm_plan(self, *, fingerprint: str, device: str, bucket: int) -> WarmPlanRow | None:
+        rows = self._read(
+            "SELECT * FROM warm_plans WHERE model_fingerprint=:fp AND device=:dev AND shape_bucket=:bucket",
+            {"fp": fingerprint, "dev": device, "bucket": bucket},
+            fresh=False,
+        )
+        return cast(WarmPlanRow, warm_plan_out(rows[0])) if rows else None
+
+    def learned(self, *, job: str, rank: int) -> dict[str, Any] | None:
+        rows = self._read(
+            "SELECT state FROM learned_state WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}, fresh=False
+        )
+        state = loads(rows[0]["state"]) if rows else None
+        return state if isinstance(state, dict) else None
+
+    def _flush_loop(self) -> None:
+        """The write-behind thread: writes the buffer every ``flush_seconds`` until the store closes."""
+        failing = False
+        while not self._closed.wait(self.config.flush_seconds):
+            try:
+                self.check_file()
+                self.flush()
+            except Exception:  # the next round tries again; a lost database must not kill the thread
+                if not failing:  # once per outage, not four times a second
+                    log.error("writing step reports to the store failed (%s); retrying", self.last_failure)
+                failing = True
+            else:
+                if failing and self.failing_since is None:
+                    log.info("the store takes writes again")
+                    failing = False

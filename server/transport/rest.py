@@ -1,0 +1,289 @@
+"""The HTTP adapter: REST reads and writes, the dashboard and /metrics over the core.
+
+Domain errors map here, once: JobNotFound 404, InvalidMessage 422 (with the
+field), Unauthenticated 401, SessionError 409, a write from another site 403;
+every body is JSON.
+
+Writes are authorized in one place, before their body is read
+(``rematd.server.transport.http_guard.authorize_write``): refused to a browser page of
+another origin whatever the token (a request a browser marks cross-site with
+``Sec-Fetch-Site``, or whose ``Origin`` is not the service's own, is 403); with
+no token configured, open only on a loopback service and only to a loopback
+``Host`` (a page that rebinds its own name to 127.0.0.1 is refused). The API docs' script and style are served from
+the package (swagger-ui-bundle), so ``/docs`` works without the internet.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from importlib import resources
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import to_json
+from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
+
+from rematd import __version__
+from rematd.messages import MAX_BLOCKS, MAX_INT, InvalidMessage
+from rematd.planner import Mode
+from rematd.server.core.advisor import JOB_STATES, AdvisorCore
+from rematd.server.core.errors import JobNotFound, SessionError, Unauthenticated
+from rematd.server.core.paging import JOBS_PAGE, MAX_JOBS_PAGE, MAX_ROWS_PAGE, ROWS_PAGE
+from rematd.server.core.views import STATS_ROWS, JobView
+from rematd.server.store.rows import ControlsRow, ModeName
+from rematd.server.store.store import Store
+from rematd.server.transport.auth import TokenAuth
+from rematd.server.transport.http_guard import bounded, install
+from rematd.server.transport.rest_models import Health, JobList, JobOoms, JobPlans, JobStats, NotReady, Ready
+
+DOCS_ASSETS = "/docs-assets"
+RowsLimit = Annotated[int, Query(ge=1, le=MAX_ROWS_PAGE, description="rows a page holds")]
+Cursor = Annotated[str | None, Query(max_length=1024, description="next_cursor of the page before")]
+
+
+def _json(view: Any) -> Response:
+    """A read view as JSON, as it is. The endpoint's response model documents it, and the tests hold every view
+    to its model; validating each row here would cost more than ten times the encoding on a large read, in the
+    process that serves the training ranks' streams."""
+    return Response(to_json(view), media_type="application/json")
+
+
+MODE_COLOURS = {Mode.STORE: "#d9dee6", Mode.SELECTIVE: "#f2b84b", Mode.RECOMPUTE: "#2563eb", Mode.OFFLOAD: "#0f9d8a"}
+"""Each mode's colour on the dashboard: the vocabulary's names and letters come from ``Mode``."""
+
+
+def dashboard_page() -> str:
+    """The dashboard, with the mode vocabulary (name, letter, colour) it draws plans in."""
+    vocabulary = [{"name": m.label, "letter": m.letter, "colour": MODE_COLOURS[m]} for m in Mode]
+    page = resources.files("rematd.server").joinpath("static/index.html").read_text(encoding="utf-8")
+    return page.replace("/*MODES*/[]", json.dumps(vocabulary))
+
+
+class PinBody(BaseModel):
+    """A plan to pin: every k-th block or a set of blocks recomputing (the rest storing), or one mode per block."""
+
+    model_config = ConfigDict(extra="forbid")
+    checkpoint_every: int | None = Field(None, ge=0, le=MAX_BLOCKS, description="k for every k-th block; 0 for none")
+    blocks: list[Annotated[int, Field(ge=0, le=MAX_BLOCKS)]] | None = Field(
+        None, max_length=MAX_BLOCKS, description="block indices to recompute"
+    )
+    modes: list[ModeName] | None = Field(
+        None, max_length=MAX_BLOCKS, description="one mode per block, at every sequence length"
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> PinBody:
+        if sum(x is not None for x in (self.checkpoint_every, self.blocks, self.modes)) != 1:
+            raise ValueError("give exactly one of checkpoint_every, blocks or modes")
+        return self
+
+
+class TuneBody(BaseModel):
+    """Overrides of a job's planning; null clears an override."""
+
+    model_config = ConfigDict(extra="forbid")
+    margin_ratio: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
+    budget_bytes: int | None = Field(None, gt=0, le=MAX_INT)
+
+    @model_validator(mode="after")
+    def _some(self) -> TuneBody:
+        if not self.model_fields_set:
+            raise ValueError("give margin_ratio and/or budget_bytes")
+        return self
+
+
+_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: {"description": "missing or wrong bearer token"}}
+_WRITES: dict[int | str, dict[str, Any]] = {**_UNAUTHORIZED, 403: {"description": "sent from another site"}}
+
+
+def create_app(
+    core: AdvisorCore, auth: TokenAuth | None = None, *, serving: Callable[[], bool] = lambda: True
+) -> FastAPI:
+    """The HTTP app; ``serving`` says whether the service takes new ranks (false while it drains and stops)."""
+    auth = auth or TokenAuth()
+    app = FastAPI(
+        title="rematd",
+        version=__version__,
+        summary="Activation-checkpointing plans for training jobs",
+        docs_url=None,
+        redoc_url=None,
+    )
+    install(app, auth=auth, on_unauthenticated=core.metrics.unauthenticated.labels("http").inc)
+    _map_errors(app, core)
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+    app.include_router(_pages())
+    app.include_router(_service(core, auth, serving))
+
+    def reader(request: Request) -> None:
+        auth.check_read(request.headers.get("authorization"))
+
+    app.include_router(_job_reads(core), dependencies=[Depends(reader)], responses=_UNAUTHORIZED)
+    app.include_router(_job_controls(core), responses=_WRITES)
+    return app
+
+
+def _map_errors(app: FastAPI, core: AdvisorCore) -> None:
+    """The domain's errors as HTTP statuses, once for every route."""
+
+    @app.exception_handler(JobNotFound)
+    async def _not_found(request: Request, exc: JobNotFound) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": bounded(str(exc)), "job": bounded(exc.job)})
+
+    @app.exception_handler(InvalidMessage)
+    async def _invalid(request: Request, exc: InvalidMessage) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": bounded(str(exc)), "field": exc.field})
+
+    @app.exception_handler(Unauthenticated)
+    async def _unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
+        core.metrics.unauthenticated.labels("http").inc()
+        return JSONResponse(status_code=401, content={"detail": str(exc)}, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(SessionError)
+    async def _conflict(request: Request, exc: SessionError) -> JSONResponse:
+        return JSONResponse(status_code=409, content={"detail": str(exc)})
+
+
+def _pages() -> APIRouter:
+    """The dashboard and the API's docs, served from the package (no CDN on an air-gapped cluster)."""
+    router = APIRouter(include_in_schema=False)
+    page = dashboard_page()
+
+    @router.get("/", response_class=HTMLResponse)
+    async def dashboard() -> str:
+        return page
+
+    @router.get("/docs")
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="rematd API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
+
+    return router
+
+
+def _service(core: AdvisorCore, auth: TokenAuth, serving: Callable[[], bool]) -> APIRouter:
+    """Liveness, readiness and /metrics."""
+    router = APIRouter()
+
+    @router.get("/healthz", response_model=Health)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    @router.get(
+        "/readyz",
+        responses={
+            200: {"model": Ready, "description": "ready"},
+            503: {"model": NotReady, "description": "draining or shutting down, or the store cannot be written"},
+        },
+    )
+    def readyz() -> JSONResponse:
+        """Ready to take training ranks: serving (not draining) and the store takes writes. Liveness is /healthz.
+
+        Not ready from the start of a shutdown, as gRPC health says NOT_SERVING then: load balancers
+        and Kubernetes move new ranks to other replicas during ``--drain-seconds``.
+        """
+        if not serving():
+            return JSONResponse(
+                status_code=503, content={"detail": "draining: the service is shutting down and takes no new ranks"}
+            )
+        return _readiness(core.store)
+
+    @router.get("/metrics", include_in_schema=False)
+    def metrics(request: Request) -> Response:
+        # Not async: FastAPI runs it on a worker thread, so a large scrape does not hold the event loop.
+        if auth.closed_metrics:
+            auth.check(request.headers.get("authorization"))
+        return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def _readiness(store: Store) -> JSONResponse:
+    if store.writable():
+        return JSONResponse({"status": "ready"})
+    since = store.failing_since
+    return JSONResponse(
+        status_code=503,
+        content={
+            "detail": bounded(f"the store cannot be written: {store.last_failure}"),
+            "failing_seconds": round(time.monotonic() - since, 1) if since is not None else 0.0,
+        },
+    )
+
+
+def _job_reads(core: AdvisorCore) -> APIRouter:
+    """Jobs, and each job's plans, statistics and OOM events."""
+    router = APIRouter(prefix="/api/v1/jobs")
+
+    @router.get("", response_model=JobList)
+    def jobs(
+        state: Annotated[str | None, Query(description=f"one of {', '.join(JOB_STATES)}")] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = JOBS_PAGE,
+        cursor: Cursor = None,
+    ) -> Response:
+        page = core.jobs_page(state, limit=limit, cursor=cursor)
+        return _json({"jobs": page.rows, "next_cursor": page.next_cursor})
+
+    @router.get("/{job}", response_model=JobView)
+    def job(job: str) -> Response:
+        return _json(core.get_job(job))
+
+    @router.get("/{job}/plans", response_model=JobPlans)
+    def plans(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
+        page = core.plans_page(job, limit=limit, cursor=cursor)
+        return _json({"job": job, "plans": page.rows, "next_cursor": page.next_cursor})
+
+    @router.get("/{job}/stats", response_model=JobStats)
+    def stats(
+        job: str,
+        limit: int = Query(STATS_ROWS, ge=1, le=100_000),
+        since: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
+        until: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
+        rank: int | None = Query(None, ge=0, le=MAX_INT),
+    ) -> Response:
+        return _json({"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)})
+
+    @router.get("/{job}/ooms", response_model=JobOoms)
+    def ooms(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
+        page = core.ooms_page(job, limit=limit, cursor=cursor)
+        return _json({"job": job, "ooms": page.rows, "next_cursor": page.next_cursor})
+
+    return router
+
+
+def _job_controls(core: AdvisorCore) -> APIRouter:
+    """An operator's writes: pins, overrides, ending a job."""
+    router = APIRouter(prefix="/api/v1/jobs")
+
+    @router.post("/{job}/pin", response_model=ControlsRow)
+    def pin(job: str, body: PinBody) -> Response:
+        """Pin the job's plan: its ranks are sent this plan from their next step until it is unpinned."""
+        modes = list(body.modes) if body.modes is not None else None
+        return _json(core.pin(job, checkpoint_every=body.checkpoint_every, blocks=body.blocks, modes=modes))
+
+    @router.delete("/{job}/pin", response_model=ControlsRow)
+    def unpin(job: str) -> Response:
+        return _json(core.unpin(job))
+
+    @router.patch("/{job}", response_model=ControlsRow)
+    def tune(job: str, body: TuneBody) -> Response:
+        """Override the job's margin or budget; the next plan honours it."""
+        return _json(core.tune(job, {k: getattr(body, k) for k in body.model_fields_set}))
+
+    @router.post("/{job}/end", response_model=JobView)
+    def end(job: str) -> Response:
+        """Mark the job ended (its metrics go; a live rank's stream is closed at its next message)."""
+        return _json(core.end_job(job))
+
+    return router

@@ -1,0 +1,105 @@
+"""The rows and views are defined once (``rematd.server.store.rows``, ``rematd.server.core.views``); the
+database's tables, the REST API's schemas, the dashboard's reads and the metrics' labels are held to them
+here, so that a field added in one place and forgotten in another fails a test."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import get_args, get_type_hints
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from sqlalchemy import inspect
+
+from rematd.messages import StepStats
+from rematd.planner import MODE_LETTERS, Mode
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.core.training import REPORTED
+from rematd.server.core.views import InForce, JobView, ModePrice, RankView
+from rematd.server.metrics.live import JOB_GAUGES
+from rematd.server.metrics.registry import Metrics
+from rematd.server.store import rows
+from rematd.server.store.rows import keys
+from rematd.server.store.store import Store
+from rematd.server.transport.rest import MODE_COLOURS, create_app, dashboard_page
+
+# Each table and the row type it keeps, with the columns that only the database has (row ids, and the
+# owner a read already knows).
+TABLES = {
+    "stats": (rows.StoredStepRow, {"id", "job"}),
+    "oom_events": (rows.StoredOomRow, {"id", "job"}),
+    "plans": (rows.StoredPlanRow, {"id", "job"}),
+    "jobs": (rows.JobRow, set()),
+    "ranks": (rows.RankRow, set()),
+    "job_controls": (rows.StoredControlsRow, set()),
+    "warm_plans": (rows.WarmPlanRow, set()),
+}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store(tmp_path / "rows.db")
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("table", sorted(TABLES))
+def test_each_table_holds_exactly_its_row_type(store: Store, table: str) -> None:
+    row, database_only = TABLES[table]
+    columns = {c["name"] for c in inspect(store.engine).get_columns(table)}
+    assert columns - database_only == set(keys(row)), f"{table}: add a migration, or the field to {row.__name__}"
+
+
+def test_the_step_columns_the_store_writes_are_the_step_row() -> None:
+    assert ("job", "rank", *keys(rows.StepRow)) == rows.STEP_COLUMNS
+    assert {"oom_risk"} == rows.OPTIONAL_STEP_COLUMNS, "only what a client may leave unmeasured is nullable"
+
+
+def test_fields_a_step_report_and_its_row_share_mean_the_same() -> None:
+    shared = set(keys(StepStats)) & set(keys(rows.StepRow))
+    assert shared == {"step", "budget_bytes", "plan_version", "step_seconds"} == set(REPORTED)
+    row_types, stats_types = get_type_hints(rows.StepRow), get_type_hints(StepStats)
+    for name in shared:
+        assert row_types[name] == stats_types[name], name
+
+
+def test_the_rest_api_documents_the_row_types_themselves(store: Store) -> None:
+    schemas = TestClient(create_app(AdvisorCore(store, Metrics()))).get("/openapi.json").json()["components"]["schemas"]
+    for row in (rows.StoredStepRow, rows.StoredPlanRow, rows.StoredOomRow, rows.ControlsRow, rows.LastStepRow):
+        assert set(schemas[row.__name__]["properties"]) == set(keys(row)), row.__name__
+    for view in (JobView, RankView, InForce, ModePrice):
+        assert set(schemas[view.__name__]["properties"]) == set(keys(view)), view.__name__
+
+
+def test_every_field_the_dashboard_reads_is_a_field_of_a_row_or_a_view() -> None:
+    page = dashboard_page()
+    # The page's own code is camelCase; snake_case names after a dot are the service's fields.
+    read = set(re.findall(r"\.([a-z]+(?:_[a-z]+)+)\b", page))
+    known = {k for t in (*{r for r, _ in TABLES.values()}, JobView, RankView, InForce, ModePrice) for k in keys(t)}
+    assert read, "the dashboard reads fields"
+    assert read <= known, f"the dashboard reads fields no row or view has: {sorted(read - known)}"
+
+
+def test_the_mode_vocabulary_is_one_table() -> None:
+    labels = tuple(m.label for m in Mode)
+    assert get_args(rows.ModeName) == labels, "ModeName must list every Mode, in order"
+    assert set(MODE_LETTERS) == set(Mode) == set(MODE_COLOURS)
+    assert len(set(MODE_LETTERS.values())) == len(Mode), "one letter a mode"
+    page = dashboard_page()
+    assert "/*MODES*/" not in page
+    for m in Mode:
+        assert f'"name": "{m.label}", "letter": "{m.letter}", "colour": "{MODE_COLOURS[m]}"' in page
+        assert Mode.named(m.label) is m
+    with pytest.raises(ValueError, match="unknown mode 'squash'"):
+        Mode.named("squash")
+
+
+def test_metric_labels_are_bounded_and_name_row_fields() -> None:
+    metrics = Metrics(CollectorRegistry())
+    labels = {label for metric in metrics.summed.values() for label in metric._labelnames}
+    labels |= set(metrics.message_duration._labelnames)
+    assert labels <= {"job", "kind", "transport"}
+    assert {"job", "rank"} <= set(keys(rows.RankRow)), "per-job and per-rank series are labelled by row fields"
+    assert set(JOB_GAUGES) >= {"rematd_headroom_ratio", "rematd_oom_risk_ratio", "rematd_peak_bytes"}
