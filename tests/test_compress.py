@@ -17,7 +17,7 @@ from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, PlannerSession, Pr
 from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.model import BlockCost
-from rematd.records import BlockRecord, Hello, StepStats
+from rematd.messages import BlockRecord, Hello, StepStats
 
 from .distributed import run_ranks
 from .helpers import batch, tiny_model
