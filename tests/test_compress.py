@@ -13,11 +13,11 @@ from torch import nn
 from rematd import client, wire
 from rematd.client.compress import CompressConfig, Compressor, pack_tensor
 from rematd.client.models import lm_loss
+from rematd.messages import BlockRecord, Hello, StepStats
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, PlannerSession, Profile, Shape, ShapePlan, Size
 from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.model import BlockCost
-from rematd.messages import BlockRecord, Hello, StepStats
 
 from .distributed import run_ranks
 from .helpers import batch, tiny_model
