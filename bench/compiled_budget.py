@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from bench.common import MiB, median, table, write_json
-from bench.compiled import LETTERS, Meter, Setup, _data, _model, step
+from bench.compiled import Meter, Setup, _data, _model, step
 from rematd import client
+from rematd.planner import letters
 
 
 @dataclass
@@ -89,7 +90,7 @@ def at_budget(setup: Setup, ratio: float) -> dict[str, Any]:
         row["budget_mib"] = budget / MiB
         row["fits"] = max(c.peaks) <= budget
         if c.meter.handle is not None:
-            row["modes"] = "".join(LETTERS[m] for m in c.meter.handle.modes)
+            row["modes"] = letters(c.meter.handle.modes)
             c.meter.handle.close()
         rows.append(row)
     return {"setup": asdict(setup), "ratio": ratio, "rows": rows}

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from bench.common import MiB, gpt, median, table, timed_step, tokens, write_json
-from bench.strategies import LETTERS, Runner
+from bench.strategies import Runner
 from rematd import client
 from rematd.client.accounting import SavedTensorAccounting
-from rematd.planner import Mode, Profile, Shape
+from rematd.planner import Mode, Profile, Shape, letters
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.plan import entry_for
 
@@ -117,10 +117,6 @@ class Ours:
         """The model's peak for the entry in force at ``shape``, uncorrected by the measured peaks."""
         entry = entry_for(self.session.plan.shape_plans, shape)
         return int(entry.predicted_peak_bytes)
-
-
-def letters(modes: tuple[Mode, ...]) -> str:
-    return "".join(LETTERS[m] for m in modes)
 
 
 def attach(setup: Setup, budget: int) -> Runner:

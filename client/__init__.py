@@ -6,6 +6,7 @@ h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
 
 from rematd.client.attach import attach
 from rematd.client.compiled import CompileStats
+from rematd.client.compress import CompressConfig
 from rematd.client.connection import StreamConfig
 from rematd.client.discovery import BlockDiscoveryError, find_blocks
 from rematd.client.errors import OutOfMemory, UnsupportedModel
@@ -16,6 +17,7 @@ from rematd.planner import Plan
 __all__ = [
     "BlockDiscoveryError",
     "CompileStats",
+    "CompressConfig",
     "Guard",
     "Handle",
     "OutOfMemory",

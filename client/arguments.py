@@ -150,7 +150,8 @@ def pin_sequence(values: object, blocks: int) -> list[Mode]:
 
 
 DEFAULT_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE})
-"""Offload is opt-in: measured on a GPU, it has not beaten recomputing the same blocks."""
+"""Offload is opt-in: measured on a GPU, it has not beaten recomputing the same blocks. Compress is
+opt-in: it is lossy."""
 
 
 def parse_modes(names: object) -> frozenset[Mode]:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from rematd.client.arguments import check_flag, check_server
+from rematd.client.compress import CompressConfig
 from rematd.client.connection import StreamConfig
 from rematd.client.handle import Handle
 from rematd.planner import Mode
@@ -31,6 +32,7 @@ def attach(
     hard_limit_bytes: int | None = None,
     compile: bool | str = False,
     same_plan: bool | None = None,
+    compress: CompressConfig | str | None = None,
 ) -> Handle:
     """Attach rematd to ``model`` and return the handle that applies its plans.
 
@@ -58,9 +60,12 @@ def attach(
             :class:`rematd.planner.Mode` values), from ``"store"``,
             ``"selective"`` (keep matmul and attention outputs, recompute
             pointwise ops), ``"recompute"`` (keep only the block's input) and
-            ``"offload"`` (saved activations to host memory; CUDA only).
+            ``"offload"`` (saved activations to host memory; CUDA only) and
+            ``"compress"`` (saved activations quantized to 8 bits: lossy, see
+            ``docs/compress.md``).
             Default: store, selective and recompute; offload only when named
-            (on a GPU it has measured slower than recomputing the same blocks).
+            (on a GPU it has measured slower than recomputing the same blocks),
+            compress only when named (its gradients are not bitwise storing's).
         token: bearer token for the service (default: ``$REMATD_TOKEN``),
             sent as ``authorization: Bearer <token>`` metadata.
         tls: connect with TLS (implied by ``root_certificates``).
@@ -86,6 +91,10 @@ def attach(
             distributed tensors (``fully_shard``, tensor parallel), where the
             ranks must recompute alike and one rank's out-of-memory error ends
             the job; ``False`` under tensor parallel risks a hang.
+        compress: how the ``"compress"`` mode keeps activations: a
+            :class:`rematd.client.CompressConfig`, or its format's name
+            (``"int8"``, the default, ``"fp8"`` or ``"bf16"``); only with
+            ``"compress"`` in ``modes``.
     """
     server = check_server(server)
     stream = (
@@ -111,4 +120,5 @@ def attach(
         hard_limit_bytes=hard_limit_bytes,
         compile=compile,
         same_plan=same_plan,
+        compress=compress,
     )

@@ -58,9 +58,10 @@ MAX_GRAPHS_PER_MODE = 6
 the dynamic recompile at the second length, and room for a graph break or a dtype change
 (dynamo's own limit per function, ``torch._dynamo.config.recompile_limit``, is 8)."""
 
-COMPILED_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD})
-"""Offload is the compiled store variant run under the block's offloader: its host copies are
-saved-tensor hooks outside the graph, which compose with any compiled function."""
+COMPILED_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD, Mode.COMPRESS})
+"""Offload and compress are the compiled store variant run under the block's offloader or compressor:
+their host copies and quantizations are saved-tensor hooks outside the graph, which compose with any
+compiled function (what they see is what the graph saves for backward)."""
 
 MIN_TORCH = (2, 6)
 """``compile=`` needs ``torch.compiler.set_stance`` (to run a capped mode's new shapes eagerly)."""
@@ -169,7 +170,7 @@ class CompiledBlocks:
 
     @staticmethod
     def _variant(mode: Mode) -> Mode:
-        return Mode.STORE if mode == Mode.OFFLOAD else mode
+        return Mode.STORE if mode in (Mode.OFFLOAD, Mode.COMPRESS) else mode
 
     def stats(self) -> CompileStats:
         return CompileStats(
@@ -201,6 +202,8 @@ class CompiledBlocks:
         try:
             if mode == Mode.OFFLOAD:
                 output = self._offloaded(block, args, kwargs)
+            elif mode == Mode.COMPRESS:
+                output = block.compressed(lambda: self._call(Mode.STORE, block.module, args, kwargs), args, kwargs)
             else:
                 output = self._call(variant, block.module, args, kwargs)
         except self._errors as err:

@@ -24,6 +24,7 @@ from rematd.client.arguments import (
 )
 from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.compiled import CompileStats
+from rematd.client.compress import CompressConfig, check_compress
 from rematd.client.connection import StreamConfig
 from rematd.client.deepspeed import follow, is_engine
 from rematd.client.describe import dist_rank, model_fingerprint
@@ -64,6 +65,7 @@ class Handle:
         hard_limit_bytes: int | None = None,
         compile: bool | str = False,
         same_plan: bool | None = None,
+        compress: CompressConfig | str | None = None,
     ) -> None:
         # Every argument is checked before anything is hooked: a bad one leaves the model untouched.
         server = check_server(server)
@@ -75,12 +77,18 @@ class Handle:
         optimizer = check_optimizer(optimizer)
         backend = check_compile(compile)
         same = check_optional_flag("same_plan", same_plan)
+        compressing = check_compress(compress)
+        if compress is not None and Mode.COMPRESS not in offered:
+            raise ValueError("compress= configures the 'compress' mode, which modes= does not enable: add 'compress'")
+        self._offered = offered
         engine = model if is_engine(model) else None
         model = unwrap(model)
         self.model = model
         found = find_blocks(model, blocks)
         check_units(model, found)  # sharded already; a model sharded after attach is checked at its first step
-        self._parts = parts = build_parts(model, found, hard_limit_bytes=hard_limit, compile_backend=backend)
+        self._parts = parts = build_parts(
+            model, found, hard_limit_bytes=hard_limit, compile_backend=backend, compress=compressing
+        )
         self._accounting, self._blocks, self._applier = parts.accounting, parts.blocks, parts.applier
         self._offloader, self._compiled = parts.offloader, parts.compiled
         self._backend: Backend = (
@@ -255,10 +263,14 @@ class Handle:
 
         ``modes`` is one mode for every block (``h.pin_modes("recompute")``) or a list with one
         entry per block; a mode is its name (``"store"``, ``"selective"``, ``"recompute"``,
-        ``"offload"``) or a :class:`rematd.planner.Mode`. Given before the first step, the pin
-        applies from the first step after profiling.
+        ``"offload"``, ``"compress"``) or a :class:`rematd.planner.Mode`. Given before the first step, the
+        pin applies from the first step after profiling. Compress, being lossy, may be pinned only when
+        ``attach(modes=...)`` enabled it (ValueError otherwise).
         """
-        self._applier.pin(None if modes is None else pin_sequence(modes, len(self._blocks)))
+        pins = None if modes is None else pin_sequence(modes, len(self._blocks))
+        if pins is not None and Mode.COMPRESS in pins and Mode.COMPRESS not in self._offered:
+            raise ValueError("pin_modes: 'compress' is lossy and opt-in; enable it in attach(modes=[..., 'compress'])")
+        self._applier.pin(pins)
 
     @property
     def hard_limit_bytes(self) -> int | None:

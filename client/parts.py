@@ -14,6 +14,7 @@ from rematd.client.applier import PlanApplier
 from rematd.client.buffers import protect_running_stats
 from rematd.client.caches import train_without_cache
 from rematd.client.compiled import CompiledBlocks
+from rematd.client.compress import CompressConfig, Compressor
 from rematd.client.offload import Offloader
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.switch import SwitchableBlock
@@ -41,6 +42,7 @@ def build_parts(
     *,
     hard_limit_bytes: int | None,
     compile_backend: str | None,
+    compress: CompressConfig | None = None,
 ) -> BlockParts:
     """Wrap each block found; ``compile_backend`` (a ``torch.compile`` backend) compiles their variants."""
     accounting = SavedTensorAccounting()
@@ -48,10 +50,12 @@ def build_parts(
     blocks = [SwitchableBlock(i, name, m, accounting) for i, (name, m) in enumerate(found)]
     timer = RecomputeTimer()
     offloader = Offloader(timer)
+    compressor = Compressor(compress or CompressConfig(), accounting, timer)
     compiled = CompiledBlocks(compile_backend) if compile_backend is not None else None
     for b in blocks:
         b.timer = timer
         b.offloader = offloader
+        b.compressor = compressor
         if compiled is None:
             continue
         if CompiledBlocks.supports(b):

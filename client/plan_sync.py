@@ -28,7 +28,7 @@ log = logging.getLogger("rematd.client")
 PROFILING = 0
 """The code of a block that profiles this step: it runs as storing does."""
 
-_LEANNESS = {Mode.STORE: 0, Mode.SELECTIVE: 1, Mode.OFFLOAD: 2, Mode.RECOMPUTE: 2}
+_LEANNESS = {Mode.STORE: 0, Mode.COMPRESS: 1, Mode.SELECTIVE: 1, Mode.OFFLOAD: 2, Mode.RECOMPUTE: 2}
 """How much of a block's activations a mode keeps off the device, in order: more is leaner."""
 
 

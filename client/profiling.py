@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rematd.client.accounting import storage_bytes, storage_id, storage_key
+from rematd.client.compress import CompressProbe
 from rematd.client.selective import SAVE_OPS, outputs_of
 from rematd.planner import Mode, ModeCost, Shape, Size, Term
 
@@ -100,9 +101,16 @@ class Profiler:
     """Measures one block forward; ``pack`` is its saved-tensor hook."""
 
     def __init__(
-        self, shape: Shape, excluded: frozenset[Key], cuda: bool, gathered: frozenset[int] = frozenset()
+        self,
+        shape: Shape,
+        excluded: frozenset[Key],
+        cuda: bool,
+        gathered: frozenset[int] = frozenset(),
+        probe: CompressProbe | None = None,
     ) -> None:
         self.shape = shape
+        self.probe = probe
+        """Prices the compress mode on what the block saved (None: the mode is not offered)."""
         self.excluded = excluded
         self.gathered = gathered
         """Storages of the parameters as the block runs (FSDP's gathered ones): weights, not activations."""
@@ -114,7 +122,11 @@ class Profiler:
         if self.gathered and storage_id(t) in self.gathered:
             return
         key = storage_key(t)
-        if key not in self.excluded and key not in self.saved:
+        if key in self.excluded:
+            return
+        if self.probe is not None:
+            self.probe.record(key, t)
+        if key not in self.saved:
             self.saved[key] = (storage_bytes(t), *exponents(t, self.shape))
 
     def _entries(self, tensors: list[torch.Tensor]) -> dict[Key, tuple[int, int, int]]:
@@ -145,6 +157,8 @@ class Profiler:
             )
         if Mode.RECOMPUTE in offer:
             modes.append(ModeCost(mode=Mode.RECOMPUTE, kept=inp_size, transient=store, extra_seconds=seconds))
+        if self.probe is not None and Mode.COMPRESS in offer:
+            modes.append(self._compress_cost())
         if Mode.OFFLOAD in offer and host_bandwidth:
             modes.append(
                 ModeCost(
@@ -157,6 +171,19 @@ class Profiler:
             )
         return BlockMeasure(
             saved_bytes=store.bytes, input_bytes=inp_size.bytes, forward_seconds=seconds, modes=tuple(modes)
+        )
+
+    def _compress_cost(self) -> ModeCost:
+        """Compress's kept bytes and seconds, measured on this forward's saved tensors; each storage's
+        compressed bytes scale as the storage does."""
+        assert self.probe is not None
+        price = self.probe.measure({k: v[0] for k, v in self.saved.items()})
+
+        def sized(nbytes: dict[Key, int]) -> Size:
+            return _size({k: (n, *self.saved[k][1:]) for k, n in nbytes.items() if k in self.saved})
+
+        return ModeCost(
+            mode=Mode.COMPRESS, kept=sized(price.kept), transient=sized(price.transient), extra_seconds=price.seconds
         )
 
 

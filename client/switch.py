@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.caches import holds_cache
+from rematd.client.compress import Compressor, CompressProbe, constant_storages
 from rematd.client.deepspeed import is_zero_param, kept_gathered
 from rematd.client.offload import Offloader
 from rematd.client.profiling import BlockMeasure, Profiler
@@ -79,6 +80,8 @@ class SwitchableBlock:
         """Where rematerialisations are timed (set by the handle)."""
         self.offloader: Offloader | None = None
         """Where offloaded activations go (set by the handle; without one, autograd's ``save_on_cpu``)."""
+        self.compressor: Compressor | None = None
+        """Where compressed activations are packed (set by the handle; without one a compressing block stores)."""
         self._in_forward = False
         self._cache_logged = False
         self.compiled: CompiledVariants | None = None
@@ -128,7 +131,7 @@ class SwitchableBlock:
     def _mode_to_run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Mode:
         """The mode this forward runs in: the block's, but storing when the caller handed it a cache."""
         mode = self.mode
-        if mode not in (Mode.STORE, Mode.OFFLOAD) and self._keeps_for_cache(args, kwargs):
+        if mode not in (Mode.STORE, Mode.OFFLOAD, Mode.COMPRESS) and self._keeps_for_cache(args, kwargs):
             return Mode.STORE
         return mode
 
@@ -146,6 +149,8 @@ class SwitchableBlock:
             return self._original(*args, **kwargs)
         if mode == Mode.OFFLOAD:
             return self._offloaded(*args, **kwargs)
+        if mode == Mode.COMPRESS:
+            return self.compressed(functools.partial(self._original, *args, **kwargs), args, kwargs)
         acct = self._counting()
         kept: list[torch.Tensor] | None = [] if acct is not None and mode == Mode.SELECTIVE else None
         self._in_forward = True
@@ -179,6 +184,16 @@ class SwitchableBlock:
             output = self._original(*args, **kwargs)
         offloader.on_output(group, output)
         return output
+
+    def compressed(self, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``run()``, the block's forward (eager or compiled) on ``args``/``kwargs``, with what it saves
+        for backward compressed."""
+        compressor = self.compressor
+        if compressor is None:
+            return run()
+        weights = parameter_storages(self.module) if self.sharded else frozenset()
+        with compressor.block(constant_storages(tensors_in([args, kwargs])), weights):
+            return run()
 
     def _keeps_for_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """A block handed a key/value cache by the caller runs once, storing: a recompute would update it again."""
@@ -216,7 +231,12 @@ class SwitchableBlock:
         inputs = tensors_in([args, kwargs])
         cuda = any(t.is_cuda for t in inputs)
         gathered = parameter_storages(self.module) if self.sharded else frozenset()
-        profiler = Profiler(self.profile_shape, excluded, cuda, gathered)
+        probe = (
+            CompressProbe(self.compressor.config, constant_storages(inputs), cuda)
+            if self.compressor is not None and Mode.COMPRESS in self.offer
+            else None
+        )
+        profiler = Profiler(self.profile_shape, excluded, cuda, gathered, probe)
         counting = self._counting()
         if counting is not None and gathered:
             counting.gathered |= gathered

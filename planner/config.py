@@ -57,8 +57,8 @@ class ControllerConfig:
     def _check_margins(self) -> None:
         if not 0.0 <= self.margin_ratio < 1.0:
             raise ValueError(f"margin_ratio must be in [0, 1), got {self.margin_ratio!r}")
-        if not 0.0 <= self.settled_margin_ratio <= self.margin_ratio:
-            raise ValueError(f"settled_margin_ratio must be in [0, margin_ratio], got {self.settled_margin_ratio!r}")
+        if not 0.0 <= self.settled_margin_ratio < 1.0:
+            raise ValueError(f"settled_margin_ratio must be in [0, 1), got {self.settled_margin_ratio!r}")
         if self.settled_spread < 0.0:
             raise ValueError(f"settled_spread must be >= 0, got {self.settled_spread!r}")
         if self.loosen_after_steps < 1:
@@ -92,4 +92,6 @@ class ControllerConfig:
 
     def settled_target(self, target: int) -> int:
         """``target`` (under ``margin_ratio``) moved to ``settled_margin_ratio``: same budget, smaller margin."""
-        return int(target * (1.0 - self.settled_margin_ratio) / (1.0 - self.margin_ratio))
+        # Never a larger margin than the one asked for: margin_ratio=0 plans to the budget from the start.
+        settled = min(self.settled_margin_ratio, self.margin_ratio)
+        return int(target * (1.0 - settled) / (1.0 - self.margin_ratio))

@@ -59,6 +59,11 @@ class Plan:
     def checkpointed(self) -> frozenset[int]:
         return frozenset(self.blocks)
 
+    @property
+    def lossy(self) -> bool:
+        """Whether some block compresses at some length: its gradients are then not bitwise storing's."""
+        return any(Mode.COMPRESS in ms for ms in (self.modes, *(e.modes for e in self.shape_plans)))
+
     def block_modes(self, num_blocks: int) -> tuple[Mode, ...]:
         if self.modes:
             return self.modes

@@ -15,7 +15,18 @@ def human_bytes(n: float) -> str:
 
 
 # How much of a block's forward runs again in backward: what "recomputes less" counts.
-_RECOMPUTED = {Mode.STORE: 0, Mode.OFFLOAD: 0, Mode.SELECTIVE: 1, Mode.RECOMPUTE: 2}
+_RECOMPUTED = {Mode.STORE: 0, Mode.OFFLOAD: 0, Mode.COMPRESS: 0, Mode.SELECTIVE: 1, Mode.RECOMPUTE: 2}
+LEGEND = "(. store, s selective, R recompute, O offload)"
+LEGEND_COMPRESS = "(. store, s selective, R recompute, O offload, C compress)"
+"""The key once some plan shown compresses; without, the key as it always was (readers match it)."""
+
+
+def lossy_note(modes: tuple[Mode, ...], table: tuple[ShapePlan, ...]) -> str:
+    """What a plan that compresses says of it: its gradients are close to storing's, not bitwise equal."""
+    blocks = sorted({i for ms in (modes, *(e.modes for e in table)) for i, m in enumerate(ms) if m == Mode.COMPRESS})
+    if not blocks:
+        return ""
+    return f"lossy: blocks {', '.join(map(str, blocks))} compress their saved activations (C)"
 
 
 def changed(
@@ -42,6 +53,8 @@ def recomputes_less(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...])
 def what_changed(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...], most: int = 4) -> str:
     """The lengths whose modes changed, in the demo's letters, e.g. "length <= 160: RRRsRRRs -> RRRRRRRR"."""
     parts = []
+    shown = [m for _seq, old, new in changed(before, after) for m in (*(old.modes if old else ()), *new.modes)]
+    legend = LEGEND_COMPRESS if Mode.COMPRESS in shown else LEGEND
     for seq, old, new in changed(before, after):
         if old is not None and old.modes == new.modes:
             continue
@@ -51,9 +64,9 @@ def what_changed(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...], mo
             else f"length <= {seq}: {letters(new.modes)} (new)"
         )
     if not parts:
-        return "modes unchanged (. store, s selective, R recompute, O offload)"
-    shown = parts[:most] + ([f"and {len(parts) - most} more"] if len(parts) > most else [])
-    return ", ".join(shown) + " (. store, s selective, R recompute, O offload)"
+        return f"modes unchanged {legend}"
+    listed = parts[:most] + ([f"and {len(parts) - most} more"] if len(parts) > most else [])
+    return ", ".join(listed) + f" {legend}"
 
 
 def initial_reason(choice: Choice, target: int) -> str:

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 from rematd.planner.controller import Controller, ControllerConfig, Decision
 from rematd.planner.model import Mode, Plan, Profile, Shape, StepObservation, blocks_of
+from rematd.planner.reasons import lossy_note
 from rematd.planner.risk import oom_risk, usable_bytes
 from rematd.planner.solvers import frequency_of
 
@@ -46,6 +47,7 @@ class PlannerSession:
     def _make(self, decision: Decision, version: int) -> Plan:
         blocks = blocks_of(decision.modes)
         uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in decision.modes)
+        lossy = lossy_note(decision.modes, decision.table)
         plan = Plan(
             version=version,
             blocks=blocks,
@@ -53,7 +55,7 @@ class PlannerSession:
             predicted_peak_bytes=decision.predicted_peak_bytes,
             predicted_overhead_ratio=decision.predicted_overhead_ratio,
             target_bytes=decision.target_bytes,
-            reason=decision.reason,
+            reason=f"{decision.reason}; {lossy}" if lossy else decision.reason,
             modes=decision.modes,
             shape_plans=decision.table,
         )

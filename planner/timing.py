@@ -35,7 +35,7 @@ LIMITS = (0.1, 10.0)
 """A scale stays within these: a measurement far outside them is more likely wrong than the profile."""
 MAX_SUM = 1e12
 """Bound on a restored decayed sum (seconds or blocks): anything larger is not a measurement."""
-PRICED: tuple[Mode, ...] = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD)
+PRICED: tuple[Mode, ...] = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD, Mode.COMPRESS)
 """Modes with a price to learn (storing adds nothing)."""
 
 

@@ -28,6 +28,8 @@ class Mode(enum.IntEnum):
     """Keep only the block's input; run its forward again in backward."""
     OFFLOAD = 4
     """Copy the saved activations to host memory until backward."""
+    COMPRESS = 5
+    """Keep the saved activations quantized (8 bits, or bf16) until backward: lossy, and only where enabled."""
 
     @property
     def label(self) -> str:
@@ -36,7 +38,7 @@ class Mode(enum.IntEnum):
 
     @property
     def letter(self) -> str:
-        """One character a block, as plans are printed and stored: ``".sRO"``."""
+        """One character a block, as plans are printed and stored: ``".sROC"``."""
         return MODE_LETTERS[self]
 
     @classmethod
@@ -48,12 +50,12 @@ class Mode(enum.IntEnum):
         raise ValueError(f"unknown mode {label!r}; use {', '.join(m.label for m in cls)}")
 
 
-MODE_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O"}
+MODE_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O", Mode.COMPRESS: "C"}
 """The mode vocabulary's letters, the one place they are defined."""
 
 
 def letters(modes: tuple[Mode, ...] | list[Mode]) -> str:
-    """Modes one letter a block, as the demo prints them: . store, s selective, R recompute, O offload."""
+    """Modes one letter a block, as the demo prints them: . store, s selective, R recompute, O offload, C compress."""
     return "".join(MODE_LETTERS[m] for m in modes)
 
 

@@ -114,7 +114,10 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="margin_ratio"):
         ControllerConfig(margin_ratio=1.5)
     with pytest.raises(ValueError, match="settled_margin_ratio"):
-        ControllerConfig(margin_ratio=0.05, settled_margin_ratio=0.1)
+        ControllerConfig(settled_margin_ratio=1.0)
+    # No margin asked for: none once settled either (the settled margin never exceeds the one asked for).
+    assert ControllerConfig(margin_ratio=0.0).settled_target(1000) == 1000
+    assert ControllerConfig(margin_ratio=0.05, settled_margin_ratio=0.1).settled_target(950) == 950
     with pytest.raises(ValueError, match="settled_spread"):
         ControllerConfig(settled_spread=-0.01)
     with pytest.raises(ValueError, match="budget_bytes"):

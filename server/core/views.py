@@ -74,6 +74,7 @@ class InForce(TypedDict):
     modes: list[ModeName]
     predicted_peak_bytes: int
     predicted_overhead_ratio: float
+    lossy: Annotated[bool, Field(description="some block compresses its saved activations: close, not bitwise")]
 
 
 class JobView(JobRow):
@@ -152,7 +153,8 @@ def _in_force(plan: StoredPlanRow | None, newest: LastStepRow | None) -> InForce
         return None
     seq = newest["seq_len"] if newest else None
     tokens = seq * (newest["batch"] or 1) if newest and seq else None
-    return InForce(seq_len=seq, **entry_in_force(plan, seq, tokens))  # type: ignore[typeddict-item]
+    entry = entry_in_force(plan, seq, tokens)
+    return InForce(seq_len=seq, lossy="compress" in entry["modes"], **entry)
 
 
 class ReadViews:

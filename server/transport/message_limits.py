@@ -18,8 +18,8 @@ MAX_NAME_CHARS = 256
 """Longest name (device, model fingerprint, client version, secret, block name) a hello may carry."""
 MAX_MODES = len(pb.Mode.values())
 """Most entries of a list with one entry per mode."""
-TERMS_PER_BLOCK = 16
-"""Size terms a block's modes carry together, at most: four modes, each a kept and a transient size of a term
+TERMS_PER_BLOCK = 20
+"""Size terms a block's modes carry together, at most: five modes, each a kept and a transient size of a term
 or two (linear, quadratic in the sequence). Each term is an object once converted, so a hello packed with them
 cost 16 times its bytes before it was refused."""
 MAX_SHAPE_PLANS = 64

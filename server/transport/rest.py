@@ -55,7 +55,13 @@ def _json(view: Any) -> Response:
     return Response(to_json(view), media_type="application/json")
 
 
-MODE_COLOURS = {Mode.STORE: "#d9dee6", Mode.SELECTIVE: "#f2b84b", Mode.RECOMPUTE: "#2563eb", Mode.OFFLOAD: "#0f9d8a"}
+MODE_COLOURS = {
+    Mode.STORE: "#d9dee6",
+    Mode.SELECTIVE: "#f2b84b",
+    Mode.RECOMPUTE: "#2563eb",
+    Mode.OFFLOAD: "#0f9d8a",
+    Mode.COMPRESS: "#a855f7",
+}
 """Each mode's colour on the dashboard: the vocabulary's names and letters come from ``Mode``."""
 
 

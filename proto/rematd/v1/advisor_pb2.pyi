@@ -14,6 +14,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_SELECTIVE: _ClassVar[Mode]
     MODE_RECOMPUTE: _ClassVar[Mode]
     MODE_OFFLOAD: _ClassVar[Mode]
+    MODE_COMPRESS: _ClassVar[Mode]
 
 class MemorySource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ MODE_STORE: Mode
 MODE_SELECTIVE: Mode
 MODE_RECOMPUTE: Mode
 MODE_OFFLOAD: Mode
+MODE_COMPRESS: Mode
 MEMORY_SOURCE_UNSPECIFIED: MemorySource
 MEMORY_SOURCE_CUDA_ALLOCATOR: MemorySource
 MEMORY_SOURCE_SAVED_TENSORS: MemorySource
