@@ -30,7 +30,7 @@ from bench.loop_stall import while_probing
 from bench.rejected_streams import packed_hello
 from bench.served import served
 from rematd import wire
-from rematd.messages import BlockRecord, Hello, StepStats
+from rematd.messages import BlockProfile, Hello, StepStats
 from rematd.planner import Shape
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
@@ -38,7 +38,7 @@ from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
 def _hello(job: str) -> pb.Hello:
     blocks = tuple(
-        BlockRecord(index=i, name=f"b{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01) for i in range(4)
+        BlockProfile(index=i, name=f"b{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01) for i in range(4)
     )
     return wire.hello_to_pb(
         Hello(job_id=job, blocks=blocks, profile_shape=Shape(batch=1, seq_len=64, tokens=64), budget_bytes=10_000)

@@ -24,7 +24,7 @@ import httpx
 
 from bench.served import served
 from rematd import wire
-from rematd.messages import MAX_BLOCKS, BlockRecord, Hello, StepStats
+from rematd.messages import MAX_BLOCKS, BlockProfile, Hello, StepStats
 from rematd.planner import Mode, ModeCost, Shape, Size
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
@@ -34,7 +34,7 @@ _T = TypeVar("_T")
 
 def heaviest_hello(n: int = MAX_BLOCKS) -> Hello:
     blocks = tuple(
-        BlockRecord(
+        BlockProfile(
             index=i,
             name=f"b{i}",
             saved_bytes=1000 + i % 7,

@@ -24,7 +24,7 @@ import grpc
 
 from bench.served import served
 from rematd import wire
-from rematd.messages import BlockRecord, Hello
+from rematd.messages import BlockProfile, Hello
 from rematd.planner import Shape
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
@@ -44,7 +44,7 @@ def refused_hello(blocks: int = 4096) -> pb.ClientMessage:
     hello = Hello(
         job_id="refused",
         blocks=tuple(
-            BlockRecord(index=i, name="n" * 200, saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
+            BlockProfile(index=i, name="n" * 200, saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
             for i in range(blocks)
         ),
         profile_shape=Shape(batch=1, seq_len=64, tokens=64),

@@ -11,7 +11,7 @@ from torch import nn
 
 from rematd.client.accounting import tensors_in
 from rematd.client.switch import SwitchableBlock
-from rematd.messages import BlockRecord
+from rematd.messages import BlockProfile
 from rematd.planner import Shape
 
 
@@ -35,13 +35,13 @@ def model_fingerprint(blocks: Sequence[tuple[str, nn.Module]]) -> str:
     return h.hexdigest()[:16]
 
 
-def block_records(blocks: Sequence[SwitchableBlock]) -> tuple[BlockRecord, ...]:
+def block_records(blocks: Sequence[SwitchableBlock]) -> tuple[BlockProfile, ...]:
     """Each block's profile as measured (zeros for a block without one)."""
     records = []
     for b in blocks:
         m = b.measure
         records.append(
-            BlockRecord(
+            BlockProfile(
                 index=b.index,
                 name=b.name,
                 saved_bytes=m.saved_bytes if m else 0,

@@ -22,7 +22,7 @@ from rematd.client import compiled as compiled_module
 from rematd.client.folding import fold
 from rematd.client.guard import UnsupportedModel
 from rematd.client.models import TinyGPT, lm_loss
-from rematd.messages import BlockRecord, Hello, InvalidMessage, StepStats
+from rematd.messages import BlockProfile, Hello, InvalidMessage, StepStats
 from rematd.planner import Mode, Shape
 from rematd.server import ServeConfig, ServiceThread
 from rematd.v1 import advisor_pb2 as pb
@@ -262,7 +262,7 @@ def test_service_counts_a_jobs_recompiles(tmp_path: Path) -> None:
         bound = svc.service.bound
         assert bound is not None
         blocks = tuple(
-            BlockRecord(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
+            BlockProfile(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
             for i in range(2)
         )
         shape = Shape(batch=1, seq_len=8, tokens=8)

@@ -13,7 +13,7 @@ from torch import nn
 from rematd import client, wire
 from rematd.client.compress import CompressConfig, Compressor, pack_tensor
 from rematd.client.models import lm_loss
-from rematd.messages import BlockRecord, Hello, StepStats
+from rematd.messages import BlockProfile, Hello, StepStats
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, PlannerSession, Profile, Shape, ShapePlan, Size
 from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import choose, peak_of
@@ -229,7 +229,7 @@ def test_a_job_that_did_not_enable_compress_is_never_planned_to() -> None:
 
 def test_the_new_mode_crosses_the_wire() -> None:
     compress = ModeCost(mode=Mode.COMPRESS, kept=Size.linear(3), transient=Size.linear(1), extra_seconds=0.5)
-    block = BlockRecord(
+    block = BlockProfile(
         index=0,
         name="h.0",
         saved_bytes=10,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.rejected_streams import measure
-from rematd.messages import BlockRecord, Hello
+from rematd.messages import BlockProfile, Hello
 from rematd.planner import Shape, shapes
 from rematd.server.core import sessions as sessions_mod
 from rematd.server.core.advisor import AdvisorCore
@@ -38,7 +38,7 @@ def _profile_hello(job: str, n: int, seed: int) -> Hello:
     return Hello(
         job_id=job,
         blocks=tuple(
-            BlockRecord(index=i, name=f"b{i}", saved_bytes=1000 + seed, input_bytes=100, forward_seconds=0.01)
+            BlockProfile(index=i, name=f"b{i}", saved_bytes=1000 + seed, input_bytes=100, forward_seconds=0.01)
             for i in range(n)
         ),
         profile_shape=Shape(batch=1, seq_len=32, tokens=32),

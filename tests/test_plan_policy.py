@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from rematd.messages import MAX_INT, BlockRecord, Hello, InvalidMessage, open_planner
+from rematd.messages import MAX_INT, BlockProfile, Hello, InvalidMessage, open_planner
 from rematd.planner import Mode, Plan, PlannerSession, Shape, ShapePlan
 from rematd.server.core import plan_policy as policy
 
@@ -17,7 +17,7 @@ def _planner(budget: int = 10_000, n: int = N) -> PlannerSession:
     hello = Hello(
         job_id="policy",
         blocks=tuple(
-            BlockRecord(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
+            BlockProfile(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
             for i in range(n)
         ),
         profile_shape=Shape(batch=1, seq_len=64, tokens=64),

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from rematd.messages import BlockRecord, Hello, StepStats
+from rematd.messages import BlockProfile, Hello, StepStats
 from rematd.planner import Mode, ModeCost, Shape, Size
 from rematd.server.core.advisor import AdvisorCore, RankSession, mode_names
 from rematd.server.metrics.registry import Metrics
@@ -22,7 +22,7 @@ def letters(names: list[str]) -> str:
     return "".join(Mode.named(n).letter for n in names)
 
 
-def mode_block(i: int, *, selective: bool = True, recompute: bool = True, offload: bool = False) -> BlockRecord:
+def mode_block(i: int, *, selective: bool = True, recompute: bool = True, offload: bool = False) -> BlockProfile:
     """A block that may store, keep its matmul outputs (selective) or recompute, as the client profiles one."""
     saved, kept_selective, inputs, seconds = 1000, 400, 100, 0.01
     modes = [ModeCost(mode=Mode.STORE, kept=Size.linear(saved))]
@@ -41,7 +41,7 @@ def mode_block(i: int, *, selective: bool = True, recompute: bool = True, offloa
         )
     if offload:
         modes.append(ModeCost(mode=Mode.OFFLOAD, kept=Size(), transient=Size.linear(saved), extra_seconds=seconds))
-    return BlockRecord(
+    return BlockProfile(
         index=i, name=f"h.{i}", saved_bytes=saved, input_bytes=inputs, forward_seconds=seconds, modes=tuple(modes)
     )
 

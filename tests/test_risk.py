@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rematd.messages import MEMORY_CUDA, BlockRecord, Hello, StepStats, observation
+from rematd.messages import MEMORY_CUDA, BlockProfile, Hello, StepStats, observation
 from rematd.planner import BlockCost, Mode, PlannerSession, Profile, Shape, StepObservation
 from rematd.planner.risk import GRAIN, device_room_bytes, fragmented_bytes, oom_risk, usable_bytes
 
@@ -139,7 +139,7 @@ def test_the_wire_fields_reach_the_planner() -> None:
         device_name="H100",
         device_total_bytes=TOTAL,
         model_fingerprint="f",
-        blocks=(BlockRecord(index=0, name="h.0", saved_bytes=SAVED, input_bytes=INPUT, forward_seconds=0.006),),
+        blocks=(BlockProfile(index=0, name="h.0", saved_bytes=SAVED, input_bytes=INPUT, forward_seconds=0.006),),
         profile_shape=SHAPE,
         budget_bytes=BUDGET,
         static_bytes=STATIC,

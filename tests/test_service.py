@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rematd import wire
-from rematd.messages import BlockRecord, Hello, InvalidMessage, StepStats
+from rematd.messages import BlockProfile, Hello, InvalidMessage, StepStats
 from rematd.planner import Shape
 from rematd.server import ServiceThread
 from rematd.server.core.advisor import AdvisorCore
@@ -27,7 +27,7 @@ def hello(job: str = "job-a", rank: int = 0, budget: int = 10_000, n: int = 4) -
         rank=rank,
         world_size=2,
         blocks=tuple(
-            BlockRecord(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
+            BlockProfile(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
             for i in range(n)
         ),
         profile_shape=Shape(batch=1, seq_len=64, tokens=64),

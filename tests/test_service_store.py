@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from rematd import wire
-from rematd.messages import BlockRecord, Hello
+from rematd.messages import BlockProfile, Hello
 from rematd.planner import Mode
 from rematd.server.config import StoreConfig
 from rematd.server.core.advisor import AdvisorCore
@@ -235,7 +235,7 @@ def _big_hello(job: str, *, plan_version: int = 0, budget: int = 6000) -> Hello:
             "model_fingerprint": "gpt-fp",
             "plan_version": plan_version,
             "blocks": tuple(
-                BlockRecord(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
+                BlockProfile(index=i, name=f"h.{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01)
                 for i in range(8)
             ),
         }

@@ -12,7 +12,7 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
 from rematd import wire
-from rematd.messages import MEMORY_CUDA, BlockRecord, Hello, InvalidMessage, OomReport, StepStats
+from rematd.messages import MEMORY_CUDA, BlockProfile, Hello, InvalidMessage, OomReport, StepStats
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ def test_records_round_trip_through_protobuf() -> None:
         device_name="H100",
         device_total_bytes=80 * 2**30,
         model_fingerprint="f",
-        blocks=(BlockRecord(index=0, name="h.0", saved_bytes=5, input_bytes=1, forward_seconds=0.5),),
+        blocks=(BlockProfile(index=0, name="h.0", saved_bytes=5, input_bytes=1, forward_seconds=0.5),),
         profile_shape=Shape(batch=2, seq_len=3, tokens=6),
         budget_bytes=7,
         static_bytes=8,
@@ -125,7 +125,7 @@ def test_every_copied_field_reaches_the_wire_and_comes_back() -> None:
     plan = _filled(Plan, blocks=(1, 3), modes=(Mode.RECOMPUTE, Mode.STORE), shape_plans=(shape_plan,))
     hello = _filled(
         Hello,
-        blocks=(_filled(BlockRecord, modes=modes),),
+        blocks=(_filled(BlockProfile, modes=modes),),
         profile_shape=_filled(Shape),
         memory_source=MEMORY_CUDA,
         other_activations=size,

@@ -1,4 +1,4 @@
-"""Transport-neutral records of what a training rank tells the service.
+"""Transport-neutral messages: what a training rank tells the service.
 
 The client builds them, the gRPC layer converts them to and from the wire,
 and both the embedded planner and the service turn them into planner input
@@ -91,7 +91,7 @@ def _check_modes(name: str, modes: tuple[ModeCost, ...]) -> None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BlockRecord:
+class BlockProfile:
     """One block's profile as the client measured it."""
 
     index: int
@@ -112,7 +112,7 @@ class Hello:
     device_name: str = "cpu"
     device_total_bytes: int = 0
     model_fingerprint: str = ""
-    blocks: tuple[BlockRecord, ...] = ()
+    blocks: tuple[BlockProfile, ...] = ()
     profile_shape: Shape = field(default_factory=Shape)
     budget_bytes: int = 0
     static_bytes: int = 0

@@ -23,7 +23,7 @@ from rematd.messages import (
     MAX_BLOCKS,
     MEMORY_CUDA,
     MEMORY_SAVED,
-    BlockRecord,
+    BlockProfile,
     Hello,
     InvalidMessage,
     OomReport,
@@ -37,7 +37,7 @@ WIRE_RECORDS: Mapping[type, type[Message]] = {
     Term: pb.SizeTerm,
     ModeCost: pb.ModeCost,
     ModeSeconds: pb.ModeSeconds,
-    BlockRecord: pb.BlockProfile,
+    BlockProfile: pb.BlockProfile,
     Hello: pb.Hello,
     StepStats: pb.StepStats,
     OomReport: pb.OomEvent,
@@ -142,7 +142,7 @@ def _modes_from_pb(field: str, modes: Sequence[pb.ModeCost]) -> tuple[ModeCost, 
 
 def hello_to_pb(hello: Hello) -> pb.Hello:
     return pb.Hello(
-        blocks=[pb.BlockProfile(modes=_modes_to_pb(b.modes), **_copy(BlockRecord, b)) for b in hello.blocks],
+        blocks=[pb.BlockProfile(modes=_modes_to_pb(b.modes), **_copy(BlockProfile, b)) for b in hello.blocks],
         profile_shape=shape_to_pb(hello.profile_shape),
         memory_source=_SOURCE_TO_PB[hello.memory_source],
         other_activations=_size_to_pb(hello.other_activations),
@@ -154,7 +154,7 @@ def hello_to_pb(hello: Hello) -> pb.Hello:
 def hello_from_pb(msg: pb.Hello) -> Hello:
     return Hello(
         blocks=tuple(
-            BlockRecord(modes=_modes_from_pb(f"hello.blocks[{i}].modes", b.modes), **_copy(BlockRecord, b))
+            BlockProfile(modes=_modes_from_pb(f"hello.blocks[{i}].modes", b.modes), **_copy(BlockProfile, b))
             for i, b in enumerate(msg.blocks)
         ),
         profile_shape=shape_from_pb(msg.profile_shape),
