@@ -148,3 +148,32 @@ def test_a_write_still_under_way_at_shutdown_lands_before_the_record_closes(tmp_
         assert [r["step"] for r in reopened.stats("leaving", 10)] == [0]
     finally:
         reopened.close()
+
+
+def test_rows_another_thread_is_writing_keep_the_buffer_busy(tmp_path: Path) -> None:
+    """A flush that finds the flusher thread writing waits for it (and fails with it) rather than finding the
+    buffer empty: at shutdown, rows a failing write will keep must not be taken for written."""
+    store = Store(tmp_path / "busy.db")
+    try:
+        store.open_rank(job="busy", rank=0, now=0.0, world_size=1, num_blocks=1, budget_bytes=1, fingerprint="")
+        row = {"step": 1, "time": 1.0, "peak_bytes": 1, "budget_bytes": 1, "predicted_peak_bytes": 1,
+               "plan_version": 1, "seq_len": 1, "batch": 1, "step_seconds": 0.1, "oom_risk": None}  # fmt: skip
+        store.buffer.add(job="busy", rank=0, row=row)  # type: ignore[arg-type]
+        writing, release = threading.Event(), threading.Event()
+
+        def slow(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+            if statement.startswith("INSERT INTO stats"):
+                writing.set()
+                release.wait(10)
+
+        event.listen(store.engine, "before_cursor_execute", slow)
+        flusher = threading.Thread(target=store.buffer.flush)
+        flusher.start()
+        assert writing.wait(10)
+        assert store.pending() == 0, "the rows are out of the buffer, being written"
+        assert not store.buffer.idle(), "rows being written keep the buffer busy"
+        release.set()
+        flusher.join(10)
+        assert store.buffer.idle() and store.count_stats("busy") == 1
+    finally:
+        store.close()

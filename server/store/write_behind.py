@@ -41,6 +41,8 @@ class WriteBehind:
         self._flush_lock = threading.Lock()
         # The buffer has its own lock: the event loop appends to it and must never wait on a database write.
         self._buf_lock = threading.Lock()
+        self._in_flight = False
+        """Rows taken out of the buffer are being written (under ``_flush_lock``): the buffer is not idle."""
         self.rejected = 0
         """Rows the database refused, set aside."""
         self.set_aside: collections.deque[tuple[str, dict[str, Any]]] = collections.deque(maxlen=100)
@@ -51,9 +53,10 @@ class WriteBehind:
         return len(self._pending)
 
     def idle(self) -> bool:
-        """Nothing to write: no rows, and no rank's last statistics (kept alone after a failure to write them)."""
+        """Nothing to write: no rows, no rank's last statistics (kept alone after a failure to write them), and
+        none being written by another thread (which keeps them again if its write fails)."""
         with self._buf_lock:
-            return not self._pending and not self._pending_last
+            return not self._pending and not self._pending_last and not self._in_flight
 
     def last(self, job: str, rank: int) -> LastStepRow | None:
         """The rank's newest buffered row, if the buffer holds one."""
@@ -74,7 +77,8 @@ class WriteBehind:
             with self._buf_lock:
                 rows, self._pending = self._pending, []
                 last, self._pending_last = self._pending_last, {}
-            if not rows and not last:
+                self._in_flight = bool(rows or last)
+            if not self._in_flight:
                 return
             try:
                 with self._write_lock, self.engine.begin() as conn:
@@ -84,6 +88,9 @@ class WriteBehind:
                 raise
             except Exception:
                 self._write_each(rows, last)
+            finally:
+                with self._buf_lock:
+                    self._in_flight = False
 
     def _write(self, conn: Connection, rows: list[dict[str, Any]], last: dict[tuple[str, int], LastStepRow]) -> None:
         if rows:
