@@ -14,10 +14,9 @@ from typing import Any
 import torch
 
 from rematd.messages import JOB_ID_RE
-from rematd.planner import Mode
+from rematd.planner import MODES_BY_LABEL, Mode
 
-MODE_NAMES = {m.label: m for m in Mode}
-ACCEPTED_MODES = ", ".join(repr(n) for n in MODE_NAMES)
+ACCEPTED_MODES = ", ".join(repr(n) for n in MODES_BY_LABEL)
 
 # What the wire's integer fields (and the service's records) carry.
 MAX_BYTES = 2**63 - 1
@@ -123,8 +122,8 @@ def mode_of(name: str, value: Any) -> Mode:
     """A mode from its name (any case) or a :class:`Mode` value."""
     if isinstance(value, Mode):
         return value
-    if isinstance(value, str) and value.lower() in MODE_NAMES:
-        return MODE_NAMES[value.lower()]
+    if isinstance(value, str) and value.lower() in MODES_BY_LABEL:
+        return MODES_BY_LABEL[value.lower()]
     raise ValueError(f"{name}: unknown mode {value!r}; accepted: {ACCEPTED_MODES} or rematd.planner.Mode values")
 
 

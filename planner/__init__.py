@@ -31,9 +31,10 @@ from rematd.planner.solvers import (
     solve,
     solve_min_recompute,
 )
-from rematd.planner.units import MODE_LETTERS, letters
+from rematd.planner.units import MODE_LETTERS, MODES_BY_LABEL, letters
 
 __all__ = [
+    "MODES_BY_LABEL",
     "MODE_LETTERS",
     "AllocatorFigures",
     "BlockCost",

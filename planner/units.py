@@ -41,17 +41,11 @@ class Mode(enum.IntEnum):
         """One character a block, as plans are printed and stored: ``".sROC"``."""
         return MODE_LETTERS[self]
 
-    @classmethod
-    def named(cls, label: str) -> Mode:
-        """The mode of a ``label``; ValueError naming the known ones."""
-        for mode in cls:
-            if mode.label == label:
-                return mode
-        raise ValueError(f"unknown mode {label!r}; use {', '.join(m.label for m in cls)}")
-
 
 MODE_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O", Mode.COMPRESS: "C"}
 """The mode vocabulary's letters, the one place they are defined."""
+MODES_BY_LABEL = {m.label: m for m in Mode}
+"""Each mode by the name people read it by (``Mode.label``)."""
 
 
 def letters(modes: tuple[Mode, ...] | list[Mode]) -> str:

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from rematd.messages import BlockProfile, Hello, StepStats
-from rematd.planner import Mode, ModeCost, Shape, Size
+from rematd.planner import MODES_BY_LABEL, Mode, ModeCost, Shape, Size
 from rematd.server.core.advisor import AdvisorCore, RankSession, mode_names
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store.store import Store
@@ -19,7 +19,7 @@ from rematd.server.transport.rest import create_app
 
 
 def letters(names: list[str]) -> str:
-    return "".join(Mode.named(n).letter for n in names)
+    return "".join(MODES_BY_LABEL[n].letter for n in names)
 
 
 def mode_block(i: int, *, selective: bool = True, recompute: bool = True, offload: bool = False) -> BlockProfile:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import inspect
 
 from rematd.messages import StepStats
-from rematd.planner import MODE_LETTERS, Mode
+from rematd.planner import MODE_LETTERS, MODES_BY_LABEL, Mode
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.core.training import REPORTED
 from rematd.server.core.views import InForce, JobView, ModePrice, RankView
@@ -91,9 +91,8 @@ def test_the_mode_vocabulary_is_one_table() -> None:
     assert "/*MODES*/" not in page
     for m in Mode:
         assert f'"name": "{m.label}", "letter": "{m.letter}", "colour": "{MODE_COLOURS[m]}"' in page
-        assert Mode.named(m.label) is m
-    with pytest.raises(ValueError, match="unknown mode 'squash'"):
-        Mode.named("squash")
+        assert MODES_BY_LABEL[m.label] is m
+    assert len(MODES_BY_LABEL) == len(Mode), "one label a mode"
 
 
 def test_metric_labels_are_bounded_and_name_row_fields() -> None:

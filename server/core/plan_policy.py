@@ -14,6 +14,7 @@ from typing_extensions import TypedDict
 
 from rematd.messages import MAX_INT, InvalidMessage
 from rematd.planner import (
+    MODES_BY_LABEL,
     Mode,
     Plan,
     PlannerSession,
@@ -37,11 +38,10 @@ def mode_names(modes: tuple[Mode, ...]) -> list[ModeName]:
 
 
 def modes_of(names: list[str], field_name: str) -> tuple[Mode, ...]:
-    known = {m.label: m for m in Mode}
-    bad = sorted({n for n in names if n not in known})
+    bad = sorted({n for n in names if n not in MODES_BY_LABEL})
     if bad:
-        raise InvalidMessage(field_name, f"unknown mode(s) {bad}; use {', '.join(known)}")
-    return tuple(known[n] for n in names)
+        raise InvalidMessage(field_name, f"unknown mode(s) {bad}; use {', '.join(MODES_BY_LABEL)}")
+    return tuple(MODES_BY_LABEL[n] for n in names)
 
 
 def recompute(blocks: tuple[int, ...], n: int) -> tuple[Mode, ...]:
