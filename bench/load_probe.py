@@ -81,7 +81,7 @@ class _Probe:
             "wakeups": len(lat),
             "loop_p50_ms": round(lat[len(lat) // 2] * 1000, 2) if lat else None,
             "loop_p99_ms": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000, 2) if lat else None,
-            "loop_max_ms": round(lat[-1] * 1000, 1) if lat else None,
+            "loop_max_ms": round(lat[-1] * 1000, 2) if lat else None,
             "gc": by_gen,
             "stall_samples": sum(self.stacks.values()),
             "stall_stacks": self.stacks.most_common(8),
