@@ -37,6 +37,8 @@ VOCAB = 256
 FORMATS = ("int8", "fp8", "bf16")
 RUNS = ("store", "recompute", *FORMATS)
 MODES = {"store": Mode.STORE, "recompute": Mode.RECOMPUTE}
+WARMUP = 3
+"""Steps left out of the timing table's medians."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,6 +181,30 @@ def summary(runs: dict[str, Run], grads: dict[str, torch.Tensor]) -> list[dict[s
     return rows
 
 
+def bench_time(
+    build: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor], setup: Setup
+) -> list[dict[str, Any]]:
+    """Step times only, per format against storing and recomputing: the runs step in turn; the first
+    steps (the kernels' compiling among them) are left out of the medians."""
+    data = markov_batches(setup)
+    runs = {mode: start(mode, build, loss_fn, data[0]) for mode in RUNS}
+    for step in range(setup.steps + WARMUP):
+        order = list(runs.values())[:: -1 if step % 2 else 1]
+        for r in order:
+            r.step(loss_fn, data[step % len(data)])
+    median = {m: statistics.median(r.times[WARMUP:]) for m, r in runs.items()}
+    return [
+        {
+            "format": fmt,
+            "step_ms": 1e3 * median[fmt],
+            "store_ms": 1e3 * median["store"],
+            "time_vs_store": median[fmt] / median["store"],
+            "time_vs_recompute": median[fmt] / median["recompute"],
+        }
+        for fmt in FORMATS
+    ]
+
+
 def bench_model(
     name: str, build: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor], setup: Setup
 ) -> dict[str, Any]:
@@ -214,6 +240,15 @@ COLUMNS = [
 ]
 
 
+TIME_COLUMNS = [
+    ("format", "format", ""),
+    ("store_ms", "store ms", ".1f"),
+    ("step_ms", "step ms", ".1f"),
+    ("time_vs_store", "time/store", ".3f"),
+    ("time_vs_recompute", "time/recompute", ".3f"),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models, 12 steps (smoke run)")
@@ -221,6 +256,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier timings)")
     parser.add_argument("--width", type=int, default=128, help="the models' width (default 128)")
     parser.add_argument("--models", default="gpt,llama", help="which models, comma-separated (default gpt,llama)")
+    parser.add_argument(
+        "--time-width", type=int, default=512, help="width of the models in the timing table (default 512; 0: none)"
+    )
+    parser.add_argument("--time-steps", type=int, default=0, help="timed steps per run (default 30; 4 with --quick)")
     parser.add_argument("--out", default="artifacts/bench-compress.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -239,6 +278,19 @@ def main() -> None:
         took = time.perf_counter() - began
         print(f"\n{name}: width {args.width}, batch {setup.batch}, seq {setup.seq}, {steps} steps ({took:.0f} s)")
         print(table(result["rows"], COLUMNS), flush=True)
+    if args.time_width:
+        time_setup = Setup(batch=4, seq=64, steps=args.time_steps or (4 if args.quick else 30), batches=8)
+        wide = {
+            "gpt": (lambda: small_gpt(False, args.time_width), gpt_loss),
+            "llama": (lambda: tiny_llama(False, args.time_width), hf_loss),
+        }
+        report["timing"] = {"width": args.time_width, "setup": asdict(time_setup), "models": {}}
+        for name, _, _ in models:
+            build, loss_fn = wide[name]
+            rows = bench_time(build, loss_fn, time_setup)
+            report["timing"]["models"][name] = rows
+            print(f"\n{name}: step time at width {args.time_width}, batch {time_setup.batch}, seq {time_setup.seq}")
+            print(table(rows, TIME_COLUMNS), flush=True)
     write_json(args.out, report)
     print(f"\nwrote {args.out}")
 

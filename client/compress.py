@@ -25,7 +25,6 @@ synchronisation on CUDA, where such a block of elements restores as NaN).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -34,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from rematd.client.accounting import SavedTensorAccounting, storage_id, storage_key
+from rematd.client.quantize import dequantize, quantize
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.planner import Mode
 
@@ -46,8 +45,6 @@ FORMATS = ("int8", "fp8", "bf16")
 """What a compressed element is: an 8-bit integer or an FP8 (e4m3) number with a scale per block of
 elements, or a plain cast to bfloat16."""
 
-_QMAX = {"int8": 127.0, "fp8": 448.0}
-"""The largest magnitude of each scaled format: a block's largest element maps onto it."""
 _STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 
 
@@ -65,10 +62,16 @@ class CompressConfig:
     outlier token shares its scale with 127 of its own features, not with other tokens."""
     min_bytes: int = 16 * 1024
     """Tensors smaller than this are kept as they are: their few bytes are not worth the kernels."""
+    compiled_kernels: bool = True
+    """Quantize and restore large tensors with kernels compiled by ``torch.compile`` (one fused pass
+    each way, compiled once per process; see ``rematd.client.quantize``). False: plain tensor operations
+    only, several passes each (no compiler needed, no compiling time)."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"compress.format must be one of {', '.join(map(repr, FORMATS))}; got {self.format!r}")
+        if not isinstance(self.compiled_kernels, bool):
+            raise ValueError(f"compress.compiled_kernels must be True or False; got {self.compiled_kernels!r}")
         for name, low in (("block_size", 1), ("min_bytes", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -113,29 +116,6 @@ def _dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return order if t.permute(order).is_contiguous() else None
 
 
-def quantize(flat: torch.Tensor, config: CompressConfig) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A 1-D tensor in the config's format: (values, one float32 scale per block); None to keep it as it is."""
-    if config.format == "bf16":
-        return flat.to(torch.bfloat16), None
-    pad = -flat.numel() % config.block_size
-    x = (F.pad(flat, (0, pad)) if pad else flat).view(-1, config.block_size)
-    qmax = _QMAX[config.format]
-    amax = x.abs().amax(dim=1, keepdim=True).float()
-    if not x.is_cuda and not math.isfinite(float(amax.max())):
-        return None
-    y = x.float() * (qmax / amax.clamp_min(torch.finfo(torch.float32).tiny))
-    # int8: |y| <= 127 up to rounding, which round() absorbs; fp8: a hair over 448 must not overflow.
-    q = y.round_().to(torch.int8) if config.format == "int8" else y.clamp_(-qmax, qmax).to(torch.float8_e4m3fn)
-    return q, amax.div_(qmax)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The 1-D tensor :func:`quantize` was given, to within its format's error."""
-    if scale is None:
-        return q.to(dtype)
-    return q.to(torch.float32).mul_(scale).view(-1)[:numel].to(dtype)
-
-
 @dataclass(slots=True, eq=False)
 class Packed:
     """A run of a storage's elements, compressed; the saved tensors that view it restore from it."""
@@ -144,6 +124,8 @@ class Packed:
     scale: torch.Tensor | None
     numel: int
     dtype: torch.dtype
+    compiled: bool = True
+    """Whether restoring may use the compiled kernel."""
     held: tuple[Any, ...] = ()
     """The accounting's holders of the compressed bytes (released with this)."""
     restored: weakref.ref[torch.Tensor] | None = None
@@ -158,7 +140,7 @@ class Packed:
         alive = self.restored() if self.restored is not None else None
         if alive is not None:
             return alive
-        out = dequantize(self.values, self.scale, self.numel, self.dtype)
+        out = dequantize(self.values, self.scale, self.numel, self.dtype, compiled=self.compiled)
         self.restored = weakref.ref(out)
         return out
 
@@ -196,10 +178,11 @@ def region(t: torch.Tensor) -> tuple[tuple[object, ...], tuple[int, ...] | None]
 def pack_run(t: torch.Tensor, order: tuple[int, ...] | None, config: CompressConfig) -> Packed | None:
     """The run ``t`` covers, compressed; None when it holds what the format cannot represent (CPU only)."""
     flat = t.permute(order).reshape(-1) if order is not None else t.reshape(-1)
-    quantized = quantize(flat, config)
+    compiled = config.compiled_kernels
+    quantized = quantize(flat, config.format, config.block_size, compiled=compiled)
     if quantized is None:
         return None
-    return Packed(values=quantized[0], scale=quantized[1], numel=flat.numel(), dtype=t.dtype)
+    return Packed(values=quantized[0], scale=quantized[1], numel=flat.numel(), dtype=t.dtype, compiled=compiled)
 
 
 def pack_tensor(t: torch.Tensor, config: CompressConfig) -> Saved | None:

@@ -13,7 +13,20 @@ from .distributed import ROOT
 def test_the_compress_benchmark_runs_and_reports_each_format(tmp_path: Path) -> None:
     out = tmp_path / "compress.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.compress", "--quick", "--steps", "3", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench.compress",
+            "--quick",
+            "--steps",
+            "3",
+            "--time-width",
+            "64",
+            "--time-steps",
+            "2",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -29,3 +42,8 @@ def test_the_compress_benchmark_runs_and_reports_each_format(tmp_path: Path) -> 
         for fmt, row in rows.items():
             assert row["block_bytes_vs_store"] < (0.35 if fmt != "bf16" else 0.6), (model["model"], row)
             assert row["grad_cosine"] > 0.999 and 0 < row["grad_rel_error"] < 0.03, (model["model"], row)
+    timing = report["timing"]
+    assert timing["width"] == 64 and set(timing["models"]) == {"gpt", "llama"}
+    for rows in timing["models"].values():
+        assert [r["format"] for r in rows] == ["int8", "fp8", "bf16"]
+        assert all(r["time_vs_store"] > 0 and r["step_ms"] > 0 for r in rows)

@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from rematd import client, wire
+from rematd.client import quantize as quantize_module
 from rematd.client.compress import CompressConfig, Compressor, pack_tensor
 from rematd.client.models import lm_loss
+from rematd.client.quantize import RESTORE, Kernel, dequantize, quantize
 from rematd.messages import BlockProfile, Hello, StepStats
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, PlannerSession, Profile, Shape, ShapePlan, Size
 from rematd.planner.config import ControllerConfig
@@ -54,7 +57,8 @@ def error_and_cosine(got: list[torch.Tensor], exact: list[torch.Tensor]) -> tupl
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("format", "int4"), ("block_size", 0), ("block_size", 100), ("min_bytes", -1)]
+    ("field", "value"),
+    [("format", "int4"), ("block_size", 0), ("block_size", 100), ("min_bytes", -1), ("compiled_kernels", "yes")],
 )
 def test_a_bad_setting_is_refused_naming_it(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"compress.{field}"):
@@ -99,6 +103,52 @@ def test_each_block_of_elements_has_its_own_scale() -> None:
     assert float((out[rest] - x[rest]).abs().max()) <= bound, "the other blocks keep their own resolution"
     assert float((out[rest] - x[rest]).abs().max()) < 1e4 / 254 / 100
     assert float(out[5]) == pytest.approx(1e4, rel=1e-3)
+
+
+@pytest.mark.parametrize("format", ["int8", "fp8"])
+def test_compiled_kernels_quantize_and_restore_as_the_plain_ones(format: str) -> None:
+    """Tensors past the kernels' size thresholds go through ``torch.compile``'s fused kernels: the values
+    they keep and restore match the plain operations' to within one step of the format."""
+    n = RESTORE[torch.int8].compiled_from + 5 * 128 + 3  # the last block padded
+    x = torch.randn(n) * torch.logspace(-2, 2, n)  # blocks of every magnitude
+    x[7] = 3e3  # an outlier: its block's scale, no other's
+    got = {c: quantize(x, format, 128, compiled=c) for c in (True, False)}
+    assert all(g is not None for g in got.values())
+    (qc, sc), (qp, sp) = got[True], got[False]  # type: ignore[misc]
+    assert sc is not None and sp is not None
+    torch.testing.assert_close(sc, sp, rtol=1e-6, atol=0.0)
+    steps = (qc.float() - qp.float()).abs().max() if format == "int8" else 0.0
+    assert float(steps) <= 1.0, "the compiled rounding differs from the plain one by at most one step"
+    restored = {c: dequantize(qc, sc, x.numel(), torch.float32, compiled=c) for c in (True, False)}
+    torch.testing.assert_close(restored[True], restored[False], rtol=1e-6, atol=0.0)
+    out = restored[True]
+    assert out.shape == x.shape
+    blocks = F.pad(x, (0, -x.numel() % 128)).view(-1, 128).abs().amax(dim=1)
+    bound = {"int8": 1 / 127, "fp8": 1 / 8}[format]  # half a step (int8); a relative 1/16 and rounding (fp8)
+    err = F.pad(out - x, (0, -x.numel() % 128)).view(-1, 128).abs().amax(dim=1)
+    assert bool((err <= blocks * bound).all())
+
+
+def test_kernels_that_cannot_compile_run_plainly_and_say_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: object, **kwargs: object) -> object:
+        def run(*a: object) -> object:
+            raise RuntimeError("no compiler here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(Kernel, "compiling", True)
+    kernel = Kernel(quantize_module._int8, quantize_module._int8_eager, 0)
+    x = torch.randn(4 * 128)
+    with caplog.at_level("WARNING", logger="rematd.client"):
+        q, scale = kernel(x, 128)
+        assert Kernel.compiling is False, "every kernel runs plainly from now on"
+        assert sum("compiling the compress mode's kernels failed" in r.message for r in caplog.records) == 1
+        q2, scale2 = kernel(x, 128)
+    assert torch.equal(q, q2) and torch.equal(scale, scale2)
+    assert torch.equal(q, quantize_module._int8_eager(x, 128)[0])
 
 
 def saved(node: object, name: str) -> torch.Tensor:
