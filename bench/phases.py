@@ -13,7 +13,8 @@ selective, that fit by the profile). A static plan counts as fitting when its
 measured peak (saved-tensor accounting) is within the budget. Reported per
 budget and length: rematd's step time over no checkpointing's and over the
 fastest static plan that fits (medians over the phase's last rounds of each
-round's ratio), its plan, its largest peak and its steps over the budget
+round's ratio), and over its own plan pinned from the first measured round
+(what adapting costs beyond the plan's work), its plan, its largest peak and its steps over the budget
 (warm-up and trials included), and the trial steps it spent.
 """
 
@@ -141,12 +142,28 @@ def ratio_to(r: Runner, base: list[float], steps: int) -> float:
     return median([t / b for t, b in zip(r.times[-steps:], base[-steps:], strict=True)])
 
 
+def pin_same(runner: Runner, ours: Ours, data: torch.Tensor) -> tuple[Runner, tuple[Mode, ...]]:
+    """``runner`` pinned to the plan rematd has in force now, ready to step in the measured rounds."""
+    modes = tuple(ours.runner.handle.modes)  # type: ignore[union-attr]
+    runner.times, runner.peaks = [], []
+    runner.handle.pin_modes(modes)  # type: ignore[union-attr]
+    runner.step(data, record=False)  # the pin applies at this step's boundary
+    return runner, modes
+
+
 Measured = dict[str, tuple[float, int, str]]
 """Per static plan: its ratio to no checkpointing, its largest peak, its modes."""
 
 
 def phase_row(
-    ours: Ours, ratio: float, seq: int, base: list[float], setup: Setup, statics: Measured, compiled: Runner | None
+    ours: Ours,
+    ratio: float,
+    seq: int,
+    base: list[float],
+    setup: Setup,
+    statics: Measured,
+    compiled: Runner | None,
+    same: tuple[Runner, tuple[Mode, ...]] | None,
 ) -> dict[str, Any]:
     """One budget at one length: rematd against the fastest static plan that fits and torch.compile's budget."""
     r, budget = ours.runner, ours.budget
@@ -172,6 +189,11 @@ def phase_row(
         "vs_best_static": mine / best[1][0] if best else None,
         "static": {k: {"ratio": v[0], "peak_mib": v[1] / MiB} for k, v in statics.items()},
     }
+    if same is not None:
+        # rematd's own plan, pinned from the first measured round: what rematd adds beyond its plan's work.
+        row["same_plan_modes"] = letters(same[1])
+        row["same_plan_ratio"] = ratio_to(same[0], base, setup.steps)
+        row["vs_same_plan"] = mine / row["same_plan_ratio"]
     if compiled is not None:
         row["compile_ratio"] = ratio_to(compiled, base, setup.steps)
         row["compile_peak_mib"] = max(compiled.peaks[-setup.steps :]) / MiB
@@ -189,6 +211,7 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
     ours = {ratio: Ours(attach(setup, int(none_peak * ratio)), int(none_peak * ratio)) for ratio in ratios}
     compiled = {ratio: CompiledRunner(setup, ratio) for ratio in ratios} if with_compile else {}
     statics: dict[str, Runner] = {}
+    same_runners = {ratio: attach(setup, 2**50) for ratio in ratios}
     rows = []
     for phase, seq in enumerate(setup.lengths):
         shape = Shape(batch=setup.batch, seq_len=seq, tokens=setup.batch * seq)
@@ -200,8 +223,12 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
         for c in compiled.values():
             c.times, c.peaks = [], []
         everyone = [none, *(o.runner for o in ours.values()), *compiled.values(), *(statics[k] for k in plans)]
+        same: dict[float, tuple[Runner, tuple[Mode, ...]]] = {}
         for i in range(setup.warmup + setup.steps):
             data = tokens(setup.batch, seq, 1000 * phase + i + 1)
+            if i == setup.warmup:
+                same = {ratio: pin_same(same_runners[ratio], o, data) for ratio, o in ours.items()}
+                everyone += [r for r, _ in same.values()]
             # Rounds in turn, each in its own order, so that the machine's drift falls on every contender alike.
             for r in random.Random(1000 * phase + i).sample(everyone, len(everyone)):
                 r.step(data, record=True)
@@ -211,8 +238,8 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
             k: (ratio_to(statics[k], none.times, setup.steps), max(statics[k].peaks), letters(plans[k])) for k in plans
         }
         for ratio, o in ours.items():
-            rows.append(phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio)))
-    for r in (none, *statics.values(), *(o.runner for o in ours.values())):
+            rows.append(phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio), same.get(ratio)))
+    for r in (none, *statics.values(), *(o.runner for o in ours.values()), *same_runners.values()):
         if r.handle is not None:
             r.handle.close()
     return {"setup": asdict(setup), "none_peak_mib": none_peak / MiB, "rows": rows}
@@ -258,6 +285,8 @@ def main() -> None:
         ("best_static_modes", "", ""),
         ("best_static_ratio", "its ratio", ".3f"),
         ("vs_best_static", "rematd / it", ".3f"),
+        ("same_plan_modes", "its plan pinned", ""),
+        ("vs_same_plan", "rematd / it", ".3f"),
     ]
     if args.compile:
         cols += [

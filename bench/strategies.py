@@ -184,6 +184,7 @@ def budgets_table(setup: Setup, ratios: list[float], compile_ratios: list[float]
             "rematd_modes": letters(r.handle.modes),
             "best_static": best[0] if best else "none fits",
             "best_static_ratio": best[1]["ratio"] if best else None,
+            "vs_best_static": ratio_of(r) / best[1]["ratio"] if best else None,
         }
         for name, v in static.items():
             row[f"{name}_ratio"] = v["ratio"]
@@ -258,6 +259,8 @@ def main() -> None:
     parser.add_argument("--out", default="artifacts/bench-strategies.json")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it compiles once per budget)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--blocks", default="12,32", help="the models' block counts, comma-separated (12,32)")
+    parser.add_argument("--warmup", type=int, default=8, help="rounds before measuring: rematd converges in them (8)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -266,9 +269,10 @@ def main() -> None:
         ratios, compile_ratios = [0.3, 0.6, 0.9], []
         adaptive_args = dict(n_layer=2, d_model=32, n_head=2, batch=2, steps=30)
     else:
+        steps = {12: 10, 32: 6}
         setups = [
-            Setup(n_layer=12, d_model=256, n_head=8, seq=256, batch=8, steps=10),
-            Setup(n_layer=32, d_model=256, n_head=8, seq=256, batch=8, steps=6),
+            Setup(n_layer=n, d_model=256, n_head=8, seq=256, batch=8, steps=steps.get(n, 6), warmup=args.warmup)
+            for n in (int(b) for b in args.blocks.split(","))
         ]
         ratios = [0.1, 0.3, 0.5, 0.7, 0.9]
         compile_ratios = [] if args.no_compile else [0.1, 0.5, 0.9]
@@ -290,6 +294,7 @@ def main() -> None:
             ("compile_ratio", "compile", ".3f"),
             ("best_static", "best static that fits", ""),
             ("best_static_ratio", "its ratio", ".3f"),
+            ("vs_best_static", "rematd / it", ".3f"),
         ]
         print()
         print(table(result["rows"], cols))
