@@ -237,3 +237,19 @@ def test_a_malformed_bucket_price_is_refused_naming_it_and_changes_nothing(bucke
     # A well-formed bucket restores.
     fresh.restore_state({**state, "timing": {**state["timing"], "buckets": [_bucket()]}})
     assert fresh.timing.buckets == [128] and fresh.timing.last_timed(R, 128) == 3
+
+
+def test_how_sure_each_price_is_per_length_bucket() -> None:
+    session = trained()
+    by_mode = {p["mode"]: p for p in session.prices()}
+    selective = by_mode["selective"]
+    assert selective["state"] == "measured"
+    buckets = selective["buckets"]
+    assert isinstance(buckets, list)
+    short, long = buckets
+    assert short["max_seq_len"] == SHORT and long["max_seq_len"] == LONG
+    assert short["state"] == long["state"] == "measured"
+    assert short["scale"] == pytest.approx(0.2, rel=0.06) and long["scale"] == pytest.approx(3.0, rel=0.06)
+    assert isinstance(long["timed_blocks"], int) and long["timed_blocks"] >= MIN_BLOCKS
+    assert isinstance(short["last_step"], int) and isinstance(long["last_step"], int)
+    assert long["last_step"] < short["last_step"], "selective has not run on long steps since it measured dear"
