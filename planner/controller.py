@@ -104,7 +104,7 @@ class Controller(TablePricing):
         if measured is None or len(measured.ratios) < 2:
             return None
         shape = self._shape(entry.max_seq_len)
-        options = at_shape(self.profile, shape, self.config.allowed_modes, self._learned.timing.scales).options
+        options = at_shape(self.profile, shape, self.config.allowed_modes, self._scales(shape.seq_len)).options
         slack = int(target * LOOSEN_SLACK)
         at = self._at(shape)
         # Never past what an out-of-memory event capped this length at.

@@ -2,7 +2,8 @@
 
 Per sequence-length bucket: recent measured/predicted peak ratios, the boost out-of-memory events
 gave, the remembered largest ratio of a step that crossed the target, and the cap an out-of-memory
-event set. Besides: the dwell before loosening, the lengths and batch seen, the modes' measured prices.
+event set. Besides: the dwell before loosening, the lengths and batch seen, the modes' measured prices
+(per length bucket and pooled, :class:`~rematd.planner.timing.BucketTimes`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rematd.planner.config import ControllerConfig
 from rematd.planner.model import Profile
 from rematd.planner.shapes import at_shape
 from rematd.planner.steps import StepObservation
-from rematd.planner.timing import TimeScales
+from rematd.planner.timing import MAX_STEP, BucketTimes
 from rematd.planner.units import Mode, Shape
 
 # Steps over which the memory of a target crossing fades by half.
@@ -24,9 +25,6 @@ CROSSING_HALF_LIFE_STEPS = 256
 
 HELD_LENGTHS = 3
 """Lengths held for a phase that get table entries of their own."""
-
-MAX_STEP = 2**53
-"""Bound on a restored step count or length: beyond it a float loses whole numbers."""
 
 NEVER = -(10**9)
 """The step of a loosening that never happened."""
@@ -61,8 +59,8 @@ class Learned:
     config: ControllerConfig
     batch: int
     seqs: set[int]
-    timing: TimeScales = field(default_factory=TimeScales)
-    """What the modes are measured to cost, against the profile."""
+    timing: BucketTimes = field(init=False)
+    """What the modes are measured to cost, against the profile, per length bucket (:meth:`bucket_of`)."""
     buckets: dict[int, Bucket] = field(default_factory=dict)
     headroom_steps: int = 0
     dwell: int = 0
@@ -72,6 +70,9 @@ class Learned:
     entry of its own, planned at that length rather than at the top of its bucket."""
     run: tuple[int, int] = (0, 0)
     """The length of the last steps and how many steps in a row had it."""
+
+    def __post_init__(self) -> None:
+        self.timing = BucketTimes(self.bucket_of)
 
     def note_shape(self, shape: Shape) -> None:
         if shape.batch:
@@ -86,7 +87,8 @@ class Learned:
                 self.held.append(seq)
 
     def learn_seconds(self, profile: Profile, obs: StepObservation, modes: tuple[Mode, ...]) -> None:
-        """Measured rematerialisation seconds against the profile's for the blocks that ran each mode."""
+        """Measured rematerialisation seconds against the profile's for the blocks that ran each mode, pooled
+        and in the bucket of the step's length."""
         unscaled = at_shape(profile, obs.shape if obs.shape.seq_len else None)
         totals: dict[Mode, list[float]] = {}
         for opts, mode in zip(unscaled.options, modes, strict=False):
@@ -100,6 +102,8 @@ class Learned:
             obs.mode_seconds,
             {m: secs / n for m, (secs, n) in totals.items() if n},
             forward_per_block=forward,
+            seq=obs.shape.seq_len,
+            step=obs.step,
         )
 
     # -- buckets --------------------------------------------------------------

@@ -14,7 +14,11 @@ from rematd.planner.model import Mode, Profile, Shape, ShapePlan
 from rematd.planner.plan import entry_for
 from rematd.planner.shapes import AtShape, Scales, at_shape
 from rematd.planner.solvers import Choice, solve_prepared
-from rematd.planner.timing import TimeScales
+from rematd.planner.timing import BucketTimes
+
+CACHED_CHOICES = 128
+"""Solved plans kept before the cache starts over: each length's, under the correction and the scales in
+force there (each bucket's scales move on their own, so several per length stay in use)."""
 
 
 class TablePricing:
@@ -35,8 +39,8 @@ class TablePricing:
         self._entries: dict[tuple[Choice, int, int, int, Scales], ShapePlan] = {}
 
     @property
-    def timing(self) -> TimeScales:
-        """What the modes are measured to cost, against the profile."""
+    def timing(self) -> BucketTimes:
+        """What the modes are measured to cost, against the profile, per length bucket and pooled."""
         return self._learned.timing
 
     @property
@@ -57,16 +61,22 @@ class TablePricing:
     # -- planning -------------------------------------------------------------
 
     def _at(self, shape: Shape | None, *, restricted: bool = False) -> AtShape:
-        """The profile prepared at ``shape``; ``restricted`` limits the options to the configured
-        modes (what the solver may pick), unrestricted ones price any plan, including one made under
-        other settings."""
+        """The profile prepared at ``shape``, its seconds as measured at that length (:meth:`_scales`);
+        ``restricted`` limits the options to the configured modes (what the solver may pick),
+        unrestricted ones price any plan, including one made under other settings."""
+        seq = shape.seq_len if shape is not None else 0
         return at_shape(
             self.profile,
-            shape if shape is None or shape.seq_len else None,
+            shape if seq else None,
             self.config.allowed_modes if restricted else None,
-            self._learned.timing.scales,
+            self._scales(seq),
             prune=restricted,
         )
+
+    def _scales(self, seq: int) -> Scales:
+        """The measured/profiled seconds that price length ``seq`` (its bucket's, else the pooled ones;
+        0: the pooled ones)."""
+        return self._learned.timing.scales_at(seq)
 
     def _shape(self, seq: int) -> Shape:
         batch = self._learned.batch
@@ -81,7 +91,7 @@ class TablePricing:
         target = self._target_at(target, shape.seq_len)
         corr = self._learned.correction(shape.seq_len) if shape.seq_len else 1.0
         ceiling = self._learned.ceiling(shape.seq_len)
-        key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self._learned.timing.scales)
+        key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self._scales(shape.seq_len))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -106,13 +116,13 @@ class TablePricing:
                 predicted_peak_bytes=choice.predicted_peak_bytes + other,
                 fits=choice.predicted_peak_bytes + other <= effective + other,
             )
-        if len(self._cache) > 64:
+        if len(self._cache) > CACHED_CHOICES:
             self._cache.clear()
         self._cache[key] = choice
         return choice
 
     def _entry(self, seq: int, choice: Choice, static: int) -> ShapePlan:
-        key = (choice, seq, self._learned.batch, static, self._learned.timing.scales)
+        key = (choice, seq, self._learned.batch, static, self._scales(seq))
         hit = self._entries.get(key)
         if hit is not None:
             return hit

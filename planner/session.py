@@ -84,7 +84,10 @@ class PlannerSession:
     def prices(self) -> list[dict[str, object]]:
         """How sure each mode's price is, per mode the profile offers beyond storing: ``measured`` (its
         seconds timed often enough: ``scale`` is measured over profiled), ``trial`` (being measured now)
-        or ``estimate`` (untried: priced at no less than recomputing), with the blocks timed so far."""
+        or ``estimate`` (untried: priced at no less than recomputing), with the blocks timed so far, over
+        the whole job; and ``buckets``, the same per length bucket timed (shortest first), with the scale
+        that prices the bucket (its own where measured there, else the pooled one) and the step the mode
+        was last timed there."""
         timing = self.controller.timing
         scales = dict(timing.scales)
         trial = self.controller.explorer.trial
@@ -99,6 +102,26 @@ class PlannerSession:
                     "state": state,
                     "timed_blocks": timing.timed_blocks(mode),
                     "scale": scales.get(mode, 1.0) if measured else None,
+                    "buckets": self._bucket_prices(mode),
+                }
+            )
+        return out
+
+    def _bucket_prices(self, mode: Mode) -> list[dict[str, object]]:
+        """:meth:`prices`' ``buckets`` of ``mode``."""
+        timing = self.controller.timing
+        trial = self.controller.explorer.trial
+        trial_at = timing.bucket_of(trial.seq) if trial is not None and trial.mode == mode else None
+        out: list[dict[str, object]] = []
+        for top in timing.buckets:
+            measured = mode in timing.measured_modes_at(top)
+            out.append(
+                {
+                    "max_seq_len": top,
+                    "state": "trial" if top == trial_at else "measured" if measured else "estimate",
+                    "timed_blocks": timing.timed_blocks(mode, top),
+                    "scale": dict(timing.scales_at(top)).get(mode, 1.0),
+                    "last_step": timing.last_timed(mode, top),
                 }
             )
         return out

@@ -1,4 +1,5 @@
-"""What the modes really cost: measured extra step seconds against the profile's, per mode.
+"""What the modes really cost: measured extra step seconds against the profile's, per mode and per
+length bucket.
 
 A mode's cost is what it adds to a whole step: what its blocks' forward takes
 beyond a stored block's forward (checkpoint bookkeeping, the selective
@@ -8,6 +9,12 @@ measurements to what the profile priced for the same blocks at the same
 shape, per mode, scales every option's seconds. Scales move in steps of
 ``STEP`` (a new step re-prepares the solver, a wobble does not) and only
 after ``MIN_BLOCKS`` timed blocks.
+
+That ratio need not be the same at every length (a mode's fixed costs weigh
+more on short steps, attention's on long ones), so it is kept per length
+bucket (:class:`BucketTimes`) as well as pooled over the whole job. At a
+length, a mode timed on ``MIN_BLOCKS`` blocks of its bucket takes that
+bucket's scale; any other takes the pooled one.
 
 A mode not yet measured is priced pessimistically: no cheaper than the profile
 says (which for selective and offload is at least recomputing the block), and
@@ -20,10 +27,13 @@ is the one that runs slow.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from rematd.planner.model import Mode, ModeSeconds
+from rematd.planner.shapes import Scales
+
+_T = TypeVar("_T")
 
 STEP = 1.1
 """Scales are powers of this."""
@@ -35,6 +45,10 @@ LIMITS = (0.1, 10.0)
 """A scale stays within these: a measurement far outside them is more likely wrong than the profile."""
 MAX_SUM = 1e12
 """Bound on a restored decayed sum (seconds or blocks): anything larger is not a measurement."""
+MAX_STEP = 2**53
+"""Bound on a restored step count or length: beyond it a float loses whole numbers."""
+MAX_BUCKETS = 16
+"""Length buckets whose timings are kept; the least recently timed is dropped first."""
 PRICED: tuple[Mode, ...] = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD, Mode.COMPRESS)
 """Modes with a price to learn (storing adds nothing)."""
 
@@ -53,6 +67,23 @@ def forward_baseline(measured: Iterable[ModeSeconds]) -> tuple[float, int] | Non
     return None
 
 
+def scales_of(ratios: dict[Mode, float]) -> Scales:
+    """The scales that measured ``ratios`` (measured / profiled, per mode) give: each quantised to a power
+    of ``STEP``; the modes with no ratio never get a discount and are as far over the profile as the worst
+    measured mode; modes at 1 left out."""
+    priced = dict(ratios)
+    if priced:
+        worst = max(1.0, *priced.values())
+        for mode in PRICED:
+            priced.setdefault(mode, worst)
+    scales = []
+    for mode, ratio in sorted(priced.items()):
+        quantised = STEP ** round(math.log(ratio, STEP))
+        if abs(quantised - 1.0) > 1e-9:
+            scales.append((mode, round(quantised, 6)))
+    return tuple(scales)
+
+
 class TimeScales:
     """Per mode, measured / predicted extra seconds, as a running ratio of decayed sums.
 
@@ -68,9 +99,12 @@ class TimeScales:
         self._forward_profiled: dict[Mode, float] = {}
         self._predicted: dict[Mode, float] = {}
         self._blocks: dict[Mode, int] = {}
+        self._last: dict[Mode, int] = {}
+        """The step each mode was last timed at."""
         self._base: list[float] = [0.0, 0.0]
         """Decayed sums of a plain block forward, measured and as profiled."""
-        self._scales: tuple[tuple[Mode, float], ...] = ()
+        self._ratios: dict[Mode, float] = {}
+        self._scales: Scales = ()
 
     def export_state(self) -> dict[str, Any]:
         """The decayed sums, as plain JSON-able data (mode names as keys); :meth:`restore_state` takes it back."""
@@ -84,44 +118,31 @@ class TimeScales:
             "forward_profiled": named(self._forward_profiled),
             "predicted": named(self._predicted),
             "blocks": named(self._blocks),
+            "last_step": named(self._last),
             "base": list(self._base),
         }
 
-    def restore_state(self, state: Any) -> None:
-        """Continue from what :meth:`export_state` gave; ValueError naming the field, leaving these scales
-        as they were, for anything else."""
+    def restore_state(self, state: Any, where: str = "timing") -> None:
+        """Continue from what :meth:`export_state` gave; ValueError naming the field (under ``where``),
+        leaving these scales as they were, for anything else. A state without ``last_step`` (saved before
+        it was kept) restores with no step of last timing."""
         if not isinstance(state, dict):
-            raise ValueError(f"state: timing must be an object, got {type(state).__name__}")
-
-        def number(value: Any, what: str) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"state: {what} must be a number, got {value!r}")
-            if (isinstance(value, float) and math.isnan(value)) or not 0 <= value <= MAX_SUM:
-                raise ValueError(f"state: {what} must be a finite number in [0, {MAX_SUM:g}], got {value!r}")
-            return float(value)
-
-        def sums(key: str) -> dict[Mode, float]:
-            raw = state.get(key, {})
-            if not isinstance(raw, dict):
-                raise ValueError(f"state: timing.{key} must be an object of modes, got {raw!r}")
-            out: dict[Mode, float] = {}
-            for name, value in raw.items():
-                mode = Mode.__members__.get(name.upper()) if isinstance(name, str) else None
-                if mode is None:
-                    raise ValueError(f"state: timing.{key} has an unknown mode {name!r}")
-                out[mode] = number(value, f"timing.{key}.{name}")
-            return out
-
-        remat, forward, profiled, predicted = (sums(k) for k in ("remat", "forward", "forward_profiled", "predicted"))
-        blocks = {m: int(v) for m, v in sums("blocks").items()}
+            raise ValueError(f"state: {where} must be an object, got {type(state).__name__}")
+        remat, forward, profiled, predicted = (
+            _mode_sums(state, k, where, _number) for k in ("remat", "forward", "forward_profiled", "predicted")
+        )
+        blocks = {m: int(v) for m, v in _mode_sums(state, "blocks", where, _number).items()}
+        last = _mode_sums(state, "last_step", where, _step)
         base = state.get("base", [0.0, 0.0])
         if not isinstance(base, list) or len(base) != 2:
-            raise ValueError(f"state: timing.base must be [measured, profiled], got {base!r}")
-        base_sums = [number(v, "timing.base") for v in base]
+            raise ValueError(f"state: {where}.base must be [measured, profiled], got {base!r}")
+        base_sums = [_number(v, f"{where}.base") for v in base]
         if not set(remat) == set(predicted) == set(forward) == set(profiled) == set(blocks):
-            raise ValueError("state: timing's sums must name the same modes")
+            raise ValueError(f"state: {where}'s sums must name the same modes")
+        if not set(last) <= set(blocks):
+            raise ValueError(f"state: {where}.last_step names a mode never timed")
         self._remat, self._forward, self._forward_profiled = remat, forward, profiled
-        self._predicted, self._blocks, self._base = predicted, blocks, base_sums
+        self._predicted, self._blocks, self._base, self._last = predicted, blocks, base_sums, last
         self.observe((), {})
 
     def observe(
@@ -130,11 +151,12 @@ class TimeScales:
         predicted_per_block: dict[Mode, float],
         *,
         forward_per_block: float = 0.0,
+        step: int | None = None,
     ) -> None:
-        """``measured`` from one step; ``predicted_per_block``: the profile's mean extra seconds per block
-        of each mode for the blocks that ran in it, at the step's shape; ``forward_per_block``: the
-        profile's mean block forward at that shape (0: forwards are not compared, only
-        rematerialisations count)."""
+        """``measured`` from one step (``step``, when known); ``predicted_per_block``: the profile's mean
+        extra seconds per block of each mode for the blocks that ran in it, at the step's shape;
+        ``forward_per_block``: the profile's mean block forward at that shape (0: forwards are not
+        compared, only rematerialisations count)."""
         measured = tuple(measured)
         base = forward_baseline(measured)
         if base is not None and forward_per_block > 0:
@@ -155,22 +177,15 @@ class TimeScales:
             )
             self._predicted[k] = self._predicted.get(k, 0.0) * DECAY + expected
             self._blocks[k] = self._blocks.get(k, 0) + m.blocks
+            if step is not None:
+                self._last[k] = step
         ratios: dict[Mode, float] = {}
         for mode in self.measured_modes:
             whole = self._whole(mode)
             assert whole is not None
             ratios[mode] = min(LIMITS[1], max(LIMITS[0], whole / self._predicted[mode]))
-        if ratios:
-            # Untried modes: never a discount, and as far over the profile as the worst tried mode.
-            worst = max(1.0, *ratios.values())
-            for mode in PRICED:
-                ratios.setdefault(mode, worst)
-        scales = []
-        for mode, ratio in sorted(ratios.items()):
-            quantised = STEP ** round(math.log(ratio, STEP))
-            if abs(quantised - 1.0) > 1e-9:
-                scales.append((mode, round(quantised, 6)))
-        self._scales = tuple(scales)
+        self._ratios = ratios
+        self._scales = scales_of(ratios)
 
     def _whole(self, mode: Mode) -> float | None:
         """The mode's decayed seconds, its forward beyond a plain forward included; None while no plain
@@ -197,7 +212,160 @@ class TimeScales:
         """Blocks of ``mode`` timed so far (what its measured price rests on)."""
         return self._blocks.get(mode, 0)
 
+    def last_timed(self, mode: Mode) -> int | None:
+        """The step ``mode`` was last timed at; None when never (or not since a state without it)."""
+        return self._last.get(mode)
+
     @property
-    def scales(self) -> tuple[tuple[Mode, float], ...]:
+    def ratios(self) -> dict[Mode, float]:
+        """Measured / profiled seconds of the measured modes, within ``LIMITS``, not quantised."""
+        return self._ratios
+
+    @property
+    def scales(self) -> Scales:
         """(mode, scale) for the modes whose measured seconds differ from the profile's; () for none."""
         return self._scales
+
+
+class BucketTimes:
+    """The modes' measured prices per length bucket, with the ones pooled over every length as the fallback.
+
+    Each step's timings go to the pooled sums and to those of its length's bucket (``bucket_of``). At a
+    length, a mode measured in its bucket (``MIN_BLOCKS`` timed blocks there) is priced by that bucket's
+    ratio; any other mode by the pooled ratio; a mode measured nowhere as the pooled rule says (no
+    discount, as dear as the dearest mode measured at that length). At most ``MAX_BUCKETS`` buckets are
+    kept, the least recently timed dropped first.
+    """
+
+    def __init__(self, bucket_of: Callable[[int], int]) -> None:
+        self.bucket_of = bucket_of
+        self.pooled = TimeScales()
+        self._buckets: dict[int, TimeScales] = {}
+        """By bucket top, the least recently timed first."""
+        self._scales: dict[int, Scales] = {}
+
+    def observe(
+        self,
+        measured: Iterable[ModeSeconds],
+        predicted_per_block: dict[Mode, float],
+        *,
+        forward_per_block: float = 0.0,
+        seq: int = 0,
+        step: int | None = None,
+    ) -> None:
+        """One step's timings (:meth:`TimeScales.observe`), at length ``seq`` (0: unknown, pooled only)."""
+        measured = tuple(measured)
+        self.pooled.observe(measured, predicted_per_block, forward_per_block=forward_per_block, step=step)
+        if seq:
+            top = self.bucket_of(seq)
+            bucket = self._buckets.pop(top, None) or TimeScales()
+            bucket.observe(measured, predicted_per_block, forward_per_block=forward_per_block, step=step)
+            self._buckets[top] = bucket
+            while len(self._buckets) > MAX_BUCKETS:
+                del self._buckets[next(iter(self._buckets))]
+        self._rescale()
+
+    def _rescale(self) -> None:
+        pooled = self.pooled.ratios
+        self._scales = {top: scales_of({**pooled, **b.ratios}) for top, b in self._buckets.items()}
+
+    def scales_at(self, seq: int) -> Scales:
+        """The scales that price a step of length ``seq`` (0: the pooled ones)."""
+        if not seq or not self._scales:
+            return self.pooled.scales
+        return self._scales.get(self.bucket_of(seq), self.pooled.scales)
+
+    def measured_modes_at(self, seq: int) -> frozenset[Mode]:
+        """The modes measured in the bucket of ``seq`` (priced by their own scale there)."""
+        bucket = self._buckets.get(self.bucket_of(seq)) if seq else None
+        return bucket.measured_modes if bucket is not None else frozenset()
+
+    def timed_blocks(self, mode: Mode, seq: int | None = None) -> int:
+        """Blocks of ``mode`` timed so far: in the bucket of ``seq``, or in all (None)."""
+        if seq is None:
+            return self.pooled.timed_blocks(mode)
+        bucket = self._buckets.get(self.bucket_of(seq)) if seq else None
+        return bucket.timed_blocks(mode) if bucket is not None else 0
+
+    def last_timed(self, mode: Mode, seq: int | None = None) -> int | None:
+        """The step ``mode`` was last timed at: in the bucket of ``seq``, or at any length (None)."""
+        if seq is None:
+            return self.pooled.last_timed(mode)
+        bucket = self._buckets.get(self.bucket_of(seq)) if seq else None
+        return bucket.last_timed(mode) if bucket is not None else None
+
+    @property
+    def buckets(self) -> list[int]:
+        """The tops of the buckets timed, shortest first."""
+        return sorted(self._buckets)
+
+    @property
+    def scales(self) -> Scales:
+        """The pooled scales (what prices a length none of whose steps were timed)."""
+        return self.pooled.scales
+
+    @property
+    def measured_modes(self) -> frozenset[Mode]:
+        """The modes measured over the whole job."""
+        return self.pooled.measured_modes
+
+    def export_state(self) -> dict[str, Any]:
+        """The pooled sums (as :meth:`TimeScales.export_state`) and ``buckets``: [bucket top, its sums] pairs,
+        the least recently timed first."""
+        return {
+            **self.pooled.export_state(),
+            "buckets": [[top, b.export_state()] for top, b in self._buckets.items()],
+        }
+
+    def restore_state(self, state: Any) -> None:
+        """Continue from what :meth:`export_state` gave (a state without ``buckets`` restores the pooled sums
+        alone); ValueError naming the field, leaving these as they were, for anything else."""
+        pooled = TimeScales()
+        pooled.restore_state(state)
+        buckets = _restored_buckets(state.get("buckets", []))
+        self.pooled, self._buckets = pooled, buckets
+        self._rescale()
+
+
+def _restored_buckets(raw: Any) -> dict[int, TimeScales]:
+    if not isinstance(raw, list) or len(raw) > MAX_BUCKETS:
+        raise ValueError(f"state: timing.buckets must be a list of at most {MAX_BUCKETS} [length, sums] pairs")
+    out: dict[int, TimeScales] = {}
+    for entry in raw:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise ValueError(f"state: timing.buckets must hold [length, sums] pairs, got {entry!r}")
+        top, sums = entry
+        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_STEP or top in out:
+            raise ValueError(f"state: timing.buckets has a bad or repeated length {top!r}")
+        bucket = TimeScales()
+        bucket.restore_state(sums, f"timing.buckets[{top}]")
+        out[top] = bucket
+    return out
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"state: {what} must be a number, got {value!r}")
+    if (isinstance(value, float) and math.isnan(value)) or not 0 <= value <= MAX_SUM:
+        raise ValueError(f"state: {what} must be a finite number in [0, {MAX_SUM:g}], got {value!r}")
+    return float(value)
+
+
+def _step(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+        raise ValueError(f"state: {what} must be an integer in [0, {MAX_STEP}], got {value!r}")
+    return value
+
+
+def _mode_sums(state: dict[str, Any], key: str, where: str, parse: Callable[[Any, str], _T]) -> dict[Mode, _T]:
+    """``state[key]``, an object of mode names, each value read by ``parse``."""
+    raw = state.get(key, {})
+    if not isinstance(raw, dict):
+        raise ValueError(f"state: {where}.{key} must be an object of modes, got {raw!r}")
+    out: dict[Mode, _T] = {}
+    for name, value in raw.items():
+        mode = Mode.__members__.get(name.upper()) if isinstance(name, str) else None
+        if mode is None:
+            raise ValueError(f"state: {where}.{key} has an unknown mode {name!r}")
+        out[mode] = parse(value, f"{where}.{key}.{name}")
+    return out

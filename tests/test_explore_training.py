@@ -71,8 +71,14 @@ def test_a_trial_runs_on_real_steps_within_the_budget_and_is_reported(tmp_path: 
     assert set(by_mode) == {"selective", "recompute"}
     assert by_mode["selective"]["timed_blocks"] >= 2 and by_mode["selective"]["state"] in ("measured", "trial")
     assert by_mode["recompute"]["state"] == "measured" and by_mode["recompute"]["scale"] > 0
+    # The same at the one length the job ran, with the step each mode was last timed there.
+    (bucket,) = by_mode["recompute"]["buckets"]
+    assert bucket["max_seq_len"] == SEQ and bucket["state"] == "measured" and bucket["scale"] > 0
+    assert bucket["timed_blocks"] <= by_mode["recompute"]["timed_blocks"] and 0 < bucket["last_step"] < STEPS
+    assert by_mode["selective"]["buckets"][0]["timed_blocks"] >= 2
     if shown is not None:
         assert "selective" in shown and "recompute measured" in shown and "blocks timed" in shown, shown
+        assert f"\u2264{SEQ} " in shown, shown
 
 
 def dashboard_prices(url: str) -> str:

@@ -17,7 +17,7 @@ from rematd.messages import StepStats
 from rematd.planner import MODE_LETTERS, MODES_BY_LABEL, Mode
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.core.training import REPORTED
-from rematd.server.core.views import InForce, JobView, ModePrice, RankView
+from rematd.server.core.views import BucketPrice, InForce, JobView, ModePrice, RankView
 from rematd.server.metrics.live import JOB_GAUGES
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store import rows
@@ -69,7 +69,7 @@ def test_the_rest_api_documents_the_row_types_themselves(store: Store) -> None:
     schemas = TestClient(create_app(AdvisorCore(store, Metrics()))).get("/openapi.json").json()["components"]["schemas"]
     for row in (rows.StoredStepRow, rows.StoredPlanRow, rows.StoredOomRow, rows.ControlsRow, rows.LastStepRow):
         assert set(schemas[row.__name__]["properties"]) == set(keys(row)), row.__name__
-    for view in (JobView, RankView, InForce, ModePrice):
+    for view in (JobView, RankView, InForce, ModePrice, BucketPrice):
         assert set(schemas[view.__name__]["properties"]) == set(keys(view)), view.__name__
 
 
@@ -77,7 +77,8 @@ def test_every_field_the_dashboard_reads_is_a_field_of_a_row_or_a_view() -> None
     page = dashboard_page()
     # The page's own code is camelCase; snake_case names after a dot are the service's fields.
     read = set(re.findall(r"\.([a-z]+(?:_[a-z]+)+)\b", page))
-    known = {k for t in (*{r for r, _ in TABLES.values()}, JobView, RankView, InForce, ModePrice) for k in keys(t)}
+    views = (JobView, RankView, InForce, ModePrice, BucketPrice)
+    known = {k for t in (*{r for r, _ in TABLES.values()}, *views) for k in keys(t)}
     assert read, "the dashboard reads fields"
     assert read <= known, f"the dashboard reads fields no row or view has: {sorted(read - known)}"
 

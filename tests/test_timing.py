@@ -123,12 +123,13 @@ def test_a_mode_is_chosen_for_what_it_measures_not_for_what_the_profile_hopes() 
     session.controller.timing.observe([ModeSeconds(Mode.SELECTIVE, 8, 0.04)], {Mode.SELECTIVE: 0.01})
     changed = _run(session, 20, 0.005, first=10)
     assert Mode.SELECTIVE in session.plan.modes and changed
-    cheap = dict(session.controller.timing.scales)[Mode.SELECTIVE]
+    timing = session.controller.timing
+    cheap = dict(timing.scales_at(REF.seq_len)).get(Mode.SELECTIVE, 1.0)
     # Then it measures 20 ms: the plan gives it up for recomputation as soon as its price says so, and
     # with no step running it, no measurement lowers that price again: it is never chosen again.
     changed = _run(session, 40, 0.02, first=30)
     assert Mode.SELECTIVE not in session.plan.modes, "dominated by recomputation"
-    assert dict(session.controller.timing.scales)[Mode.SELECTIVE] > cheap, "priced higher than it was"
+    assert dict(timing.scales_at(REF.seq_len)).get(Mode.SELECTIVE, 1.0) > cheap, "priced higher than it was"
     assert len(changed) <= 2, f"it settles: {changed}"
 
 

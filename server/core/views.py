@@ -38,6 +38,22 @@ STATS_ROWS = 2000
 """Rows a read of a job's statistics returns unless it asks for another number."""
 
 
+class BucketPrice(TypedDict):
+    """How sure the planner is of what one mode costs at the lengths of one bucket."""
+
+    max_seq_len: Annotated[int, Field(description="the top of the length bucket")]
+    state: Annotated[
+        Literal["measured", "trial", "estimate"],
+        Field(
+            description="measured: timed often enough in this bucket; trial: being measured here now; "
+            "estimate: priced by the scale over all lengths (or, untried, at no less than recomputing)"
+        ),
+    ]
+    timed_blocks: Annotated[int, Field(description="blocks of this mode timed in this bucket")]
+    scale: Annotated[float, Field(description="measured over profiled seconds that price this bucket")]
+    last_step: Annotated[int | None, Field(description="the step this mode was last timed in this bucket")]
+
+
 class ModePrice(TypedDict):
     """How sure the planner is of what one mode costs on this rank."""
 
@@ -51,6 +67,9 @@ class ModePrice(TypedDict):
     ]
     timed_blocks: Annotated[int, Field(description="blocks of this mode timed so far")]
     scale: Annotated[float | None, Field(description="measured over profiled seconds, once measured")]
+    buckets: Annotated[
+        list[BucketPrice], Field(description="the same per length bucket timed (the 16 last timed), shortest first")
+    ]
 
 
 class RankView(TypedDict):
