@@ -38,6 +38,33 @@ def timed_step(
     return time.perf_counter() - start
 
 
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed blocks for reuse instead of handing them back to the system; whether it
+    could (False off glibc).
+
+    By default glibc maps blocks of more than a few MiB straight from the system and unmaps them when freed,
+    so a step that stores 500 MiB of activations faults 500 MiB of fresh pages in again every step: on the
+    12-block model of ``bench.strategies`` that made storing every block 10% slower than it is once the
+    memory is reused, and recomputing look faster than storing. A GPU's caching allocator reuses its blocks,
+    and CPU training is advised to use an allocator that does (jemalloc, tcmalloc): the benchmarks compare
+    plans, not the system's page faults. ``--system-malloc`` keeps glibc's defaults.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    # 32 MiB is the largest mmap threshold glibc takes; the trim threshold keeps the freed top of the heap.
+    return bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

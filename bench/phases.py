@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import MiB, gpt, median, table, timed_step, tokens, write_json
+from bench.common import MiB, gpt, keep_freed_memory, median, table, timed_step, tokens, write_json
 from bench.strategies import Runner
 from rematd import client
 from rematd.client.accounting import SavedTensorAccounting
@@ -237,6 +237,9 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
         measured: Measured = {
             k: (ratio_to(statics[k], none.times, setup.steps), max(statics[k].peaks), letters(plans[k])) for k in plans
         }
+        # Storing every block is a static plan too, the fastest wherever it fits.
+        rounds = setup.warmup + setup.steps
+        measured["no checkpointing"] = (1.0, max(none.peaks[-rounds:]), letters((S,) * n))
         for ratio, o in ours.items():
             rows.append(phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio), same.get(ratio)))
     for r in (none, *statics.values(), *(o.runner for o in ours.values()), *same_runners.values()):
@@ -258,7 +261,12 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="add torch.compile at activation_memory_budget = each budget's ratio"
     )
+    parser.add_argument(
+        "--system-malloc", action="store_true", help="keep glibc's malloc defaults (see keep_freed_memory)"
+    )
     args = parser.parse_args()
+    malloc_kept = not args.system_malloc and keep_freed_memory()
+    print(f"freed memory kept for reuse: {'yes' if malloc_kept else 'no (glibc defaults)'}", flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -269,7 +277,12 @@ def main() -> None:
             n_layer=12, d_model=args.d_model, n_head=4, batch=args.batch, lengths=lengths, warmup=args.warmup,
             steps=args.steps,
         )  # fmt: skip
-    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), **run(setup, [0.45, 0.7], args.compile)}
+    report = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "freed_memory_kept": malloc_kept,
+        **run(setup, [0.45, 0.7], args.compile),
+    }
     cols = [
         ("budget_ratio", "budget", ".0%"),
         ("seq", "length", "d"),

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from bench.common import MiB, gpt, median, table, timed_step, tokens, write_json
+from bench.common import MiB, gpt, keep_freed_memory, median, table, timed_step, tokens, write_json
 from rematd import client
 from rematd.client.accounting import tensors_in
 from rematd.client.models import TinyGPT
@@ -155,9 +155,17 @@ def budgets_table(setup: Setup, ratios: list[float], compile_ratios: list[float]
         except Exception as err:  # report, don't hide: compile may fail on a machine
             errors[ratio] = f"{type(err).__name__}: {str(err)[:200]}"
     everyone = [*statics.values(), *ours.values(), *(r for r, _ in compiled.values())]
-    # Rounds in turn, so that load on the machine falls on every strategy alike.
+    # rematd's plan at the end of the warm-up, pinned on a copy of its own: what adapting costs apart.
+    pinned = {ratio: runner(setup, "none", 2**50, data) for ratio in ratios}
+    # Rounds in turn, each in its own order, so that load on the machine and the place in the round
+    # (after which model's memory was freed) fall on every strategy alike.
     for i in range(setup.warmup + setup.steps):
-        for r in everyone:
+        if i == setup.warmup:
+            for ratio, p in pinned.items():
+                p.handle.pin_modes(ours[ratio].handle.modes)  # type: ignore[union-attr]
+                p.step(data, record=False)  # the pin applies at this step's boundary
+            everyone += pinned.values()
+        for r in random.Random(i).sample(everyone, len(everyone)):
             r.step(data, record=i >= setup.warmup)
     base = median(statics["none"].times)
     plain = statics["none"].times
@@ -185,6 +193,8 @@ def budgets_table(setup: Setup, ratios: list[float], compile_ratios: list[float]
             "best_static": best[0] if best else "none fits",
             "best_static_ratio": best[1]["ratio"] if best else None,
             "vs_best_static": ratio_of(r) / best[1]["ratio"] if best else None,
+            "same_plan_modes": letters(pinned[ratio].handle.modes),  # type: ignore[union-attr]
+            "vs_same_plan": ratio_of(r) / ratio_of(pinned[ratio]),
         }
         for name, v in static.items():
             row[f"{name}_ratio"] = v["ratio"]
@@ -196,7 +206,7 @@ def budgets_table(setup: Setup, ratios: list[float], compile_ratios: list[float]
             row["compile_error"] = errors[ratio]
         rows.append(row)
         r.handle.close()
-    for r in statics.values():
+    for r in (*statics.values(), *pinned.values()):
         if r.handle is not None:
             r.handle.close()
     return {
@@ -261,7 +271,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--blocks", default="12,32", help="the models' block counts, comma-separated (12,32)")
     parser.add_argument("--warmup", type=int, default=8, help="rounds before measuring: rematd converges in them (8)")
+    parser.add_argument(
+        "--system-malloc", action="store_true", help="keep glibc's malloc defaults (see keep_freed_memory)"
+    )
     args = parser.parse_args()
+    malloc_kept = not args.system_malloc and keep_freed_memory()
+    print(f"freed memory kept for reuse: {'yes' if malloc_kept else 'no (glibc defaults)'}", flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -277,7 +292,12 @@ def main() -> None:
         ratios = [0.1, 0.3, 0.5, 0.7, 0.9]
         compile_ratios = [] if args.no_compile else [0.1, 0.5, 0.9]
         adaptive_args = dict(n_layer=4, d_model=128, n_head=4, batch=2, steps=200)
-    report: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": []}
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "freed_memory_kept": malloc_kept,
+        "models": [],
+    }
     for i, setup in enumerate(setups):
         print(f"\n{setup.n_layer} blocks, d_model {setup.d_model}, seq {setup.seq}, batch {setup.batch}", flush=True)
         result = budgets_table(setup, ratios, compile_ratios if i == 0 else [])
@@ -295,6 +315,8 @@ def main() -> None:
             ("best_static", "best static that fits", ""),
             ("best_static_ratio", "its ratio", ".3f"),
             ("vs_best_static", "rematd / it", ".3f"),
+            ("same_plan_modes", "its plan pinned", ""),
+            ("vs_same_plan", "rematd / it", ".3f"),
         ]
         print()
         print(table(result["rows"], cols))

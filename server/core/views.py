@@ -38,12 +38,16 @@ STATS_ROWS = 2000
 """Rows a read of a job's statistics returns unless it asks for another number."""
 
 
+PriceState = Literal["measured", "trial", "estimate"]
+"""How sure a price is (``PlanSession.prices``)."""
+
+
 class BucketPrice(TypedDict):
     """How sure the planner is of what one mode costs at the lengths of one bucket."""
 
     max_seq_len: Annotated[int, Field(description="the top of the length bucket")]
     state: Annotated[
-        Literal["measured", "trial", "estimate"],
+        PriceState,
         Field(
             description="measured: timed often enough in this bucket; trial: being measured here now; "
             "estimate: priced by the scale over all lengths (or, untried, at no less than recomputing)"
@@ -59,7 +63,7 @@ class ModePrice(TypedDict):
 
     mode: ModeName
     state: Annotated[
-        Literal["measured", "trial", "estimate"],
+        PriceState,
         Field(
             description="measured: timed often enough; trial: being measured now; estimate: untried, priced "
             "at no less than recomputing"
