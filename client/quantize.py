@@ -31,54 +31,37 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 def _int8(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of ``flat`` on a uniform grid of 255 steps spanning each block's largest magnitude."""
+    """Blocks of ``flat`` on a uniform grid of 255 steps spanning each block's largest magnitude. In place
+    where it can be: uncompiled, every pass allocates and dispatches; compiled, the same code is one loop."""
     x = flat.view(-1, block)
-    scale = x.abs().amax(dim=1, keepdim=True).float() * (1.0 / QMAX["int8"])
+    scale = x.abs().amax(dim=1, keepdim=True).float().mul_(1.0 / QMAX["int8"])
     # |x / scale| <= 127 up to rounding, which round() absorbs.
-    return (x.float() / scale.clamp_min(_TINY)).round().to(torch.int8), scale
+    return torch.div(x, scale.clamp_min(_TINY)).round_().to(torch.int8), scale
 
 
 def _fp8(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks of ``flat`` as e4m3 numbers, each block's largest magnitude mapped onto 448."""
     x = flat.view(-1, block)
     qmax = QMAX["fp8"]
-    scale = x.abs().amax(dim=1, keepdim=True).float() * (1.0 / qmax)
-    # A hair over 448 after the division must not overflow to NaN.
-    return (x.float() / scale.clamp_min(_TINY)).clamp(-qmax, qmax).to(torch.float8_e4m3fn), scale
-
-
-def _restore(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
-
-
-def _int8_eager(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_int8` in place where it can be: uncompiled, every pass allocates and dispatches."""
-    x = flat.view(-1, block)
-    scale = x.abs().amax(dim=1, keepdim=True).float().mul_(1.0 / QMAX["int8"])
-    return torch.div(x, scale.clamp_min(_TINY)).round_().to(torch.int8), scale
-
-
-def _fp8_eager(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = flat.view(-1, block)
-    qmax = QMAX["fp8"]
     scale = x.abs().amax(dim=1, keepdim=True).float().mul_(1.0 / qmax)
+    # A hair over 448 after the division must not overflow to NaN.
     return torch.div(x, scale.clamp_min(_TINY)).clamp_(-qmax, qmax).to(torch.float8_e4m3fn), scale
 
 
-def _restore_eager(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _restore(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return q.to(torch.float32).mul_(scale).to(dtype)
 
 
 class Kernel:
-    """One kernel: its fused form, compiled on first use where that works, for tensors of at least
-    ``compiled_from`` elements; its in-place plain form below that, and everywhere once compiling failed."""
+    """One kernel: compiled on first use where that works, for tensors of at least ``compiled_from``
+    elements; run as it is below that, and everywhere once compiling failed."""
 
     compiling = True
     """Whether compiling works here (False, for every kernel, once compiling one has failed)."""
     _lock = threading.Lock()
 
-    def __init__(self, fused: Callable[..., Any], plain: Callable[..., Any], compiled_from: int) -> None:
-        self.fused, self.plain, self.compiled_from = fused, plain, compiled_from
+    def __init__(self, plain: Callable[..., Any], compiled_from: int) -> None:
+        self.plain, self.compiled_from = plain, compiled_from
         self._compiled: Callable[..., Any] | None = None
 
     def __call__(self, x: torch.Tensor, *args: Any, compiled: bool = True) -> Any:
@@ -87,7 +70,7 @@ class Kernel:
         if self._compiled is None:
             with Kernel._lock:
                 if self._compiled is None:
-                    self._compiled = torch.compile(self.fused, dynamic=True, fullgraph=True)
+                    self._compiled = torch.compile(self.plain, dynamic=True, fullgraph=True)
         try:
             return self._compiled(x, *args)
         except Exception as err:  # a missing compiler, a backend that cannot lower this: run it plainly
@@ -103,11 +86,8 @@ class Kernel:
 # Below these sizes a compiled call's fixed cost (about 25 µs on a CPU) outweighs the passes it saves;
 # restoring int8 is two cheap plain passes, so its crossing comes later. The CPU converts to and from
 # float8 one element at a time when uncompiled: those kernels run compiled at every size.
-QUANTIZE = {"int8": Kernel(_int8, _int8_eager, 64 * 1024), "fp8": Kernel(_fp8, _fp8_eager, 0)}
-RESTORE = {
-    torch.int8: Kernel(_restore, _restore_eager, 256 * 1024),
-    torch.float8_e4m3fn: Kernel(_restore, _restore_eager, 0),
-}
+QUANTIZE = {"int8": Kernel(_int8, 64 * 1024), "fp8": Kernel(_fp8, 0)}
+RESTORE = {torch.int8: Kernel(_restore, 256 * 1024), torch.float8_e4m3fn: Kernel(_restore, 0)}
 
 
 def quantize(
@@ -136,4 +116,4 @@ def dequantize(
         if scale is None:
             return q.to(dtype)
         out: torch.Tensor = RESTORE[q.dtype](q, scale, dtype, compiled=compiled)
-        return out.view(-1)[:numel] if out.numel() != numel else out.view(-1)
+        return out.view(-1)[:numel]

@@ -140,7 +140,7 @@ def test_kernels_that_cannot_compile_run_plainly_and_say_so(
 
     monkeypatch.setattr(torch, "compile", broken)
     monkeypatch.setattr(Kernel, "compiling", True)
-    kernel = Kernel(quantize_module._int8, quantize_module._int8_eager, 0)
+    kernel = Kernel(quantize_module._int8, 0)
     x = torch.randn(4 * 128)
     with caplog.at_level("WARNING", logger="rematd.client"):
         q, scale = kernel(x, 128)
@@ -148,7 +148,7 @@ def test_kernels_that_cannot_compile_run_plainly_and_say_so(
         assert sum("compiling the compress mode's kernels failed" in r.message for r in caplog.records) == 1
         q2, scale2 = kernel(x, 128)
     assert torch.equal(q, q2) and torch.equal(scale, scale2)
-    assert torch.equal(q, quantize_module._int8_eager(x, 128)[0])
+    assert torch.equal(q, quantize_module._int8(x, 128)[0])
 
 
 def saved(node: object, name: str) -> torch.Tensor:
