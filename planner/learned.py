@@ -17,7 +17,7 @@ from rematd.planner.config import ControllerConfig
 from rematd.planner.model import Profile
 from rematd.planner.shapes import at_shape
 from rematd.planner.steps import StepObservation
-from rematd.planner.timing import MAX_STEP, BucketTimes
+from rematd.planner.timing import BucketTimes, whole_number
 from rematd.planner.units import Mode, Shape
 
 # Steps over which the memory of a target crossing fades by half.
@@ -205,25 +205,25 @@ class Learned:
             seq, ratios, boost, crossing, crossing_step, ceiling = entry
             if not isinstance(ratios, list):
                 raise ValueError(f"state: ratios must be a list, got {ratios!r}")
-            buckets[_whole(seq, "bucket", lo=1)] = Bucket(
+            buckets[whole_number(seq, "bucket", lo=1)] = Bucket(
                 deque((_num(r, "ratio", hi=cfg.max_correction) for r in ratios), maxlen=cfg.correction_window),
                 boost=_num(boost, "boost", lo=1.0, hi=cfg.max_correction),
                 crossing=_num(crossing, "crossing", hi=cfg.max_correction),
-                crossing_step=_whole(crossing_step, "crossing_step"),
-                ceiling=None if ceiling is None else _whole(ceiling, "ceiling"),
+                crossing_step=whole_number(crossing_step, "crossing_step"),
+                ceiling=None if ceiling is None else whole_number(ceiling, "ceiling"),
             )
         seqs = state.get("seqs", [])
         if not isinstance(seqs, list) or len(seqs) > 64:
             raise ValueError("state: seqs must be a list of at most 64 lengths")
-        dwell = _whole(state.get("dwell"), "dwell")
+        dwell = whole_number(state.get("dwell"), "dwell")
         restored = Learned(
             config=cfg,
             buckets=buckets,
-            headroom_steps=_whole(state.get("headroom_steps", 0), "headroom_steps"),
+            headroom_steps=whole_number(state.get("headroom_steps", 0), "headroom_steps"),
             dwell=min(cfg.max_loosen_after_steps, max(cfg.loosen_after_steps, dwell)),
-            last_loosen_step=_whole(state.get("last_loosen_step", NEVER), "last_loosen_step", lo=NEVER),
-            seqs=self.seqs | {_whole(q, "seq", lo=1) for q in seqs},
-            batch=_whole(state.get("batch", self.batch), "batch", lo=1),
+            last_loosen_step=whole_number(state.get("last_loosen_step", NEVER), "last_loosen_step", lo=NEVER),
+            seqs=self.seqs | {whole_number(q, "seq", lo=1) for q in seqs},
+            batch=whole_number(state.get("batch", self.batch), "batch", lo=1),
         )
         if "timing" in state:
             restored.timing.restore_state(state["timing"])
@@ -235,9 +235,3 @@ def _num(value: Any, what: str, *, lo: float = 0.0, hi: float = 1e12) -> float:
     if not ok or (isinstance(value, float) and math.isnan(value)) or not lo <= value <= hi:
         raise ValueError(f"state: {what} must be a finite number in [{lo}, {hi}], got {value!r}")
     return float(value)
-
-
-def _whole(value: Any, what: str, *, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_STEP:
-        raise ValueError(f"state: {what} must be an integer in [{lo}, {MAX_STEP}], got {value!r}")
-    return value

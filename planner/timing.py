@@ -132,7 +132,7 @@ class TimeScales:
             _mode_sums(state, k, where, _number) for k in ("remat", "forward", "forward_profiled", "predicted")
         )
         blocks = {m: int(v) for m, v in _mode_sums(state, "blocks", where, _number).items()}
-        last = _mode_sums(state, "last_step", where, _step)
+        last = _mode_sums(state, "last_step", where, whole_number)
         base = state.get("base", [0.0, 0.0])
         if not isinstance(base, list) or len(base) != 2:
             raise ValueError(f"state: {where}.base must be [measured, profiled], got {base!r}")
@@ -275,23 +275,27 @@ class BucketTimes:
             return self.pooled.scales
         return self._scales.get(self.bucket_of(seq), self.pooled.scales)
 
+    def _bucket(self, seq: int) -> TimeScales | None:
+        """The timings of the bucket of ``seq``; None when none of its steps were timed (or ``seq`` is 0)."""
+        return self._buckets.get(self.bucket_of(seq)) if seq else None
+
     def measured_modes_at(self, seq: int) -> frozenset[Mode]:
         """The modes measured in the bucket of ``seq`` (priced by their own scale there)."""
-        bucket = self._buckets.get(self.bucket_of(seq)) if seq else None
+        bucket = self._bucket(seq)
         return bucket.measured_modes if bucket is not None else frozenset()
 
     def timed_blocks(self, mode: Mode, seq: int | None = None) -> int:
         """Blocks of ``mode`` timed so far: in the bucket of ``seq``, or in all (None)."""
         if seq is None:
             return self.pooled.timed_blocks(mode)
-        bucket = self._buckets.get(self.bucket_of(seq)) if seq else None
+        bucket = self._bucket(seq)
         return bucket.timed_blocks(mode) if bucket is not None else 0
 
     def last_timed(self, mode: Mode, seq: int | None = None) -> int | None:
         """The step ``mode`` was last timed at: in the bucket of ``seq``, or at any length (None)."""
         if seq is None:
             return self.pooled.last_timed(mode)
-        bucket = self._buckets.get(self.bucket_of(seq)) if seq else None
+        bucket = self._bucket(seq)
         return bucket.last_timed(mode) if bucket is not None else None
 
     @property
@@ -351,9 +355,10 @@ def _number(value: Any, what: str) -> float:
     return float(value)
 
 
-def _step(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
-        raise ValueError(f"state: {what} must be an integer in [0, {MAX_STEP}], got {value!r}")
+def whole_number(value: Any, what: str, *, lo: int = 0) -> int:
+    """A restored count, step or length: an integer in [``lo``, ``MAX_STEP``]; ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_STEP:
+        raise ValueError(f"state: {what} must be an integer in [{lo}, {MAX_STEP}], got {value!r}")
     return value
 
 
