@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -63,6 +64,20 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3
     # 32 MiB is the largest mmap threshold glibc takes; the trim threshold keeps the freed top of the heap.
     return bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def malloc_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--system-malloc`` flag of the benchmarks that call :func:`freed_memory_kept`."""
+    parser.add_argument(
+        "--system-malloc", action="store_true", help="keep glibc's malloc defaults (see keep_freed_memory)"
+    )
+
+
+def freed_memory_kept(args: argparse.Namespace) -> bool:
+    """:func:`keep_freed_memory` unless ``--system-malloc``, said on the output; whether memory is kept."""
+    kept = not args.system_malloc and keep_freed_memory()
+    print(f"freed memory kept for reuse: {'yes' if kept else 'no (glibc defaults)'}", flush=True)
+    return kept
 
 
 def median(xs: list[float]) -> float:

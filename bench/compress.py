@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.common import gpt, keep_freed_memory, table, write_json
+from bench.common import freed_memory_kept, gpt, malloc_argument, table, write_json
 from rematd import client
 from rematd.client.models import lm_loss
 from rematd.planner import Mode
@@ -261,12 +261,9 @@ def main() -> None:
     )
     parser.add_argument("--time-steps", type=int, default=0, help="timed steps per run (default 30; 4 with --quick)")
     parser.add_argument("--out", default="artifacts/bench-compress.json")
-    parser.add_argument(
-        "--system-malloc", action="store_true", help="keep glibc's malloc defaults (see keep_freed_memory)"
-    )
+    malloc_argument(parser)
     args = parser.parse_args()
-    malloc_kept = not args.system_malloc and keep_freed_memory()
-    print(f"freed memory kept for reuse: {'yes' if malloc_kept else 'no (glibc defaults)'}", flush=True)
+    malloc_kept = freed_memory_kept(args)
     torch.set_num_threads(args.threads)
     steps = args.steps or (12 if args.quick else 300)
     setup = Setup(batch=4, seq=64, steps=steps, batches=steps)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import MiB, gpt, keep_freed_memory, median, table, timed_step, tokens, write_json
+from bench.common import MiB, freed_memory_kept, gpt, malloc_argument, median, table, timed_step, tokens, write_json
 from bench.strategies import Runner
 from rematd import client
 from rematd.client.accounting import SavedTensorAccounting
@@ -131,10 +131,7 @@ def attach(setup: Setup, budget: int) -> Runner:
 def pin_statics(statics: dict[str, Runner], plans: dict[str, tuple[Mode, ...]], setup: Setup, seq: int) -> None:
     """Each static plan of this length on a runner of its own (made once per plan name)."""
     for name, modes in plans.items():
-        runner = statics.setdefault(name, attach(setup, 2**50))
-        runner.times, runner.peaks = [], []
-        runner.handle.pin_modes(modes)  # type: ignore[union-attr]
-        runner.step(tokens(setup.batch, seq, 0), record=False)  # the pin applies at this step's boundary
+        statics.setdefault(name, attach(setup, 2**50)).pin(modes, tokens(setup.batch, seq, 0))
 
 
 def ratio_to(r: Runner, base: list[float], steps: int) -> float:
@@ -145,9 +142,7 @@ def ratio_to(r: Runner, base: list[float], steps: int) -> float:
 def pin_same(runner: Runner, ours: Ours, data: torch.Tensor) -> tuple[Runner, tuple[Mode, ...]]:
     """``runner`` pinned to the plan rematd has in force now, ready to step in the measured rounds."""
     modes = tuple(ours.runner.handle.modes)  # type: ignore[union-attr]
-    runner.times, runner.peaks = [], []
-    runner.handle.pin_modes(modes)  # type: ignore[union-attr]
-    runner.step(data, record=False)  # the pin applies at this step's boundary
+    runner.pin(modes, data)
     return runner, modes
 
 
@@ -261,12 +256,9 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="add torch.compile at activation_memory_budget = each budget's ratio"
     )
-    parser.add_argument(
-        "--system-malloc", action="store_true", help="keep glibc's malloc defaults (see keep_freed_memory)"
-    )
+    malloc_argument(parser)
     args = parser.parse_args()
-    malloc_kept = not args.system_malloc and keep_freed_memory()
-    print(f"freed memory kept for reuse: {'yes' if malloc_kept else 'no (glibc defaults)'}", flush=True)
+    malloc_kept = freed_memory_kept(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:

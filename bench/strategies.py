@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from bench.common import MiB, gpt, keep_freed_memory, median, table, timed_step, tokens, write_json
+from bench.common import MiB, freed_memory_kept, gpt, malloc_argument, median, table, timed_step, tokens, write_json
 from rematd import client
 from rematd.client.accounting import tensors_in
 from rematd.client.models import TinyGPT
@@ -92,6 +92,14 @@ class Runner:
     handle: client.Handle | None
     times: list[float]
     peaks: list[int]
+
+    def pin(self, modes: tuple[Mode, ...], data: torch.Tensor) -> None:
+        """Pinned to ``modes`` from now, its measurements started afresh (one unrecorded step on ``data``:
+        a pin applies at a step's boundary)."""
+        assert self.handle is not None
+        self.times, self.peaks = [], []
+        self.handle.pin_modes(modes)
+        self.step(data, record=False)
 
     def step(self, data: torch.Tensor, record: bool) -> None:
         h = self.handle
@@ -162,8 +170,7 @@ def budgets_table(setup: Setup, ratios: list[float], compile_ratios: list[float]
     for i in range(setup.warmup + setup.steps):
         if i == setup.warmup:
             for ratio, p in pinned.items():
-                p.handle.pin_modes(ours[ratio].handle.modes)  # type: ignore[union-attr]
-                p.step(data, record=False)  # the pin applies at this step's boundary
+                p.pin(ours[ratio].handle.modes, data)  # type: ignore[union-attr]
             everyone += pinned.values()
         for r in random.Random(i).sample(everyone, len(everyone)):
             r.step(data, record=i >= setup.warmup)
@@ -271,12 +278,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--blocks", default="12,32", help="the models' block counts, comma-separated (12,32)")
     parser.add_argument("--warmup", type=int, default=8, help="rounds before measuring: rematd converges in them (8)")
-    parser.add_argument(
-        "--system-malloc", action="store_true", help="keep glibc's malloc defaults (see keep_freed_memory)"
-    )
+    malloc_argument(parser)
     args = parser.parse_args()
-    malloc_kept = not args.system_malloc and keep_freed_memory()
-    print(f"freed memory kept for reuse: {'yes' if malloc_kept else 'no (glibc defaults)'}", flush=True)
+    malloc_kept = freed_memory_kept(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
