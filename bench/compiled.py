@@ -47,7 +47,7 @@ from bench.common import MiB, gpt, median, table, tokens, write_json
 from rematd import client
 from rematd.client.accounting import SavedTensorAccounting
 from rematd.client.models import TinyGPT, lm_loss
-from rematd.client.selective import selective_context
+from rematd.client.selective import compiled_selective_context
 from rematd.planner import letters
 
 
@@ -80,11 +80,8 @@ def _full(m: nn.Module, x: torch.Tensor) -> Any:
     return checkpoint(type(m).forward, m, x, use_reentrant=False)
 
 
-_SELECTIVE = selective_context(None)
-
-
 def _selective(m: nn.Module, x: torch.Tensor) -> Any:
-    return checkpoint(type(m).forward, m, x, use_reentrant=False, context_fn=_SELECTIVE)
+    return checkpoint(type(m).forward, m, x, use_reentrant=False, context_fn=compiled_selective_context)
 
 
 STATIC: dict[str, Callable[[int], Callable[..., Any]]] = {

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rematd.client.accounting import tensors_in
-from rematd.client.selective import selective_context
+from rematd.client.selective import compiled_selective_context
 from rematd.client.switch import SwitchableBlock
 from rematd.planner import Mode
 
@@ -79,7 +79,6 @@ def check_torch_version(version: str) -> None:
         raise ValueError(f"compile= needs torch >= {need} (torch.compiler.set_stance); this is torch {version}")
 
 
-_SELECTIVE = selective_context(None)
 _handles = itertools.count()
 
 
@@ -88,7 +87,9 @@ def _store(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def _selective(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return checkpoint(type(module).forward, module, *args, use_reentrant=False, context_fn=_SELECTIVE, **kwargs)
+    return checkpoint(
+        type(module).forward, module, *args, use_reentrant=False, context_fn=compiled_selective_context, **kwargs
+    )
 
 
 def _recompute(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

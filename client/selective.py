@@ -16,12 +16,13 @@ when the block runs selectively.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import collections
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
@@ -75,34 +76,99 @@ def outputs_of(result: Any) -> list[torch.Tensor]:
     return []
 
 
-class _Collect(TorchDispatchMode):
-    """Collects the outputs of the kept ops (what a selective checkpoint keeps)."""
+def _detached(x: Any) -> Any:
+    """``x`` detached with its version counter shared (so a later in-place change to it can be seen), as
+    ``torch.utils.checkpoint`` detaches what its selective checkpoint caches."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+    if guard is None:
+        return x.detach()
+    with guard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
 
-    def __init__(self, sink: list[torch.Tensor]) -> None:
+
+def _key(func: Any, args: Any) -> tuple[Any, ...]:
+    """What a kept output is filed under: the op and the shapes it was called with, so that an op the
+    recomputation runs once more, or once less, than the forward never hands back another call's output."""
+    return (func, *(tuple(a.shape) for a in tree_leaves(args) if isinstance(a, torch.Tensor)))
+
+
+class _Kept:
+    """The outputs the forward kept, in call order per key, with their versions when kept."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[tuple[Any, ...], collections.deque[tuple[Any, list[int]]]] = collections.defaultdict(
+            collections.deque
+        )
+
+    def keep(self, key: tuple[Any, ...], out: Any) -> None:
+        out = tree_map(_detached, out)
+        self.outputs[key].append((out, [t._version for t in tree_leaves(out) if isinstance(t, torch.Tensor)]))
+
+    def take(self, key: tuple[Any, ...]) -> Any | None:
+        """The next kept output of ``key``; None where there is none or it was changed in place since."""
+        queue = self.outputs.get(key)
+        if not queue:
+            return None
+        out, versions = queue.popleft()
+        now = [t._version for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out if now == versions else None
+
+
+class _Keep(TorchDispatchMode):
+    """The forward of a selective checkpoint: keeps the outputs of the kept ops (and, with ``sink``, collects
+    them there so that saved-tensor accounting can count them)."""
+
+    def __init__(self, kept: _Kept, sink: list[torch.Tensor] | None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.kept = kept
         self.sink = sink
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in SAVE_OPS:
-            self.sink.extend(outputs_of(out))
+            self.kept.keep(_key(func, args), out)
+            if self.sink is not None:
+                self.sink.extend(outputs_of(out))
         return out
 
 
+class _Replay(TorchDispatchMode):
+    """The recomputation of a selective checkpoint: a kept op hands back what the forward kept, every other op
+    runs again.
+
+    Unlike ``torch.utils.checkpoint``'s own selective modes, an op the recomputation runs that the forward did
+    not (ZeRO-3 gathering a parameter its forward found prefetched, FSDP prefetching in backward) simply runs:
+    what happens around a block's forward is not required to repeat itself op for op. A kept output that is
+    missing or was changed in place since is computed again, which gives the same value.
+    """
+
+    def __init__(self, kept: _Kept) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.kept = kept
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in SAVE_OPS:
+            out = self.kept.take(_key(func, args))
+            if out is not None:
+                return out
+        return func(*args, **(kwargs or {}))
+
+
 def selective_context(kept: list[torch.Tensor] | None) -> Callable[[], tuple[Any, Any]]:
-    """A ``context_fn`` for ``checkpoint``; with ``kept``, the kept outputs are also collected
+    """A ``context_fn`` for an eager ``checkpoint``; with ``kept``, the kept outputs are also collected
     there so that saved-tensor accounting can count them."""
 
     def make() -> tuple[Any, Any]:
-        fwd, recompute = create_selective_checkpoint_contexts(_policy)
-        if kept is None:
-            return fwd, recompute
-
-        @contextlib.contextmanager
-        def both() -> Iterator[None]:
-            with fwd, _Collect(kept):
-                yield
-
-        return both(), recompute
+        store = _Kept()
+        return _Keep(store, kept), _Replay(store)
 
     return make
+
+
+def compiled_selective_context() -> tuple[Any, Any]:
+    """A ``context_fn`` for a ``checkpoint`` that ``torch.compile`` traces: torch's own selective modes, which
+    tag the graph's nodes for the compiler's partitioner."""
+    fwd, recompute = create_selective_checkpoint_contexts(_policy)
+    return fwd, recompute
