@@ -48,6 +48,16 @@ class ControllerConfig:
     """Blocks one trial switches to the mode it measures."""
     explore_stale_steps: int = 5000
     """Steps after which a mode measured at a length counts as unmeasured there again."""
+    price_groups: int = 2
+    """Groups of blocks by position (contiguous, the first blocks first) whose step-level prices are fitted
+    apart: what storing costs may depend on how long a block's activations wait for its backward."""
+    plan_trial_steps: int = 4
+    """Steps one trial of a plan runs it, each followed by a step of the plan in force (so that the
+    machine's drift falls on both alike)."""
+    plan_explore_share: float = 0.1
+    """Most of the steps spent running plans on trial: they stay within ``plan_trial_steps +
+    plan_explore_share x steps`` (0: never try a plan; the step-level prices still learn from the plans
+    that run)."""
 
     def __post_init__(self) -> None:
         self._check_margins()
@@ -79,9 +89,13 @@ class ControllerConfig:
     def _check_exploration(self) -> None:
         if not 0.0 <= self.explore_share < 1.0:
             raise ValueError(f"explore_share must be in [0, 1), got {self.explore_share!r}")
-        for name in ("explore_steps", "explore_blocks", "explore_stale_steps"):
+        if not 0.0 <= self.plan_explore_share < 1.0:
+            raise ValueError(f"plan_explore_share must be in [0, 1), got {self.plan_explore_share!r}")
+        for name in ("explore_steps", "explore_blocks", "explore_stale_steps", "plan_trial_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 1 <= self.price_groups <= 8:
+            raise ValueError(f"price_groups must be in [1, 8], got {self.price_groups!r}")
         if self.bucket_ratio <= 1.0:
             raise ValueError(f"bucket_ratio must be > 1, got {self.bucket_ratio!r}")
         if self.max_entries < 1:

@@ -11,7 +11,6 @@ measures them (:mod:`rematd.planner.explore`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from rematd.planner.config import ControllerConfig
@@ -20,25 +19,22 @@ from rematd.planner.decision import Decision, Moves
 from rematd.planner.explore import Explorer, trial_over_reason, trial_reason
 from rematd.planner.model import Mode, Profile, Shape, ShapePlan, StepObservation
 from rematd.planner.plan import entry_for
-from rematd.planner.pricing import TablePricing
-from rematd.planner.reasons import human_bytes, initial_reason, recomputes_less, what_changed
+from rematd.planner.reasons import changed, human_bytes, initial_reason, recomputes_less, what_changed
 from rematd.planner.risk import usable_bytes
 from rematd.planner.shapes import at_shape
+from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanning
 
-__all__ = ["Controller", "ControllerConfig", "Decision", "human_bytes"]
-
-# A looser plan must fit this fraction of the target under the worst recent correction.
-LOOSEN_SLACK = 0.97
+__all__ = ["LOOSEN_SLACK", "Controller", "ControllerConfig", "Decision", "human_bytes"]
 
 
-class Controller(TablePricing):
+class Controller(StepPlanning):
     """Turns a stream of step observations into plan-table changes."""
 
     def __init__(self, profile: Profile, config: ControllerConfig | None = None) -> None:
         super().__init__(profile, config)
         self._explorer = Explorer(self.config)
         self.trial_step = False
-        """Whether the last step observed ran a trial's modes."""
+        """Whether the last step observed ran a trial's modes (of a mode or of a plan)."""
 
     def initial(self, *, budget_bytes: int, static_bytes: int = 0) -> Decision:
         target = self.config.target_bytes(budget_bytes)
@@ -70,38 +66,50 @@ class Controller(TablePricing):
         self._learn(obs, measured_modes, target)
         bucket = self.bucket_of(obs.shape.seq_len) if obs.shape.seq_len else 0
         ran = entry_for(self.table, obs.shape) if bucket else None
-        self.trial_step = self._explorer.note(obs, bucket, ran.max_seq_len if ran else 0, measured_modes)
+        entry_seq = ran.max_seq_len if ran else 0
+        mode_trial = self._explorer.note(obs, bucket, entry_seq, measured_modes)
+        self.trial_step = self._plans.note(entry_seq, measured_modes) or mode_trial
         moves = self._moves(target, obs.static_bytes)
         change = (
             self._tighten(moves, obs, target) or self._loosen(moves, obs, target) or self._extend(moves, obs, target)
         )
         if change is not None:
-            # A new table (made without the trial) overtakes a trial in force.
+            # A new table (made from the table in force, without the trial) overtakes a trial in force.
             self._explorer.stop()
+            self._plans.stop()
             return change
         return self._explore(obs, bucket, ran, target)
 
     def _explore(self, obs: StepObservation, bucket: int, entry: ShapePlan | None, target: int) -> Decision | None:
         """End a trial that has run its steps, or start one on ``entry`` (the one the step ran with: a
         length held for a phase has its own, below its bucket's top) where a mode is unmeasured at this
-        length and the budget allows it (:mod:`rematd.planner.explore`)."""
-        explorer, static = self._explorer, obs.static_bytes
+        length and the budget allows it (:mod:`rematd.planner.explore`), else a trial of a plan where the
+        step-level prices are unsure (:mod:`rematd.planner.plan_trials`)."""
+        explorer = self._explorer
         if explorer.trial is not None:
             if not explorer.trial_done:
                 return None
             over = explorer.stop()
             assert over is not None
-            return self._decision(list(self.table), obs.shape, target, static, trial_over_reason(over))
+            return self._decision(list(self.table), obs.shape, target, obs.static_bytes, trial_over_reason(over))
+        if self._plans.trial is not None:
+            return self._step_plan_trial(obs, target)
         measured = self._learned.buckets.get(bucket)
-        # Only from a settled plan that recomputes something, with this length's peaks measured.
+        # Only from a settled plan, with this length's peaks measured.
+        peaks_measured = measured is not None and len(measured.ratios) >= 2
+        tried = self._try_mode(obs, bucket, entry, target) if peaks_measured else None
+        return tried or self._start_plan_trial(obs, entry, target, peaks_measured)
+
+    def _try_mode(self, obs: StepObservation, bucket: int, entry: ShapePlan | None, target: int) -> Decision | None:
+        """A trial of a mode not measured at this length on ``entry``, where the budget allows one."""
+        explorer, static = self._explorer, obs.static_bytes
+        # Only from a settled plan that recomputes something.
         if (
             entry is None
             or self._learned.headroom_steps
             or not explorer.may_start()
             or all(m == Mode.STORE for m in entry.modes)
         ):
-            return None
-        if measured is None or len(measured.ratios) < 2:
             return None
         shape = self._shape(entry.max_seq_len)
         options = at_shape(self.profile, shape, self.config.allowed_modes, self._scales(shape.seq_len)).options
@@ -125,13 +133,7 @@ class Controller(TablePricing):
             if trial is None:
                 continue
             explorer.start(trial)
-            peak, extra = at.cost(trial.modes)
-            tried = dataclasses.replace(
-                entry,
-                modes=trial.modes,
-                predicted_peak_bytes=static + at.other_bytes + peak,
-                predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
-            )
+            tried = self._replaced(entry, trial.modes, static)
             table = [tried if e is entry else e for e in self.table]
             reason = trial_reason(trial, tried.predicted_peak_bytes, target)
             return self._decision(table, obs.shape, target, static, reason)
@@ -139,8 +141,8 @@ class Controller(TablePricing):
 
     @property
     def exploring(self) -> bool:
-        """Whether a trial of an unmeasured mode is in force."""
-        return self._explorer.trial is not None
+        """Whether a trial (of an unmeasured mode, or of a plan) is in force."""
+        return self._explorer.trial is not None or self._plans.trial is not None
 
     @property
     def explorer(self) -> Explorer:
@@ -155,6 +157,7 @@ class Controller(TablePricing):
         predicted = at.other_bytes + at.cost(modes)[0]
         if obs.mode_seconds:
             self._learned.learn_seconds(self.profile, obs, modes)
+        self._learn_step_time(obs, measured_modes)
         if predicted > 0 and obs.peak_bytes > 0 and shape.seq_len:
             activations = max(0, obs.peak_bytes - obs.static_bytes)
             cfg = self.config
@@ -191,6 +194,9 @@ class Controller(TablePricing):
                 if not self._fits(entry.modes, old_shape, slack, static, pessimistic=True):
                     continue
                 moves.desired[seq] = entry
+            # Where only the step-level prices call for it, only once the steps show it surely.
+            if not self._pays(old.modes, entry.modes, seq):
+                continue
             # Else as lean or leaner, and cheaper (measured seconds moved): no memory risk, only the dwell.
             moves.looser.append(seq)
         return moves
@@ -241,9 +247,11 @@ class Controller(TablePricing):
         return self._change(moves.table([]), obs, target, reason)
 
     def _change(self, table: tuple[ShapePlan, ...], obs: StepObservation, target: int, cause: str) -> Decision:
-        """Put ``table`` in force; the decision, its reason ``cause`` and what changed."""
+        """Put ``table`` in force; the decision, its reason ``cause``, what changed and where the steps'
+        times overruled the per-block prices."""
         before, self.table = self.table, table
-        reason = f"{cause}; {what_changed(before, table)}"
+        notes = [self._step_note(new, target, obs.static_bytes) for _seq, _old, new in changed(before, table)]
+        reason = "; ".join([cause, what_changed(before, table), *(n for n in notes if n)])
         return self._decision(list(table), obs.shape, target, obs.static_bytes, reason)
 
     def after_oom(self, *, shape: Shape, budget_bytes: int, static_bytes: int) -> Decision:
@@ -251,6 +259,7 @@ class Controller(TablePricing):
         cfg = self.config
         learned = self._learned
         self._explorer.stop()
+        self._plans.stop()
         seq = shape.seq_len or self.profile.shape.seq_len
         bucket = learned.bucket(seq)
         learned.headroom_steps = 0

@@ -113,12 +113,12 @@ class Knapsack:
         if not options:
             raise ValueError("the knapsack needs at least one block")
         self.num_blocks = len(options)
-        groups: dict[tuple[tuple[Mode, int, int], ...], list[int]] = {}
-        keys: dict[int, tuple[tuple[Mode, int, int], ...]] = {}  # equal blocks often share one list
+        groups: dict[tuple[tuple[Mode, int, int, int], ...], list[int]] = {}
+        keys: dict[int, tuple[tuple[Mode, int, int, int], ...]] = {}  # equal blocks often share one list
         for i, opts in enumerate(options):
             key = keys.get(id(opts))
             if key is None:
-                key = keys[id(opts)] = tuple([(o.mode, o.kept, o.transient) for o in opts])
+                key = keys[id(opts)] = tuple([(o.mode, o.kept, o.transient, o.group) for o in opts])
             groups.setdefault(key, []).append(i)
         classes = []
         for key, idx in groups.items():
@@ -126,7 +126,9 @@ class Knapsack:
                 merged = [(o.kept, o.seconds, o.transient, o.mode) for o in options[idx[0]]]
             else:
                 secs = [sum(options[i][j].seconds for i in idx) / len(idx) for j in range(len(key))]
-                merged = [(kept, s, transient, mode) for (mode, kept, transient), s in zip(key, secs, strict=True)]
+                merged = [
+                    (kept, s, transient, mode) for (mode, kept, transient, _group), s in zip(key, secs, strict=True)
+                ]
             merged.sort()
             thresholds = tuple(sorted({o[2] for o in merged}))
             if len(thresholds) == 1:

@@ -16,6 +16,7 @@ from typing import Any
 from rematd.planner.config import ControllerConfig
 from rematd.planner.model import Profile
 from rematd.planner.shapes import at_shape
+from rematd.planner.stepfit import StepPrices
 from rematd.planner.steps import StepObservation
 from rematd.planner.timing import BucketTimes, whole_number
 from rematd.planner.units import Mode, Shape
@@ -61,6 +62,8 @@ class Learned:
     seqs: set[int]
     timing: BucketTimes = field(init=False)
     """What the modes are measured to cost, against the profile, per length bucket (:meth:`bucket_of`)."""
+    steps: StepPrices = field(init=False)
+    """What the modes cost the whole step, per length bucket and position group, fitted to step times."""
     buckets: dict[int, Bucket] = field(default_factory=dict)
     headroom_steps: int = 0
     dwell: int = 0
@@ -73,6 +76,7 @@ class Learned:
 
     def __post_init__(self) -> None:
         self.timing = BucketTimes(self.bucket_of)
+        self.steps = StepPrices(self.config.price_groups)
 
     def note_shape(self, shape: Shape) -> None:
         if shape.batch:
@@ -186,6 +190,7 @@ class Learned:
             "seqs": sorted(self.seqs),
             "batch": self.batch,
             "timing": self.timing.export_state(),
+            "step_prices": self.steps.export(),
         }
 
     def restored(self, state: dict[str, Any]) -> Learned:
@@ -227,6 +232,8 @@ class Learned:
         )
         if "timing" in state:
             restored.timing.restore_state(state["timing"])
+        if "step_prices" in state:
+            restored.steps.restore(state["step_prices"])
         return restored
 
 

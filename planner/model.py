@@ -159,6 +159,9 @@ class Option:
     kept: int
     transient: int
     seconds: float
+    group: int = 0
+    """The block's position group where step-level prices tell groups apart (0 elsewhere): the solvers
+    pool seconds and spread modes only among blocks alike in bytes and in group."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

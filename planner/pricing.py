@@ -12,8 +12,9 @@ from rematd.planner.decision import Decision
 from rematd.planner.learned import Learned
 from rematd.planner.model import Mode, Profile, Shape, ShapePlan
 from rematd.planner.plan import entry_for
-from rematd.planner.shapes import AtShape, Scales, at_shape
+from rematd.planner.shapes import AtShape, Offsets, Scales, at_shape
 from rematd.planner.solvers import Choice, solve_prepared
+from rematd.planner.stepfit import PRIOR_SPREAD, Posterior, Prior, group_of, params
 from rematd.planner.timing import BucketTimes
 
 CACHED_CHOICES = 128
@@ -34,9 +35,11 @@ class TablePricing:
             seqs={ref.seq_len} if ref.seq_len else set(),
             dwell=self.config.loosen_after_steps,
         )
-        self._cache: dict[tuple[int, int, int, int, int, int | None, Scales], Choice] = {}
+        self._cache: dict[tuple[int, int, int, int, int, int | None, Scales, Offsets], Choice] = {}
         self.table: tuple[ShapePlan, ...] = ()
-        self._entries: dict[tuple[Choice, int, int, int, Scales], ShapePlan] = {}
+        self._entries: dict[tuple[Choice, int, int, int, Scales, Offsets], ShapePlan] = {}
+        self._priors: dict[tuple[int, int, Scales], Prior] = {}
+        self._offset_cache: dict[tuple[int, int, int, Scales], Offsets] = {}
 
     @property
     def timing(self) -> BucketTimes:
@@ -60,18 +63,118 @@ class TablePricing:
 
     # -- planning -------------------------------------------------------------
 
-    def _at(self, shape: Shape | None, *, restricted: bool = False) -> AtShape:
-        """The profile prepared at ``shape``, its seconds as measured at that length (:meth:`_scales`);
-        ``restricted`` limits the options to the configured modes (what the solver may pick),
+    def _at(
+        self,
+        shape: Shape | None,
+        *,
+        restricted: bool = False,
+        per_block: bool = False,
+        offsets: Offsets | None = None,
+    ) -> AtShape:
+        """The profile prepared at ``shape``, its seconds as measured at that length (:meth:`_scales`) and
+        as the steps there showed (:meth:`_offsets`; not with ``per_block``; ``offsets`` instead where
+        given); ``restricted`` limits the options to the configured modes (what the solver may pick),
         unrestricted ones price any plan, including one made under other settings."""
         seq = shape.seq_len if shape is not None else 0
+        if offsets is None:
+            offsets = () if per_block else self._offsets(seq)
         return at_shape(
             self.profile,
             shape if seq else None,
             self.config.allowed_modes if restricted else None,
             self._scales(seq),
             prune=restricted,
+            offsets=offsets,
         )
+
+    # -- step-level prices ----------------------------------------------------
+
+    def _prior(self, top: int) -> Prior:
+        """The per-block prices at the top of a bucket as the step-level fit's prior: per mode and
+        position group, the mean per-block price of the group's blocks (recomputing's where a block
+        does not offer the mode), give or take a block's recomputation."""
+        scales = self._scales(top)
+        key = (top, self._learned.batch, scales)
+        hit = self._priors.get(key)
+        if hit is not None:
+            return hit
+        options = self._at(self._shape(top), per_block=True).options
+        groups, n = self.config.price_groups, len(options)
+        members: list[list[int]] = [[] for _ in range(groups)]
+        for i in range(n):
+            members[group_of(i, n, groups)].append(i)
+        mean, spread = [], []
+        for mode, g in params(groups):
+            prices, recompute = [], []
+            for i in members[g] or range(n):
+                by_mode = {o.mode: o.seconds for o in options[i]}
+                rec = by_mode.get(Mode.RECOMPUTE, max(by_mode.values()))
+                prices.append(by_mode.get(mode, rec))
+                recompute.append(rec)
+            mean.append(sum(prices) / len(prices))
+            spread.append(max(1e-9, PRIOR_SPREAD * sum(recompute) / len(recompute)))
+        prior = Prior(tuple(mean), tuple(spread))
+        if len(self._priors) > CACHED_CHOICES:
+            self._priors.clear()
+        self._priors[key] = prior
+        return prior
+
+    def _posterior(self, seq: int) -> tuple[Posterior, float] | None:
+        """The step-level fit of the bucket of ``seq`` and the factor that takes its seconds (at the
+        bucket's top) to ``seq``; None where that bucket's steps were never timed."""
+        if not seq:
+            return None
+        top = self.bucket_of(seq)
+        post = self._learned.steps.posterior(top, self._prior(top))
+        if post is None:
+            return None
+        return post, self._from_top(seq)
+
+    def _from_top(self, seq: int) -> float:
+        """How a step's seconds at the top of ``seq``'s bucket scale to ``seq`` (the profile's time ratio)."""
+        top = self.bucket_of(seq)
+        if top == seq:
+            return 1.0
+        return self.profile.time_ratio(self._shape(seq)) / self.profile.time_ratio(self._shape(top))
+
+    def _offsets(self, seq: int) -> Offsets:
+        """What the steps at ``seq``'s bucket add to each mode's per-block price, per position group (seconds
+        a block at ``seq``); () where they do not say enough yet, or agree with the per-block prices."""
+        if not seq:
+            return ()
+        top = self.bucket_of(seq)
+        fit = self._learned.steps.fit(top)
+        if fit is None or not fit.informed:
+            return ()
+        scales = self._scales(top)
+        key = (seq, self._learned.batch, fit.version, scales)
+        hit = self._offset_cache.get(key)
+        if hit is not None:
+            return hit
+        added = self._learned.steps.offsets(top, self._prior(top))
+        out: Offsets = ()
+        if added is not None:
+            ratio = self._from_top(seq)
+            by_mode: dict[Mode, list[float]] = {}
+            for (mode, _g), d in zip(params(self.config.price_groups), added, strict=True):
+                by_mode.setdefault(mode, []).append(round(d * ratio, 12))
+            out = tuple((m, tuple(v)) for m, v in by_mode.items() if any(v))
+        if len(self._offset_cache) > CACHED_CHOICES:
+            self._offset_cache.clear()
+        self._offset_cache[key] = out
+        return out
+
+    def _contrast(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int) -> tuple[float, float]:
+        """What running ``new`` instead of ``old`` at ``seq`` saves a step by the step-level fit, and its
+        standard deviation (seconds); (0, 0) where the bucket's steps were never timed."""
+        found = self._posterior(seq)
+        if found is None:
+            return 0.0, 0.0
+        post, ratio = found
+        steps = self._learned.steps
+        dx = [a - b for a, b in zip(steps.features(old), steps.features(new), strict=True)]
+        mean, sd = post.contrast(dx)
+        return mean * ratio, sd * ratio
 
     def _scales(self, seq: int) -> Scales:
         """The measured/profiled seconds that price length ``seq`` (its bucket's, else the pooled ones;
@@ -87,15 +190,23 @@ class TablePricing:
         the same budget under the smaller margin they earned (:meth:`ControllerConfig.settled_target`)."""
         return self.config.settled_target(target) if self._learned.settled(seq) else target
 
-    def _solve_at(self, shape: Shape, target: int, static: int) -> Choice:
+    def _solve_at(
+        self, shape: Shape, target: int, static: int, *, per_block: bool = False, offsets: Offsets | None = None
+    ) -> Choice:
+        """The cheapest plan that fits ``target`` at ``shape`` once corrected by the measured peaks, priced
+        as measured (``per_block``: by the per-block prices alone; ``offsets``: with these step-level
+        prices instead of the fitted ones)."""
         target = self._target_at(target, shape.seq_len)
         corr = self._learned.correction(shape.seq_len) if shape.seq_len else 1.0
         ceiling = self._learned.ceiling(shape.seq_len)
-        key = (shape.batch, shape.seq_len, target, round(corr * 100), static, ceiling, self._scales(shape.seq_len))
+        seq = shape.seq_len
+        if offsets is None:
+            offsets = () if per_block else self._offsets(seq)
+        key = (shape.batch, seq, target, round(corr * 100), static, ceiling, self._scales(seq), offsets)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        at = self._at(shape, restricted=True)
+        at = self._at(shape, restricted=True, offsets=offsets)
         # The correction scales activations, not the static memory.
         other = at.other_bytes
         effective = static + int(max(0, target - static) / corr) - other
@@ -122,7 +233,7 @@ class TablePricing:
         return choice
 
     def _entry(self, seq: int, choice: Choice, static: int) -> ShapePlan:
-        key = (choice, seq, self._learned.batch, static, self._scales(seq))
+        key = (choice, seq, self._learned.batch, static, self._scales(seq), self._offsets(seq))
         hit = self._entries.get(key)
         if hit is not None:
             return hit
@@ -148,8 +259,8 @@ class TablePricing:
             out.append((self._entry(seq, choice, static), choice))
         return out
 
-    def _extra(self, modes: tuple[Mode, ...], seq: int) -> float:
-        return self._at(self._shape(seq)).cost(modes)[1]
+    def _extra(self, modes: tuple[Mode, ...], seq: int, *, per_block: bool = False) -> float:
+        return self._at(self._shape(seq), per_block=per_block).cost(modes)[1]
 
     def _decision(self, table: list[ShapePlan], shape: Shape, target: int, static: int, reason: str) -> Decision:
         entry = entry_for(table, shape)

@@ -86,8 +86,10 @@ class PlannerSession:
         seconds timed often enough: ``scale`` is measured over profiled), ``trial`` (being measured now)
         or ``estimate`` (untried: priced at no less than recomputing), with the blocks timed so far, over
         the whole job; and ``buckets``, the same per length bucket timed (shortest first), with the scale
-        that prices the bucket (its own where measured there, else the pooled one) and the step the mode
-        was last timed there."""
+        that prices the bucket (its own where measured there, else the pooled one), the step the mode was
+        last timed there, and where the step times there moved its price, per position group what a block
+        in the mode adds to a step by them (``step_share``) and by the per-block prices (``block_share``),
+        as fractions of the step."""
         timing = self.controller.timing
         scales = dict(timing.scales)
         trial = self.controller.explorer.trial
@@ -115,6 +117,7 @@ class PlannerSession:
         out: list[dict[str, object]] = []
         for top in timing.buckets:
             measured = mode in timing.measured_modes_at(top)
+            step, block = self.controller.step_shares(top).get(mode, (None, None))
             out.append(
                 {
                     "max_seq_len": top,
@@ -122,6 +125,8 @@ class PlannerSession:
                     "timed_blocks": timing.timed_blocks(mode, top),
                     "scale": dict(timing.scales_at(top)).get(mode, 1.0),
                     "last_step": timing.last_timed(mode, top),
+                    "step_share": list(step) if step is not None else None,
+                    "block_share": list(block) if block is not None else None,
                 }
             )
         return out
@@ -159,12 +164,12 @@ class PlannerSession:
         self.static_bytes = obs.static_bytes
         n = self.profile.num_blocks
         ran = self._recent.get(obs.plan_version)
+        measured_modes: tuple[Mode, ...] | None = None
         if len(obs.modes) == n and self._priced(obs.modes):
             measured_modes = obs.modes
         elif ran is not None:
             measured_modes = ran.modes_for(obs.shape, n)
-        else:
-            measured_modes = tuple(Mode.STORE for _ in range(n))
+        # Unknown (None): priced as storing every block, and no step time taken.
         plan = self._adopt(self.controller.observe(obs, measured_modes))
         # The correction learnt from measured peaks scales the activations, not the static memory.
         activations = max(0, self._plan.predicted_peak_bytes - obs.static_bytes)

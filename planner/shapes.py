@@ -11,6 +11,9 @@ from rematd.planner.model import Mode, Option, Profile, Shape
 
 Scales = tuple[tuple[Mode, float], ...]
 """(mode, measured / profiled seconds) for the modes whose measurements differ from the profile."""
+Offsets = tuple[tuple[Mode, tuple[float, ...]], ...]
+"""(mode, seconds a block of each position group adds beyond its per-block price) for the modes whose
+step-level prices differ from the per-block ones (:mod:`rematd.planner.stepfit`); () for none."""
 
 # Plans priced per shape before the memo starts over.
 MAX_COSTS = 64
@@ -32,6 +35,7 @@ class AtShape:
         scales: Scales = (),
         base: AtShape | None = None,
         prune: bool = False,
+        offsets: Offsets = (),
     ) -> None:
         self.profile = profile
         if base is None:
@@ -39,15 +43,32 @@ class AtShape:
             self.forward_seconds = profile.forward_seconds_at(shape)
             self.other_bytes = profile.other_at(shape)
         else:
-            # The measured seconds of each mode, over the profile's: blocks alike share one list still.
+            # The measured seconds of each mode, over the profile's, and what the steps add per position
+            # group: blocks alike (in the same group) share one list still.
             by_mode = dict(scales)
-            rescaled: dict[int, list[Option]] = {}
+            added = dict(offsets)
+            groups = max((len(v) for v in added.values()), default=1)
+            # Groups are told apart (tagged) only where some mode's step-level price differs between them.
+            tagged = any(len(set(v)) > 1 for v in added.values())
+            n = len(base.options)
+            rescaled: dict[tuple[int, int], list[Option]] = {}
             self.options = []
-            for opts in base.options:
-                hit = rescaled.get(id(opts))
+            for i, opts in enumerate(base.options):
+                g = min(groups - 1, i * groups // n)
+                key = (id(opts), g if tagged else 0)
+                hit = rescaled.get(key)
                 if hit is None:
-                    hit = [Option(o.mode, o.kept, o.transient, o.seconds * by_mode.get(o.mode, 1.0)) for o in opts]
-                    rescaled[id(opts)] = hit = _undominated(hit) if prune else hit
+                    hit = [
+                        Option(
+                            o.mode,
+                            o.kept,
+                            o.transient,
+                            o.seconds * by_mode.get(o.mode, 1.0) + (added[o.mode][g] if o.mode in added else 0.0),
+                            key[1] if tagged else o.group,
+                        )
+                        for o in opts
+                    ]
+                    rescaled[key] = hit = _undominated(hit) if prune else hit
                 self.options.append(hit)
             # Recomputing a block costs about its forward: that mode's scale applies to forward time too.
             self.forward_seconds = base.forward_seconds * by_mode.get(Mode.RECOMPUTE, 1.0)
@@ -87,7 +108,7 @@ def _undominated(opts: list[Option]) -> list[Option]:
     return [o for o in opts if o.mode in keep or not (o.seconds > rec.seconds and o.kept >= rec.kept)]
 
 
-_CACHE: OrderedDict[tuple[int, Shape | None, frozenset[Mode] | None, Scales, bool], AtShape] = OrderedDict()
+_CACHE: OrderedDict[tuple[int, Shape | None, frozenset[Mode] | None, Scales, Offsets, bool], AtShape] = OrderedDict()
 _cached_blocks = 0
 # Services plan hellos on worker threads while the event loop plans steps: the table is shared.
 _LOCK = threading.Lock()
@@ -100,10 +121,12 @@ def at_shape(
     scales: Scales = (),
     *,
     prune: bool = False,
+    offsets: Offsets = (),
 ) -> AtShape:
     """The prepared costs of ``profile`` at ``shape`` (its own when None), each mode's seconds times
-    its scale in ``scales``; least recently used evicted. ``prune`` drops each block's modes that are
-    slower than recomputing it while freeing less (for solving; pricing a plan needs every mode).
+    its scale in ``scales``, plus what ``offsets`` adds per position group; least recently used evicted.
+    ``prune`` drops each block's modes that are slower than recomputing it while freeing less (for
+    solving; pricing a plan needs every mode).
 
     Sessions ask for few shapes, often; sessions of one model share the profile object and so the
     entries.
@@ -111,7 +134,7 @@ def at_shape(
     global _cached_blocks
     if shape == profile.shape:
         shape = None
-    key = (id(profile), shape, allowed, scales, prune)
+    key = (id(profile), shape, allowed, scales, offsets, prune)
     with _LOCK:
         hit = _CACHE.get(key)
         # The identity check guards against a dead profile's id being reused.
@@ -119,10 +142,11 @@ def at_shape(
             _CACHE.move_to_end(key)
             return hit
     if prune:
-        entry = AtShape(profile, shape, allowed, (), at_shape(profile, shape, allowed, scales), prune=True)
+        priced = at_shape(profile, shape, allowed, scales, offsets=offsets)
+        entry = AtShape(profile, shape, allowed, (), priced, prune=True)
     else:
-        base = at_shape(profile, shape, allowed) if scales else None
-        entry = AtShape(profile, shape, allowed, scales, base)
+        base = at_shape(profile, shape, allowed) if scales or offsets else None
+        entry = AtShape(profile, shape, allowed, scales, base, offsets=offsets)
     with _LOCK:
         old = _CACHE.pop(key, None)
         if old is not None:

@@ -206,10 +206,11 @@ def _exact(options: list[list[Option]], cap: int, budget: int) -> tuple[float, l
 
 
 def _byte_classes(options: list[list[Option]]) -> list[list[int]]:
-    """Blocks whose options are alike in everything but seconds."""
-    groups: dict[tuple[tuple[int, int, int], ...], list[int]] = {}
+    """Blocks whose options are alike in everything but seconds (and in position group, where step-level
+    prices tell groups apart)."""
+    groups: dict[tuple[tuple[int, int, int, int], ...], list[int]] = {}
     for i, opts in enumerate(options):
-        groups.setdefault(tuple((int(o.mode), o.kept, o.transient) for o in opts), []).append(i)
+        groups.setdefault(tuple((int(o.mode), o.kept, o.transient, o.group) for o in opts), []).append(i)
     return list(groups.values())
 
 
@@ -222,7 +223,7 @@ def pool_seconds(options: list[list[Option]]) -> list[list[Option]]:
             continue
         first = options[idx[0]]
         pooled = [
-            Option(o.mode, o.kept, o.transient, sum(options[i][j].seconds for i in idx) / len(idx))
+            Option(o.mode, o.kept, o.transient, sum(options[i][j].seconds for i in idx) / len(idx), o.group)
             for j, o in enumerate(first)
         ]
         for i in idx:
@@ -296,8 +297,9 @@ def solve_prepared(
     close = _ordered(knapsack, options, static_bytes + floor + near, static_bytes, exact, outside)
     if close is None or close.extra_seconds >= leanest.extra_seconds:
         return leanest
-    # As lean again as that speed allows: the least budget whose plan costs within LEAN_SECONDS of it.
-    limit = close.extra_seconds * (1 + LEAN_SECONDS) + 1e-12
+    # As lean again as that speed allows: the least budget whose plan costs within LEAN_SECONDS of it
+    # (step-level prices may make a plan's extra seconds negative: faster than storing every block).
+    limit = close.extra_seconds + abs(close.extra_seconds) * LEAN_SECONDS + 1e-12
     lo, hi = floor, floor + near
     while hi - lo > max(1, near // 256):
         mid = (lo + hi) // 2

@@ -82,10 +82,14 @@ class StepObservation(AllocatorFigures):
     modes: tuple[Mode, ...] = ()
     """The mode each block ran in, when not those of the plan ``plan_version`` (pins, or a plan agreed
     between ranks); empty: the plan's."""
+    step_seconds: float = 0.0
+    """The step's wall-clock seconds, from its first forward to its end (a mean over steps folded into one
+    report); 0 where not measured. What the step-level prices are fitted to."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise ValueError(f"step must be a non-negative integer, got {self.step!r}")
+        check_seconds("step_seconds", self.step_seconds)
         for name in _BYTE_FIELDS:
             check_bytes(name, getattr(self, name))
 

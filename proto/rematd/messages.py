@@ -321,5 +321,7 @@ def observation(hello: Hello, stats: StepStats) -> StepObservation:
         shape=stats.shape,
         mode_seconds=stats.mode_seconds,
         modes=stats.modes,
+        # A step that compiled a block's variant timed the compile, not the plan.
+        step_seconds=0.0 if stats.recompiles else stats.step_seconds,
         **stats.allocator_figures(),
     )

@@ -56,6 +56,18 @@ class BucketPrice(TypedDict):
     timed_blocks: Annotated[int, Field(description="blocks of this mode timed in this bucket")]
     scale: Annotated[float, Field(description="measured over profiled seconds that price this bucket")]
     last_step: Annotated[int | None, Field(description="the step this mode was last timed in this bucket")]
+    step_share: Annotated[
+        list[float] | None,
+        Field(
+            description="where this bucket's step times moved the price: per group of blocks by position "
+            "(first blocks first), what a block in this mode adds to a step by the step times, as a fraction "
+            "of the step (negative: faster than storing it)"
+        ),
+    ]
+    block_share: Annotated[
+        list[float] | None,
+        Field(description="the same by the per-block prices, where step_share is given"),
+    ]
 
 
 class ModePrice(TypedDict):

@@ -1,0 +1,171 @@
+"""Bounded trials of whole plans, where the step-level prices are unsure whether another plan is faster.
+
+The step-level fit (:mod:`rematd.planner.stepfit`) learns only from plans that run. A plan the per-block
+prices rank lower (recomputing more where storing turns out to cost time, or the same blocks placed
+otherwise) may be faster, and the fit cannot say so until it has run. So, where the fit leaves room for
+another plan that fits to be faster than the one in force, the controller tries it: the plan tried for a
+step, then the plan in force for a step, ``plan_trial_steps`` times over, so that the machine's drift
+falls on both alike and each switch is measured in both directions. A trial stops early once the fit
+says which of the two is faster or knows their difference within ``TIGHT`` of a step; the plan tried is
+kept only where the fit then finds it faster, surely (``SURE`` standard deviations).
+
+What trials cost is bounded: at each table entry, steps running a plan on trial stay within
+``(FREE_TRIALS + 1) x plan_trial_steps + plan_explore_share x steps`` there (a new length has new
+prices to learn, then a share of its steps); a trial starts only from a settled plan, with the
+length's peaks measured, and only with a plan whose predicted peak under the worst recent correction fits
+the target with the loosening slack. Trials end where nothing could be faster by ``MIN_GAIN`` of a step,
+or every candidate is known within ``TIGHT``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rematd.planner.config import ControllerConfig
+from rematd.planner.plan import ShapePlan
+from rematd.planner.units import Mode, letters
+
+SURE = 2.0
+"""Standard deviations by which the fit must find a plan faster for it to overrule the per-block prices."""
+TIGHT = 0.0025
+"""A difference between two plans known within this fraction of a step needs no more trials."""
+MIN_GAIN = 0.005
+"""A plan that cannot be this fraction of a step faster than the one in force is not worth a trial."""
+GIVE_UP_FACTOR = 4
+"""A trial whose length does not come back for this many times its steps is abandoned."""
+FREE_TRIALS = 3
+"""Trials each table entry may run before its share of its steps counts: a new length has new prices."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanTrial:
+    """A plan on trial at one table entry, in turn with the plan in force there."""
+
+    home: ShapePlan
+    """The table entry in force."""
+    tried: ShapePlan
+    """The same entry with the plan tried."""
+    started: int
+    """Steps observed when it started."""
+    saving: float
+    """What the fit expected it to save a step at the start, as a fraction of the step."""
+    sd: float
+    """That expectation's standard deviation, as a fraction of the step."""
+
+    @property
+    def seq(self) -> int:
+        """Longest length of the table entry."""
+        return self.home.max_seq_len
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        """The plan tried."""
+        return self.tried.modes
+
+
+class PlanTrials:
+    """The plan on trial, whose turn it is, and what plan trials have cost."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.trial: PlanTrial | None = None
+        self.steps = 0
+        """Steps observed."""
+        self.trial_steps = 0
+        """Steps that ran a plan on trial."""
+        self.trials = 0
+        """Plan trials started."""
+        self._tried = 0
+        self._last_tried = False
+        self._per_entry: dict[int, list[int]] = {}
+        """Per table entry (its longest length): [steps observed under it, steps that ran a plan on trial]."""
+
+    def note(self, entry: int, ran: tuple[Mode, ...] | None) -> bool:
+        """One step under the table entry up to length ``entry`` that ran ``ran``; True when it ran the plan
+        on trial."""
+        self.steps += 1
+        counts = self._per_entry.setdefault(entry, [0, 0])
+        counts[0] += 1
+        if len(self._per_entry) > 4 * self.config.max_entries:
+            # Entries come and go with the lengths seen: keep the newest ones' counts.
+            del self._per_entry[next(iter(self._per_entry))]
+        trial = self.trial
+        if trial is None or entry != trial.seq or ran is None:
+            return False
+        if ran == trial.modes:
+            self.trial_steps += 1
+            counts[1] += 1
+            self._tried += 1
+            self._last_tried = True
+            return True
+        if ran == trial.home.modes:
+            self._last_tried = False
+        return False
+
+    @property
+    def turn(self) -> ShapePlan | None:
+        """The entry the trial's length should run next: the plan in force after a step of the plan tried,
+        else the plan tried; None with no trial."""
+        trial = self.trial
+        if trial is None:
+            return None
+        return trial.home if self._last_tried else trial.tried
+
+    @property
+    def ran_out(self) -> bool:
+        """Whether the trial has run its steps (the last of them followed by the plan in force), or its
+        length stopped coming."""
+        trial = self.trial
+        if trial is None:
+            return False
+        steps = self.config.plan_trial_steps
+        done = self._tried >= steps and not self._last_tried
+        return done or self.steps - trial.started > GIVE_UP_FACTOR * 2 * steps
+
+    @property
+    def between(self) -> bool:
+        """Whether the last step at the trial's entry ran the plan in force, after at least one of the plan
+        tried: where the fit may be asked whether the trial has settled it."""
+        return self.trial is not None and self._tried > 0 and not self._last_tried
+
+    def may_start(self, entry: int) -> bool:
+        """Whether a new trial at the table entry up to length ``entry`` keeps the steps running plans on
+        trial there within ``(FREE_TRIALS + 1) x plan_trial_steps + plan_explore_share x steps`` there."""
+        cfg = self.config
+        if cfg.plan_explore_share <= 0 or self.trial is not None:
+            return False
+        steps, tried = self._per_entry.get(entry, (0, 0))
+        return tried <= FREE_TRIALS * cfg.plan_trial_steps + cfg.plan_explore_share * steps
+
+    def start(self, trial: PlanTrial) -> None:
+        self.trial, self._tried, self._last_tried = trial, 0, False
+        self.trials += 1
+
+    def stop(self) -> PlanTrial | None:
+        """End the trial in force; the trial, if any."""
+        trial, self.trial = self.trial, None
+        self._tried, self._last_tried = 0, False
+        return trial
+
+
+def trial_reason(trial: PlanTrial, peak_text: str) -> str:
+    return (
+        f"trial of a plan: {letters(trial.modes)} in turn with {letters(trial.home.modes)} at lengths up to "
+        f"{trial.seq}, to measure by step times whether it is faster (the fit expects "
+        f"{_signed(trial.saving)} ± {trial.sd:.1%} of a step); {peak_text}"
+    )
+
+
+def trial_over_reason(trial: PlanTrial, saving: float, sd: float, kept: bool) -> str:
+    verdict = (
+        f"{letters(trial.modes)} kept: measured {saving:.1%} ± {sd:.1%} faster by step times"
+        if kept
+        else f"{letters(trial.home.modes)} stays: {letters(trial.modes)} measured {_signed(saving)} ± {sd:.1%} "
+        "of a step against it by step times"
+    )
+    return f"trial of a plan over at lengths up to {trial.seq}: {verdict}"
+
+
+def _signed(saving: float) -> str:
+    """A saving as people read it: "2.0% faster" or "1.5% slower"."""
+    return f"{abs(saving):.1%} {'faster' if saving >= 0 else 'slower'}"

@@ -1,0 +1,249 @@
+"""The controller's use of step-level prices: learning them from each step's time, letting them overrule
+the per-block prices only where the steps say so surely, trials of plans where they are unsure, and what
+the plan's reason says of it (:mod:`rematd.planner.stepfit`, :mod:`rematd.planner.plan_trials`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rematd.planner.config import ControllerConfig
+from rematd.planner.cost import overhead_ratio
+from rematd.planner.decision import Decision
+from rematd.planner.model import Mode, Profile, Shape, ShapePlan, StepObservation
+from rematd.planner.plan_trials import MIN_GAIN, SURE, TIGHT, PlanTrial, PlanTrials, trial_over_reason, trial_reason
+from rematd.planner.pricing import TablePricing
+from rematd.planner.reasons import human_bytes
+from rematd.planner.shapes import Offsets
+from rematd.planner.stepfit import MIN_NOISE_PAIRS, Posterior, params
+from rematd.planner.units import letters
+
+LOOSEN_SLACK = 0.97
+"""A looser plan, or one on trial, must fit this fraction of the target under the worst recent correction."""
+RECHECK_STEPS = 8
+"""Steps at one table entry between two looks for a plan worth a trial there (each look solves a few times)."""
+
+
+class StepPlanning(TablePricing):
+    """Step-level prices in the controller's decisions."""
+
+    def __init__(self, profile: Profile, config: ControllerConfig | None = None) -> None:
+        super().__init__(profile, config)
+        self._plans = PlanTrials(self.config)
+        self._looked: dict[int, int] = {}
+        """Per table entry, the step it was last looked at for a plan trial."""
+
+    @property
+    def plan_trials(self) -> PlanTrials:
+        """The plan on trial, if any, and what plan trials have cost."""
+        return self._plans
+
+    # -- learning -------------------------------------------------------------
+
+    def _learn_step_time(self, obs: StepObservation, modes: tuple[Mode, ...] | None) -> None:
+        """The step's time, scaled to its bucket's top length, into that bucket's fit; only where the plan
+        that ran is known and a plan of the planner's was in force (not the profiling step)."""
+        seq = obs.shape.seq_len
+        if modes is None or obs.step_seconds <= 0 or not seq or not obs.plan_version:
+            return
+        top = self.bucket_of(seq)
+        self._learned.steps.observe(top, obs.step, obs.step_seconds / self._from_top(seq), modes, self._prior(top))
+
+    def _level(self, seq: int) -> float:
+        """A step's time at ``seq`` by the fit of its bucket (0 where never timed)."""
+        fit = self._learned.steps.fit(self.bucket_of(seq)) if seq else None
+        return fit.level * self._from_top(seq) if fit is not None else 0.0
+
+    # -- overruling the per-block prices --------------------------------------
+
+    def _pays(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int) -> bool:
+        """Whether moving from ``old`` to ``new`` at ``seq`` is worth it on prices: where the per-block
+        prices alone prefer ``new`` (or the steps do not move any price), as before; where only the
+        step-level prices do, when the steps show it faster by ``SURE`` standard deviations."""
+        if not self._offsets(seq):
+            return True
+        if self._extra(new, seq, per_block=True) < self._extra(old, seq, per_block=True):
+            return True
+        saving, sd = self._contrast(old, new, seq)
+        return saving > SURE * sd
+
+    def _step_note(self, entry: ShapePlan, target: int, static: int) -> str:
+        """Where the entry differs from what the per-block prices alone would choose there, because the
+        step-level prices say otherwise: what the steps measured; else ""."""
+        seq = entry.max_seq_len
+        if not self._offsets(seq):
+            return ""
+        per_block = self._solve_at(self._shape(seq), target, static, per_block=True).modes
+        if per_block == entry.modes:
+            return ""
+        saving, sd = self._contrast(per_block, entry.modes, seq)
+        level = self._level(seq)
+        if saving <= 0 or level <= 0:
+            return ""
+        return (
+            f"step times overrule the per-block prices at lengths up to {seq}: {letters(entry.modes)} measured "
+            f"{saving / level:.1%} ± {sd / level:.1%} faster than {letters(per_block)}, which the per-block "
+            f"prices prefer ({self._price_detail(seq, level)})"
+        )
+
+    def _price_detail(self, seq: int, level: float) -> str:
+        """The step-level prices that moved most at ``seq``, against the per-block ones, per block as a
+        fraction of the step: e.g. "recompute on blocks 0-5 -0.4% by step times, +2.9% per block"."""
+        found = self._posterior(seq)
+        if found is None:
+            return ""
+        post, ratio = found
+        prior = self._prior(self.bucket_of(seq))
+        groups, n = self.config.price_groups, self.profile.num_blocks
+        fitted = zip(params(groups), post.mean, prior.mean, strict=True)
+        moved = sorted(((abs(c - p), mode, g, c, p) for (mode, g), c, p in fitted), key=lambda t: -t[0])
+        parts = []
+        for _d, mode, g, c, p in moved[:2]:
+            lo, hi = -(-g * n // groups), -(-(g + 1) * n // groups) - 1
+            parts.append(
+                f"{mode.label} on blocks {lo}-{hi} {c * ratio / level:+.1%} a block by step times, "
+                f"{p * ratio / level:+.1%} by per-block timing"
+            )
+        return "; ".join(parts)
+
+    def step_shares(self, top: int) -> dict[Mode, tuple[tuple[float, ...], tuple[float, ...]]]:
+        """Per mode, per position group: what a block in that mode adds to a step at the bucket of ``top``
+        by the step-level fit, and by the per-block prices, as fractions of the step; {} where the steps
+        there do not yet move any price."""
+        found = self._posterior(top)
+        level = self._level(top)
+        if found is None or level <= 0 or not self._offsets(top):
+            return {}
+        post, ratio = found
+        prior = self._prior(self.bucket_of(top))
+        out: dict[Mode, tuple[list[float], list[float]]] = {}
+        for (mode, _g), c, p in zip(params(self.config.price_groups), post.mean, prior.mean, strict=True):
+            step, block = out.setdefault(mode, ([], []))
+            step.append(round(c * ratio / level, 6))
+            block.append(round(p * ratio / level, 6))
+        return {m: (tuple(s), tuple(b)) for m, (s, b) in out.items()}
+
+    # -- trials of plans ------------------------------------------------------
+
+    def _start_plan_trial(
+        self, obs: StepObservation, entry: ShapePlan | None, target: int, measured: bool
+    ) -> Decision | None:
+        """A trial of the plan that could most be faster than ``entry`` (the one the step ran with), where
+        the fit leaves room for one and trials have not had their share; None otherwise."""
+        plans = self._plans
+        seq = entry.max_seq_len if entry is not None else 0
+        if entry is None or not measured or self._learned.headroom_steps or not plans.may_start(seq):
+            return None
+        if obs.step - self._looked.get(seq, -RECHECK_STEPS) < RECHECK_STEPS:
+            return None
+        self._looked[seq] = obs.step
+        found = self._best_candidate(entry, target, obs.static_bytes)
+        if found is None:
+            return None
+        modes, saving, sd = found
+        tried = self._replaced(entry, modes, obs.static_bytes)
+        trial = PlanTrial(home=entry, tried=tried, started=plans.steps, saving=saving, sd=sd)
+        plans.start(trial)
+        table = [tried if e is entry else e for e in self.table]
+        peak = f"predicted {human_bytes(tried.predicted_peak_bytes)} of the {human_bytes(target)} target"
+        return self._decision(table, obs.shape, target, obs.static_bytes, trial_reason(trial, peak))
+
+    def _step_plan_trial(self, obs: StepObservation, target: int) -> Decision:
+        """The plan trial in force, a step on: its next turn, or its end (the plan tried kept where the steps
+        found it surely faster, else the plan in force put back)."""
+        plans = self._plans
+        trial = plans.trial
+        assert trial is not None
+        static = obs.static_bytes
+        if plans.between or plans.ran_out:
+            saving, sd = self._contrast(trial.home.modes, trial.modes, trial.seq)
+            level = self._level(trial.seq) or 1.0
+            if plans.ran_out or sd < TIGHT * level or abs(saving) > SURE * sd:
+                plans.stop()
+                kept = saving > SURE * sd and self._fits(trial.modes, self._shape(trial.seq), target, static)
+                if kept:
+                    self.table = tuple(trial.tried if e is trial.home else e for e in self.table)
+                reason = trial_over_reason(trial, saving / level, sd / level, kept)
+                return self._decision(list(self.table), obs.shape, target, static, reason)
+        turn = plans.turn
+        table = [turn if e is trial.home and turn is not None else e for e in self.table]
+        return self._decision(table, obs.shape, target, static, trial_reason(trial, "in turn"))
+
+    def _best_candidate(
+        self, entry: ShapePlan, target: int, static: int
+    ) -> tuple[tuple[Mode, ...], float, float] | None:
+        """The plan that fits for a trial and could most be faster than ``entry`` by the fit (its saving
+        plus ``SURE`` standard deviations), where that is at least ``MIN_GAIN`` of a step and the
+        difference is not yet known within ``TIGHT``: its modes, expected saving and standard deviation
+        (fractions of a step); None when no plan qualifies."""
+        seq = entry.max_seq_len
+        fit = self._learned.steps.fit(self.bucket_of(seq))
+        found = self._posterior(seq)
+        level = self._level(seq)
+        if fit is None or found is None or fit.noise_pairs < MIN_NOISE_PAIRS or level <= 0:
+            return None
+        shape = self._shape(seq)
+        slack = int(target * LOOSEN_SLACK)
+        ceiling = self._learned.ceiling(seq)
+        at = self._at(shape)
+        best: tuple[float, tuple[Mode, ...], float, float] | None = None
+        for modes in self._candidates(shape, slack, static, *found, level):
+            below = ceiling is None or at.cost(modes)[0] < ceiling
+            if modes == entry.modes or not below or not self._fits(modes, shape, slack, static, pessimistic=True):
+                continue
+            saving, sd = self._contrast(entry.modes, modes, seq)
+            if sd < TIGHT * level or saving + SURE * sd < MIN_GAIN * level:
+                continue
+            if best is None or saving + SURE * sd > best[0]:
+                best = (saving + SURE * sd, modes, saving / level, sd / level)
+        return best[1:] if best is not None else None
+
+    def _candidates(
+        self, shape: Shape, target: int, static: int, post: Posterior, ratio: float, level: float
+    ) -> list[tuple[Mode, ...]]:
+        """Plans that fit ``target``: the best by the fit's prices, and the best were any one fitted price
+        as low as the fit leaves room for (``SURE`` standard deviations below its mean) where that room
+        is wider than ``TIGHT`` of a step."""
+        out = [self._solve_at(shape, target, static).modes]
+        prior = self._prior(self.bucket_of(shape.seq_len))
+        base = [c - p for c, p in zip(post.mean, prior.mean, strict=True)]
+        usable = self._usable_modes()
+        fitted = params(self.config.price_groups)
+        room = [SURE * math.sqrt(max(0.0, post.cov[k][k])) for k in range(len(fitted))]
+        moves: list[dict[int, float]] = []
+        for mode in usable:
+            # The mode cheaper on every group at once, then on one group, or dearer on one (which moves
+            # its blocks to the other groups).
+            mine = [k for k, (m, _g) in enumerate(fitted) if m == mode and room[k] * ratio >= TIGHT * level]
+            if len(mine) > 1:
+                moves.append({k: -room[k] for k in mine})
+            moves.extend({k: sign * room[k]} for k in mine for sign in (-1.0, 1.0))
+        for move in moves:
+            moved = [d + move.get(k, 0.0) for k, d in enumerate(base)]
+            modes = self._solve_at(shape, target, static, offsets=self._as_offsets(moved, ratio)).modes
+            if modes not in out:
+                out.append(modes)
+        return out
+
+    def _usable_modes(self) -> frozenset[Mode]:
+        """The modes beyond storing the solver may choose for some block."""
+        offered = {o.mode for b in self.profile.blocks for o in b.mode_costs()} - {Mode.STORE}
+        allowed = self.config.allowed_modes
+        return frozenset(offered if allowed is None else offered & allowed)
+
+    def _as_offsets(self, added: list[float], ratio: float) -> Offsets:
+        by_mode: dict[Mode, list[float]] = {}
+        for (mode, _g), d in zip(params(self.config.price_groups), added, strict=True):
+            by_mode.setdefault(mode, []).append(d * ratio)
+        return tuple((m, tuple(v)) for m, v in by_mode.items() if any(v))
+
+    def _replaced(self, entry: ShapePlan, modes: tuple[Mode, ...], static: int) -> ShapePlan:
+        """``entry`` running ``modes``, with their predicted peak and overhead."""
+        at = self._at(self._shape(entry.max_seq_len))
+        peak, extra = at.cost(modes)
+        return dataclasses.replace(
+            entry,
+            modes=modes,
+            predicted_peak_bytes=static + at.other_bytes + peak,
+            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
+        )

@@ -1,0 +1,391 @@
+"""Step-level prices: the planner learns what a plan costs the whole step from step times, and plans by
+it where the per-block timings miss it, with a synthetic step-time oracle and a fake clock.
+
+The oracle's truth differs from what the per-block timings show: at one length storing a block costs
+the step more than recomputing it (stored activations come back from memory), at another what storing
+costs depends on the block's position (the first blocks' activations wait longest), so placement
+matters. Each step's time is the truth times a slow drift and per-step noise; the blocks' own timings
+see only the recomputation. Nothing here sleeps or reads a clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from rematd.planner import (
+    BlockCost,
+    Controller,
+    ControllerConfig,
+    Mode,
+    ModeCost,
+    ModeSeconds,
+    PlannerSession,
+    Profile,
+    Shape,
+    Size,
+    StepObservation,
+    Term,
+    letters,
+)
+from rematd.planner.controller import LOOSEN_SLACK
+from rematd.planner.cost import choose, peak_of
+from rematd.planner.model import Option
+from rematd.planner.plan_trials import FREE_TRIALS
+from rematd.planner.solvers import solve
+from rematd.planner.stepfit import MIN_PAIRS, Prior, StepFit, StepPrices, counts
+
+S, R = Mode.STORE, Mode.RECOMPUTE
+N = 8
+FORWARD = 0.01
+REF = Shape(batch=2, seq_len=64, tokens=128)
+PLACED, STORING_SLOW = 64, 128
+"""The length where placement matters, and the one where storing costs more than recomputing."""
+BUDGET = 6000
+STEPS_TO_CONVERGE = 120
+"""Steps of a new length within which the plan in force is the oracle's best, and stays it."""
+
+
+def fixed(n: int) -> Size:
+    """``n`` bytes at every length: the budget binds alike at both lengths, only the truth differs."""
+    return Size((Term(n, 0, 0),))
+
+
+def profile() -> Profile:
+    """Eight alike blocks: storing keeps 1000 bytes, recomputing 100 (and brings 1000 back in backward)
+    and adds one forward, 10 ms: storing is free by the per-block prices."""
+    block = BlockCost(
+        saved_bytes=1000,
+        input_bytes=100,
+        forward_seconds=FORWARD,
+        modes=(
+            ModeCost(mode=S, kept=fixed(1000)),
+            ModeCost(mode=R, kept=fixed(100), transient=fixed(1000), extra_seconds=FORWARD),
+        ),
+    )
+    return Profile(blocks=(block,) * N, shape=REF)
+
+
+def store_cost(block: int, seq: int) -> float:
+    """What storing a block truly costs the step: 1.5 forwards everywhere where storing is slow; where
+    placement matters, up to 0.6 of a forward, the more the earlier the block."""
+    if seq == STORING_SLOW:
+        return 1.5 * FORWARD
+    return 0.6 * FORWARD * (N - 1 - block) / (N - 1)
+
+
+def true_seconds(modes: tuple[Mode, ...], seq: int, storing: Callable[[int, int], float] = store_cost) -> float:
+    """The oracle: a step of three forwards per block, plus what each block's mode truly costs."""
+    return 3 * N * FORWARD + sum(FORWARD if m == R else storing(i, seq) for i, m in enumerate(modes))
+
+
+def predicted(modes: tuple[Mode, ...], seq: int) -> int:
+    return peak_of(choose(profile().options_at(Shape(batch=2, seq_len=seq, tokens=2 * seq)), modes))
+
+
+def oracle_best(seq: int, limit: int) -> tuple[Mode, ...]:
+    """The truly fastest plan whose peak is within ``limit``: every plan of store and recompute tried."""
+    plans = [p for p in itertools.product((S, R), repeat=N) if predicted(p, seq) <= limit]
+    return min(plans, key=lambda p: true_seconds(p, seq))
+
+
+@dataclass
+class Job:
+    """A training job under the oracle: each step runs the plan in force and reports its time."""
+
+    session: PlannerSession
+    noise: float = 0.01
+    """Each step's time off the truth by this fraction (standard deviation), at random."""
+    drift: float = 0.05
+    """And by a slow drift of up to this fraction, the machine's load coming and going."""
+    seed: int = 0
+    storing: Callable[[int, int], float] = store_cost
+    """What storing block ``i`` truly costs a step of length ``seq``."""
+    step: int = 0
+    peaks: list[int] = field(default_factory=list)
+    history: list[tuple[int, int, tuple[Mode, ...]]] = field(default_factory=list)
+    """(step, length, modes run) of every step."""
+    reasons: list[str] = field(default_factory=list)
+
+    def run(self, steps: int, seq: int, *, timed: bool = True) -> None:
+        rng = random.Random(self.seed * 100_000 + self.step)
+        for _ in range(steps):
+            shape = Shape(batch=2, seq_len=seq, tokens=2 * seq)
+            modes = self.session.plan.modes_for(shape, N)
+            peak = predicted(modes, seq)
+            seconds = true_seconds(modes, seq, self.storing) * (1 + self.drift * math.sin(self.step / 30))
+            seconds *= 1 + rng.gauss(0.0, self.noise)
+            rec = modes.count(R)
+            plan = self.session.observe(
+                StepObservation(
+                    step=self.step,
+                    peak_bytes=peak,
+                    budget_bytes=BUDGET,
+                    shape=shape,
+                    plan_version=self.session.plan.version,
+                    mode_seconds=(ModeSeconds(R, rec, rec * FORWARD, forward_seconds=rec * FORWARD),) if rec else (),
+                    step_seconds=seconds if timed else 0.0,
+                )
+            )
+            if plan is not None:
+                self.reasons.append(plan.reason)
+            self.peaks.append(peak)
+            self.history.append((self.step, seq, modes))
+            self.step += 1
+
+    def in_force_since(self, seq: int) -> tuple[tuple[Mode, ...], int]:
+        """The modes the last step of length ``seq`` ran, and the first step from which every step of that
+        length ran them."""
+        runs = [(s, m) for s, q, m in self.history if q == seq]
+        last = runs[-1][1]
+        since = runs[-1][0]
+        for s, m in reversed(runs):
+            if m != last:
+                break
+            since = s
+        return last, since
+
+
+def new_job(seed: int = 0, noise: float = 0.01, config: ControllerConfig | None = None) -> Job:
+    return Job(PlannerSession(profile(), budget_bytes=BUDGET, config=config or ControllerConfig()), noise, seed=seed)
+
+
+def loosening_limit() -> int:
+    """What a plan adopted on the step times must fit: the settled target under the loosening slack."""
+    cfg = ControllerConfig()
+    return cfg.settled_target(int(cfg.target_bytes(BUDGET) * LOOSEN_SLACK))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_planner_converges_to_the_oracles_best_plan_at_each_length(seed: int) -> None:
+    job = new_job(seed)
+    limit = loosening_limit()
+    per_block = job.session.plan.modes_for(Shape(batch=2, seq_len=STORING_SLOW, tokens=2 * STORING_SLOW), N)
+    phases = [(STORING_SLOW, 150), (PLACED, 200)]
+    for seq, steps in phases:
+        start = job.step
+        job.run(steps, seq)
+        best = oracle_best(seq, limit)
+        modes, since = job.in_force_since(seq)
+        assert modes == best, f"at {seq}: {letters(modes)}, the oracle's best is {letters(best)}"
+        assert since - start <= STEPS_TO_CONVERGE, f"at {seq} converged only at step {since - start} of the length"
+    # Where storing is slow the best plan recomputes every block, which the per-block prices never choose.
+    assert oracle_best(STORING_SLOW, limit) == (R,) * N != per_block
+    # Where placement matters it recomputes the first blocks, where the per-block prices spread them.
+    assert oracle_best(PLACED, limit) == (R, R, R, S, S, S, S, S)
+    assert max(job.peaks) <= BUDGET, "no step, trials included, crossed the budget"
+    trials = job.session.controller.plan_trials
+    cfg = job.session.controller.config
+    bound = len(phases) * (FREE_TRIALS + 1) * cfg.plan_trial_steps + cfg.plan_explore_share * job.step
+    assert 0 < trials.trial_steps <= bound
+    assert any("step times overrule the per-block prices" in r or "kept: measured" in r for r in job.reasons)
+
+
+def test_steps_that_only_confirm_the_per_block_prices_change_no_plan() -> None:
+    # The truth is what the per-block prices say (storing free, recomputing one forward): step times
+    # are noise around it, which must never move the plan.
+    job = new_job(seed=7, noise=0.03)
+    job.storing = lambda block, seq: 0.0
+    job.run(120, STORING_SLOW)
+    job.run(120, PLACED)
+    for seq in (STORING_SLOW, PLACED):
+        modes, _ = job.in_force_since(seq)
+        assert modes.count(R) == 3, f"at {seq} the plan recomputes as few blocks as fit: {letters(modes)}"
+    assert not any("step times overrule" in r for r in job.reasons), job.reasons
+
+
+def test_without_step_times_plans_are_the_per_block_prices_alone() -> None:
+    timed, untimed = new_job(), new_job()
+    untimed.run(150, STORING_SLOW, timed=False)
+    timed.run(150, STORING_SLOW)
+    modes, _ = untimed.in_force_since(STORING_SLOW)
+    assert modes.count(R) == 3 and untimed.session.controller.plan_trials.trials == 0
+    assert timed.in_force_since(STORING_SLOW)[0] == (R,) * N
+
+
+def test_no_plan_trials_when_they_are_off_and_the_fit_still_learns() -> None:
+    job = new_job(config=ControllerConfig(plan_explore_share=0.0))
+    job.run(150, STORING_SLOW)
+    assert job.session.controller.plan_trials.trials == 0
+    fit = job.session.controller._learned.steps.fit(STORING_SLOW)
+    assert fit is not None and fit.noise_pairs > 15  # decayed: at most 1 / (1 - NOISE_DECAY)
+
+
+def test_the_fit_recovers_the_true_prices_from_alternating_plans() -> None:
+    # Two groups, one mode: recomputing costs -2 ms on the first group and +6 ms on the second (per
+    # block), the prior says +10 ms for both; plans in turn, two steps each (the second of a pair
+    # measures the noise), and a drifting baseline.
+    prices = StepPrices(groups=2)
+    prior = Prior(mean=(0.0, 0.0, 0.01, 0.01, 0.0, 0.0, 0.0, 0.0), spread=(0.01,) * 8)
+    truth = {0: -0.002, 1: 0.006}
+    plans = [(R, R, S, S), (S, S, R, R), (R, S, R, S), (S, S, S, S)]
+    rng = random.Random(3)
+    for step in range(400):
+        modes = plans[step // 2 % len(plans)]
+        seconds = 1.0 + 0.1 * math.sin(step / 50) + rng.gauss(0.0, 0.002)
+        seconds += sum(truth[i * 2 // 4] for i, m in enumerate(modes) if m == R)
+        prices.observe(256, step, seconds, modes, prior)
+    post = prices.posterior(256, prior)
+    assert post is not None
+    recompute = [post.mean[k] for k, p in enumerate(counts((R,) * 4, 2)) if p]
+    assert recompute == pytest.approx([truth[0], truth[1]], abs=5e-4)
+    offsets = prices.offsets(256, prior)
+    assert offsets is not None and offsets[2] < -0.01 and -0.006 < offsets[3] < -0.002
+
+
+def test_a_steady_plan_measures_only_the_noise() -> None:
+    fit = StepFit(8)
+    prior = Prior(mean=(0.01,) * 8, spread=(0.01,) * 8)
+    for step in range(50):
+        fit.observe(step, 1.0 + 0.01 * (step % 2), (0, 0, 2, 1, 0, 0, 0, 0), prior)
+    assert fit.pairs == 0 and fit.noise_pairs > 15 and not fit.informed
+    assert fit.posterior(prior).mean == pytest.approx(prior.mean)
+    # A step offered again (a new budget, same step) is not taken twice; one far later is not paired.
+    fit.observe(49, 5.0, (0, 0, 0, 0, 0, 0, 0, 0), prior)
+    fit.observe(500, 5.0, (0, 0, 0, 0, 0, 0, 0, 0), prior)
+    assert fit.pairs == 0
+
+
+def test_step_prices_survive_a_restart_of_the_planner() -> None:
+    job = new_job()
+    job.run(60, STORING_SLOW)
+    controller = job.session.controller
+    state = json.loads(json.dumps(controller.export_state()))
+    assert state["step_prices"]["groups"] == 2 and state["step_prices"]["buckets"]
+    fresh = Controller(profile())
+    fresh.initial(budget_bytes=BUDGET)
+    fresh.restore_state(state)
+    assert fresh.export_state() == controller.export_state()
+    assert fresh._offsets(STORING_SLOW) == controller._offsets(STORING_SLOW) != ()
+    assert fresh.step_shares(STORING_SLOW) == controller.step_shares(STORING_SLOW) != {}
+
+
+def test_a_state_saved_before_step_prices_restores_without_them() -> None:
+    job = new_job()
+    job.run(60, STORING_SLOW)
+    state = job.session.controller.export_state()
+    old = {k: v for k, v in state.items() if k != "step_prices"}
+    fresh = Controller(profile())
+    fresh.initial(budget_bytes=BUDGET)
+    fresh.restore_state(old)
+    assert fresh.export_state()["step_prices"] == {"groups": 2, "buckets": []}
+    assert fresh.export_state()["timing"] == state["timing"]
+
+
+def _fit_state() -> dict[str, object]:
+    job = new_job()
+    job.run(40, STORING_SLOW)
+    state = job.session.controller.export_state()["step_prices"]
+    assert isinstance(state, dict)
+    return state
+
+
+def _with(state: dict[str, object], **fit: object) -> dict[str, object]:
+    buckets = state["buckets"]
+    assert isinstance(buckets, list)
+    top, sums = buckets[0]
+    return {**state, "buckets": [[top, {**sums, **fit}]]}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda s: {**s, "groups": 3}, "step_prices.groups"),
+        (lambda s: {**s, "buckets": {}}, "step_prices.buckets"),
+        (lambda s: {**s, "buckets": [[0, s["buckets"][0][1]]]}, "step_prices.buckets has a bad"),
+        (lambda s: {**s, "buckets": [s["buckets"][0], s["buckets"][0]]}, "repeated length"),
+        (lambda s: {**s, "buckets": [[128]]}, r"\[length, fit\] pairs"),
+        (lambda s: _with(s, sxx=[[0.0] * 8] * 7), r"step_prices.buckets\[128\].sxx"),
+        (lambda s: _with(s, sxx=[[1.0 if j == 1 else 0.0 for j in range(8)]] + [[0.0] * 8] * 7), "symmetric"),
+        (lambda s: _with(s, sxy=[float("nan")] * 8), r"buckets\[128\].sxy"),
+        (lambda s: _with(s, pairs=-1.0), r"buckets\[128\].pairs"),
+        (lambda s: _with(s, noise="x"), r"buckets\[128\].noise"),
+        (lambda s: _with(s, level=float("inf")), r"buckets\[128\].level"),
+        (lambda s: _with(s, last=[1, 0.5]), r"buckets\[128\].last"),
+        (lambda s: _with(s, last=[1, 0.5, [1] * 7]), r"last.features"),
+        (lambda s: _with(s, last=[-1, 0.5, [0] * 8]), r"last.step"),
+        (lambda s: _with(s, last=[1, 0.5, [True] * 8]), r"last.features"),
+        (lambda s: "nope", "step_prices must be an object"),
+    ],
+)
+def test_a_malformed_step_price_state_is_refused_naming_it_and_changes_nothing(change: object, named: str) -> None:
+    state = _fit_state()
+    job = new_job()
+    job.run(40, STORING_SLOW)
+    controller = job.session.controller
+    before = controller.export_state()
+    assert callable(change)
+    with pytest.raises(ValueError, match=named):
+        controller.restore_state({**before, "step_prices": change(state)})
+    assert controller.export_state() == before
+
+
+def test_prices_say_where_step_times_moved_a_price() -> None:
+    job = new_job()
+    job.run(150, STORING_SLOW)
+    by_mode = {p["mode"]: p for p in job.session.prices()}
+    buckets = by_mode["recompute"]["buckets"]
+    assert isinstance(buckets, list)
+    bucket = next(b for b in buckets if b["max_seq_len"] == STORING_SLOW)
+    step, block = bucket["step_share"], bucket["block_share"]
+    assert isinstance(step, list) and isinstance(block, list) and len(step) == len(block) == 2
+    # Recomputing a block measured faster than storing it: a negative price, where per block it costs.
+    assert all(s < 0 < b for s, b in zip(step, block, strict=True)), (step, block)
+
+
+def test_step_level_prices_below_zero_are_solved_exactly_beyond_the_exact_solvers_size() -> None:
+    # 16 blocks (the knapsack's side): recomputing measured 2 ms faster than storing on the first half,
+    # dearer on the second. The cheapest plan recomputes the first half whatever the budget asks for less.
+    opts = [
+        [Option(S, 1000, 0, 0.0, group=i // 8), Option(R, 100, 1000, -0.002 if i < 8 else 0.01, group=i // 8)]
+        for i in range(16)
+    ]
+    for target in (16_000, 14_000, 12_000):
+        choice = solve(opts, target)
+        assert choice.fits and choice.modes[:8] == (R,) * 8, (target, letters(choice.modes))
+        assert choice.extra_seconds == pytest.approx(sum(o.seconds for o in choose(opts, choice.modes)))
+        exact = solve(opts, target, exact=True)
+        assert exact.extra_seconds == pytest.approx(choice.extra_seconds)
+
+
+def test_a_plan_trial_says_what_it_tries_and_ends_with_a_verdict() -> None:
+    job = new_job()
+    job.run(150, STORING_SLOW)
+    started = [r for r in job.reasons if r.startswith("trial of a plan:")]
+    over = [r for r in job.reasons if r.startswith("trial of a plan over")]
+    assert started and over
+    assert "to measure by step times whether it is faster" in started[0]
+    assert "RRRRRRRR kept: measured" in over[-1] and "faster by step times" in over[-1]
+
+
+def test_the_plan_trial_bound_holds_when_every_plan_looks_worth_a_trial() -> None:
+    # Pure noise of 20% a step: the fit stays unsure, and trials want to run forever.
+    cfg = ControllerConfig(plan_explore_share=0.05)
+    job = new_job(seed=5, noise=0.2, config=cfg)
+    for k in range(6):
+        job.run(60, (STORING_SLOW, PLACED)[k % 2])
+    trials = job.session.controller.plan_trials
+    assert trials.trials >= 2
+    assert trials.trial_steps <= 2 * (FREE_TRIALS + 1) * cfg.plan_trial_steps + cfg.plan_explore_share * job.step
+    assert max(job.peaks) <= BUDGET
+
+
+def test_the_fit_needs_pairs_of_differing_plans_before_it_moves_a_price() -> None:
+    fit = StepFit(8)
+    prior = Prior(mean=(0.01,) * 8, spread=(0.01,) * 8)
+    step = 0
+    for _ in range(10):
+        fit.observe(step, 1.0, (0, 0, 2, 1, 0, 0, 0, 0), prior)
+        step += 1
+    fit.observe(step, 0.9, (0, 0, 3, 1, 0, 0, 0, 0), prior)
+    assert fit.pairs == 1 < MIN_PAIRS and not fit.informed
+    restored = StepFit.restored(json.loads(json.dumps(fit.export())), 8, "x")
+    assert restored.export() == fit.export()
+    assert dataclasses.asdict(restored.posterior(prior)) == dataclasses.asdict(fit.posterior(prior))
