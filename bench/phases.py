@@ -4,24 +4,31 @@
     python -m bench.phases --quick             # a small model, for a smoke run
 
 One budget per job (a fraction of what no checkpointing saves for backward at
-the longest length), held while the length changes phase by phase, as in
-``rematd demo``. The contenders step in turn, round after round: no
-checkpointing, rematd at each budget, and at each length the static plans a
-user would write (all-selective, every 2nd and 3rd block, and for each budget
-the fewest leading blocks recomputed, selective, or recomputed with the rest
-selective, that fit by the profile). A static plan counts as fitting when its
-measured peak (saved-tensor accounting) is within the budget. Reported per
-budget and length: rematd's step time over no checkpointing's and over the
-fastest static plan that fits (medians over the phase's last rounds of each
-round's ratio), and over its own plan pinned from the first measured round
-(what adapting costs beyond the plan's work), its plan, its largest peak and its steps over the budget
-(warm-up and trials included), and the trial steps it spent.
+the longest length, ``--budgets``), held while the length changes phase by
+phase, as in ``rematd demo``. The contenders step in turn, round after round:
+no checkpointing, rematd at each budget, and at each length the static plans a
+user would write (all-selective, all-recompute, every 2nd, 3rd and 4th block
+recomputed, and for each budget the fewest leading blocks recomputed,
+selective, or recomputed with the rest selective, that fit by the profile,
+every larger count of leading blocks recomputed, and the fewest recomputed
+blocks spread evenly). A static plan counts as fitting when its measured peak
+(saved-tensor accounting) is within the budget. Reported per budget and length:
+rematd's step time over no checkpointing's and over the fastest static plan
+that fits (medians over the phase's last rounds of each round's ratio, with
+their quartiles), whether that is within 1.03 with no step over the budget,
+and over its own plan pinned from the first measured round (what adapting
+costs beyond the plan's work), its plan, its largest peak and its steps over
+the budget (warm-up and trials included), and the trial steps it spent (of
+modes and of plans). The load average before and after is printed beside the
+table.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,8 +41,12 @@ from rematd.client.accounting import SavedTensorAccounting
 from rematd.planner import Mode, Profile, Shape, letters
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.plan import entry_for
+from rematd.planner.spread import spread
 
 S, K, R = Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE
+TARGET = 1.03
+"""rematd's step over the fastest static plan that fits, at most (the median of the rounds' ratios)."""
+EVERY = ((2, "nd"), (3, "rd"), (4, "th"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,21 +66,34 @@ class Setup:
 
 
 def families(n: int, profile: Profile, shape: Shape, budget: int) -> dict[str, tuple[Mode, ...]]:
-    """The static plans tried at ``shape``: the fixed ones, and per family the fewest leading blocks that
-    fit ``budget`` by the profile (leading blocks: their kept bytes are released last, so they fit best)."""
+    """The static plans tried at ``shape``: the fixed ones (all-selective, all-recompute, every 2nd, 3rd
+    and 4th block recomputed); per family the fewest leading blocks that fit ``budget`` by the profile
+    (leading blocks: their kept bytes are released last, so they fit best), recomputed, selective, or
+    recomputed with the rest selective; every count of leading blocks recomputed from that fewest up (more
+    recomputation can be faster where storing costs time); and the fewest recomputed blocks spread evenly."""
     plans = {
         "all-selective": (K,) * n,
-        "every-2nd": tuple(R if i % 2 == 0 else S for i in range(n)),
-        "every-3rd": tuple(R if i % 3 == 0 else S for i in range(n)),
+        "all-recompute": (R,) * n,
+        **{f"every-{k}{suffix}": tuple(R if i % k == 0 else S for i in range(n)) for k, suffix in EVERY},
     }
     options = profile.options_at(shape)
     other = profile.other_at(shape)
+
+    def fits(modes: tuple[Mode, ...]) -> bool:
+        return peak_of(choose(options, modes), outside_bytes=other, outside_in_backward=False) <= budget
+
     for name, head, tail in (("first-m R", R, S), ("first-m s", K, S), ("first-m R, rest s", R, K)):
-        for m in range(1, n + 1):  # none of them (m = 0) is storing every block, already a contender
-            modes = (head,) * m + (tail,) * (n - m)
-            if peak_of(choose(options, modes), outside_bytes=other, outside_in_backward=False) <= budget:
-                plans[name.replace("m", str(m))] = modes
-                break
+        fewest = next((m for m in range(1, n + 1) if fits((head,) * m + (tail,) * (n - m))), None)
+        if fewest is None:
+            continue  # none of them (m = 0) is storing every block, already a contender
+        plans[name.replace("m", str(fewest))] = (head,) * fewest + (tail,) * (n - fewest)
+        if head == R and tail == S:
+            for m in range(fewest + 1, n):
+                plans[f"first-{m} R"] = (R,) * m + (S,) * (n - m)
+            spread_out = set(spread(list(range(n)), fewest))
+            modes = tuple(R if i in spread_out else S for i in range(n))
+            if fits(modes):
+                plans[f"spread-{fewest} R"] = modes
     return plans
 
 
@@ -108,7 +132,8 @@ class Ours:
     runner: Runner
     budget: int
     over: int = 0
-    trials_before: int = 0
+    trials_before: tuple[int, int] = (0, 0)
+    """Steps the session had spent on trials of modes and of plans when the phase began."""
 
     @property
     def session(self) -> Any:
@@ -134,9 +159,22 @@ def pin_statics(statics: dict[str, Runner], plans: dict[str, tuple[Mode, ...]], 
         statics.setdefault(name, attach(setup, 2**50)).pin(modes, tokens(setup.batch, seq, 0))
 
 
+def per_round(times: list[float], base: list[float], steps: int) -> list[float]:
+    """Each of the last ``steps`` rounds' step time over ``base``'s in the same round."""
+    return [t / b for t, b in zip(times[-steps:], base[-steps:], strict=True)]
+
+
 def ratio_to(r: Runner, base: list[float], steps: int) -> float:
     """Median over the last ``steps`` rounds of each round's step time over no checkpointing's."""
-    return median([t / b for t, b in zip(r.times[-steps:], base[-steps:], strict=True)])
+    return median(per_round(r.times, base, steps))
+
+
+def spread_of(xs: list[float]) -> str:
+    """The interquartile range of ``xs``, as people read it: "0.98-1.04"."""
+    if len(xs) < 2:
+        return ""
+    q1, _, q3 = statistics.quantiles(xs, n=4)
+    return f"{q1:.3f}-{q3:.3f}"
 
 
 def pin_same(runner: Runner, ours: Ours, data: torch.Tensor) -> tuple[Runner, tuple[Mode, ...]]:
@@ -146,8 +184,8 @@ def pin_same(runner: Runner, ours: Ours, data: torch.Tensor) -> tuple[Runner, tu
     return runner, modes
 
 
-Measured = dict[str, tuple[float, int, str]]
-"""Per static plan: its ratio to no checkpointing, its largest peak, its modes."""
+Measured = dict[str, tuple[float, int, str, list[float]]]
+"""Per static plan: its ratio to no checkpointing, its largest peak, its modes, its measured step times."""
 
 
 def phase_row(
@@ -161,38 +199,47 @@ def phase_row(
     same: tuple[Runner, tuple[Mode, ...]] | None,
 ) -> dict[str, Any]:
     """One budget at one length: rematd against the fastest static plan that fits and torch.compile's budget."""
-    r, budget = ours.runner, ours.budget
-    mine = ratio_to(r, base, setup.steps)
+    r, budget, steps = ours.runner, ours.budget, setup.steps
+    mine = per_round(r.times, base, steps)
     fitting = {k: v for k, v in statics.items() if v[1] <= budget}
     best = min(fitting.items(), key=lambda kv: kv[1][0]) if fitting else None
     measured = r.peaks[-1]
     predicted = ours.predicted(Shape(batch=setup.batch, seq_len=seq, tokens=setup.batch * seq))
+    controller = ours.session.controller
+    # rematd over the fastest static plan that fits, round by round (both stepped in every round).
+    vs_best = per_round(r.times, best[1][3], steps) if best else []
     row: dict[str, Any] = {
         "budget_ratio": ratio,
         "budget_mib": budget / MiB,
         "seq": seq,
-        "rematd_ratio": mine,
+        "rematd_ratio": median(mine),
+        "rematd_spread": spread_of(mine),
         "rematd_modes": letters(r.handle.modes),  # type: ignore[union-attr]
-        "rematd_peak_mib": max(r.peaks[-setup.steps :]) / MiB,
+        "rematd_peak_mib": max(r.peaks[-steps:]) / MiB,
         "predicted_peak_mib": predicted / MiB,
         "predicted_error": predicted / measured - 1.0 if measured else None,
         "steps_over_budget": ours.over,
-        "trial_steps": ours.session.controller.explorer.trial_steps - ours.trials_before,
+        "mode_trial_steps": controller.explorer.trial_steps - ours.trials_before[0],
+        "plan_trial_steps": controller.plan_trials.trial_steps - ours.trials_before[1],
         "best_static": best[0] if best else "none fits",
         "best_static_modes": best[1][2] if best else "",
         "best_static_ratio": best[1][0] if best else None,
-        "vs_best_static": mine / best[1][0] if best else None,
-        "static": {k: {"ratio": v[0], "peak_mib": v[1] / MiB} for k, v in statics.items()},
+        "best_static_spread": spread_of(per_round(best[1][3], base, steps)) if best else "",
+        "vs_best_static": median(vs_best) if best else None,
+        "vs_best_spread": spread_of(vs_best),
+        "met": bool(best) and median(vs_best) <= TARGET and ours.over == 0,
+        "static": {k: {"ratio": v[0], "peak_mib": v[1] / MiB, "modes": v[2]} for k, v in statics.items()},
     }
+    row["trial_steps"] = row["mode_trial_steps"] + row["plan_trial_steps"]
     if same is not None:
         # rematd's own plan, pinned from the first measured round: what rematd adds beyond its plan's work.
         row["same_plan_modes"] = letters(same[1])
         row["same_plan_ratio"] = ratio_to(same[0], base, setup.steps)
-        row["vs_same_plan"] = mine / row["same_plan_ratio"]
+        row["vs_same_plan"] = median(per_round(r.times, same[0].times, steps))
     if compiled is not None:
         row["compile_ratio"] = ratio_to(compiled, base, setup.steps)
         row["compile_peak_mib"] = max(compiled.peaks[-setup.steps :]) / MiB
-        row["vs_compile"] = mine / row["compile_ratio"]
+        row["vs_compile"] = median(per_round(r.times, compiled.times, steps))
     return row
 
 
@@ -213,7 +260,8 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
         plans: dict[str, tuple[Mode, ...]] = {}
         for o in ours.values():
             plans.update(families(n, profile, shape, o.budget))
-            o.over, o.trials_before = 0, o.session.controller.explorer.trial_steps
+            controller = o.session.controller
+            o.over, o.trials_before = 0, (controller.explorer.trial_steps, controller.plan_trials.trial_steps)
         pin_statics(statics, plans, setup, seq)
         for c in compiled.values():
             c.times, c.peaks = [], []
@@ -230,11 +278,12 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
             for o in ours.values():
                 o.over += o.runner.handle.last_stats.saved_peak_bytes > o.budget  # type: ignore[union-attr]
         measured: Measured = {
-            k: (ratio_to(statics[k], none.times, setup.steps), max(statics[k].peaks), letters(plans[k])) for k in plans
+            k: (ratio_to(r, none.times, setup.steps), max(r.peaks), letters(plans[k]), r.times)
+            for k, r in ((k, statics[k]) for k in plans)
         }
-        # Storing every block is a static plan too, the fastest wherever it fits.
+        # Storing every block is a static plan too.
         rounds = setup.warmup + setup.steps
-        measured["no checkpointing"] = (1.0, max(none.peaks[-rounds:]), letters((S,) * n))
+        measured["no checkpointing"] = (1.0, max(none.peaks[-rounds:]), letters((S,) * n), none.times)
         for ratio, o in ours.items():
             rows.append(phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio), same.get(ratio)))
     for r in (none, *statics.values(), *(o.runner for o in ours.values()), *same_runners.values()):
@@ -254,6 +303,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30, help="rounds per phase before measuring (30)")
     parser.add_argument("--steps", type=int, default=10, help="measured rounds per phase (10)")
     parser.add_argument(
+        "--budgets", default="0.45,0.7", help="budgets, as fractions of no checkpointing's peak at the longest length"
+    )
+    parser.add_argument(
         "--compile", action="store_true", help="add torch.compile at activation_memory_budget = each budget's ratio"
     )
     malloc_argument(parser)
@@ -269,16 +321,22 @@ def main() -> None:
             n_layer=12, d_model=args.d_model, n_head=4, batch=args.batch, lengths=lengths, warmup=args.warmup,
             steps=args.steps,
         )  # fmt: skip
+    load_before = os.getloadavg()
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
     report = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "freed_memory_kept": malloc_kept,
-        **run(setup, [0.45, 0.7], args.compile),
+        "load_before": load_before,
+        **run(setup, [float(x) for x in args.budgets.split(",")], args.compile),
+        "load_after": os.getloadavg(),
     }
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in report['load_after'])}")
     cols = [
         ("budget_ratio", "budget", ".0%"),
         ("seq", "length", "d"),
         ("rematd_ratio", "rematd", ".3f"),
+        ("rematd_spread", "(quartiles)", ""),
         ("rematd_modes", "its plan", ""),
         ("rematd_peak_mib", "peak MiB", ".1f"),
         ("budget_mib", "budget MiB", ".1f"),
@@ -289,7 +347,10 @@ def main() -> None:
         ("best_static", "fastest static that fits", ""),
         ("best_static_modes", "", ""),
         ("best_static_ratio", "its ratio", ".3f"),
+        ("best_static_spread", "(quartiles)", ""),
         ("vs_best_static", "rematd / it", ".3f"),
+        ("vs_best_spread", "(quartiles)", ""),
+        ("met", f"<= {TARGET}, 0 over", ""),
         ("same_plan_modes", "its plan pinned", ""),
         ("vs_same_plan", "rematd / it", ".3f"),
     ]
@@ -300,6 +361,8 @@ def main() -> None:
             ("vs_compile", "rematd / it", ".3f"),
         ]
     print(table(report["rows"], cols))
+    met = sum(bool(r["met"]) for r in report["rows"])
+    print(f"\nrematd within {TARGET}x the fastest static plan that fits, 0 steps over: {met} of {len(report['rows'])}")
     write_json(args.out, report)
     print(f"\nwrote {args.out}")
 

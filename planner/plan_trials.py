@@ -11,10 +11,10 @@ kept only where the fit then finds it faster, surely (``SURE`` standard deviatio
 
 What trials cost is bounded: at each table entry, steps running a plan on trial stay within
 ``(FREE_TRIALS + 1) x plan_trial_steps + plan_explore_share x steps`` there (a new length has new
-prices to learn, then a share of its steps); a trial starts only from a settled plan, with the
-length's peaks measured, and only with a plan whose predicted peak under the worst recent correction fits
-the target with the loosening slack. Trials end where nothing could be faster by ``MIN_GAIN`` of a step,
-or every candidate is known within ``TIGHT``.
+prices to learn, then a share of its steps); a trial starts only from a settled plan, once the entry has
+run ``SETTLE_STEPS`` steps (its peaks measured, the noise of its steps known), and only with a plan whose
+predicted peak under the worst recent correction fits the target with the loosening slack. Trials end
+where nothing could be faster by ``MIN_GAIN`` of a step, or every candidate is known within ``TIGHT``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ GIVE_UP_FACTOR = 4
 """A trial whose length does not come back for this many times its steps is abandoned."""
 FREE_TRIALS = 3
 """Trials each table entry may run before its share of its steps counts: a new length has new prices."""
+SETTLE_STEPS = 16
+"""Steps a table entry runs before its first plan trial: its peaks settle, the noise of its steps shows."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,7 +137,7 @@ class PlanTrials:
         if cfg.plan_explore_share <= 0 or self.trial is not None:
             return False
         steps, tried = self._per_entry.get(entry, (0, 0))
-        return tried <= FREE_TRIALS * cfg.plan_trial_steps + cfg.plan_explore_share * steps
+        return steps >= SETTLE_STEPS and tried <= FREE_TRIALS * cfg.plan_trial_steps + cfg.plan_explore_share * steps
 
     def start(self, trial: PlanTrial) -> None:
         self.trial, self._tried, self._last_tried = trial, 0, False

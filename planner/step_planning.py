@@ -15,11 +15,13 @@ from rematd.planner.plan_trials import MIN_GAIN, SURE, TIGHT, PlanTrial, PlanTri
 from rematd.planner.pricing import TablePricing
 from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import Offsets
-from rematd.planner.stepfit import MIN_NOISE_PAIRS, Posterior, params
+from rematd.planner.stepfit import Posterior, params
 from rematd.planner.units import letters
 
 LOOSEN_SLACK = 0.97
 """A looser plan, or one on trial, must fit this fraction of the target under the worst recent correction."""
+TRIAL_NOISE_PAIRS = 8.0
+"""Pairs of equal plans (decayed) the bucket's fit has seen before its uncertainty may start a trial."""
 RECHECK_STEPS = 8
 """Steps at one table entry between two looks for a plan worth a trial there (each look solves a few times)."""
 
@@ -180,7 +182,7 @@ class StepPlanning(TablePricing):
         fit = self._learned.steps.fit(self.bucket_of(seq))
         found = self._posterior(seq)
         level = self._level(seq)
-        if fit is None or found is None or fit.noise_pairs < MIN_NOISE_PAIRS or level <= 0:
+        if fit is None or found is None or fit.noise_pairs < TRIAL_NOISE_PAIRS or level <= 0:
             return None
         shape = self._shape(seq)
         slack = int(target * LOOSEN_SLACK)
