@@ -286,10 +286,15 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
         measured["no checkpointing"] = (1.0, max(none.peaks[-rounds:]), letters((S,) * n), none.times)
         for ratio, o in ours.items():
             rows.append(phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio), same.get(ratio)))
+    # What rematd decided, plan by plan, and why.
+    decided = {
+        f"{ratio:.0%}": [[p.version, letters(p.modes), p.reason] for p in o.runner.handle.history]  # type: ignore[union-attr]
+        for ratio, o in ours.items()
+    }
     for r in (none, *statics.values(), *(o.runner for o in ours.values()), *same_runners.values()):
         if r.handle is not None:
             r.handle.close()
-    return {"setup": asdict(setup), "none_peak_mib": none_peak / MiB, "rows": rows}
+    return {"setup": asdict(setup), "none_peak_mib": none_peak / MiB, "rows": rows, "plans": decided}
 
 
 def main() -> None:

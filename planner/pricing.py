@@ -40,6 +40,7 @@ class TablePricing:
         self._entries: dict[tuple[Choice, int, int, int, Scales, Offsets], ShapePlan] = {}
         self._priors: dict[tuple[int, int, Scales], Prior] = {}
         self._offset_cache: dict[tuple[int, int, int, Scales], Offsets] = {}
+        self._ratios: dict[tuple[int, int], float] = {}
 
     @property
     def timing(self) -> BucketTimes:
@@ -135,7 +136,14 @@ class TablePricing:
         top = self.bucket_of(seq)
         if top == seq:
             return 1.0
-        return self.profile.time_ratio(self._shape(seq)) / self.profile.time_ratio(self._shape(top))
+        key = (seq, self._learned.batch)
+        hit = self._ratios.get(key)
+        if hit is None:
+            hit = self.profile.time_ratio(self._shape(seq)) / self.profile.time_ratio(self._shape(top))
+            if len(self._ratios) > CACHED_CHOICES:
+                self._ratios.clear()
+            self._ratios[key] = hit
+        return hit
 
     def _offsets(self, seq: int) -> Offsets:
         """What the steps at ``seq``'s bucket add to each mode's per-block price, per position group (seconds

@@ -22,6 +22,7 @@ may move under them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ GRAIN = 0.05
 """Step-level prices move in steps of this fraction of a block's recomputation: a wobble re-plans nothing."""
 MAX_BUCKETS = 16
 """Length buckets fitted; the least recently observed is dropped first."""
+
+_VERSIONS = itertools.count(1)
+"""Versions of every fit, never repeated: caches keyed by one outlive a restored state safely."""
 
 
 def params(groups: int) -> list[tuple[Mode, int]]:
@@ -130,8 +134,8 @@ class StepFit:
         self.level = 0.0
         """A step's time here (scaled to the top length), a running mean."""
         self.last: _Last | None = None
-        self.version = 0
-        """Bumped at every change: what a cached posterior was computed from."""
+        self.version = next(_VERSIONS)
+        """New at every change: what a cached posterior was computed from."""
 
     # -- what the steps say ---------------------------------------------------
 
@@ -150,7 +154,7 @@ class StepFit:
                 self._noise(dy)
         self.level = seconds if self.level <= 0 else 0.9 * self.level + 0.1 * seconds
         self.last = _Last(step, seconds, features)
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     def _noise(self, dy: float) -> None:
         sq = dy * dy
