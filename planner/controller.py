@@ -179,23 +179,29 @@ class Controller(StepPlanning):
             if old is None or old.modes == entry.modes:
                 continue
             old_shape = Shape(batch=self._learned.batch, seq_len=seq, tokens=entry.max_tokens)
-            if not self._fits(old.modes, old_shape, target, static) or self._extra(entry.modes, seq) > self._extra(
-                old.modes, seq
-            ):
+            # Priced as chosen: by the step-level prices where they chose the plan, else per block.
+            per_block = not self._by_steps(entry.modes, seq, target, static)
+            if not self._fits(old.modes, old_shape, target, static) or self._extra(
+                entry.modes, seq, per_block=per_block
+            ) > self._extra(old.modes, seq, per_block=per_block):
                 moves.tighter.append(seq)
                 continue
             leaner = self._at(old_shape).cost(entry.modes)[0] <= self._at(old_shape).cost(old.modes)[0]
             # Loosen only to what fits under the worst recent measurement, with slack: a plan whose own
             # measurements would undo it is never adopted. Short of that, the best plan that does fit.
             if not leaner and not self._fits(entry.modes, old_shape, slack, static, pessimistic=True):
-                entry = self._entry(seq, self._solve_at(old_shape, slack, static), static)
-                if entry.modes == old.modes or self._extra(entry.modes, seq) >= self._extra(old.modes, seq):
+                entry = self._entry(seq, self._choose(old_shape, slack, static), static)
+                per_block = not self._by_steps(entry.modes, seq, slack, static)
+                if entry.modes == old.modes or self._extra(entry.modes, seq, per_block=per_block) >= self._extra(
+                    old.modes, seq, per_block=per_block
+                ):
                     continue
                 if not self._fits(entry.modes, old_shape, slack, static, pessimistic=True):
                     continue
                 moves.desired[seq] = entry
-            # Where only the step-level prices call for it, only once the steps show it surely.
-            if not self._pays(old.modes, entry.modes, seq):
+            # A plan the steps chose stays while they show it surely faster; one they choose waits until
+            # they show it surely faster than the plan in force.
+            if self._held(old.modes, entry.modes, seq, target, static):
                 continue
             # Else as lean or leaner, and cheaper (measured seconds moved): no memory risk, only the dwell.
             moves.looser.append(seq)

@@ -31,6 +31,9 @@ TIGHT = 0.0025
 """A difference between two plans known within this fraction of a step needs no more trials."""
 MIN_GAIN = 0.005
 """A plan that cannot be this fraction of a step faster than the one in force is not worth a trial."""
+MAX_LOSS = 0.1
+"""A plan the fit expects to be more than this fraction of a step slower than the one in force is never
+tried, however unsure it is: what one step of a trial may be expected to cost."""
 GIVE_UP_FACTOR = 4
 """A trial whose length does not come back for this many times its steps is abandoned."""
 FREE_TRIALS = 3

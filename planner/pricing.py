@@ -260,10 +260,14 @@ class TablePricing:
         self._entries[key] = entry
         return entry
 
+    def _choose(self, shape: Shape, target: int, static: int) -> Choice:
+        """The plan an entry at ``shape`` should run for ``target``: the cheapest that fits."""
+        return self._solve_at(shape, target, static)
+
     def _desired(self, target: int, static: int) -> list[tuple[ShapePlan, Choice]]:
         out = []
         for seq in self._learned.ladder():
-            choice = self._solve_at(self._shape(seq), target, static)
+            choice = self._choose(self._shape(seq), target, static)
             out.append((self._entry(seq, choice, static), choice))
         return out
 

@@ -11,10 +11,20 @@ from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import overhead_ratio
 from rematd.planner.decision import Decision
 from rematd.planner.model import Mode, Profile, Shape, ShapePlan, StepObservation
-from rematd.planner.plan_trials import MIN_GAIN, SURE, TIGHT, PlanTrial, PlanTrials, trial_over_reason, trial_reason
+from rematd.planner.plan_trials import (
+    MAX_LOSS,
+    MIN_GAIN,
+    SURE,
+    TIGHT,
+    PlanTrial,
+    PlanTrials,
+    trial_over_reason,
+    trial_reason,
+)
 from rematd.planner.pricing import TablePricing
 from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import Offsets
+from rematd.planner.solvers import Choice
 from rematd.planner.stepfit import Posterior, params
 from rematd.planner.units import letters
 
@@ -22,6 +32,9 @@ LOOSEN_SLACK = 0.97
 """A looser plan, or one on trial, must fit this fraction of the target under the worst recent correction."""
 TRIAL_NOISE_PAIRS = 8.0
 """Pairs of equal plans (decayed) the bucket's fit has seen before its uncertainty may start a trial."""
+HOLD = 1.0
+"""Standard deviations by which a plan the steps chose must stay faster than the per-block prices' choice
+to stay in force (it took ``SURE`` to be chosen)."""
 RECHECK_STEPS = 8
 """Steps at one table entry between two looks for a plan worth a trial there (each look solves a few times)."""
 
@@ -58,26 +71,48 @@ class StepPlanning(TablePricing):
 
     # -- overruling the per-block prices --------------------------------------
 
-    def _pays(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int) -> bool:
-        """Whether moving from ``old`` to ``new`` at ``seq`` is worth it on prices: where the per-block
-        prices alone prefer ``new`` (or the steps do not move any price), as before; where only the
-        step-level prices do, when the steps show it faster by ``SURE`` standard deviations."""
-        if not self._offsets(seq):
-            return True
-        if self._extra(new, seq, per_block=True) < self._extra(old, seq, per_block=True):
-            return True
+    def _choose(self, shape: Shape, target: int, static: int) -> Choice:
+        """The plan an entry at ``shape`` should run for ``target``: the cheapest by the step-level prices
+        where the steps show it faster than the per-block prices' choice by ``SURE`` standard deviations
+        of their difference, else the per-block prices' choice (noise never moves a plan)."""
+        fitted = self._solve_at(shape, target, static)
+        if not self._offsets(shape.seq_len):
+            return fitted
+        per_block = self._solve_at(shape, target, static, per_block=True)
+        return fitted if self._surely_faster(per_block.modes, fitted.modes, shape.seq_len) else per_block
+
+    def _surely_faster(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int, sure: float = SURE) -> bool:
+        """Whether the steps show ``new`` faster than ``old`` at ``seq`` by ``sure`` standard deviations."""
+        if old == new:
+            return False
         saving, sd = self._contrast(old, new, seq)
-        return saving > SURE * sd
+        return saving > sure * sd
+
+    def _by_steps(self, modes: tuple[Mode, ...], seq: int, target: int, static: int) -> bool:
+        """Whether ``modes`` differ from what the per-block prices alone choose at ``seq`` (a plan the
+        step-level prices chose, priced by them)."""
+        if not self._offsets(seq):
+            return False
+        return modes != self._solve_at(self._shape(seq), target, static, per_block=True).modes
+
+    def _held(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int, target: int, static: int) -> bool:
+        """Whether the plan in force ``old`` stays instead of ``new`` on prices: where the steps chose it and
+        still show it faster than the per-block prices' choice by ``HOLD`` standard deviations, or ``new``
+        is a step-level choice they do not show surely faster than it (a plan never changes on noise, nor
+        goes back and forth on the edge of being sure)."""
+        if self._by_steps(old, seq, target, static):
+            per_block = self._solve_at(self._shape(seq), target, static, per_block=True).modes
+            if self._surely_faster(per_block, old, seq, HOLD):
+                return True
+        return self._by_steps(new, seq, target, static) and not self._surely_faster(old, new, seq)
 
     def _step_note(self, entry: ShapePlan, target: int, static: int) -> str:
         """Where the entry differs from what the per-block prices alone would choose there, because the
         step-level prices say otherwise: what the steps measured; else ""."""
         seq = entry.max_seq_len
-        if not self._offsets(seq):
+        if not self._by_steps(entry.modes, seq, target, static):
             return ""
         per_block = self._solve_at(self._shape(seq), target, static, per_block=True).modes
-        if per_block == entry.modes:
-            return ""
         saving, sd = self._contrast(per_block, entry.modes, seq)
         level = self._level(seq)
         if saving <= 0 or level <= 0:
@@ -175,9 +210,10 @@ class StepPlanning(TablePricing):
         self, entry: ShapePlan, target: int, static: int
     ) -> tuple[tuple[Mode, ...], float, float] | None:
         """The plan that fits for a trial and could most be faster than ``entry`` by the fit (its saving
-        plus ``SURE`` standard deviations), where that is at least ``MIN_GAIN`` of a step and the
-        difference is not yet known within ``TIGHT``: its modes, expected saving and standard deviation
-        (fractions of a step); None when no plan qualifies."""
+        plus ``SURE`` standard deviations), where that is at least ``MIN_GAIN`` of a step, the difference
+        is not yet known within ``TIGHT`` and the plan is not expected to be slower by more than
+        ``MAX_LOSS``: its modes, expected saving and standard deviation (fractions of a step); None when no
+        plan qualifies."""
         seq = entry.max_seq_len
         fit = self._learned.steps.fit(self.bucket_of(seq))
         found = self._posterior(seq)
@@ -194,7 +230,7 @@ class StepPlanning(TablePricing):
             if modes == entry.modes or not below or not self._fits(modes, shape, slack, static, pessimistic=True):
                 continue
             saving, sd = self._contrast(entry.modes, modes, seq)
-            if sd < TIGHT * level or saving + SURE * sd < MIN_GAIN * level:
+            if sd < TIGHT * level or saving + SURE * sd < MIN_GAIN * level or saving < -MAX_LOSS * level:
                 continue
             if best is None or saving + SURE * sd > best[0]:
                 best = (saving + SURE * sd, modes, saving / level, sd / level)
@@ -203,23 +239,24 @@ class StepPlanning(TablePricing):
     def _candidates(
         self, shape: Shape, target: int, static: int, post: Posterior, ratio: float, level: float
     ) -> list[tuple[Mode, ...]]:
-        """Plans that fit ``target``: the best by the fit's prices, and the best were any one fitted price
-        as low as the fit leaves room for (``SURE`` standard deviations below its mean) where that room
-        is wider than ``TIGHT`` of a step."""
+        """Plans that fit ``target``: the best by the fit's prices, and the best were one mode's fitted
+        prices lower on every group at once, or one of them lower or higher, by one and by ``SURE``
+        standard deviations, where that room is wider than ``TIGHT`` of a step."""
         out = [self._solve_at(shape, target, static).modes]
         prior = self._prior(self.bucket_of(shape.seq_len))
         base = [c - p for c, p in zip(post.mean, prior.mean, strict=True)]
         usable = self._usable_modes()
         fitted = params(self.config.price_groups)
-        room = [SURE * math.sqrt(max(0.0, post.cov[k][k])) for k in range(len(fitted))]
+        sd = [math.sqrt(max(0.0, post.cov[k][k])) for k in range(len(fitted))]
         moves: list[dict[int, float]] = []
         for mode in usable:
             # The mode cheaper on every group at once, then on one group, or dearer on one (which moves
             # its blocks to the other groups).
-            mine = [k for k, (m, _g) in enumerate(fitted) if m == mode and room[k] * ratio >= TIGHT * level]
-            if len(mine) > 1:
-                moves.append({k: -room[k] for k in mine})
-            moves.extend({k: sign * room[k]} for k in mine for sign in (-1.0, 1.0))
+            mine = [k for k, (m, _g) in enumerate(fitted) if m == mode and SURE * sd[k] * ratio >= TIGHT * level]
+            for far in (1.0, SURE):
+                if len(mine) > 1:
+                    moves.append({k: -far * sd[k] for k in mine})
+                moves.extend({k: sign * far * sd[k]} for k in mine for sign in (-1.0, 1.0))
         for move in moves:
             moved = [d + move.get(k, 0.0) for k, d in enumerate(base)]
             modes = self._solve_at(shape, target, static, offsets=self._as_offsets(moved, ratio)).modes

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rematd.planner.timing import MAX_STEP, MAX_SUM, PRICED, whole_number
+from rematd.planner.timing import MAX_BUCKETS, MAX_SUM, PRICED, restored_by_length, whole_number
 from rematd.planner.units import Mode
 
 MAX_GAP = 4
@@ -58,9 +58,6 @@ PRIOR_SPREAD = 1.0
 """A step-level price's prior standard deviation, in blocks' recomputation seconds."""
 GRAIN = 0.05
 """Step-level prices move in steps of this fraction of a block's recomputation: a wobble re-plans nothing."""
-MAX_BUCKETS = 16
-"""Length buckets fitted; the least recently observed is dropped first."""
-
 _VERSIONS = itertools.count(1)
 """Versions of every fit, never repeated: caches keyed by one outlive a restored state safely."""
 
@@ -248,8 +245,9 @@ class StepFit:
 
 
 class StepPrices:
-    """The step-level fits of every length bucket observed (at most ``MAX_BUCKETS``, the least recently
-    observed dropped first), and their posteriors, kept while neither fit nor prior moves."""
+    """The step-level fits of every length bucket observed (at most ``MAX_BUCKETS``, as many as the
+    per-block timings keep, the least recently observed dropped first), and their posteriors, kept while
+    neither fit nor prior moves."""
 
     def __init__(self, groups: int) -> None:
         self.groups = groups
@@ -317,17 +315,9 @@ class StepPrices:
                 f"state: step_prices.groups is {state.get('groups')!r}, this planner fits {self.groups} "
                 "groups (set price_groups to match)"
             )
-        raw = state.get("buckets", [])
-        if not isinstance(raw, list) or len(raw) > MAX_BUCKETS:
-            raise ValueError(f"state: step_prices.buckets must be a list of at most {MAX_BUCKETS} [length, fit] pairs")
-        fits: dict[int, StepFit] = {}
-        for entry in raw:
-            if not isinstance(entry, list) or len(entry) != 2:
-                raise ValueError(f"state: step_prices.buckets must hold [length, fit] pairs, got {entry!r}")
-            top, fit = entry
-            if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_STEP or top in fits:
-                raise ValueError(f"state: step_prices.buckets has a bad or repeated length {top!r}")
-            fits[top] = StepFit.restored(fit, self.size, f"step_prices.buckets[{top}]")
+        fits = restored_by_length(
+            state.get("buckets", []), "step_prices.buckets", lambda fit, where: StepFit.restored(fit, self.size, where)
+        )
         self._fits, self._posteriors = fits, {}
 
 

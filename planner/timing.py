@@ -332,18 +332,27 @@ class BucketTimes:
 
 
 def _restored_buckets(raw: Any) -> dict[int, TimeScales]:
+    def bucket(sums: Any, where: str) -> TimeScales:
+        restored = TimeScales()
+        restored.restore_state(sums, where)
+        return restored
+
+    return restored_by_length(raw, "timing.buckets", bucket)
+
+
+def restored_by_length(raw: Any, where: str, restore: Callable[[Any, str], _T]) -> dict[int, _T]:
+    """A restored list of at most ``MAX_BUCKETS`` [bucket top, sums] pairs, each sums read by ``restore``
+    (given where it is, to name in its errors), the order kept; ValueError naming ``where`` otherwise."""
     if not isinstance(raw, list) or len(raw) > MAX_BUCKETS:
-        raise ValueError(f"state: timing.buckets must be a list of at most {MAX_BUCKETS} [length, sums] pairs")
-    out: dict[int, TimeScales] = {}
+        raise ValueError(f"state: {where} must be a list of at most {MAX_BUCKETS} [length, sums] pairs")
+    out: dict[int, _T] = {}
     for entry in raw:
         if not isinstance(entry, list) or len(entry) != 2:
-            raise ValueError(f"state: timing.buckets must hold [length, sums] pairs, got {entry!r}")
+            raise ValueError(f"state: {where} must hold [length, sums] pairs, got {entry!r}")
         top, sums = entry
         if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_STEP or top in out:
-            raise ValueError(f"state: timing.buckets has a bad or repeated length {top!r}")
-        bucket = TimeScales()
-        bucket.restore_state(sums, f"timing.buckets[{top}]")
-        out[top] = bucket
+            raise ValueError(f"state: {where} has a bad or repeated length {top!r}")
+        out[top] = restore(sums, f"{where}[{top}]")
     return out
 
 

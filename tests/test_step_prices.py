@@ -301,7 +301,7 @@ def _with(state: dict[str, object], **fit: object) -> dict[str, object]:
         (lambda s: {**s, "buckets": {}}, "step_prices.buckets"),
         (lambda s: {**s, "buckets": [[0, s["buckets"][0][1]]]}, "step_prices.buckets has a bad"),
         (lambda s: {**s, "buckets": [s["buckets"][0], s["buckets"][0]]}, "repeated length"),
-        (lambda s: {**s, "buckets": [[128]]}, r"\[length, fit\] pairs"),
+        (lambda s: {**s, "buckets": [[128]]}, r"\[length, sums\] pairs"),
         (lambda s: _with(s, sxx=[[0.0] * 8] * 7), r"step_prices.buckets\[128\].sxx"),
         (lambda s: _with(s, sxx=[[1.0 if j == 1 else 0.0 for j in range(8)]] + [[0.0] * 8] * 7), "symmetric"),
         (lambda s: _with(s, sxy=[float("nan")] * 8), r"buckets\[128\].sxy"),
