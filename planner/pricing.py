@@ -272,7 +272,9 @@ class TablePricing:
         return out
 
     def _extra(self, modes: tuple[Mode, ...], seq: int, *, per_block: bool = False) -> float:
-        return self._at(self._shape(seq), per_block=per_block).cost(modes)[1]
+        """The extra seconds of ``modes`` at ``seq`` as the solvers weigh them (seconds pooled over blocks
+        alike), by the step-level prices unless ``per_block``."""
+        return self._at(self._shape(seq), per_block=per_block).pooled_seconds(modes)
 
     def _decision(self, table: list[ShapePlan], shape: Shape, target: int, static: int, reason: str) -> Decision:
         entry = entry_for(table, shape)

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.knapsack import Knapsack
 from rematd.planner.model import Mode, Option, Profile, Shape
+from rematd.planner.solvers import pool_seconds
 
 Scales = tuple[tuple[Mode, float], ...]
 """(mode, measured / profiled seconds) for the modes whose measurements differ from the profile."""
@@ -25,7 +26,7 @@ class AtShape:
     """Every block's options at one shape (those of the allowed modes), the forward time,
     the activations saved outside the blocks, and the knapsack, built on first use."""
 
-    __slots__ = ("_costs", "_knapsack", "forward_seconds", "options", "other_bytes", "profile")
+    __slots__ = ("_costs", "_knapsack", "_pooled", "forward_seconds", "options", "other_bytes", "profile")
 
     def __init__(
         self,
@@ -74,6 +75,7 @@ class AtShape:
             self.forward_seconds = base.forward_seconds * by_mode.get(Mode.RECOMPUTE, 1.0)
             self.other_bytes = base.other_bytes
         self._knapsack: Knapsack | None = None
+        self._pooled: list[list[Option]] | None = None
         self._costs: dict[tuple[Mode, ...], tuple[int, float]] = {}
 
     def cost(self, modes: tuple[Mode, ...]) -> tuple[int, float]:
@@ -90,6 +92,14 @@ class AtShape:
                 self._costs.clear()
             self._costs[modes] = hit
         return hit
+
+    def pooled_seconds(self, modes: tuple[Mode, ...]) -> float:
+        """Extra seconds of ``modes`` with each mode's seconds averaged over the blocks alike in bytes (and
+        position group): what the solvers minimise, so that two placements of alike blocks compare as the
+        solvers see them, not by the noise between their profiled seconds."""
+        if self._pooled is None:
+            self._pooled = pool_seconds(self.options)
+        return sum(o.seconds for o in choose(self._pooled, modes))
 
     @property
     def knapsack(self) -> Knapsack:

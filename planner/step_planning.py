@@ -25,7 +25,7 @@ from rematd.planner.pricing import TablePricing
 from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import Offsets
 from rematd.planner.solvers import Choice
-from rematd.planner.stepfit import Posterior, params
+from rematd.planner.stepfit import INFLATION, Posterior, params
 from rematd.planner.units import letters
 
 LOOSEN_SLACK = 0.97
@@ -35,6 +35,9 @@ TRIAL_NOISE_PAIRS = 8.0
 HOLD = 1.0
 """Standard deviations by which a plan the steps chose must stay faster than the per-block prices' choice
 to stay in force (it took ``SURE`` to be chosen)."""
+INFORMED = 0.5
+"""A plan is tried only where its trial's differences would carry this much of what the fit already knows
+of it (their precision over the fit's): its uncertainty then shrinks by a fifth or more."""
 RECHECK_STEPS = 8
 """Steps at one table entry between two looks for a plan worth a trial there (each look solves a few times)."""
 
@@ -182,7 +185,8 @@ class StepPlanning(TablePricing):
         trial = PlanTrial(home=entry, tried=tried, started=plans.steps, saving=saving, sd=sd)
         plans.start(trial)
         table = [tried if e is entry else e for e in self.table]
-        peak = f"predicted {human_bytes(tried.predicted_peak_bytes)} of the {human_bytes(target)} target"
+        here = self._target_at(target, seq)
+        peak = f"predicted {human_bytes(tried.predicted_peak_bytes)} of the {human_bytes(here)} target"
         return self._decision(table, obs.shape, target, obs.static_bytes, trial_reason(trial, peak))
 
     def _step_plan_trial(self, obs: StepObservation, target: int) -> Decision:
@@ -224,6 +228,8 @@ class StepPlanning(TablePricing):
         slack = int(target * LOOSEN_SLACK)
         ceiling = self._learned.ceiling(seq)
         at = self._at(shape)
+        # The variance of one difference of steps, as the fit takes it, at this length.
+        noise = INFLATION * fit.noise_var() * self._from_top(seq) ** 2
         best: tuple[float, tuple[Mode, ...], float, float] | None = None
         for modes in self._candidates(shape, slack, static, *found, level):
             below = ceiling is None or at.cost(modes)[0] < ceiling
@@ -231,6 +237,9 @@ class StepPlanning(TablePricing):
                 continue
             saving, sd = self._contrast(entry.modes, modes, seq)
             if sd < TIGHT * level or saving + SURE * sd < MIN_GAIN * level or saving < -MAX_LOSS * level:
+                continue
+            # Worth it only where a trial's steps would tell much: on steps too noisy, they cannot.
+            if 2 * self.config.plan_trial_steps * sd * sd < INFORMED * noise:
                 continue
             if best is None or saving + SURE * sd > best[0]:
                 best = (saving + SURE * sd, modes, saving / level, sd / level)
