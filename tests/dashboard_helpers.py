@@ -122,3 +122,18 @@ def new_page(browser, height: int | None = None):  # type: ignore[no-untyped-def
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     return page, errors
+
+
+def rank_prices(url: str, job: str) -> str:
+    """The price line of ``job``'s rank, as the dashboard (real Chromium) shows it."""
+    pw, browser = browser_session()
+    try:
+        page, errors = new_page(browser)
+        page.goto(f"{url}/#job={job}")
+        page.wait_for_selector("#ranks-body tr[data-rank] .prices", timeout=15_000)
+        text = page.locator("#ranks-body tr[data-rank] .prices").inner_text()
+        assert errors == []
+        return text
+    finally:
+        browser.close()
+        pw.stop()

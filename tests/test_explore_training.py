@@ -16,8 +16,8 @@ from rematd.planner import ControllerConfig
 from rematd.planner.plan_trials import FREE_TRIALS
 from rematd.planner.reasons import letters
 
+from .dashboard_helpers import CHROMIUM, rank_prices
 from .helpers import live_server, tiny_model, train_step
-from .test_dashboard import CHROMIUM, _browser, _page
 
 STEPS = 24
 SEQ = 128
@@ -52,7 +52,7 @@ def test_a_trial_runs_on_real_steps_within_the_budget_and_is_reported(tmp_path: 
         plans = httpx.get(f"{srv.url}/api/v1/jobs/explore/plans", timeout=10).json()["plans"]
         text = httpx.get(f"{srv.url}/metrics", timeout=10).text
         prices = httpx.get(f"{srv.url}/api/v1/jobs/explore", timeout=10).json()["ranks"][0]["prices"]
-        shown = dashboard_prices(srv.url) if os.path.exists(CHROMIUM) else None
+        shown = rank_prices(srv.url, "explore") if os.path.exists(CHROMIUM) else None
         h.close()
     reasons = [p["reason"] for p in plans]
     trials = [r for r in reasons if r.startswith("trial: selective")]
@@ -84,18 +84,3 @@ def test_a_trial_runs_on_real_steps_within_the_budget_and_is_reported(tmp_path: 
     if shown is not None:
         assert "selective" in shown and "recompute measured" in shown and "blocks timed" in shown, shown
         assert f"\u2264{SEQ} " in shown, shown
-
-
-def dashboard_prices(url: str) -> str:
-    """The price line of the job's rank, as the dashboard (real Chromium) shows it."""
-    pw, browser = _browser()
-    try:
-        page, errors = _page(browser)
-        page.goto(f"{url}/#job=explore")
-        page.wait_for_selector("#ranks-body tr[data-rank] .prices", timeout=15_000)
-        text = page.locator("#ranks-body tr[data-rank] .prices").inner_text()
-        assert errors == []
-        return text
-    finally:
-        browser.close()
-        pw.stop()
