@@ -114,7 +114,7 @@ class TablePricing:
                 recompute.append(rec)
             mean.append(sum(prices) / len(prices))
             spread.append(max(1e-9, PRIOR_SPREAD * sum(recompute) / len(recompute)))
-        prior = Prior(tuple(mean), tuple(spread))
+        prior = Prior(tuple(mean), tuple(spread), groups)
         if len(self._priors) > CACHED_CHOICES:
             self._priors.clear()
         self._priors[key] = prior

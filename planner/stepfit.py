@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rematd.planner.timing import MAX_BUCKETS, MAX_SUM, PRICED, restored_by_length, whole_number
@@ -56,6 +56,11 @@ MIN_NOISE_PAIRS = 3.0
 """Pairs of equal plans (decayed) before the fit moves any price."""
 PRIOR_SPREAD = 1.0
 """A step-level price's prior standard deviation, in blocks' recomputation seconds."""
+SHARED = 0.5
+"""The part of a price's prior variance every mode's price on every group shares: what storing costs
+the step at all is saved by whichever mode does not store."""
+GROUPED = 0.25
+"""The part it shares with the other modes of its own group only: where storing costs what (placement)."""
 GRAIN = 0.05
 """Step-level prices move in steps of this fraction of a block's recomputation: a wobble re-plans nothing."""
 _VERSIONS = itertools.count(1)
@@ -86,10 +91,30 @@ def counts(modes: Sequence[Mode], groups: int) -> tuple[int, ...]:
 @dataclass(frozen=True, slots=True)
 class Prior:
     """The per-block prices a fit starts from, per fitted price: the mean over the group's blocks of the
-    mode's per-block price, and how far the step may take it (seconds at the bucket's top length)."""
+    mode's per-block price, and how far the step may take it (seconds at the bucket's top length). The
+    prices' departures are correlated (``SHARED``, ``GROUPED``): what one mode's steps show of storing's
+    hidden cost says as much of the others'."""
 
     mean: tuple[float, ...]
     spread: tuple[float, ...]
+    groups: int = 2
+    precision: tuple[tuple[float, ...], ...] = field(init=False, repr=False, compare=False)
+    """The inverse of the prior's covariance."""
+
+    def __post_init__(self) -> None:
+        fitted = params(self.groups)
+        if not len(self.mean) == len(self.spread) == len(fitted):
+            raise ValueError(f"a prior for {self.groups} groups has {len(fitted)} prices")
+        own = 1.0 - SHARED - GROUPED
+        spread = [max(s, 1e-12) for s in self.spread]
+        cov = [
+            [
+                spread[k] * spread[j] * (SHARED + GROUPED * (gk == gj) + own * (k == j))
+                for j, (_mj, gj) in enumerate(fitted)
+            ]
+            for k, (_mk, gk) in enumerate(fitted)
+        ]
+        object.__setattr__(self, "precision", tuple(tuple(r) for r in _inverse(cov)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,12 +216,9 @@ class StepFit:
         """The fitted prices under ``prior``: Bayesian least squares of the differences."""
         var = INFLATION * self.noise_var()
         n = self.size
-        a = [[self.sxx[i][j] / var for j in range(n)] for i in range(n)]
-        b = [self.sxy[i] / var for i in range(n)]
-        for i in range(n):
-            precision = 1.0 / max(prior.spread[i], 1e-12) ** 2
-            a[i][i] += precision
-            b[i] += precision * prior.mean[i]
+        lam = prior.precision
+        a = [[self.sxx[i][j] / var + lam[i][j] for j in range(n)] for i in range(n)]
+        b = [self.sxy[i] / var + sum(lam[i][j] * prior.mean[j] for j in range(n)) for i in range(n)]
         cov = _inverse(a)
         mean = tuple(sum(cov[i][j] * b[j] for j in range(n)) for i in range(n))
         return Posterior(mean, tuple(tuple(r) for r in cov))
