@@ -57,7 +57,7 @@ class Handle:
         server: str | None,
         job: str | None,
         budget_bytes: int | None,
-        blocks: Sequence[nn.Module] | None,
+        blocks: Sequence[nn.Module] | nn.ModuleDict | None,
         optimizer: torch.optim.Optimizer | None,
         margin_ratio: float,
         modes: Sequence[str | Mode] | None = None,
@@ -334,7 +334,12 @@ class Handle:
         return self._backend.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """End the session, remove hooks and restore the blocks' own forward."""
+        """End the session, remove hooks and restore the blocks' own forward.
+
+        Every step counted so far reaches the service first, steady steps folded into fewer reports
+        included: ``close`` waits for the service's answer to the last one at most ``timeout`` seconds, as
+        :meth:`flush` does. Only a service already lost (or one that refused the stream) is not waited for.
+        """
         if not self._life.close():
             return
         for h in (*self._hooks, *self._parts.hooks, *([self._optimizer_hook] if self._optimizer_hook else [])):
