@@ -169,10 +169,16 @@ class StreamBackend:
             self._flush_now.clear()
 
     def close(self, timeout: float = 5.0) -> None:
+        """Deliver every step sent so far (folded ones too), waiting at most ``timeout`` as :meth:`flush` does,
+        then say goodbye and stop the stream thread. Where the service is known to be away (it was lost, or
+        refused the stream), nothing is waited for: what it missed is lost with the stream."""
         with self._lock:
             thread = self._thread
         if thread is None:
             return
+        reachable = self.connected or self._local.active or (self.reconnects == 0 and self.last_error is None)
+        if reachable and not self._stopping.is_set():
+            self.flush(timeout)
         self._put(_STOP)
         self._closing.set()
         thread.join(timeout)
@@ -227,6 +233,10 @@ class StreamBackend:
                     yield pb.ClientMessage(stats=wire.stats_to_pb(report))
                 continue
             if item is _STOP:
+                # What was folded goes out before the goodbye (a close that could not wait for its answer).
+                folded = folder.due(time.monotonic(), force=True)
+                if folded is not None:
+                    yield pb.ClientMessage(stats=wire.stats_to_pb(folded))
                 # Before the goodbye: the service ends the stream on it, which must not read as a lost stream.
                 self._stop()
                 yield pb.ClientMessage(goodbye=pb.Goodbye(reason="client closed"))

@@ -164,3 +164,29 @@ def test_a_steady_rank_reports_less_often_and_every_step_is_counted(tmp_path: Pa
         h.close()
     finally:
         svc.stop()
+
+
+def test_close_without_flush_delivers_every_step_it_counted(tmp_path: Path) -> None:
+    svc = ServiceThread(
+        ServeConfig(
+            grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), core=CoreConfig(max_report_interval_seconds=5.0)
+        )
+    )
+    svc.start()
+    try:
+        bound = svc.service.bound
+        assert bound is not None
+        model = tiny_model(n_layer=2, d_model=16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        h = client.attach(model, server=bound.grpc, job="closing", budget_bytes=10**9, optimizer=opt)
+        for step in range(60):
+            train_step(model, opt, 32, seed=step)
+            time.sleep(0.01)
+        h.close()  # no flush first: the steps folded into the next report must not be lost
+        job = httpx.get(f"http://{bound.http}/api/v1/jobs/closing", timeout=10).json()
+        assert job["ranks"][0]["last_stats"]["step"] == 59, job["ranks"][0]["last_stats"]
+        rows = httpx.get(f"http://{bound.http}/api/v1/jobs/closing/stats?limit=1000", timeout=10).json()
+        rows = rows["stats"] if isinstance(rows, dict) else rows
+        assert len(rows) < 50, f"{len(rows)} reports: the steady steps were not folded, so nothing was at stake"
+    finally:
+        svc.stop()
