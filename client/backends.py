@@ -7,9 +7,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
-from rematd.planner import Plan, PlannerSession
+from rematd.planner import Mode, Plan, PlannerSession
 
 PlanCallback = Callable[[Plan], None]
+Pricer = Callable[[tuple[Mode, ...], int, str], Plan | None]
+"""A plan of given modes (a pin), its version and reason, priced by the rank's planner; None before it opens."""
 
 
 class Backend(Protocol):
@@ -21,6 +23,7 @@ class Backend(Protocol):
     def send_oom(self, oom: OomReport) -> None: ...
     def flush(self, timeout: float) -> bool: ...
     def close(self, timeout: float) -> None: ...
+    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None: ...
 
 
 class EmbeddedBackend:
@@ -88,6 +91,10 @@ class EmbeddedBackend:
 
     def flush(self, timeout: float) -> bool:
         return True
+
+    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None:
+        """``modes`` as a plan priced by this rank's planner (a pin in this process); None before it opens."""
+        return self._session.plan_of(modes, version=version, reason=reason) if self._session is not None else None
 
     def close(self, timeout: float) -> None:
         self._session = None

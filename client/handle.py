@@ -94,6 +94,7 @@ class Handle:
         self._backend: Backend = (
             StreamBackend(server, self._applier.receive, stream) if server else EmbeddedBackend(self._applier.receive)
         )
+        self._applier.price = self._backend.plan_of
         self.server = server
         self._cycle = StepCycle(
             model,
@@ -204,8 +205,11 @@ class Handle:
 
     @property
     def plan(self) -> Plan:
-        """The plan in force: version, checkpointed block indices, frequency."""
-        return self._applier.plan
+        """The plan in force: version, checkpointed block indices, frequency, modes, reason, ``lossy``.
+
+        Under :meth:`pin_modes`, the pinned modes as a plan (priced by the profile, with the version of the
+        planner's plan it sets aside, and its reason saying so); :attr:`history` keeps the planner's plans."""
+        return self._applier.in_force()
 
     @property
     def history(self) -> list[Plan]:

@@ -35,8 +35,8 @@ from rematd.client.connection import StreamConfig
 from rematd.client.folding import Folder
 from rematd.client.local_planner import FALLBACK_MAX_FAILURES, LocalPlanner
 from rematd.client.throttle import Throttled
-from rematd.messages import Hello, OomReport, StepStats
-from rematd.planner import Plan
+from rematd.messages import Hello, OomReport, StepStats, open_planner
+from rematd.planner import Mode, Plan, PlannerSession
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -96,6 +96,8 @@ class StreamBackend:
         self._flush_now = threading.Event()
         self._call: Any = None
         self._local = LocalPlanner()
+        self._pricer: PlannerSession | None = None
+        """A planner over this rank's profile that prices a pin in the training process (made when first asked)."""
         self._lost_at = time.monotonic()
         self._throttled = Throttled()
         self.sent_step = -1
@@ -167,6 +169,15 @@ class StreamBackend:
                 return self.acked_step >= self.sent_step
         finally:
             self._flush_now.clear()
+
+    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None:
+        """``modes`` as a plan priced by this rank's profile, as the service would (a pin in the training
+        process: the service plans on, and hears of the modes run with each step); None before the profile."""
+        if self._hello is None:
+            return None
+        if self._pricer is None:
+            self._pricer = open_planner(self._hello)
+        return self._pricer.plan_of(modes, version=version, reason=reason)
 
     def close(self, timeout: float = 5.0) -> None:
         """Deliver every step sent so far (folded ones too), waiting at most ``timeout`` as :meth:`flush` does,

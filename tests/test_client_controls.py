@@ -59,7 +59,8 @@ def test_a_pin_before_the_first_step_applies_from_the_first_step_after_profiling
     model, opt, h = _attached()
     h.pin_modes("recompute")
     train_step(model, opt, 32)
-    assert h.step_count == 1 and h.plan.blocks == (), "the profiling step, and a plan that recomputes nothing"
+    assert h.step_count == 1 and not h.history, "the profiling step: no plan of the planner's applied yet"
+    assert h.plan.modes == (Mode.RECOMPUTE,) * 4 and "pinned" in h.plan.reason, "the pin is the plan in force"
     profiled = h.last_stats
     assert profiled is not None
     train_step(model, opt, 32, seed=1)

@@ -98,6 +98,13 @@ class InForce(TypedDict):
     predicted_peak_bytes: int
     predicted_overhead_ratio: float
     lossy: Annotated[bool, Field(description="some block compresses its saved activations: close, not bitwise")]
+    source: Annotated[
+        Literal["plan", "ranks"],
+        Field(
+            description="plan: the job's newest plan at that length; ranks: the modes its newest step ran instead "
+            "(a pin in the training process, h.pin_modes, or the plan a sharded job's ranks agreed on)"
+        ),
+    ]
 
 
 class JobView(JobRow):
@@ -143,7 +150,9 @@ def _job_state(row: JobRow, ranks: list[RankRow]) -> JobState:
 def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, ended: bool) -> RankView:
     last = r["last_stats"]
     modes: list[ModeName] | None = None
-    if live is not None:
+    if last and last.get("modes"):
+        modes = last["modes"]  # it ran modes of its own (a pin in its process, or its job's agreed plan)
+    elif live is not None:
         modes = live.modes(last)
     elif own_plan is not None:
         # Not live: what the rank's own last plan runs (the job's newest may be another rank's).
@@ -175,9 +184,21 @@ def _in_force(plan: StoredPlanRow | None, newest: LastStepRow | None) -> InForce
     if plan is None:
         return None
     seq = newest["seq_len"] if newest else None
+    ran = newest.get("modes") if newest else None
+    if newest is not None and ran is not None:
+        # The ranks ran modes of their own: those are in force, with what they were predicted to keep.
+        return InForce(
+            seq_len=seq,
+            max_seq_len=None,
+            modes=ran,
+            predicted_peak_bytes=newest["predicted_peak_bytes"],
+            predicted_overhead_ratio=newest.get("predicted_overhead_ratio", 0.0),
+            lossy="compress" in ran,
+            source="ranks",
+        )
     tokens = seq * (newest["batch"] or 1) if newest and seq else None
     entry = entry_in_force(plan, seq, tokens)
-    return InForce(seq_len=seq, lossy="compress" in entry["modes"], **entry)
+    return InForce(seq_len=seq, lossy="compress" in entry["modes"], source="plan", **entry)
 
 
 class ReadViews:

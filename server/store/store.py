@@ -75,8 +75,9 @@ _UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state) VALUES (:job, :ra
     ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state"""
 
 _ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
-    predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans)
-    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now, :modes, :table)"""
+    predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans, seq_len)
+    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now, :modes, :table,
+            :seq_len)"""
 
 _ADD_OOM = """INSERT INTO oom_events (job, rank, step, time, seq_len, batch, plan_version, message)
     VALUES (:job, :rank, :step, :time, :seq_len, :batch, :plan_version, :message)"""
