@@ -166,11 +166,12 @@ def test_dashboard_shows_the_modes_in_force_by_length(served: LiveServer) -> Non
         assert page.locator("#ranks-body .strip").get_attribute("data-modes") == letters(force["modes"])
         history = page.locator("#plan-body tr[data-version] .strip").evaluate_all("ss => ss.map(s => s.dataset.modes)")
 
-        def at_128(p: dict) -> str:  # type: ignore[type-arg]
-            return letters(next((e["modes"] for e in p["shape_plans"] if e["max_seq_len"] >= 128), p["modes"]))
+        def at_own(p: dict) -> str:  # type: ignore[type-arg]
+            table = p["shape_plans"]
+            return letters(next((e["modes"] for e in table if e["max_seq_len"] >= p["seq_len"]), table[-1]["modes"]))
 
-        assert history == [at_128(p) for p in plans], "each plan at the length the job runs now"
-        assert "length 128" in (page.locator("#plan-history-modes").text_content() or "")
+        assert history == [at_own(p) for p in plans], "each plan at the length it was made for"
+        assert page.locator("#plan-body td.seq").all_inner_texts() == [str(p["seq_len"]) for p in plans]
         assert any("Up to length" in r for r in page.locator("#plan-body td.reason").all_inner_texts())
         assert not any("extend the plan table" in r for r in page.locator("#plan-body td.reason").all_inner_texts())
         # The legend tells every series apart: no two items share a label or a style.
