@@ -362,9 +362,7 @@ def test_on_cuda_compressed_gradients_stay_close_and_restores_are_timed(format: 
 
 
 def test_a_compress_plan_in_force_is_lossy_pinned_in_process_or_by_an_operator(tmp_path: Path) -> None:
-    from rematd.server import ServeConfig, ServiceThread
-
-    from .helpers import train_step
+    from .helpers import service_thread, train_step
 
     # In-process: a pin is the plan in force, priced, and lossy in its flag and its reason.
     model = tiny_model(d_model=64, seed=3)
@@ -385,11 +383,7 @@ def test_a_compress_plan_in_force_is_lossy_pinned_in_process_or_by_an_operator(t
     h.close()
 
     # Against a service: the REST API shows the modes the rank ran, lossy; an operator's pin is lossy too.
-    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "c.db")))
-    svc.start()
-    try:
-        bound = svc.service.bound
-        assert bound is not None
+    with service_thread(tmp_path / "c.db") as bound:
         model = tiny_model(d_model=64, seed=3)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         h = client.attach(
@@ -415,5 +409,3 @@ def test_a_compress_plan_in_force_is_lossy_pinned_in_process_or_by_an_operator(t
         assert "pinned by an operator" in job["plan"]["reason"] and "lossy: blocks 0" in job["plan"]["reason"]
         assert h.plan.lossy and h.modes[0] == Mode.COMPRESS
         h.close()
-    finally:
-        svc.stop()
