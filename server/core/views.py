@@ -6,6 +6,7 @@ The shapes of what it returns are defined here, once; the REST API's response mo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
@@ -86,7 +87,19 @@ class RankView(TypedDict):
     modes: Annotated[list[ModeName] | None, Field(description="what its last step's length runs")]
     checkpointed_blocks: list[int] | None
     oom_risk: float | None
-    prices: Annotated[list[ModePrice] | None, Field(description="how sure each mode's price is (live ranks)")]
+    prices: Annotated[
+        list[ModePrice] | None, Field(description="how sure each mode's price is (ranks whose stream is here)")
+    ]
+    served_here: Annotated[
+        bool,
+        Field(
+            description="this process holds the rank's stream: its plan, risk and prices are read from memory; "
+            "otherwise (another worker or replica holds it, or none) from the store's latest rows"
+        ),
+    ]
+    figures_age_seconds: Annotated[
+        float | None, Field(description="seconds since the step its figures come from was received (null before one)")
+    ]
 
 
 class InForce(TypedDict):
@@ -140,7 +153,9 @@ def _job_state(row: JobRow, ranks: list[RankRow]) -> JobState:
     return "running" if CONNECTED in states else "disconnected"
 
 
-def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, ended: bool) -> RankView:
+def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, ended: bool, now: float) -> RankView:
+    """One rank: from memory where this process holds its stream, else from the store (its last step, and the
+    newest plan it was sent, which is written before it is sent)."""
     last = r["last_stats"]
     modes: list[ModeName] | None = None
     if live is not None:
@@ -155,13 +170,23 @@ def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, e
         state=r["state"],
         device=r["device"],
         last_stats=last,
-        plan_version=live.sent.version if live else (last["plan_version"] if last else None),
+        plan_version=_plan_version(live, own_plan, last),
         modes=modes,
         checkpointed_blocks=[i for i, m in enumerate(modes) if m != "store"] if modes is not None else None,
         # An ended job carries no live risk: what it last measured is history.
         oom_risk=None if ended else (live.oom_risk if live else (last.get("oom_risk") if last else None)),
         prices=cast("list[ModePrice]", live.prices) if live else None,
+        served_here=live is not None,
+        figures_age_seconds=round(max(0.0, now - last["time"]), 3) if last else None,
     )
+
+
+def _plan_version(live: _Live | None, own_plan: StoredPlanRow | None, last: LastStepRow | None) -> int | None:
+    if live is not None:
+        return live.sent.version
+    if own_plan is not None:
+        return int(own_plan["version"])
+    return last["plan_version"] if last else None
 
 
 def _newest_step(ranks: list[RankRow]) -> LastStepRow | None:
@@ -257,7 +282,8 @@ class ReadViews:
         state = _job_state(row, ranks)
         ended = state == "ended"
         live = self._live(job)
-        rank_views = [_rank_view(r, live.get(r["rank"]), rank_plans.get(r["rank"]), ended) for r in ranks]
+        now = time.time()
+        rank_views = [_rank_view(r, live.get(r["rank"]), rank_plans.get(r["rank"]), ended, now) for r in ranks]
         peak = job_peak(r["last_stats"]["peak_bytes"] if r["last_stats"] else None for r in ranks)
         return JobView(
             job=job,

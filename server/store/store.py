@@ -293,6 +293,13 @@ class Store:
                 {"state": state, "job": job, "rank": rank},
             )
 
+    def disconnect_ranks(self, ranks: list[tuple[str, int]]) -> None:
+        """Mark ranks whose process died disconnected, those still marked connected (not ended ones)."""
+        self._write(
+            "UPDATE ranks SET state='disconnected' WHERE job=:job AND rank=:rank AND state='connected'",
+            [{"job": job, "rank": rank} for job, rank in ranks],
+        )
+
     def end_job(self, job: str, now: float) -> None:
         self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})
 
