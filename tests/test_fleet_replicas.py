@@ -14,6 +14,7 @@ import grpc
 import httpx
 import pytest
 
+from bench.postgres import Cluster, pg_bin
 from bench.served import Served, launch, stop
 from rematd.client.connection import CHANNEL_OPTIONS
 from rematd.server.config import StoreConfig
@@ -113,3 +114,35 @@ def test_ranks_spread_over_two_replicas_and_fail_over_to_the_survivor(replicas: 
         channel.close()
         for h in https:
             h.close()
+
+
+def test_readiness_fails_while_postgresql_is_unreachable_and_returns_with_it() -> None:
+    bindir = pg_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL binaries are absent (Debian package 'postgresql', see scripts/system-packages.txt)")
+    cluster = Cluster(bindir)
+    try:
+        cluster.start()
+        srv = launch(cluster.create(), "--log-level", "warning")  # type: ignore[arg-type]
+        try:
+            with httpx.Client(base_url=srv.http, timeout=20) as http:
+                assert http.get("/readyz").status_code == 200
+                cluster.stop()  # nothing writes meanwhile: only readiness's own probe can notice
+                r = _wait_status(http, 503)
+                assert r.status_code == 503 and "cannot be written" in r.json()["detail"], r.text
+                assert http.get("/healthz").status_code == 200, "alive: a restart would not bring the database back"
+                cluster.start()
+                assert _wait_status(http, 200).status_code == 200
+        finally:
+            stop(srv.proc)
+    finally:
+        cluster.remove()
+
+
+def _wait_status(http: httpx.Client, status: int, seconds: float = 20.0) -> httpx.Response:
+    deadline = time.monotonic() + seconds
+    while True:
+        r = http.get("/readyz")
+        if r.status_code == status or time.monotonic() > deadline:
+            return r
+        time.sleep(0.2)

@@ -212,10 +212,13 @@ class Store:
     def writable(self, probe_every: float = 1.0) -> bool:
         """Whether the store takes writes. While writes fail, a probe write (at most one per
         ``probe_every`` seconds) finds out when it takes them again, with or without traffic: only
-        the probe clears a failure, since a write that changed nothing succeeds on a full disk too."""
+        the probe clears a failure, since a write that changed nothing succeeds on a full disk too.
+        On PostgreSQL the probe runs while writes succeed as well, so that readiness fails while the
+        database cannot be reached even when nothing else writes."""
         if self.check_file():
             return False
-        if self.failing_since is None:
+        # A database server can go away with no write to notice it: PostgreSQL is probed while it works too.
+        if self.failing_since is None and self.dialect == "sqlite":
             return True
         now = time.monotonic()
         if now - self._last_probe >= probe_every:
