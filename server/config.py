@@ -211,8 +211,8 @@ class ServeConfig:
     metrics_need_token: bool = False
     """/metrics needs the bearer token too (a scraper sends it as its bearer_token)."""
     metrics_cache_seconds: float = 1.0
-    """How long one render of /metrics serves every scraper: concurrent scrapes share one render, and none
-    waits on another's (0: each scrape gets a render begun after it asked, shared with those waiting)."""
+    """How long one render of /metrics serves every scraper (concurrent scrapes share one render rather than each
+    rendering); 0 renders for each scrape, still shared by the scrapes that wait at once."""
     grace_seconds: float = 5.0
     """At shutdown, after open streams are told to reconnect, how long their last messages get to finish."""
     drain_seconds: float = 0.0
