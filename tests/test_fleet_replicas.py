@@ -14,13 +14,12 @@ import grpc
 import httpx
 import pytest
 
-from bench.postgres import Cluster, pg_bin
 from bench.served import Served, launch, stop
 from rematd.client.connection import CHANNEL_OPTIONS
 from rematd.server.config import StoreConfig
 
 from .fleet_helpers import RawRank, job_view, metric
-from .test_service_store import postgres_url  # noqa: F401  (a fixture)
+from .test_service_store import new_cluster, postgres_url  # noqa: F401  (a fixture)
 
 TOKEN = "fleet-token-0123456789abcdef"
 RANKS = 6
@@ -31,8 +30,7 @@ def replicas(postgres_url: str) -> Iterator[list[Served]]:  # noqa: F811
     started: list[Served] = []
     try:
         for _ in range(2):
-            # The URL goes through --db as it is: launch() passes its first argument on as a string.
-            started.append(launch(postgres_url, "--log-level", "warning", env={"REMATD_TOKEN": TOKEN}))  # type: ignore[arg-type]
+            started.append(launch(postgres_url, "--log-level", "warning", env={"REMATD_TOKEN": TOKEN}))
         yield started
     finally:
         for srv in started:
@@ -117,13 +115,10 @@ def test_ranks_spread_over_two_replicas_and_fail_over_to_the_survivor(replicas: 
 
 
 def test_readiness_fails_while_postgresql_is_unreachable_and_returns_with_it() -> None:
-    bindir = pg_bin()
-    if bindir is None:
-        pytest.skip("PostgreSQL binaries are absent (Debian package 'postgresql', see scripts/system-packages.txt)")
-    cluster = Cluster(bindir)
+    cluster = new_cluster()
     try:
         cluster.start()
-        srv = launch(cluster.create(), "--log-level", "warning")  # type: ignore[arg-type]
+        srv = launch(cluster.create(), "--log-level", "warning")
         try:
             with httpx.Client(base_url=srv.http, timeout=20) as http:
                 assert http.get("/readyz").status_code == 200

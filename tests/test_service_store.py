@@ -29,13 +29,18 @@ from .helpers import live_server
 from .test_service import _fields, hello, stats
 
 
-@pytest.fixture(scope="module")
-def postgres_url() -> Iterator[str]:
-    """A throw-away PostgreSQL cluster in a temp dir, on a unix socket only (no TCP port at all)."""
+def new_cluster() -> Cluster:
+    """A throw-away PostgreSQL cluster (not started yet); the test is skipped where PostgreSQL is absent."""
     bindir = pg_bin()
     if bindir is None:
         pytest.skip("PostgreSQL binaries are absent (Debian package 'postgresql', see scripts/system-packages.txt)")
-    cluster = Cluster(bindir)
+    return Cluster(bindir)
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    """A throw-away PostgreSQL cluster in a temp dir, on a unix socket only (no TCP port at all)."""
+    cluster = new_cluster()
     try:
         cluster.start()
         yield cluster.create()

@@ -3,7 +3,9 @@ and worker 0's /metrics covers the ranks of every one."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import queue
 import re
@@ -19,7 +21,7 @@ import httpx
 from bench.load_server import listeners
 from bench.served import addresses, stop
 from rematd import wire
-from rematd.server.metrics.peers import PUBLISH_SECONDS
+from rematd.server.metrics.peers import MULTIPROC_ENV, PUBLISH_SECONDS
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -157,14 +159,14 @@ def test_a_killed_worker_is_started_again_the_others_streams_go_on_and_counts_su
             while True:
                 view = job_view(http, "split")
                 shown = {v["rank"]: v for v in view["ranks"] if v["state"] == "connected"}  # type: ignore[attr-defined]
-                if all(v["figures_age_seconds"] is not None for v in shown.values()) or time.monotonic() > deadline:
+                if all(v["figures_at"] is not None for v in shown.values()) or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
             assert set(shown) == {r.rank for r in ranks}
             for r in ranks:
                 v = shown[r.rank]
                 assert v["plan_version"] == r.plan_version and v["modes"] and v["oom_risk"] is not None
-                assert v["served_here"] == (r in here) and 0 <= v["figures_age_seconds"] < 30
+                assert v["served_here"] == (r in here) and 0 <= time.time() - v["figures_at"] < 30
             # Counters and histograms cover both workers.
             text = _scrape(http)
             steps = sum(len(r.acked) for r in ranks)
@@ -173,9 +175,9 @@ def test_a_killed_worker_is_started_again_the_others_streams_go_on_and_counts_su
             assert stats_seen is not None and stats_seen >= steps
 
             # Each worker publishes its live ranks every second: those of its last publication are the ones
-            # marked disconnected when it dies.
-            time.sleep(PUBLISH_SECONDS * 1.5)
+            # marked disconnected when it dies. Wait until both have published theirs.
             pids = set(worker_pids(proc.pid))
+            _wait_published(pids, {r.rank for r in ranks})
             worker1 = next(p for p in pids if p != _http_worker(http_addr))
             os.kill(worker1, signal.SIGKILL)
             # Worker 0's streams are untouched: they step on, on the same stream.
@@ -206,6 +208,22 @@ def test_a_killed_worker_is_started_again_the_others_streams_go_on_and_counts_su
     finally:
         stop(proc, grace=20)
     assert proc.returncode == 0, "stopped by SIGTERM after a restart: a clean exit"
+
+
+def _wait_published(workers: set[int], ranks: set[int], seconds: float = 20.0) -> None:
+    """Until the workers' publications (in the run's folder, found from a worker's environment) list ``ranks``."""
+    environ = Path(f"/proc/{min(workers)}/environ").read_bytes().split(b"\0")
+    metrics = next(e.split(b"=", 1)[1].decode() for e in environ if e.startswith(MULTIPROC_ENV.encode() + b"="))
+    deadline = time.monotonic() + seconds
+    while True:
+        listed = set()
+        for path in Path(metrics).parent.glob("worker-*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                listed |= {s["rank"] for s in json.loads(path.read_text())["samples"] if s["connected"]}
+        if ranks <= listed:
+            return
+        assert time.monotonic() < deadline, f"the workers published {listed}, not {ranks}"
+        time.sleep(PUBLISH_SECONDS / 4)
 
 
 def _output(proc: subprocess.Popen[str]) -> str:

@@ -6,7 +6,6 @@ The shapes of what it returns are defined here, once; the REST API's response mo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
@@ -97,8 +96,9 @@ class RankView(TypedDict):
             "otherwise (another worker or replica holds it, or none) from the store's latest rows"
         ),
     ]
-    figures_age_seconds: Annotated[
-        float | None, Field(description="seconds since the step its figures come from was received (null before one)")
+    figures_at: Annotated[
+        float | None,
+        Field(description="unix seconds: when the step its figures come from was received (null before one)"),
     ]
 
 
@@ -153,7 +153,7 @@ def _job_state(row: JobRow, ranks: list[RankRow]) -> JobState:
     return "running" if CONNECTED in states else "disconnected"
 
 
-def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, ended: bool, now: float) -> RankView:
+def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, ended: bool) -> RankView:
     """One rank: from memory where this process holds its stream, else from the store (its last step, and the
     newest plan it was sent, which is written before it is sent)."""
     last = r["last_stats"]
@@ -177,7 +177,7 @@ def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, e
         oom_risk=None if ended else (live.oom_risk if live else (last.get("oom_risk") if last else None)),
         prices=cast("list[ModePrice]", live.prices) if live else None,
         served_here=live is not None,
-        figures_age_seconds=round(max(0.0, now - last["time"]), 3) if last else None,
+        figures_at=last["time"] if last else None,
     )
 
 
@@ -282,8 +282,7 @@ class ReadViews:
         state = _job_state(row, ranks)
         ended = state == "ended"
         live = self._live(job)
-        now = time.time()
-        rank_views = [_rank_view(r, live.get(r["rank"]), rank_plans.get(r["rank"]), ended, now) for r in ranks]
+        rank_views = [_rank_view(r, live.get(r["rank"]), rank_plans.get(r["rank"]), ended) for r in ranks]
         peak = job_peak(r["last_stats"]["peak_bytes"] if r["last_stats"] else None for r in ranks)
         return JobView(
             job=job,
@@ -308,12 +307,14 @@ class ReadViews:
         )
 
     def _live(self, job: str) -> dict[int, _Live]:
-        """What the job's live ranks hold now, copied under the lock: HTTP reads run on a thread pool while
-        the event loop adds ranks."""
+        """What the job's ranks streaming to this process hold now, copied under the lock: HTTP reads run on
+        a thread pool while the event loop adds ranks. A rank whose stream went (resumable here, or moved to
+        another worker or replica since) is read from the store, which has its newest step and plan."""
         with self.sessions.lock:
             return {
                 s.hello.rank: _Live(s.sent, len(s.hello.blocks), s.planner.oom_risk, s.planner.prices())
                 for s in self.sessions.by_job.get(job, {}).values()
+                if s.streams > 0
             }
 
     def job_plans(self, job: str) -> list[StoredPlanRow]:
