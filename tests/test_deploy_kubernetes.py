@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -189,7 +190,9 @@ FLEET = DEPLOY / "kubernetes-fleet"
 @functools.cache
 def fleet_objects() -> tuple[dict[str, Any], ...]:
     """The fleet overlay as kustomize renders it (kubectl's own kustomize, offline)."""
-    out = subprocess.run([binary("kubectl"), "kustomize", str(FLEET)], capture_output=True, text=True, timeout=120)
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is not on PATH: its kustomize renders the fleet overlay (any kubectl 1.21 or later)"
+    out = subprocess.run([kubectl, "kustomize", str(FLEET)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc is not None)
 
