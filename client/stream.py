@@ -31,7 +31,7 @@ import grpc
 
 from rematd import wire
 from rematd.client.backends import PlanCallback
-from rematd.client.connection import StreamConfig
+from rematd.client.connection import CHANNEL_OPTIONS, StreamConfig
 from rematd.client.folding import Folder
 from rematd.client.local_planner import FALLBACK_MAX_FAILURES, LocalPlanner
 from rematd.client.throttle import Throttled
@@ -228,8 +228,8 @@ class StreamBackend:
     def _channel(self) -> grpc.Channel:
         if self.config.tls:
             creds = grpc.ssl_channel_credentials(root_certificates=self.config.root_certificates)
-            return grpc.secure_channel(self.target, creds)
-        return grpc.insecure_channel(self.target)
+            return grpc.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
 
     def _requests(self, hello: Hello, done: threading.Event) -> Iterator[pb.ClientMessage]:
         yield pb.ClientMessage(hello=wire.hello_to_pb(hello))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -219,6 +220,10 @@ def test_a_page_of_another_origin_cannot_write_and_docs_render_offline(served: L
                }""",
             f"http://127.0.0.1:{port}",
         )
+        # /metrics serves one render a second: wait for one made after the writes.
+        deadline = time.monotonic() + 10
+        while _refused(served) != before + 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert _refused(served) == before + 2, "both writes reached the service and were refused"
         controls = httpx.get(f"{served.url}/api/v1/jobs/modes-job", timeout=10).json()["controls"]
         assert controls["ended_at"] is None and controls["pin_every"] is None
