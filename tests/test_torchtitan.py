@@ -1,7 +1,8 @@
 """rematd as torchtitan's ``activation-checkpoint:rematd``: its debug Llama trained by torchtitan's own trainer
 on CPU ranks (gloo), through ``python -m rematd.integrations.torchtitan`` with torchtitan's own arguments.
 
-On 1 rank and on 2 ranks with FSDP, torchtitan without checkpointing is the reference; rematd with a pinned
+On 1 rank, on 2 ranks with FSDP and on 2 ranks with tensor parallel, torchtitan without checkpointing is the
+reference; rematd with a pinned
 plan (recompute, selective and store, two blocks each) and rematd under its planner, at a budget between
 that plan's measured peak (leaner than none, looser than full checkpointing) and no checkpointing, must give
 bitwise the same losses and parameters; the planned run's measured peaks stay under the budget from its first
@@ -36,7 +37,15 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_assets(tmp_path_factory.mktemp("titan_assets"))
 
 
-def train(tmp: Path, assets: tuple[Path, Path], *, ranks: int, module: str, checkpointing: list[str]) -> list[Any]:
+def train(
+    tmp: Path,
+    assets: tuple[Path, Path],
+    *,
+    ranks: int,
+    module: str,
+    checkpointing: list[str],
+    parallelism: tuple[str, ...] = (),
+) -> list[Any]:
     """Train the debug model ``STEPS`` steps; what each rank recorded (losses, rematd's steps, parameters)."""
     record = tmp / f"record-{len(list(tmp.iterdir()))}"
     record.mkdir()
@@ -48,6 +57,7 @@ def train(tmp: Path, assets: tuple[Path, Path], *, ranks: int, module: str, chec
         *("--training.seq-len", "128", "--training.local-batch-size", "2", "--debug.seed", "0"),
         # torch releases shard torchtitan's default spmd_types parameters only from a nightly on.
         *("--parallelism.spmd-backend", "partial_dtensor"),
+        *parallelism,
     ]
     launcher = ["--standalone", "--nproc-per-node", str(ranks), str(ROOT / "tests" / "torchtitan_cpu.py")]
     run_launcher(
@@ -69,18 +79,23 @@ def assert_bitwise(reference: list[Any], run: list[Any], what: str) -> None:
         assert not differ, f"{what}: rank {rank} parameters differ: {differ[:5]}"
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank", "2-ranks-fsdp"])
+@pytest.mark.parametrize(
+    ("ranks", "parallelism"),
+    [(1, ()), (2, ()), (2, ("--parallelism.tensor-parallel-degree", "2"))],
+    ids=["1-rank", "2-ranks-fsdp", "2-ranks-tensor-parallel"],
+)
 def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
-    tmp_path: Path, assets: tuple[Path, Path], ranks: int
+    tmp_path: Path, assets: tuple[Path, Path], ranks: int, parallelism: tuple[str, ...]
 ) -> None:
     reference = train(
-        tmp_path, assets, ranks=ranks, module="torchtitan.train", checkpointing=["activation-checkpoint:none"]
-    )
+        tmp_path, assets, ranks=ranks, module="torchtitan.train", checkpointing=["activation-checkpoint:none"],
+        parallelism=parallelism,
+    )  # fmt: skip
     rematd = ["activation-checkpoint:rematd", "--activation-checkpoint.margin", "0.02"]
 
     pinned = train(
         tmp_path, assets, ranks=ranks, module="rematd.integrations.torchtitan",
-        checkpointing=[*rematd, "--activation-checkpoint.pin", ",".join(PIN)],
+        checkpointing=[*rematd, "--activation-checkpoint.pin", ",".join(PIN)], parallelism=parallelism,
     )  # fmt: skip
     assert_bitwise(reference, pinned, "pinned plan")
     profiled, *later = pinned[0]["steps"]
@@ -95,7 +110,7 @@ def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
 
     planned = train(
         tmp_path, assets, ranks=ranks, module="rematd.integrations.torchtitan",
-        checkpointing=[*rematd, "--activation-checkpoint.budget-bytes", str(budget)],
+        checkpointing=[*rematd, "--activation-checkpoint.budget-bytes", str(budget)], parallelism=parallelism,
     )  # fmt: skip
     assert_bitwise(reference, planned, "planned")
     for rank, record in enumerate(planned):

@@ -10,7 +10,9 @@ torchtitan targets NVIDIA GPUs and a torch nightly. On the CPU build of a releas
   ``scaled_dot_product_attention``; the block mask is made eagerly instead of compiled;
 - gloo's ``PREMUL_SUM`` (FSDP divides gradients with it when a divide factor is set, as torchtitan sets
   one): FSDP reduces with SUM and divides itself, as it does on MTIA;
-- ``torch.distributed.set_timeout`` (a torch nightly's): a no-op.
+- ``torch.distributed.set_timeout`` (a torch nightly's): a no-op;
+- pipeline schedules that take micro-batches (a nightly's ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``):
+  they go to the schedule's ``_step_microbatches``, which a release has.
 
 ``python tests/torchtitan_cpu.py MODULE ARGS...`` (under torchrun) installs them and runs ``python -m MODULE
 ARGS...``: ``torchtitan.train`` or ``rematd.integrations.torchtitan``, with torchtitan's own arguments. With
@@ -173,6 +175,36 @@ def _sum_reduction_on_gloo() -> None:
     collectives._get_gradient_divide_factors = factors
 
 
+def _pipeline_steps_take_microbatches() -> None:
+    """A released torch's schedules split a whole batch in ``step``; torchtitan hands them the micro-batches
+    (``arg_mbs=``, ``kwarg_mbs=``, ``target_mbs=``), as a nightly's do: those go to ``_step_microbatches``."""
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        whole_batch = cls.step
+        if "arg_mbs" in inspect.signature(whole_batch).parameters:
+            continue
+
+        def step(self: Any, *args: Any, whole_batch: Any = whole_batch, **kwargs: Any) -> Any:
+            if not {"arg_mbs", "kwarg_mbs", "target_mbs"} & kwargs.keys():
+                return whole_batch(self, *args, **kwargs)
+            stages = getattr(self, "_stages", None) or [self._stage]
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(
+                kwargs.get("arg_mbs"),
+                kwargs.get("kwarg_mbs"),
+                kwargs.get("target_mbs"),
+                kwargs.get("losses"),
+                kwargs.get("return_outputs", True),
+                loss_kwargs=kwargs.get("loss_kwargs"),
+            )
+            return None
+
+        cls.step = step
+
+
 def install() -> None:
     """Every stand-in, before torchtitan's modules that read the device are imported."""
     import torch.distributed as dist
@@ -184,6 +216,7 @@ def install() -> None:
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = lambda timeout, group=None: None
     _sum_reduction_on_gloo()
+    _pipeline_steps_take_microbatches()
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common import attention
 
@@ -207,7 +240,7 @@ def _record(where: Path) -> None:
 
     def recorded_forward_backward(self: Any, **kwargs: Any) -> torch.Tensor:
         loss = forward_backward(self, **kwargs)
-        losses.append(loss.detach().clone())
+        losses.append(_whole(loss))  # a distributed tensor under tensor parallel's loss parallelism
         return loss  # type: ignore[no-any-return]
 
     def recorded_train_step(self: Any, data_iterator: Any) -> None:
