@@ -7,9 +7,12 @@ Everything before ``activation-checkpoint:rematd`` is torchtitan's own command l
 ``--activation-checkpoint.*`` flags after it are rematd's (``... activation-checkpoint:rematd --help``
 lists them). The trainer is torchtitan's ``Trainer`` with one more choice in its activation-checkpoint
 union: torchtitan applies it where it applies its own checkpointing (each model part's parallelize
-function: tensor parallel, then checkpointing, then compile, then FSDP), so rematd attaches to every
-model part (every pipeline stage) at that point. Each handle then ends its steps after the step of the
-optimizer that owns the part's parameters, and closes with the trainer.
+function: tensor parallel, then checkpointing, then compile, then FSDP), so rematd attaches to the model's
+blocks at that point. Under pipeline parallel each stage's blocks are taken there too, and attached once the
+trainer has built its schedule, one handle following the schedule for all the rank's stages (the client plans
+each stage for the microbatches the schedule keeps alive on it); a client without pipeline support refuses
+pipeline parallel at start. Each handle ends its steps after the step of the optimizer that owns its parts'
+parameters, and closes with the trainer.
 
 Refused at start, naming the flag to change: a torchtitan release other than :data:`SUPPORTED`; torchtitan
 compiling the blocks itself (``--compile.enable`` with ``model`` in ``--compile.components``): rematd
@@ -85,16 +88,31 @@ FLAG = "--activation-checkpoint"
 
 @dataclass(slots=True)
 class Attached:
-    """One model part and the handle attached to it."""
+    """A handle and the model parts whose blocks it switches."""
 
-    model: nn.Module
+    parts: list[nn.Module]
     handle: Handle
     logged: int = -1
     """The version of the last plan logged."""
 
 
-_ATTACHED: contextvars.ContextVar[list[Attached] | None] = contextvars.ContextVar("rematd_torchtitan", default=None)
-"""Where :meth:`RematdCheckpointing.apply` puts its handles while :class:`RematdTrainer` builds its model parts."""
+@dataclass(slots=True)
+class _Building:
+    """What :meth:`RematdCheckpointing.apply` leaves while :class:`RematdTrainer` builds its model parts."""
+
+    attached: list[Attached]
+    pipeline: bool
+    """Whether the parts are pipeline stages: their blocks are attached through the schedule, once it exists."""
+    stages: list[tuple[nn.Module, list[tuple[str, nn.Module]]]] = field(default_factory=list)
+    """Each stage's module and its layers, for the schedule's handle."""
+
+
+_BUILDING: contextvars.ContextVar[_Building | None] = contextvars.ContextVar("rematd_torchtitan", default=None)
+
+
+def _pipelines_supported() -> bool:
+    """Whether this rematd's client follows ``torch.distributed.pipelining`` schedules (``Handle.pipeline``)."""
+    return hasattr(Handle, "pipeline")
 
 
 class RematdCheckpointing(ActivationCheckpointing):  # type: ignore[misc]
@@ -158,33 +176,42 @@ class RematdCheckpointing(ActivationCheckpointing):  # type: ignore[misc]
                 raise ValueError(f"{FLAG}.pin: compress is lossy and opt-in: add compress to {FLAG}.modes")
 
     def apply(self, model: nn.Module) -> None:
-        """Attach rematd to ``model`` (one model part) where torchtitan would wrap its blocks."""
-        attached = _ATTACHED.get()
-        if attached is None:
+        """Attach rematd to ``model`` (one model part) where torchtitan would wrap its blocks; a pipeline stage's
+        blocks are attached through the schedule, which plans the rank's stages together, once it exists."""
+        building = _BUILDING.get()
+        if building is None:
             raise RuntimeError(
                 "activation-checkpoint:rematd needs rematd's trainer, which follows the optimizer and closes "
                 "rematd with the run: start training with python -m rematd.integrations.torchtitan"
             )
         layers = _layers(model)
+        if building.pipeline:
+            building.stages.append((model, layers))
+            return
         if not layers:
             log.info("rematd: this model part holds no layers; nothing to checkpoint in it")
             return
-        c = self.config
-        handle = attach(
-            model,
-            blocks=[block for _, block in layers],
-            budget_bytes=c.budget_bytes,
-            margin_ratio=c.margin,
-            modes=c.modes,
-            server=c.server,
-            job=c.job or _run_job(),
-            compress=c.compress,
-            compile=c.compile,
-        )
-        attached.append(Attached(model, handle))
-        if c.pin:
-            handle.pin_modes(_part_pins(c.pin, [key for key, _ in layers]))
-        log.info("rematd: attached to %d layers (%s)", len(layers), ", ".join(key for key, _ in layers))
+        handle = attach(model, blocks=[block for _, block in layers], **_attach_options(self.config))
+        building.attached.append(Attached([model], handle))
+        _pin(handle, self.config, [key for key, _ in layers])
+
+
+def _attach_options(c: RematdCheckpointing.Config) -> dict[str, Any]:
+    return {
+        "budget_bytes": c.budget_bytes,
+        "margin_ratio": c.margin,
+        "modes": c.modes,
+        "server": c.server,
+        "job": c.job or _run_job(),
+        "compress": c.compress,
+        "compile": c.compile,
+    }
+
+
+def _pin(handle: Handle, c: RematdCheckpointing.Config, keys: Sequence[str]) -> None:
+    if c.pin:
+        handle.pin_modes(_part_pins(c.pin, keys))
+    log.info("rematd: attached to %d layers (%s)", len(keys), ", ".join(keys))
 
 
 def _run_job() -> str | None:
@@ -258,6 +285,12 @@ class RematdTrainer(Trainer):  # type: ignore[misc]
                     "by torchtitan bakes in: leave 'model' out of --compile.components (keep 'loss') and set "
                     f"{FLAG}.compile, which compiles each block with rematd's modes inside"
                 )
+            if self.parallelism.pipeline_parallel_degree > 1 and not _pipelines_supported():
+                raise ValueError(
+                    "activation-checkpoint:rematd under pipeline parallel needs a rematd whose client follows "
+                    "pipeline schedules (Handle.pipeline), which this one lacks: leave "
+                    "--parallelism.pipeline-parallel-degree at 1, or use torchtitan's own checkpointing"
+                )
             if _captures_cuda_graphs(self.training):
                 raise ValueError(
                     "activation-checkpoint:rematd changes the blocks' modes between steps, which a captured CUDA "
@@ -266,45 +299,59 @@ class RematdTrainer(Trainer):  # type: ignore[misc]
 
     def __init__(self, config: Config) -> None:
         self.rematd: list[Attached] = []
-        """The handle of every model part rematd was attached to (none unless the mode is rematd)."""
-        token = _ATTACHED.set(self.rematd)
+        """Every handle rematd attached (none unless the mode is rematd): one per model part, or under pipeline
+        parallel one for the rank's stages."""
+        building = _Building(self.rematd, pipeline=config.parallelism.pipeline_parallel_degree > 1)
+        token = _BUILDING.set(building)
         try:
             super().__init__(config)
+            if building.stages:
+                self._attach_schedule(building.stages, config.activation_checkpoint)
             self._follow_optimizers()
         except BaseException:
             self._close_handles()
             raise
         finally:
-            _ATTACHED.reset(token)
+            _BUILDING.reset(token)
+
+    def _attach_schedule(
+        self, stages: list[tuple[nn.Module, list[tuple[str, nn.Module]]]], c: RematdCheckpointing.Config
+    ) -> None:
+        """One handle for the rank's pipeline stages, following torchtitan's schedule: its ``step()`` starts a
+        step, and each stage's plan counts the microbatches the schedule keeps alive on it."""
+        layers = sorted(((key, block) for _, part in stages for key, block in part), key=lambda kb: int(kb[0]))
+        handle = attach(self.pp_schedule, blocks=[block for _, block in layers], **_attach_options(c))
+        self.rematd.append(Attached([module for module, _ in stages], handle))
+        _pin(handle, c, [key for key, _ in layers])
 
     def _follow_optimizers(self) -> None:
-        """End each part's rematd step after the step of the last optimizer that owns its parameters."""
+        """End each handle's step after the step of the last optimizer that owns its parts' parameters."""
         optimizers = list(getattr(self.optimizers, "optimizers", [self.optimizers]))
-        for part in self.rematd:
-            owned = {id(p) for p in part.model.parameters()}
+        for attached in self.rematd:
+            owned = {id(p) for part in attached.parts for p in part.parameters()}
             own = [o for o in optimizers if any(id(p) in owned for g in o.param_groups for p in g["params"])]
-            part.handle.optimizer = own[-1] if own else None
+            attached.handle.optimizer = own[-1] if own else None
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:
         super().train_step(data_iterator)
-        for part in self.rematd:
-            part.handle.step()  # a part no optimizer owns; after its optimizer's step this does nothing
+        for attached in self.rematd:
+            attached.handle.step()  # parts no optimizer owns; after their optimizer's step this does nothing
         self._log_plans()
 
     def _log_plans(self) -> None:
         """On the first rank, a line for each plan's first step: its modes, predicted and measured peaks."""
         if not self.rematd or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
             return
-        for i, part in enumerate(self.rematd):
-            plan, stats = part.handle.plan, part.handle.last_stats
-            if stats is None or plan.version == part.logged:
+        for i, attached in enumerate(self.rematd):
+            plan, stats = attached.handle.plan, attached.handle.last_stats
+            if stats is None or plan.version == attached.logged:
                 continue
-            part.logged = plan.version
+            attached.logged = plan.version
             log.info(
                 "rematd%s: plan %d ran %s: peak %.1f MiB (predicted %.1f MiB), budget %.1f MiB; %s",
                 f" (model part {i})" if len(self.rematd) > 1 else "",
                 plan.version,
-                "".join(m.letter for m in part.handle.modes),
+                "".join(m.letter for m in attached.handle.modes),
                 (stats.saved_peak_bytes or stats.peak_allocated_bytes) / 2**20,
                 plan.predicted_peak_bytes / 2**20,
                 stats.budget_bytes / 2**20,
@@ -312,8 +359,8 @@ class RematdTrainer(Trainer):  # type: ignore[misc]
             )
 
     def _close_handles(self) -> None:
-        for part in self.rematd:
-            part.handle.close()
+        for attached in self.rematd:
+            attached.handle.close()
 
     def close(self) -> None:
         self._close_handles()

@@ -1,11 +1,10 @@
 """Pipeline parallel (degree 2) through ``activation-checkpoint:rematd``: not collected yet.
 
-Rename this file to ``test_torchtitan_pipeline.py`` once the client runs pipeline schedules: today a pipeline
-run of rematd's mode hangs at the first step, as each rank agrees on one plan per model part at that part's first
-forward, and under a pipeline schedule the ranks reach their parts at different times (and each rank holds two
-parts under torchtitan's interleaved schedule). torchtitan's own pipeline run on the same CPU ranks works (with
-the schedule stand-in in ``tests/torchtitan_cpu.py``); this is what rematd's must then do: train bitwise as it
-does, pinned and planned, without a hang, each part's steps under the budget from its first planned step.
+Rename this file to ``test_torchtitan_pipeline.py`` once the client follows pipeline schedules
+(``Handle.pipeline``, ``attach(schedule)``); until then the integration refuses pipeline parallel at start.
+torchtitan's own pipeline run works on the same CPU ranks (with the schedule stand-in in
+``tests/torchtitan_cpu.py``); rematd's must then train bitwise as it does, pinned and planned, without a hang,
+under the budget from its first planned step, one handle per rank following torchtitan's interleaved schedule.
 """
 
 from __future__ import annotations
@@ -30,10 +29,11 @@ def test_pipeline_degree_2_trains_as_torchtitan(tmp_path: Path, assets: tuple[Pa
         checkpointing=[*rematd, "--activation-checkpoint.pin", ",".join(PIN)], parallelism=PIPELINE,
     )  # fmt: skip
     assert_bitwise(reference, pinned, "pinned plan, pipeline")
-    # Each rank holds two stages of the interleaved schedule, each stage its own handle with its layers' pins.
-    for record in pinned:
-        parts = record["steps"][-1]
-        assert len(parts) == 2 and all(set(p["modes"]) <= set(PIN) for p in parts)
+    # Each rank runs two stages of the interleaved schedule (layers 0 and 3-4, 1-2 and 5): one handle follows the
+    # schedule and plans both, each block pinned by its layer number.
+    for record, layers in zip(pinned, ([0, 3, 4], [1, 2, 5]), strict=True):
+        (part,) = record["steps"][-1]
+        assert part["modes"] == [PIN[i] for i in layers], part
     budgets = []
     for record in pinned:
         profiled, *later = record["steps"]

@@ -78,6 +78,7 @@ def main() -> None:
         "rng_selective": lambda: parse(
             "activation-checkpoint:selective", "--activation-checkpoint.no-preserve-rng-state"
         ),
+        "pipeline": lambda: parse(*PIPELINE, "activation-checkpoint:rematd"),
         "version": lambda: integration.check_version("0.2.0"),
         "outside_trainer": outside_trainer,
     }
@@ -101,6 +102,7 @@ PARSED = [
     "--activation-checkpoint.job",
     "titan-1",
 ]
+PIPELINE = ["--parallelism.pipeline-parallel-degree", "2", "--training.disable-cuda-graphs"]
 REMATD_COMPILE = ["activation-checkpoint:rematd", "--activation-checkpoint.compile"]
 
 
