@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from rematd import __version__
-from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.accounting import SavedTensorAccounting, local_part, tensors_in
 from rematd.client.credential import job_credential
 from rematd.client.describe import block_records
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
@@ -67,8 +67,11 @@ def offer_modes(blocks: Sequence[SwitchableBlock], memory: Memory, modes: Collec
 
 
 def fresh_grad_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients a step will create: those of trainable parameters without one now."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    """Bytes of the gradients a step will create on this rank: those of trainable parameters without one now
+    (a sharded parameter's gradient is its shard's size)."""
+    return sum(
+        local_part(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
+    )
 
 
 def complete_profile(blocks: Sequence[SwitchableBlock]) -> bool:

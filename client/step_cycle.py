@@ -145,17 +145,33 @@ class StepCycle:
         if self.blocks[0].step_shape != self.shape:
             for b in self.blocks:
                 b.step_shape = self.shape
-        self.static = self.memory.static_bytes()
+        if self.sharded is not None and not self._on_cuda():
+            # The weights FSDP gathers are no activations.
+            self.accounting.gathered = self.sharded.storages()
+        self.static = self._static_now()
+        self.started = time.perf_counter()
+
+    def _static_now(self) -> int:
+        """The memory there whatever the plan: on CUDA, what is allocated; on the CPU, a sharded model's figures."""
+        assert self.memory is not None
+        static = self.memory.static_bytes()
         if self.sharded is not None and not self._on_cuda():
             # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA, and so are the
-            # parameters FSDP holds gathered at the peak (there at every moment of backward); the weights FSDP
-            # gathers are no activations.
-            self.accounting.gathered = self.sharded.storages()
-            self.static += self.sharded.shard_bytes(self.optimizer) + self.sharded.gathered_at_peak
+            # parameters FSDP holds gathered at the peak (there at every moment of backward).
+            static += self.sharded.shard_bytes(self.optimizer) + self.sharded.gathered_at_peak
         if self.zero is not None and not self._on_cuda():
             # As for FSDP: the rank's partitions and what ZeRO-3 holds gathered at the peak are static memory.
-            self.static += self.zero.shard_bytes(self.engine) + self.zero.gathered_at_peak
-        self.started = time.perf_counter()
+            static += self.zero.shard_bytes(self.engine) + self.zero.gathered_at_peak
+        return static
+
+    def _persisted(self) -> int:
+        """Static memory the profiling step created and kept for the steps after it, read at its end: optimizer
+        state made at the first ``optimizer.step()``, and gradients (kept by ``zero_grad(set_to_none=False)``,
+        torchtitan's default; counted whatever the loop does, as it cannot be known yet). On CUDA the gradients
+        the step created are priced as a constant beside the blocks already (:func:`other_activations`), so they
+        are left out here."""
+        grown = self._static_now() - self.static
+        return max(0, grown - self.fresh_grads if self._on_cuda() else grown)
 
     def _on_cuda(self) -> bool:
         return isinstance(self.memory, CudaMemory)
@@ -261,7 +277,7 @@ class StepCycle:
                 world_size,
                 self.who.job,
             )
-        return build_hello(
+        hello = build_hello(
             self.who,
             self.blocks,
             self.memory,
@@ -276,6 +292,8 @@ class StepCycle:
             # are part of the static bytes already.
             gathered=self._gathered_on_cuda(),
         )
+        # The first plan is made for the steps after profiling, which start with what profiling left behind.
+        return dataclasses.replace(hello, static_bytes=hello.static_bytes + self._persisted())
 
     def _gathered_on_cuda(self) -> int:
         if not self._on_cuda():
