@@ -17,8 +17,9 @@ from rematd.planner.model import Mode, Option
 MAX_STATES = 20_000
 """Partial plans kept at once before the programme gives up (blocks of many unlike sizes)."""
 
-# A partial plan: (bytes kept so far, worst moment of backward so far, seconds, modes).
-_State = tuple[int, int, float, tuple[Mode, ...]]
+# A partial plan: (bytes kept so far, worst moment of backward so far, seconds, modes, bytes the other
+# microbatches alive at once keep so far: held at every moment, so added to each).
+_State = tuple[int, int, float, tuple[Mode, ...], int]
 
 
 class TooManyStates(Exception):
@@ -29,38 +30,40 @@ def exact_ordered(options: list[list[Option]], kept_budget: int, moment_budget: 
     """The least extra seconds with every kept byte within ``kept_budget`` and every moment of backward
     (kept bytes still held plus a block's rematerialisation) within ``moment_budget``; among equal
     seconds, the fewest blocks not stored, then the lowest peak. None when nothing fits;
-    :class:`TooManyStates` past :data:`MAX_STATES` partial plans."""
-    states: list[_State] = [(0, 0, 0.0, ())]
+    :class:`TooManyStates` past :data:`MAX_STATES` partial plans. What the other microbatches alive at
+    once keep (``Option.others``, on a pipeline stage) counts against both budgets."""
+    states: list[_State] = [(0, 0, 0.0, (), 0)]
     for opts in options:
         grown: list[_State] = []
-        for kept, worst, secs, modes in states:
+        for kept, worst, secs, modes, others in states:
             for o in opts:
-                k = kept + o.kept
-                if k > kept_budget:
+                k, e = kept + o.kept, others + o.others
+                if k + e > kept_budget:
                     continue
                 w = max(worst, k + o.transient) if o.transient else worst
-                if w > moment_budget:
+                if w + e > moment_budget:
                     continue
-                grown.append((k, w, secs + o.seconds, (*modes, o.mode)))
+                grown.append((k, w, secs + o.seconds, (*modes, o.mode), e))
         if not grown:
             return None
         states = _pareto(grown)
         if len(states) > MAX_STATES:
             raise TooManyStates(f"more than {MAX_STATES} partial plans")
-    best = min(states, key=lambda s: (round(s[2], 12), sum(m != Mode.STORE for m in s[3]), max(s[0], s[1])))
+    best = min(states, key=lambda s: (round(s[2], 12), sum(m != Mode.STORE for m in s[3]), s[4] + max(s[0], s[1])))
     return list(best[3])
 
 
 def _pareto(states: list[_State]) -> list[_State]:
-    """``states`` less those another keeps no more than, peaks no higher than and costs no more than."""
-    states.sort(key=lambda s: (s[0], s[1], s[2]))
-    front: list[tuple[int, float]] = []
+    """``states`` less those another keeps no more than, peaks no higher than, costs no more than and whose
+    other microbatches keep no more than."""
+    states.sort(key=lambda s: (s[0], s[1], s[2], s[4]))
+    front: list[tuple[int, float, int]] = []
     out: list[_State] = []
     for state in states:
-        _kept, worst, secs, _modes = state
+        _kept, worst, secs, _modes, others = state
         # Every state in ``front`` keeps no more (sorted by kept): dominated if one peaks and costs no more.
-        if any(w <= worst and s <= secs + 1e-15 for w, s in front):
+        if any(w <= worst and s <= secs + 1e-15 and e <= others for w, s, e in front):
             continue
-        front.append((worst, secs))
+        front.append((worst, secs, others))
         out.append(state)
     return out
