@@ -89,12 +89,12 @@ class Run:
         self.seconds: list[float] = []
 
     def count(self, batches: list[Any]) -> None:
-        from rematd.client.deepspeed import ZeroModel
+        from rematd.client.parallel.zero import Zero3
         from tests.collectives import counting
 
-        own = ZeroModel.switched
+        own = Zero3.switched
         if self.contender.endswith("left alone"):
-            ZeroModel.switched = lambda self, rerun: None  # type: ignore[method-assign]
+            Zero3.switched = lambda self, rerun: None  # type: ignore[method-assign]
         try:
             for k, ids in enumerate(batches):
                 if self.handle is not None and self.contender.startswith("switch") and k == self.args.switch_at:
@@ -103,7 +103,7 @@ class Run:
                     step(self.engine, ids)
                 self.gathers.append(counts.get("all_gather", 0))
         finally:
-            ZeroModel.switched = own  # type: ignore[method-assign]
+            Zero3.switched = own  # type: ignore[method-assign]
 
     def time(self, ids: Any) -> None:
         start = time.perf_counter()

@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from rematd.client.plan_sync import leanest
+from rematd.client.parallel.agreement import leanest
 from rematd.client.switch import SwitchableBlock
 from rematd.planner import Mode, Plan, Shape
 from rematd.planner.plan import entry_for

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from rematd.client.sharding import block_class
+from rematd.client.parallel.pick import block_class
 
 
 class BlockDiscoveryError(ValueError):
@@ -113,27 +113,32 @@ def _check_given(model: nn.Module, names: dict[int, str], chosen: list[nn.Module
     return found
 
 
-def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> list[tuple[str, nn.Module]]:
+def find_blocks(
+    model: nn.Module, blocks: Sequence[nn.Module] | None = None, *, lone: bool = False
+) -> list[tuple[str, nn.Module]]:
     """The blocks to checkpoint, as (qualified name, module), in execution order.
 
     With ``blocks`` given, each must be a distinct submodule of ``model``, none
     inside another. Otherwise the largest group of same-class block lists
-    (see the module's docstring).
+    (see the module's docstring); ``lone``: a list of one block will do (a
+    pipeline stage may hold one layer).
     """
     names = _names(model)
     if blocks is not None:
         return _check_given(model, names, list(blocks))
 
-    lists: list[tuple[str, list[nn.Module], type[nn.Module]]] = []
+    lists: list[tuple[str, list[tuple[str, nn.Module]], type[nn.Module]]] = []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.children())
-            classes = {block_class(child) for child in children}
+        # A ModuleDict too: torchtitan keeps its layers in one, by layer id, and a pipeline stage deletes those
+        # of the other stages.
+        if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            children = list(module.named_children())
+            classes = {block_class(child) for _, child in children}
             cls = classes.pop() if len(classes) == 1 else None
             # A list of plain containers (stages as nn.Sequential) is a way of grouping, not blocks.
             if cls is not None and cls not in (nn.Sequential, nn.ModuleList):
                 lists.append((name, children, cls))
-    block_names = {f"{n}.{i}" if n else str(i) for n, m, _ in lists for i in range(len(m))}
+    block_names = {f"{n}.{k}" if n else k for n, m, _ in lists for k, _ in m}
 
     def nested(list_name: str) -> bool:
         parts = list_name.split(".")
@@ -146,9 +151,9 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> 
         g = groups.setdefault(cls, _Group(cls))
         g.lists.append(name)
         prefix = f"{name}." if name else ""
-        g.blocks.extend((f"{prefix}{i}", child) for i, child in enumerate(module))
+        g.blocks.extend((f"{prefix}{k}", child) for k, child in module)
 
-    rich = [g for g in groups.values() if not _is_leaf(g.blocks[0][1]) and len(g.blocks) >= 2]
+    rich = [g for g in groups.values() if not _is_leaf(g.blocks[0][1]) and len(g.blocks) >= (1 if lone else 2)]
     bare = [g for g in groups.values() if _is_leaf(g.blocks[0][1]) and len(g.blocks) >= 2]
     pool = rich or bare
     if not pool:
@@ -172,3 +177,14 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> 
             f"{best[0].hint()}), or both: blocks=[*a, *b] in execution order"
         )
     return best[0].blocks
+
+
+def find_stage_blocks(
+    model: nn.Module, roots: Sequence[nn.Module], blocks: Sequence[nn.Module] | None = None
+) -> list[tuple[str, nn.Module]]:
+    """The blocks of several modules run one after another (a pipeline rank's stages, held by ``model``), each
+    found on its own (one block may do), named as in ``model``."""
+    if blocks is not None:
+        return find_blocks(model, blocks)
+    names = _names(model)
+    return [(names[id(m)], m) for root in roots for _, m in find_blocks(root, lone=True)]
