@@ -40,6 +40,10 @@ class Agreement:
     """Makes the ranks of ``groups`` (process groups whose union is the ranks that agree; ``None`` is the
     default group) run one plan each step."""
 
+    running = False
+    """True while an agreement's collectives run (on any rank's training thread): what counts collectives
+    can tell them from the model's."""
+
     def __init__(self, groups: Sequence[object | None], what: str) -> None:
         self.groups = list(groups)
         self.what = what
@@ -69,8 +73,12 @@ class Agreement:
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=dtype, device=self._device())
-        for group in self.groups:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+        Agreement.running = True
+        try:
+            for group in self.groups:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+        finally:
+            Agreement.running = False
         return [int(v) for v in t.tolist()]  # the one copy back to the host
 
     def agree(self, codes: Sequence[int]) -> list[int]:

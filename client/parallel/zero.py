@@ -74,8 +74,10 @@ def refuse_unsupported(model: nn.Module) -> None:
     if names & {"PipelineEngine", "PipelineModule"}:
         raise UnsupportedModel(
             "DeepSpeed pipeline parallelism (PipelineModule / PipelineEngine) is not supported: its stages "
-            "checkpoint through the PipelineModule's activation_checkpoint_interval. Pass deepspeed.initialize "
-            "a plain nn.Module (ZeRO stages 1-3 are supported), or do not attach rematd"
+            "checkpoint through the PipelineModule's activation_checkpoint_interval. Split the model into stages "
+            "with torch.distributed.pipelining (PipelineStage and a schedule: ScheduleGPipe, Schedule1F1B or "
+            "ScheduleInterleaved1F1B) and attach rematd to the schedule, client.attach(schedule); or pass "
+            "deepspeed.initialize a plain nn.Module (ZeRO stages 1-3 are supported)"
         )
     _refuse_own_checkpointing(model)
 

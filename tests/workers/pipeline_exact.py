@@ -1,12 +1,13 @@
 """One rank of the pipeline tests: the same model split into stages and trained by a plain schedule and by a
 schedule rematd is attached to, side by side.
 
-``REMATD_CONFIG``: ``split`` (``titan``: Llama with layers deleted per stage; ``hand``: GPT-2 sliced by hand),
-``schedule`` (``gpipe``, ``1f1b``, ``interleaved``: two stages per rank), ``counts`` (layers per stage),
-``microbatches``, ``steps``, and the parallelism inside a stage: ``inner`` (``tp`` or ``fsdp`` over 2 ranks a
-stage, or none). ``pinned``: each step pins per-stage modes that switch; ``budgets``: a budget per rank of a stage
-instead, so that the ranks of a stage plan differently. Written per step: this rank's modes and own plan, bitwise
-equality with the plain pipeline, the collectives each issued, and which blocks ran again in backward.
+``REMATD_CONFIG``: a list of cases, run one after another in the same processes. Each says ``split``
+(``titan``: Llama with layers deleted per stage; ``hand``: GPT-2 sliced by hand), ``schedule`` (``gpipe``,
+``1f1b``, ``interleaved``: two stages per rank), ``counts`` (layers per stage), ``microbatches``, ``steps``, and
+the parallelism inside a stage: ``inner`` (``tp`` or ``fsdp`` over 2 ranks a stage, or none). ``pinned``: each
+step pins per-stage modes that switch; ``budgets``: a budget per rank of a stage instead, so that the ranks of a
+stage plan differently. Written per step: this rank's modes and own plan, bitwise equality with the plain
+pipeline, the collectives each issued, and which blocks ran again in backward.
 """
 
 from __future__ import annotations
@@ -91,9 +92,7 @@ def run_step(schedule: Any, stages: list[PipelineStage], batch: torch.Tensor, se
     return [loss.detach() for loss in losses]
 
 
-def main() -> None:
-    rank = start()
-    config = settings()
+def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
     world = torch.distributed.get_world_size()
     inner = 2 if config.get("inner") else 1
     pp = world // inner
@@ -166,6 +165,7 @@ def main() -> None:
         )
     agreement = h._cycle.setup.agreement
     result = {
+        "case": config,
         "rank": rank,
         "stages": indices,
         "stage_of": stage_of,
@@ -179,7 +179,12 @@ def main() -> None:
     }
     counter.remove()
     h.close()
-    finish(result)
+    return result
+
+
+def main() -> None:
+    rank = start()
+    finish([run_case(case, rank) for case in settings()])
 
 
 if __name__ == "__main__":
