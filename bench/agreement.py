@@ -11,12 +11,8 @@ a byte per block a step (and, at the first step only, one of two integers that c
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,24 +91,20 @@ def report(args: argparse.Namespace, runs: dict[int, list[dict[str, Any]]]) -> s
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def each_world(args: argparse.Namespace, argv: list[str]) -> dict[int, list[dict[str, Any]]]:
+    """The ranks' results at each world size of ``--ranks``."""
     from bench.fsdp import launch
 
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse(argv)
-    if args.worker:
-        torch.set_num_threads(1)
-        Path(os.environ["REMATD_BENCH_RESULT"]).write_text(json.dumps(worker(args)))
-        return
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for world in (int(w) for w in args.ranks.split(",")):
-        runs[world] = launch(
-            argparse.Namespace(ranks=world, out=args.out), [a for a in argv if a != "--worker"], "bench.agreement"
-        )
-    text = report(args, runs)
-    print(text)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "table": text}, indent=1))
+    return {
+        world: launch(argparse.Namespace(ranks=world, out=args.out), argv, "bench.agreement")
+        for world in (int(w) for w in args.ranks.split(","))
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.fsdp import run_bench
+
+    run_bench("bench.agreement", argv, parse, worker, report, ranks=each_world)
 
 
 if __name__ == "__main__":

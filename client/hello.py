@@ -98,7 +98,9 @@ def other_activations(
     ``gathered``: on CUDA, the parameters the parallel set-up holds gathered at the peak, a constant of the
     model's sharding, kept out of what grows with tokens. (On the CPU a sharded model's static bytes hold them.)"""
     if not isinstance(memory, CudaMemory):
-        return Size.linear(max(0, sample.saved_peak_bytes - static - blocks_bytes))
+        # What the step saved and still held after it (a graph nobody ran backward through) is static memory
+        # from the next step on, not what a step saves outside the blocks.
+        return Size.linear(max(0, sample.saved_peak_bytes - static - blocks_bytes - sample.held_bytes))
     outside = outside_blocks(
         peak=sample.peak_allocated_bytes,
         static=static,

@@ -78,7 +78,9 @@ class StepCycle:
         """Where the figures come from; chosen at the first step, from where its input is."""
         self.step = 0
         self.shape = Shape()
-        self.static = 0
+        self.static = self.carried = 0
+        """Static bytes of the step; ``carried``: on the CPU, those saved for backward by earlier steps and still
+        held at its start (in ``static`` from the step's end)."""
         self.fresh_grads = 0
         """Bytes of the gradients the profiling step creates (those of parameters without one at its start)."""
         self.started: float | None = None
@@ -150,6 +152,8 @@ class StepCycle:
         self.setup.step_begins(tuple(b.mode in RERUN and not b.profiling for b in self.blocks))
         self._step_shape()
         self.static = self.memory.static_bytes()
+        # On the CPU, what the accounting still holds from before the step is there throughout it.
+        self.carried = 0 if self._on_cuda() else self.accounting.live_bytes
         if not self._on_cuda():
             # The CPU stands in for a device: what the set-up holds there (shards, gathered parameters) is static
             # memory, as on CUDA, and the weights it gathers are no activations.
@@ -234,8 +238,10 @@ class StepCycle:
     def _report(self) -> None:
         assert self.memory is not None
         sample = self.memory.sample()
-        if self.static and not self._on_cuda():
+        if not self._on_cuda():
+            # The accounting's peak holds what it carried in; the set-up's static memory comes on top.
             sample = dataclasses.replace(sample, saved_peak_bytes=sample.saved_peak_bytes + self.static)
+            self.static += self.carried
         self.last_memory = sample
         if self.budget_bytes is None:
             self.budget_bytes = max(1, int(sample.total_bytes or self.memory.total_bytes or 2**40))

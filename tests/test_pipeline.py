@@ -113,7 +113,7 @@ def test_the_agreement_costs_the_same_at_every_world_size(tmp_path: Path) -> Non
     out = tmp_path / "agreement.json"
     stdout = run_launcher("bench.agreement", ["--ranks", "2,4", "--blocks", "24", "--steps", "3", "--out", str(out)])
     assert "| 2 |" in stdout and "| 4 |" in stdout
-    runs = json.loads(out.read_text())["runs"]
+    runs = json.loads(out.read_text())["ranks"]
     seen = set()
     for world, ranks in runs.items():
         assert len(ranks) == int(world)
@@ -184,3 +184,17 @@ def test_deepspeed_pipeline_module_is_refused_naming_torch_pipelining() -> None:
 
     with pytest.raises(client.UnsupportedModel, match=r"torch\.distributed\.pipelining"):
         client.attach(PipelineModule())
+
+
+def test_the_pipeline_benchmark_runs_and_plans_each_stage_apart(tmp_path: Path) -> None:
+    out = tmp_path / "pipeline.json"
+    stdout = run_launcher("bench.pipeline", ["--quick", "--out", str(out)])
+    assert "| rematd |" in stdout and "| static |" in stdout
+    first, last = json.loads(out.read_text())["ranks"]
+    assert first["in_flight"][0] == 2 and last["in_flight"][0] == 1
+    for stage in (first, last):
+        assert stage["peaks"]["rematd"] <= stage["budget"] and stage["peaks"]["static"] <= stage["budget"], stage
+        assert abs(stage["predicted"] - stage["peaks"]["rematd"]) <= 0.1 * stage["peaks"]["rematd"], stage
+    # The last stage holds one microbatch: it stores what the static plan recomputes on every stage.
+    recomputed = {(stage["rank"], c): stage["plans"][c].count("R") for stage in (first, last) for c in stage["plans"]}
+    assert recomputed[1, "rematd"] < recomputed[1, "static"] <= recomputed[0, "rematd"], recomputed

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 from bench.pipeline_models import gpt2, hand_stage, llama, loss_fn, titan_stage
 from rematd import client
@@ -28,19 +28,11 @@ from rematd.planner import Mode
 from tests.collectives import counting
 from tests.model_matrix import Rematerialised
 from tests.workers.fsdp_exact import full
+from tests.workers.fsdp_tp import TP_PLAN
 from tests.workers.rank import finish, settings, start
 
 VOCAB = 64
 CYCLE = (Mode.RECOMPUTE, Mode.SELECTIVE, Mode.STORE)
-TP_PLAN = {
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(),
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(),
-}
 
 
 def build_stages(config: dict[str, Any], indices: list[int], mesh: Any) -> list[nn.Module]:
