@@ -134,16 +134,19 @@ def build_hello(
     gathered: int = 0,
     in_flight: Sequence[int] = (),
     other_in_flight: int = 1,
+    stages: Sequence[int] = (),
 ) -> Hello:
     """The hello that opens the planner, from the profiling step; the blocks stop profiling.
 
     ``in_flight``: per block, the microbatches whose activations of it are alive at once at the peak (a pipeline
     stage's; default one each); ``other_in_flight``: likewise for the memory outside the blocks, which the
-    profiling step's peak holds for each of them, and the hello gives per microbatch."""
+    profiling step's peak holds for each of them, and the hello gives per microbatch; ``stages``: per block,
+    which of the rank's pipeline stages it runs in."""
     flights = tuple(in_flight) or (1,) * len(blocks)
+    where = tuple(stages) or (0,) * len(blocks)
     records = tuple(
-        dataclasses.replace(r, in_flight=m) if m != 1 else r
-        for r, m in zip(block_records(blocks), flights, strict=True)
+        dataclasses.replace(r, in_flight=m, stage=t) if (m, t) != (1, 0) else r
+        for r, m, t in zip(block_records(blocks), flights, where, strict=True)
     )
     for b in blocks:
         b.profiling = False

@@ -304,6 +304,7 @@ class StepCycle:
             gathered=self.setup.gathered_at_peak if self._on_cuda() else 0,
             in_flight=self.setup.in_flight(len(self.blocks)),
             other_in_flight=self.setup.other_in_flight,
+            stages=self.setup.stages(len(self.blocks)),
         )
 
     # -- saved-tensor accounting around the model's forward -------------------

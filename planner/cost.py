@@ -8,6 +8,8 @@ from rematd.planner.model import Mode, Option, Profile, Shape
 
 # Backward costs about twice the forward, so a step is about three forwards.
 STEP_FORWARDS = 3.0
+NO_MOMENT = -(2**62)
+"""Below any moment of backward: a stage whose blocks bring nothing back."""
 
 
 def peak_of(
@@ -19,13 +21,20 @@ def peak_of(
     brings back; the blocks after it have released theirs by then). ``outside_in_backward``: the fraction
     of the memory outside the blocks still held then (on CUDA gradients and optimizer state are; the saved
     tensors of the head and the loss are not). On a pipeline stage the other microbatches alive at once
-    hold what they keep (``Option.others``) at every moment of it."""
+    hold what they keep (``Option.others``) at every moment of it; on a rank that runs several stages
+    (``Option.stage``) the backward runs through the later stages first, so while it runs in one stage the
+    others' blocks hold what they keep (the later ones, released, are kept by as many other microbatches)."""
     before = worst = others = 0
+    stage, done = chosen[0].stage if chosen else 0, NO_MOMENT
     for o in chosen:
+        if o.stage != stage:
+            # A stage's moments hold what every stage after it keeps: counted from where it ended.
+            done, worst, stage = max(done, worst - before) if worst else done, 0, o.stage
         if o.transient:
             worst = max(worst, before + o.kept + o.transient)
         before += o.kept
         others += o.others
+    worst = max(worst, before + done)
     backward = worst + int(outside_bytes * outside_in_backward)
     return static_bytes + others + max(before + outside_bytes, backward)
 

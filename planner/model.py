@@ -129,6 +129,10 @@ class BlockCost:
     in_flight: int = 1
     """Microbatches whose activations of this block are alive at once at the peak: 1 but on a pipeline stage,
     whose schedule runs the forwards of several microbatches before the first one's backward."""
+    stage: int = 0
+    """On a rank that runs several pipeline stages, which of them the block runs in, in the order a microbatch's
+    forward runs them: its backward runs the later stages first, and releases what a stage's blocks keep only as
+    it passes them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int) or self.in_flight < 1:
@@ -169,6 +173,8 @@ class Option:
     others: int = 0
     """Bytes the other microbatches alive at once keep for the block (on a pipeline stage): held at every
     moment of the backward of the one whose backward runs."""
+    stage: int = 0
+    """The pipeline stage of the rank the block runs in (:attr:`BlockCost.stage`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,7 +252,7 @@ class Profile:
             floor = next((m.extra_seconds for m in costs if m.mode == Mode.RECOMPUTE), 0.0)
             others = b.in_flight - 1
             opts = [
-                Option(m.mode, kept, m.transient.scaled(sizes), _priced(m, floor) * scale, others * kept)
+                Option(m.mode, kept, m.transient.scaled(sizes), _priced(m, floor) * scale, others * kept, b.stage)
                 for m in costs
                 if allowed is None or m.mode in allowed or m.mode == Mode.STORE
                 for kept in (m.kept.scaled(sizes),)

@@ -62,6 +62,10 @@ class SetUp:
         """Per block, the microbatches whose activations of it are alive at once at the peak."""
         return (1,) * blocks
 
+    def stages(self, blocks: int) -> tuple[int, ...]:
+        """Per block, which of the rank's pipeline stages it runs in (0: the first; all 0 without a pipeline)."""
+        return (0,) * blocks
+
     @property
     def other_in_flight(self) -> int:
         """The microbatches whose memory outside the blocks is alive at once at the peak."""

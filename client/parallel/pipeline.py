@@ -183,7 +183,9 @@ class Pipeline(SetUp):
         self.agreement = inner.agreement
         self.is_weight = inner.is_weight
         self.name = f"pipeline ({schedule.describe()}) over {inner.name}"
-        self._in_flight = tuple(self._stage_of(b).in_flight for b in blocks)
+        found = [self._stage_of(b) for b in blocks]
+        self._in_flight = tuple(s.in_flight for s in found)
+        self._stages = tuple(schedule.stages.index(s) for s in found)
         # The memory outside the blocks (embeddings, the head) counted at the stage that holds most at once.
         self._other_in_flight = max(s.in_flight for s in schedule.stages)
 
@@ -214,6 +216,9 @@ class Pipeline(SetUp):
 
     def in_flight(self, blocks: int) -> tuple[int, ...]:
         return self._in_flight
+
+    def stages(self, blocks: int) -> tuple[int, ...]:
+        return self._stages
 
     @property
     def other_in_flight(self) -> int:

@@ -110,6 +110,8 @@ class BlockProfile:
     in_flight: int = 1
     """Microbatches whose activations of this block are alive at once at the peak (a pipeline stage's under
     its schedule); 0 is read as 1."""
+    stage: int = 0
+    """On a rank that runs several pipeline stages, which of them the block runs in (0: the first)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +172,7 @@ class Hello:
             _uint(f"hello.blocks[{i}].input_bytes", b.input_bytes)
             _seconds(f"hello.blocks[{i}].forward_seconds", b.forward_seconds)
             _in_flight(f"hello.blocks[{i}].in_flight", b.in_flight)
+            _in_flight(f"hello.blocks[{i}].stage", b.stage)
             _check_modes(f"hello.blocks[{i}].modes", b.modes)
         _uint("hello.budget_bytes", self.budget_bytes)
         if self.budget_bytes == 0:
@@ -225,6 +228,7 @@ class Hello:
                     forward_seconds=b.forward_seconds,
                     modes=b.modes,
                     in_flight=max(1, b.in_flight),
+                    stage=b.stage,
                 )
                 for b in self.blocks
             ),

@@ -9,9 +9,11 @@ predicted and the measured peak, and the learned correction.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from bench.pipeline_models import llama, loss_fn, titan_stage
 from rematd import client
@@ -24,19 +26,26 @@ def main() -> None:
     rank = start()
     config = settings()
     counts = config.get("counts", [4, 4])
-    module = titan_stage(llama(sum(counts), width=config.get("width", 64)), rank, counts)
-    stage = PipelineStage(module, rank, len(counts), torch.device("cpu"))
-    cls = ScheduleGPipe if config.get("schedule") == "gpipe" else Schedule1F1B
-    schedule = cls(stage, config.get("microbatches", 4), loss_fn=loss_fn)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    whole = llama(sum(counts), width=config.get("width", 64))
+    world = dist.get_world_size()
+    indices = list(range(rank, len(counts), world))  # two stages a rank when interleaved
+    modules = [titan_stage(whole, i, counts) for i in indices]
+    stages = [PipelineStage(m, i, len(counts), torch.device("cpu")) for m, i in zip(modules, indices, strict=True)]
+    kind = config.get("schedule", "1f1b")
+    n_micro = config.get("microbatches", 4)
+    if kind == "interleaved":
+        schedule: Any = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn)
+    else:
+        schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stages[0], n_micro, loss_fn=loss_fn)
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=1e-3)
     h = client.attach(schedule, optimizer=opt, modes=["recompute"], job="pipeline-memory")
     n = len(h.blocks)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, 64, (4 * config.get("microbatch", 2), config.get("seq", 64)), generator=gen)
 
     def step() -> None:
-        if rank == 0:
-            schedule.step(batch)
+        if 0 in indices:
+            schedule.step(batch, **({"target": batch, "losses": []} if len(counts) - 1 in indices else {}))
         else:
             schedule.step(target=batch, losses=[])
         opt.step()

@@ -64,7 +64,7 @@ class ModeCost(_message.Message):
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., kept: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., transient: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., extra_seconds: _Optional[float] = ...) -> None: ...
 
 class BlockProfile(_message.Message):
-    __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds", "modes", "in_flight")
+    __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds", "modes", "in_flight", "stage")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class BlockProfile(_message.Message):
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     saved_bytes: int
@@ -79,7 +80,8 @@ class BlockProfile(_message.Message):
     forward_seconds: float
     modes: _containers.RepeatedCompositeFieldContainer[ModeCost]
     in_flight: int
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., modes: _Optional[_Iterable[_Union[ModeCost, _Mapping]]] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    stage: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., modes: _Optional[_Iterable[_Union[ModeCost, _Mapping]]] = ..., in_flight: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version", "other_activations", "plan", "session_secret", "job_secret", "host", "pid", "other_in_flight")
