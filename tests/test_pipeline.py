@@ -89,24 +89,31 @@ def test_pipeline_with_tensor_and_fsdp2_inside_stages_agrees_only_inside_each_st
 
 
 def test_each_stage_plans_for_its_microbatches_in_flight_under_one_budget(tmp_path: Path) -> None:
-    first, last = run_ranks("pipeline_memory", tmp_path, world=2, config={"steps": 8}, timeout=400)
+    cases = [{"steps": 8}, {"steps": 8, "schedule": "interleaved", "counts": [2, 2, 2, 2]}]
+    ranks = run_ranks("pipeline_memory", tmp_path, world=2, config=cases, timeout=400)
+    (first, last), (first_i, last_i) = zip(*ranks, strict=True)
     assert first["in_flight"] == [2] * 4 and last["in_flight"] == [1] * 4
-    budget = first["budget"]
-    assert budget == last["budget"]
-    # The budget: the first stage must recompute to fit it, the last need not.
-    assert first["static_peaks"][0] > budget >= last["static_peaks"][0]
-    for stage in (first, last):
-        assert stage["errors"] == 0
-        planned = [p for p in stage["planned"] if p["own"]]
-        assert planned, stage["planned"]
-        for p in planned:
-            assert p["peak"] <= budget, p
-            assert abs(p["predicted"] - p["peak"]) <= 0.1 * p["peak"], p
-        # No stage recomputes more blocks than the fewest that a static "first k recomputed" fits with.
-        fewest = next(k for k, peak in enumerate(stage["static_peaks"]) if peak <= budget)
-        assert sum(m != "STORE" for m in planned[-1]["modes"]) <= fewest, (planned[-1], stage["static_peaks"])
-    assert all(m == "STORE" for m in last["planned"][-1]["modes"])
-    assert any(m != "STORE" for m in first["planned"][-1]["modes"])
+    # Two virtual stages a rank: stages 0 and 2 hold 3 and 2 microbatches, stages 1 and 3 hold 2 and 1.
+    assert first_i["in_flight"] == [3, 3, 2, 2] and last_i["in_flight"] == [2, 2, 1, 1]
+    for a, b in ((first, last), (first_i, last_i)):
+        budget = a["budget"]
+        assert budget == b["budget"]
+        # The budget: the first rank must recompute to fit it, the last need not.
+        assert a["static_peaks"][0] > budget >= b["static_peaks"][0]
+        for stage in (a, b):
+            assert stage["errors"] == 0
+            planned = [p for p in stage["planned"] if p["own"]]
+            assert planned, stage["planned"]
+            for p in planned:
+                assert p["peak"] <= budget, p
+                assert abs(p["predicted"] - p["peak"]) <= 0.1 * p["peak"], p
+            # No stage recomputes more blocks than the fewest that a static "first k recomputed" fits with.
+            fewest = next(k for k, peak in enumerate(stage["static_peaks"]) if peak <= budget)
+            assert sum(m != "STORE" for m in planned[-1]["modes"]) <= fewest, (planned[-1], stage["static_peaks"])
+        assert all(m == "STORE" for m in b["planned"][-1]["modes"])
+        assert any(m != "STORE" for m in a["planned"][-1]["modes"])
+    # Measured peaks a little under the model's: the correction learns below 1.
+    assert any(p["correction"] < 1 for p in first["planned"] + first_i["planned"])
 
 
 def test_the_agreement_costs_the_same_at_every_world_size(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""One rank of the pipeline memory test: a Llama split in two stages of alike layers under ``Schedule1F1B``,
-where the first stage holds two microbatches at once and the last one.
+"""One rank of the pipeline memory test, for each case of ``REMATD_CONFIG``: a Llama split in stages of alike
+layers, two stages under ``Schedule1F1B`` (the first stage holds two microbatches at once, the last one) or
+``ScheduleGPipe``, or four under ``ScheduleInterleaved1F1B``, two a rank.
 
 First every stage runs the static plans "the first k blocks recomputed", k = 0 .. all, and measures each one's
 peak. Then one budget for both stages, between the last stage's peak when it stores everything and the first
@@ -22,9 +23,7 @@ from rematd.planner.plan import entry_for
 from tests.workers.rank import finish, settings, start
 
 
-def main() -> None:
-    rank = start()
-    config = settings()
+def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
     counts = config.get("counts", [4, 4])
     whole = llama(sum(counts), width=config.get("width", 64))
     world = dist.get_world_size()
@@ -81,6 +80,7 @@ def main() -> None:
             }
         )
     result = {
+        "case": config,
         "rank": rank,
         "blocks": n,
         "in_flight": list(h._cycle.setup.in_flight(n)),
@@ -90,7 +90,12 @@ def main() -> None:
         "errors": h._cycle.errors,
     }
     h.close()
-    finish(result)
+    return result
+
+
+def main() -> None:
+    rank = start()
+    finish([run_case(case, rank) for case in settings()])
 
 
 if __name__ == "__main__":
