@@ -38,7 +38,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4, help="microbatches a step (default 4)")
     p.add_argument("--microbatch", type=int, default=2, help="sequences a microbatch (default 2)")
     p.add_argument("--budget-gib", type=float, default=None, help="memory budget per rank, GiB")
-    p.add_argument("--budget-mib", type=float, default=24.0, help="memory budget per rank, MiB (default 24)")
+    p.add_argument("--budget-mib", type=float, default=80.0, help="memory budget per rank, MiB (default 80)")
     p.add_argument("--server", default=None, help="a rematd service host:port (default: plan in-process)")
     return p.parse_args()
 
