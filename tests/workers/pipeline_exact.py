@@ -29,7 +29,7 @@ from tests.collectives import counting
 from tests.model_matrix import Rematerialised
 from tests.workers.fsdp_exact import full
 from tests.workers.fsdp_tp import TP_PLAN
-from tests.workers.rank import finish, settings, start
+from tests.workers.rank import run_cases
 
 VOCAB = 64
 CYCLE = (Mode.RECOMPUTE, Mode.SELECTIVE, Mode.STORE)
@@ -174,10 +174,5 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    rank = start()
-    finish([run_case(case, rank) for case in settings()])
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(run_case)

@@ -20,7 +20,7 @@ from bench.pipeline_models import llama, loss_fn, titan_stage
 from rematd import client
 from rematd.planner import Mode
 from rematd.planner.plan import entry_for
-from tests.workers.rank import finish, settings, start
+from tests.workers.rank import run_cases
 
 
 def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -93,10 +93,5 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    rank = start()
-    finish([run_case(case, rank) for case in settings()])
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(run_case)
