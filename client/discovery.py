@@ -180,11 +180,11 @@ def find_blocks(
 
 
 def find_stage_blocks(
-    model: nn.Module, roots: Sequence[nn.Module], blocks: Sequence[nn.Module] | None = None
+    model: nn.Module, roots: Sequence[nn.Module], blocks: Sequence[nn.Module] | None = None, *, stages: bool = False
 ) -> list[tuple[str, nn.Module]]:
-    """The blocks of several modules run one after another (a pipeline rank's stages, held by ``model``), each
-    found on its own (one block may do), named as in ``model``."""
-    if blocks is not None:
+    """The blocks of ``model``; with ``stages``, of the pipeline stages a rank runs one after another (``roots``,
+    held by ``model``), each found on its own (one block may do), named as in ``model``."""
+    if blocks is not None or not stages:
         return find_blocks(model, blocks)
     names = _names(model)
     return [(names[id(m)], m) for root in roots for _, m in find_blocks(root, lone=True)]

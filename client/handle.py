@@ -84,7 +84,7 @@ class Handle:
         engine, model = target.engine, target.model
         self.model = model
         self._roots = target.roots
-        found = find_stage_blocks(model, target.roots, blocks)
+        found = find_stage_blocks(model, target.roots, blocks, stages=target.schedule is not None)
         check_blocks(model, found)  # sharded already; a model sharded after attach is checked at its first step
         self._parts = parts = build_parts(
             model, found, hard_limit_bytes=hard_limit, compile_backend=backend, compress=compressing
