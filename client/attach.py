@@ -21,7 +21,7 @@ def attach(
     server: str | None = None,
     job: str | None = None,
     budget_bytes: int | None = None,
-    blocks: Sequence[nn.Module] | None = None,
+    blocks: Sequence[nn.Module] | nn.ModuleDict | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     margin_ratio: float = 0.1,
     modes: Sequence[str | Mode] | None = None,
@@ -55,8 +55,9 @@ def attach(
         budget_bytes: the memory budget. On CUDA, the device memory the job
             may use (default: the device's capacity); on the CPU, the cap on
             bytes saved for backward during a step (default: host memory).
-        blocks: the modules to checkpoint (default: the longest
-            ``nn.ModuleList`` of same-class modules).
+        blocks: the modules to checkpoint, or an ``nn.ModuleDict`` of them
+            (default: the longest ``nn.ModuleList``, ``nn.Sequential`` or
+            ``nn.ModuleDict`` of same-class modules).
         optimizer: when given, the handle's :meth:`Handle.step` runs after
             each ``optimizer.step()`` by itself.
         margin_ratio: the fraction of the budget the planner keeps free, in [0, 1).

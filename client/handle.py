@@ -56,7 +56,7 @@ class Handle:
         server: str | None,
         job: str | None,
         budget_bytes: int | None,
-        blocks: Sequence[nn.Module] | None,
+        blocks: Sequence[nn.Module] | nn.ModuleDict | None,
         optimizer: torch.optim.Optimizer | None,
         margin_ratio: float,
         modes: Sequence[str | Mode] | None = None,
@@ -94,6 +94,7 @@ class Handle:
         self._backend: Backend = (
             StreamBackend(server, self._applier.receive, stream) if server else EmbeddedBackend(self._applier.receive)
         )
+        self._applier.price = self._backend.plan_of
         self.server = server
         self._cycle = StepCycle(
             model,
@@ -233,8 +234,11 @@ class Handle:
 
     @property
     def plan(self) -> Plan:
-        """The plan in force: version, checkpointed block indices, frequency."""
-        return self._applier.plan
+        """The plan in force: version, checkpointed block indices, frequency, modes, reason, ``lossy``.
+
+        Under :meth:`pin_modes`, the pinned modes as a plan (priced by the profile, with the version of the
+        planner's plan it sets aside, and its reason saying so); :attr:`history` keeps the planner's plans."""
+        return self._applier.in_force()
 
     @property
     def history(self) -> list[Plan]:
@@ -363,7 +367,12 @@ class Handle:
         return self._backend.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """End the session, remove hooks and restore the blocks' own forward."""
+        """End the session, remove hooks and restore the blocks' own forward.
+
+        Every step counted so far reaches the service first, steady steps folded into fewer reports
+        included: ``close`` waits for the service's answer to the last one at most ``timeout`` seconds, as
+        :meth:`flush` does. Only a service already lost (or one that refused the stream) is not waited for.
+        """
         if not self._life.close():
             return
         for h in (*self._hooks, *self._parts.hooks, *([self._optimizer_hook] if self._optimizer_hook else [])):

@@ -47,12 +47,12 @@ def engines(case: dict[str, Any]) -> tuple[Any, Any, client.Handle]:
         model=ref, optimizer=torch.optim.AdamW(ref.parameters(), lr=1e-2), config=config
     )
     model = build(case["model"])
-    h = client.attach(model) if case["order"] == "before" else None
+    h = client.attach(model, modes=case.get("modes")) if case["order"] == "before" else None
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
     )
     if h is None:
-        h = client.attach(engine)
+        h = client.attach(engine, modes=case.get("modes"))
     else:
         h.engine = engine  # made after attach: the handle follows its step from here
     return ref_engine, engine, h
