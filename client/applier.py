@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 
 from rematd.client.backends import Pricer
-from rematd.client.plan_sync import leanest
+from rematd.client.parallel.agreement import leanest
 from rematd.client.switch import SwitchableBlock
 from rematd.planner import Mode, Plan, Shape, blocks_of, letters
 from rematd.planner.plan import entry_for

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from rematd.client.sharding import block_class
+from rematd.client.parallel.pick import block_class
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 """The modules that hold blocks: their children are the candidates."""
@@ -242,20 +242,21 @@ def _nothing_found(model: nn.Module, groups: dict[Key, _Group]) -> BlockDiscover
 
 
 def find_blocks(
-    model: nn.Module, blocks: Sequence[nn.Module] | nn.ModuleDict | None = None
+    model: nn.Module, blocks: Sequence[nn.Module] | nn.ModuleDict | None = None, *, lone: bool = False
 ) -> list[tuple[str, nn.Module]]:
     """The blocks to checkpoint, as (qualified name, module), in execution order.
 
     With ``blocks`` given (modules, or an ``nn.ModuleDict`` whose values are the blocks), each must be a
     distinct submodule of ``model``, none inside another. Otherwise the largest group of same-class block
-    lists (see the module's docstring).
+    lists (see the module's docstring); ``lone``: a list of one block will do (a pipeline stage may hold one
+    layer).
     """
     names = _names(model)
     if blocks is not None:
         return _check_given(model, names, _given(model, blocks))
 
     groups = _groups(model)
-    rich = [g for g in groups.values() if not _is_leaf(g.blocks[0][1]) and len(g.blocks) >= 2]
+    rich = [g for g in groups.values() if not _is_leaf(g.blocks[0][1]) and len(g.blocks) >= (1 if lone else 2)]
     bare = [g for g in groups.values() if _is_leaf(g.blocks[0][1]) and len(g.blocks) >= 2]
     pool = rich or bare
     if not pool:
@@ -275,3 +276,18 @@ def find_blocks(
             f"{best[0].hint()}), or both: blocks=[*a, *b] in execution order"
         )
     return best[0].blocks
+
+
+def find_stage_blocks(
+    model: nn.Module,
+    roots: Sequence[nn.Module],
+    blocks: Sequence[nn.Module] | nn.ModuleDict | None = None,
+    *,
+    stages: bool = False,
+) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``model``; with ``stages``, of the pipeline stages a rank runs one after another (``roots``,
+    held by ``model``), each found on its own (one block may do), named as in ``model``."""
+    if blocks is not None or not stages:
+        return find_blocks(model, blocks)
+    names = _names(model)
+    return [(names[id(m)], m) for root in roots for _, m in find_blocks(root, lone=True)]

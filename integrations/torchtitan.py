@@ -10,9 +10,8 @@ union: torchtitan applies it where it applies its own checkpointing (each model 
 function: tensor parallel, then checkpointing, then compile, then FSDP), so rematd attaches to the model's
 blocks at that point. Under pipeline parallel each stage's blocks are taken there too, and attached once the
 trainer has built its schedule, one handle following the schedule for all the rank's stages (the client plans
-each stage for the microbatches the schedule keeps alive on it); a client without pipeline support refuses
-pipeline parallel at start. Each handle ends its steps after the step of the optimizer that owns its parts'
-parameters, and closes with the trainer.
+each stage for the microbatches the schedule keeps alive on it). Each handle ends its steps after the step of
+the optimizer that owns its parts' parameters, and closes with the trainer.
 
 Refused at start, naming the flag to change: a torchtitan release other than :data:`SUPPORTED`; torchtitan
 compiling the blocks itself (``--compile.enable`` with ``model`` in ``--compile.components``): rematd
@@ -108,11 +107,6 @@ class _Building:
 
 
 _BUILDING: contextvars.ContextVar[_Building | None] = contextvars.ContextVar("rematd_torchtitan", default=None)
-
-
-def _pipelines_supported() -> bool:
-    """Whether this rematd's client follows ``torch.distributed.pipelining`` schedules (``Handle.pipeline``)."""
-    return hasattr(Handle, "pipeline")
 
 
 class RematdCheckpointing(ActivationCheckpointing):  # type: ignore[misc]
@@ -284,12 +278,6 @@ class RematdTrainer(Trainer):  # type: ignore[misc]
                     "activation-checkpoint:rematd switches each block's mode between steps, which a block compiled "
                     "by torchtitan bakes in: leave 'model' out of --compile.components (keep 'loss') and set "
                     f"{FLAG}.compile, which compiles each block with rematd's modes inside"
-                )
-            if self.parallelism.pipeline_parallel_degree > 1 and not _pipelines_supported():
-                raise ValueError(
-                    "activation-checkpoint:rematd under pipeline parallel needs a rematd whose client follows "
-                    "pipeline schedules (Handle.pipeline), which this one lacks: leave "
-                    "--parallelism.pipeline-parallel-degree at 1, or use torchtitan's own checkpointing"
                 )
             if _captures_cuda_graphs(self.training):
                 raise ValueError(

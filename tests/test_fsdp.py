@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from rematd import client
-from rematd.client.sharding import refuse_fsdp1
+from rematd.client.parallel.fsdp import refuse_fsdp1
 
 from .collectives import differences
 from .distributed import run_ranks

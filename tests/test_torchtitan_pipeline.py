@@ -1,7 +1,5 @@
-"""Pipeline parallel (degree 2) through ``activation-checkpoint:rematd``: not collected yet.
+"""Pipeline parallel (degree 2) through ``activation-checkpoint:rematd``.
 
-Rename this file to ``test_torchtitan_pipeline.py`` once the client follows pipeline schedules
-(``Handle.pipeline``, ``attach(schedule)``); until then the integration refuses pipeline parallel at start.
 torchtitan's own pipeline run works on the same CPU ranks (with the schedule stand-in in
 ``tests/torchtitan_cpu.py``); rematd's must then train bitwise as it does, pinned and planned, without a hang,
 under the budget from its first planned step, one handle per rank following torchtitan's interleaved schedule.
