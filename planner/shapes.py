@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 
@@ -60,12 +61,10 @@ class AtShape:
                 hit = rescaled.get(key)
                 if hit is None:
                     hit = [
-                        Option(
-                            o.mode,
-                            o.kept,
-                            o.transient,
-                            o.seconds * by_mode.get(o.mode, 1.0) + (added[o.mode][g] if o.mode in added else 0.0),
-                            key[1] if tagged else o.group,
+                        dataclasses.replace(
+                            o,
+                            seconds=o.seconds * by_mode.get(o.mode, 1.0) + (added[o.mode][g] if o.mode in added else 0),
+                            group=key[1] if tagged else o.group,
                         )
                         for o in opts
                     ]

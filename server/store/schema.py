@@ -138,6 +138,12 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         # NULL on rows written before, and on rows of clients that do not measure it.
         ("ALTER TABLE stats ADD COLUMN oom_risk {FLOAT}",),
     ),
+    (
+        6,
+        "the step length each plan was made at",
+        # NULL on plans written before.
+        ("ALTER TABLE plans ADD COLUMN seq_len BIGINT",),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
