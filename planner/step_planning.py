@@ -166,13 +166,13 @@ class StepPlanning(TablePricing):
     # -- trials of plans ------------------------------------------------------
 
     def _start_plan_trial(
-        self, obs: StepObservation, entry: ShapePlan | None, target: int, measured: bool
+        self, obs: StepObservation, entry: ShapePlan | None, target: int, peaks_measured: bool
     ) -> Decision | None:
         """A trial of the plan that could most be faster than ``entry`` (the one the step ran with), where
         the fit leaves room for one and trials have not had their share; None otherwise."""
         plans = self._plans
         seq = entry.max_seq_len if entry is not None else 0
-        if entry is None or not measured or self._learned.headroom_steps or not plans.may_start(seq):
+        if entry is None or not peaks_measured or self._learned.headroom_steps or not plans.may_start(seq):
             return None
         if obs.step - self._looked.get(seq, -RECHECK_STEPS) < RECHECK_STEPS:
             return None
