@@ -31,12 +31,12 @@ TIGHT = 0.0025
 """A difference between two plans known within this fraction of a step needs no more trials."""
 MIN_GAIN = 0.005
 """A plan that cannot be this fraction of a step faster than the one in force is not worth a trial."""
-MAX_LOSS = 0.1
+MAX_LOSS = 0.05
 """A plan the fit expects to be more than this fraction of a step slower than the one in force is never
 tried, however unsure it is: what one step of a trial may be expected to cost."""
 GIVE_UP_FACTOR = 4
 """A trial whose length does not come back for this many times its steps is abandoned."""
-FREE_TRIALS = 3
+FREE_TRIALS = 2
 """Trials each table entry may run before its share of its steps counts: a new length has new prices."""
 SETTLE_STEPS = 16
 """Steps a table entry runs before its first plan trial: its peaks settle, the noise of its steps shows."""
@@ -84,6 +84,8 @@ class PlanTrials:
         self._last_tried = False
         self._per_entry: dict[int, list[int]] = {}
         """Per table entry (its longest length): [steps observed under it, steps that ran a plan on trial]."""
+        self._tried_plans: dict[tuple[int, tuple[Mode, ...]], int] = {}
+        """Trials run per (table entry, plan tried)."""
 
     def note(self, entry: int, ran: tuple[Mode, ...] | None) -> bool:
         """One step under the table entry up to length ``entry`` that ran ``ran``; True when it ran the plan
@@ -145,6 +147,14 @@ class PlanTrials:
     def start(self, trial: PlanTrial) -> None:
         self.trial, self._tried, self._last_tried = trial, 0, False
         self.trials += 1
+        key = (trial.seq, trial.modes)
+        self._tried_plans[key] = self._tried_plans.get(key, 0) + 1
+        if len(self._tried_plans) > 64 * self.config.max_entries:
+            del self._tried_plans[next(iter(self._tried_plans))]
+
+    def times_tried(self, entry: int, modes: tuple[Mode, ...]) -> int:
+        """How many trials ``modes`` has had at the table entry up to length ``entry``."""
+        return self._tried_plans.get((entry, modes), 0)
 
     def stop(self) -> PlanTrial | None:
         """End the trial in force; the trial, if any."""

@@ -25,7 +25,7 @@ from rematd.planner.pricing import TablePricing
 from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import Offsets
 from rematd.planner.solvers import Choice
-from rematd.planner.stepfit import INFLATION, Posterior, params
+from rematd.planner.stepfit import INFLATION, Posterior, group_of, params
 from rematd.planner.units import letters
 
 LOOSEN_SLACK = 0.97
@@ -213,11 +213,11 @@ class StepPlanning(TablePricing):
     def _best_candidate(
         self, entry: ShapePlan, target: int, static: int
     ) -> tuple[tuple[Mode, ...], float, float] | None:
-        """The plan that fits for a trial and could most be faster than ``entry`` by the fit (its saving
-        plus ``SURE`` standard deviations), where that is at least ``MIN_GAIN`` of a step, the difference
-        is not yet known within ``TIGHT`` and the plan is not expected to be slower by more than
-        ``MAX_LOSS``: its modes, expected saving and standard deviation (fractions of a step); None when no
-        plan qualifies."""
+        """Of the plans that fit for a trial and could be faster than ``entry`` by ``MIN_GAIN`` of a step
+        (their expected saving plus ``SURE`` standard deviations), whose difference from it is not yet
+        known within ``TIGHT`` and which the fit expects slower by no more than ``MAX_LOSS``, one tried
+        least often here, the most promising of those (expected saving plus one standard deviation): its
+        modes, expected saving and standard deviation (fractions of a step); None when no plan qualifies."""
         seq = entry.max_seq_len
         fit = self._learned.steps.fit(self.bucket_of(seq))
         found = self._posterior(seq)
@@ -230,8 +230,8 @@ class StepPlanning(TablePricing):
         at = self._at(shape)
         # The variance of one difference of steps, as the fit takes it, at this length.
         noise = INFLATION * fit.noise_var() * self._from_top(seq) ** 2
-        best: tuple[float, tuple[Mode, ...], float, float] | None = None
-        for modes in self._candidates(shape, slack, static, *found, level):
+        best: tuple[tuple[int, float], tuple[Mode, ...], float, float] | None = None
+        for modes in self._candidates(entry.modes, shape, slack, static, *found, level):
             below = ceiling is None or at.cost(modes)[0] < ceiling
             if modes == entry.modes or not below or not self._fits(modes, shape, slack, static, pessimistic=True):
                 continue
@@ -241,17 +241,31 @@ class StepPlanning(TablePricing):
             # Worth it only where a trial's steps would tell much: on steps too noisy, they cannot.
             if 2 * self.config.plan_trial_steps * sd * sd < INFORMED * noise:
                 continue
-            if best is None or saving + SURE * sd > best[0]:
-                best = (saving + SURE * sd, modes, saving / level, sd / level)
+            # The plans tried least here first (each trial tells of its own difference more than of the
+            # others'), then the most promising by one standard deviation of optimism: likelier to be
+            # faster, and cheaper to try.
+            rank = (-self._plans.times_tried(seq, modes), saving + sd)
+            if best is None or rank > best[0]:
+                best = (rank, modes, saving / level, sd / level)
         return best[1:] if best is not None else None
 
     def _candidates(
-        self, shape: Shape, target: int, static: int, post: Posterior, ratio: float, level: float
+        self,
+        current: tuple[Mode, ...],
+        shape: Shape,
+        target: int,
+        static: int,
+        post: Posterior,
+        ratio: float,
+        level: float,
     ) -> list[tuple[Mode, ...]]:
-        """Plans that fit ``target``: the best by the fit's prices, and the best were one mode's fitted
-        prices lower on every group at once, or one of them lower or higher, by one and by ``SURE``
-        standard deviations, where that room is wider than ``TIGHT`` of a step."""
-        out = [self._solve_at(shape, target, static).modes]
+        """Plans to weigh against ``current``: per position group, ``current`` with one more block
+        recomputed (the first stored one there: a small step towards leaner plans, whose trial says
+        whether storing costs what the per-block prices say); the best that fits ``target`` by the fit's
+        prices; and the best were one mode's fitted prices lower on every group at once, or one of them
+        lower or higher, by one and by ``SURE`` standard deviations, where that room is wider than
+        ``TIGHT`` of a step."""
+        out = [*self._one_more(current), self._solve_at(shape, target, static).modes]
         prior = self._prior(self.bucket_of(shape.seq_len))
         base = [c - p for c, p in zip(post.mean, prior.mean, strict=True)]
         usable = self._usable_modes()
@@ -271,6 +285,18 @@ class StepPlanning(TablePricing):
             modes = self._solve_at(shape, target, static, offsets=self._as_offsets(moved, ratio)).modes
             if modes not in out:
                 out.append(modes)
+        return out
+
+    def _one_more(self, current: tuple[Mode, ...]) -> list[tuple[Mode, ...]]:
+        """Per position group, ``current`` with its first stored block there recomputed."""
+        if Mode.RECOMPUTE not in self._usable_modes():
+            return []
+        groups, n = self.config.price_groups, len(current)
+        out = []
+        for g in range(groups):
+            first = next((i for i, m in enumerate(current) if m == Mode.STORE and group_of(i, n, groups) == g), None)
+            if first is not None:
+                out.append((*current[:first], Mode.RECOMPUTE, *current[first + 1 :]))
         return out
 
     def _usable_modes(self) -> frozenset[Mode]:

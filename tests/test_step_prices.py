@@ -49,7 +49,7 @@ REF = Shape(batch=2, seq_len=64, tokens=128)
 PLACED, STORING_SLOW = 64, 128
 """The length where placement matters, and the one where storing costs more than recomputing."""
 BUDGET = 6000
-STEPS_TO_CONVERGE = 120
+STEPS_TO_CONVERGE = 150
 """Steps of a new length within which the plan in force is the oracle's best, and stays it."""
 
 

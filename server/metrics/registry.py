@@ -85,7 +85,9 @@ class Metrics:
         self.oom_events = self._counter("rematd_oom_events", "Out-of-memory events reported.", per_job)
         self.steps = self._counter("rematd_steps", "Training steps reported.", per_job)
         self.exploration_steps = self._counter(
-            "rematd_exploration_steps", "Training steps that ran a trial of a mode not yet measured at their length.",
+            "rematd_exploration_steps",
+            "Training steps that ran a trial: of a mode not yet measured at their length, or of a plan the step "
+            "times may find faster.",
             per_job,
         )  # fmt: skip
         self.recompiles = self._counter(
