@@ -75,7 +75,8 @@ def dashboard_page() -> str:
 class PinBody(BaseModel):
     """A plan to pin: every k-th block or a set of blocks recomputing (the rest storing), or one mode per block."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a boolean or a string is not a block count (JSON's true would read as 1, "4" as 4).
+    model_config = ConfigDict(extra="forbid", strict=True)
     checkpoint_every: int | None = Field(None, ge=0, le=MAX_BLOCKS, description="k for every k-th block; 0 for none")
     blocks: list[Annotated[int, Field(ge=0, le=MAX_BLOCKS)]] | None = Field(
         None, max_length=MAX_BLOCKS, description="block indices to recompute"
@@ -94,7 +95,8 @@ class PinBody(BaseModel):
 class TuneBody(BaseModel):
     """Overrides of a job's planning; null clears an override."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: ``"budget_bytes": true`` is not a budget of one byte, nor ``"1000"`` one of 1,000.
+    model_config = ConfigDict(extra="forbid", strict=True)
     margin_ratio: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
     budget_bytes: int | None = Field(None, gt=0, le=MAX_INT)
 
