@@ -358,7 +358,7 @@ class TrainingSide:
             oom.validate()
         except InvalidMessage as err:
             raise self._invalid(err) from None
-        job, rank = session.hello.job_id, session.hello.rank
+        job = session.hello.job_id
         with self.sessions.lock:
             _not_revoked(session)
         now = time.time()
@@ -370,8 +370,8 @@ class TrainingSide:
             plan_version=oom.plan_version,
             message=oom.message[:1000],
         )
-        self.writes.oom(job, rank, row)
         with self.sessions.lock:
+            self.writes.oom(session, row)
             self.metrics.oom_events.labels(job).inc()
             session.oom_on_plan = True
         with session.planning:

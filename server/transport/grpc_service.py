@@ -22,7 +22,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from rematd import wire
-from rematd.messages import InvalidMessage
+from rematd.messages import InvalidMessage, OomReport
 from rematd.planner import Plan
 from rematd.server.config import GrpcOptions
 from rematd.server.core.advisor import AdvisorCore, RankSession
@@ -356,6 +356,9 @@ class _Stream:
             new = await _to_the_end(core.on_stats, session, stats)
         else:
             new = core.on_stats(session, stats)
+        if new is not None:
+            # A plan goes out once it is in the store: a crash right after must not lose what the rank runs.
+            await _to_the_end(core.durable, session)
         ack = pb.ServerMessage(
             ack=pb.StepAck(
                 step=stats.step,
@@ -372,8 +375,14 @@ class _Stream:
         if not session.ooms.take():
             self.core.metrics.oom_dropped.inc()  # over the rank's rate: neither planned nor written
             return ()
-        new = await _to_the_end(self.core.on_oom, session, wire.oom_from_pb(msg))
+        new = await _to_the_end(self._oom_blocking, session, wire.oom_from_pb(msg))
         return (pb.ServerMessage(plan=wire.plan_to_pb(new)),) if new is not None else ()
+
+    def _oom_blocking(self, session: RankSession, oom: OomReport) -> Plan | None:
+        """An OOM planned, and answered once it (and the plan it brought) is in the store."""
+        new = self.core.on_oom(session, oom)
+        self.core.durable(session)
+        return new
 
 
 class Health:
