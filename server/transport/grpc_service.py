@@ -32,6 +32,7 @@ from rematd.server.store.database import is_store_error
 from rematd.server.transport.auth import METADATA_KEY, TokenAuth
 from rematd.server.transport.http_guard import bounded
 from rematd.server.transport.message_limits import precheck_hello, precheck_stats
+from rematd.server.transport.open_calls import MAX_OPEN_CALLS, OpenCalls, open_call_limit
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -401,7 +402,10 @@ def build_server(
     core: AdvisorCore, *, auth: TokenAuth, options: GrpcOptions, max_connections: int = 0
 ) -> tuple[grpc.aio.Server, AdvisorServicer, Health]:
     """The gRPC server with the Advisor, health and reflection services (not yet bound or started)."""
-    server = grpc.aio.server(options=options.channel_options(max_connections))
+    # Health and reflection need no token: their long calls are bounded in number and in time.
+    most = open_call_limit(max_connections) if max_connections else MAX_OPEN_CALLS
+    limit = OpenCalls(most=most, seconds=options.idle_connection_seconds)
+    server = grpc.aio.server(options=options.channel_options(max_connections), interceptors=[limit])
     servicer = AdvisorServicer(core, auth)
     pb_grpc.add_AdvisorServicer_to_server(servicer, server)
     health = Health()
