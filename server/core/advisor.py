@@ -133,6 +133,12 @@ class AdvisorCore:
         """Forget ranks whose stream has been gone longer than the expiry; returns how many."""
         return self.sessions.expire(time.monotonic() if now is None else now, self.config.session_expiry_seconds)
 
+    def heartbeat(self) -> None:
+        """Say in the store that this process is alive, and forget processes that are not: the ranks a
+        killed process left connected read as lost from now (``rematd.server.store.holders``)."""
+        for holder in self.store.heartbeat():
+            log.warning("process %s is gone without closing its streams: the ranks it held read as lost", holder)
+
     def compact(self) -> dict[str, int]:
         """Retention and down-sampling on the store, by a clock that ignores jumps of the wall clock; jobs with
         a rank whose session is open or resumable keep every row."""

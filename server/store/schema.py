@@ -138,6 +138,15 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         # NULL on rows written before, and on rows of clients that do not measure it.
         ("ALTER TABLE stats ADD COLUMN oom_risk {FLOAT}",),
     ),
+    (
+        6,
+        "which process holds each connected rank, and when each process was last seen",
+        (
+            # NULL on rows written before: a rank left connected by a process before it is no one's now.
+            "ALTER TABLE ranks ADD COLUMN holder TEXT",
+            "CREATE TABLE IF NOT EXISTS holders (holder TEXT PRIMARY KEY, seen_at {FLOAT} NOT NULL)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

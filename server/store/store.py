@@ -42,6 +42,7 @@ from rematd.server.store.columns import (
 from rematd.server.store.compaction import compact
 from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, why
 from rematd.server.store.file_watch import FileWatch, sqlite_file
+from rematd.server.store.holders import HOLDER_TIMEOUT_SECONDS, RANK_STATE, gone_here, new_holder
 from rematd.server.store.rows import (
     OOM_COLUMNS,
     ControlsRow,
@@ -71,8 +72,11 @@ _UPSERT_JOB = """INSERT INTO jobs (job, created_at, updated_at, world_size, num_
     num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
     model_fingerprint=excluded.model_fingerprint, device=excluded.device, ended_at=NULL"""
 
-_UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state) VALUES (:job, :rank, :device, :state)
-    ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state"""
+_UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state, holder) VALUES (:job, :rank, :device, :state, :holder)
+    ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state, holder=excluded.holder"""
+_RANKS = f"SELECT job, rank, device, {RANK_STATE} AS state, last_stats FROM ranks"
+_HEARTBEAT = """INSERT INTO holders (holder, seen_at) VALUES (:holder, :now)
+    ON CONFLICT(holder) DO UPDATE SET seen_at=excluded.seen_at"""
 
 _ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
     predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans)
@@ -142,6 +146,8 @@ class Store:
         self._last_probe = 0.0
         self.lost = ""
         """Why the store's file is not the store any more ("" while it is): writes stop until it is back."""
+        self.holder = new_holder()
+        """This process's name on the ranks it opens (``holders``)."""
         self._closed = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
         self._flusher.start()
@@ -155,7 +161,7 @@ class Store:
         deleted by kind."""
         self.flush()
         with self._writing(), self._lock, self.engine.begin() as conn:
-            return compact(conn, self.config, time.time() if now is None else now, live)
+            return compact(conn, self.config, time.time() if now is None else now, live, self._liveness())
 
     def close(self) -> None:
         """Write what is buffered and let go of the database; a store that cannot be written loses the
@@ -169,6 +175,9 @@ class Store:
             self.flush()
         except Exception as err:
             log.error("the store cannot be written (%s): %d buffered step report(s) are lost", why(err), pending)
+        with contextlib.suppress(Exception):
+            # A process that stopped holds nothing: a rank it left connected reads as lost at once.
+            self._write("DELETE FROM holders WHERE holder=:holder", {"holder": self.holder})
         self.engine.dispose()
 
     # -- the health of writes ------------------------------------------------------------
@@ -280,7 +289,10 @@ class Store:
                 {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
                  "dev": device},
             )  # fmt: skip
-            conn.execute(text(_UPSERT_RANK), {"job": job, "rank": rank, "device": device, "state": "connected"})
+            conn.execute(
+                text(_UPSERT_RANK),
+                {"job": job, "rank": rank, "device": device, "state": "connected", "holder": self.holder},
+            )
             if plan is not None:
                 conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
 
@@ -303,6 +315,24 @@ class Store:
                (SELECT 1 FROM ranks WHERE ranks.job=:job AND ranks.state <> 'ended')""",
             {"now": now, "job": job},
         )
+
+    def heartbeat(self, now: float | None = None) -> list[str]:
+        """Say this process is alive, and forget processes that are not (not seen for the timeout, or gone
+        from this host); returns those forgotten: the ranks they left connected read as lost from now."""
+        now = time.time() if now is None else now
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            conn.execute(text(_HEARTBEAT), {"holder": self.holder, "now": now})
+            others = conn.execute(
+                text("SELECT holder, seen_at FROM holders WHERE holder <> :holder"), {"holder": self.holder}
+            ).all()
+            gone = [h for h, seen in others if seen < now - HOLDER_TIMEOUT_SECONDS or gone_here(h)]
+            for h in gone:
+                conn.execute(text("DELETE FROM holders WHERE holder=:h"), {"h": h})
+        return gone
+
+    def _liveness(self) -> dict[str, Any]:
+        """The parameters of ``RANK_STATE``."""
+        return {"holder": self.holder, "alive": time.time() - HOLDER_TIMEOUT_SECONDS}
 
     def add_plan(self, *, job: str, rank: int, plan: PlanRow, now: float) -> None:
         self._write(_ADD_PLAN, plan_params(job, rank, plan, now))
@@ -340,13 +370,15 @@ class Store:
         return cast(JobRow, dict(rows[0])) if rows else None
 
     def all_ranks(self) -> list[RankRow]:
-        return self._ranks("SELECT * FROM ranks ORDER BY job, rank", {})
+        return self._ranks(f"{_RANKS} ORDER BY job, rank", {})
 
     def ranks(self, job: str) -> list[RankRow]:
-        return self._ranks("SELECT * FROM ranks WHERE job=:job ORDER BY rank", {"job": job})
+        return self._ranks(f"{_RANKS} WHERE job=:job ORDER BY rank", {"job": job})
 
     def _ranks(self, sql: str, params: dict[str, Any]) -> list[RankRow]:
-        return [cast(RankRow, decoded(r, json_columns=("last_stats",))) for r in self._read(sql, params)]
+        """Ranks as read: one its holder left connected when it died reads as disconnected (``holders``)."""
+        rows = self._read(sql, {**params, **self._liveness()})
+        return [cast(RankRow, decoded(r, json_columns=("last_stats",))) for r in rows]
 
     def last_rank_stats(self, job: str, rank: int) -> LastStepRow | None:
         """A rank's last statistics: the buffer's newest if it holds one, else the store's. The buffer is
