@@ -4,19 +4,30 @@ step reports wait in memory until the file is back."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
+from bench.served import launch, stop
 from rematd import wire
 from rematd.server import ServeConfig, ServiceThread
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.store.database import StoreError
+from rematd.server.store.store import Store
 from rematd.v1 import advisor_pb2 as pb
+from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
 from .test_service import hello, session, stats
 
@@ -106,3 +117,77 @@ def test_a_truncated_record_is_seen(served: tuple[ServiceThread, Path]) -> None:
     os.truncate(db, 0)
     assert _until(lambda: _ready(svc).status_code == 503)
     assert "truncated" in _ready(svc).json()["detail"]
+
+
+def _foreign(path: Path) -> None:
+    """Another application's SQLite file at ``path``, made aside and moved there (as a deploy script would)."""
+    made = path.with_name("made-elsewhere.db")
+    con = sqlite3.connect(made)
+    con.execute("CREATE TABLE notes (x TEXT)")
+    con.executemany("INSERT INTO notes VALUES (?)", [(f"note {i}",) for i in range(100)])
+    con.commit()
+    con.close()
+    os.replace(made, path)
+
+
+def _notes(path: Path) -> int:
+    con = sqlite3.connect(path)
+    try:
+        return int(con.execute("SELECT count(*) FROM notes").fetchone()[0])
+    finally:
+        con.close()
+
+
+def test_a_foreign_file_put_in_the_stores_place_stays_readable_after_a_sigkill(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    srv = launch(db, "--log-level", "error")
+    try:
+        with grpc.insecure_channel(srv.grpc) as ch:
+            for i in range(20):  # a journal of some size, not yet copied into the file
+                msgs = [
+                    pb.ClientMessage(hello=wire.hello_to_pb(hello(job=f"j{i}"))),
+                    pb.ClientMessage(stats=wire.stats_to_pb(stats(0, 500))),
+                    pb.ClientMessage(goodbye=pb.Goodbye()),
+                ]
+                list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=10))
+        assert Path(f"{db}-wal").stat().st_size > 0
+        _foreign(db)
+        assert _until(lambda: httpx.get(f"{srv.http}/readyz", timeout=10).status_code == 503)
+        srv.proc.send_signal(signal.SIGKILL)
+        assert srv.proc.wait(10) == -signal.SIGKILL
+    finally:
+        stop(srv.proc)
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    again = subprocess.run(
+        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0", "--db", str(db)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert again.returncode == 2 and "is not a rematd store" in again.stderr, again.stderr
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest, "rematd's start changed the file"
+    assert _notes(db) == 100  # the application that owns it reads it whole
+
+
+def test_a_journal_left_beside_a_foreign_file_is_refused_untouched(tmp_path: Path) -> None:
+    """Killed before it saw the file replaced: the journal it left is named, and neither file is touched."""
+    db = tmp_path / "r.db"
+    store = Store(db)
+    keep = sqlite3.connect(db)  # holds the journal open, as a killed service leaves it
+    keep.execute("PRAGMA wal_autocheckpoint=0")
+    core = AdvisorCore(store)
+    for i in range(20):
+        s, _ = core.open_session(hello(job=f"j{i}"))
+        core.close_session(s, ended=True)
+    journal = Path(f"{db}-wal")
+    left = tmp_path / "left-wal"
+    shutil.copy(journal, left)
+    store.close()
+    keep.close()
+    _foreign(db)
+    shutil.copy(left, journal)
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (db, journal)}
+    with pytest.raises(StoreError, match=re.escape(f"{journal} beside it is a journal")):
+        Store(db)
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (db, journal)} == before
+    journal.unlink()
+    Path(f"{db}-shm").unlink(missing_ok=True)
+    assert _notes(db) == 100

@@ -41,7 +41,7 @@ from rematd.server.store.columns import (
 )
 from rematd.server.store.compaction import compact
 from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, why
-from rematd.server.store.file_watch import FileWatch, sqlite_file
+from rematd.server.store.file_watch import FileWatch, Keeper, check_journal, sqlite_file
 from rematd.server.store.holders import HOLDER_TIMEOUT_SECONDS, RANK_STATE, gone_here, new_holder
 from rematd.server.store.rows import (
     OOM_COLUMNS,
@@ -107,6 +107,9 @@ _SAVE_LEARNED = """INSERT INTO learned_state VALUES (:job, :rank, :state, :now)
 def _opened(url: str, path: str, lock: threading.RLock) -> Engine:
     """An engine on ``url`` with the schema brought up to date; StoreError naming what is wrong."""
     try:
+        file = sqlite_file(url)
+        if file:
+            check_journal(file)
         engine = open_engine(url)
         schema.migrate(engine, path=path, lock=lock)
     except StoreError:
@@ -138,6 +141,7 @@ class Store:
         file = sqlite_file(url)
         self.watch = FileWatch(file) if file else None
         """The SQLite file the store was opened on (None for PostgreSQL or memory)."""
+        self.keeper = Keeper(file) if file else None
         self.failing_since: float | None = None
         """When (monotonic) writes to the store began to fail; None while they succeed."""
         self.last_failure = ""
@@ -179,6 +183,10 @@ class Store:
             # A process that stopped holds nothing: a rank it left connected reads as lost at once.
             self._write("DELETE FROM holders WHERE holder=:holder", {"holder": self.holder})
         self.engine.dispose()
+        if self.keeper is not None:
+            if self.check_file():
+                self._journal_aside()  # again: nothing may have reached it since, but nothing must be left
+            self.keeper.close()
 
     # -- the health of writes ------------------------------------------------------------
 
@@ -188,6 +196,7 @@ class Store:
             return ""
         problem = self.watch.problem()
         if problem and not self.lost:
+            self._journal_aside()
             log.error(
                 "%s; writes stop (step reports are kept in memory, the newest %d) until it is back or the service "
                 "restarts",
@@ -201,6 +210,16 @@ class Store:
             log.info("the database file %s is back; writes resume", self.watch.path)
         self.lost = problem
         return problem
+
+    def _journal_aside(self) -> None:
+        """The file moved away: its journal, which names the path, goes into the file itself now, so that
+        whatever takes the path (another application's database) is not handed the store's pages."""
+        if self.keeper is None or self.watch is None or not self.watch.moved:
+            return
+        with self._lock:
+            emptied = self.keeper.empty_journal()
+        if not emptied:
+            log.error("the journal %s-wal could not be emptied into the store's own file", self.watch.path)
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
