@@ -191,3 +191,30 @@ def test_a_journal_left_beside_a_foreign_file_is_refused_untouched(tmp_path: Pat
     journal.unlink()
     Path(f"{db}-shm").unlink(missing_ok=True)
     assert _notes(db) == 100
+
+
+def test_another_process_writing_the_store_leaves_this_ones_reads_whole(tmp_path: Path) -> None:
+    """The file watch reads the header without closing a descriptor of the file (which would drop SQLite's
+    locks): another process writing, then closing, took itself for the last one and removed the journal
+    from under this process's connections, which read "malformed" from then on."""
+    db = tmp_path / "r.db"
+    store = Store(db)
+    try:
+        core = AdvisorCore(store)
+        for h in (hello(job="long"), hello(job="wide", n=256)):
+            s, _ = core.open_session(h)
+            core.on_stats(s, stats(0, 500))
+            core.close_session(s, ended=True)
+        assert _until(lambda: store.watch is not None and store.pending() == 0)
+        time.sleep(0.6)  # the watch has looked at the file a few times
+        writer = (
+            "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+            "from tests.store_rows import more_plans, more_steps; "
+            "more_steps(Path(sys.argv[2]), 'long', 20000); more_plans(Path(sys.argv[2]), 'wide', 256, 500)"
+        )
+        root = str(Path(__file__).resolve().parents[1])
+        subprocess.run([sys.executable, "-c", writer, root, str(db)], check=True, timeout=60)
+        assert len(store.plans("wide", after=0, limit=1000)) == 501
+        assert len(store.stats("long", 30_000)) == 20_001
+    finally:
+        store.close()

@@ -38,7 +38,12 @@ class FileWatch:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        st = os.stat(path)
+        # Held open for as long as the store is, and read with pread: closing a descriptor of the database
+        # file drops every POSIX lock this process holds on it, SQLite's included, and another process (a
+        # worker, a tool) then took itself for the last reader, checkpointed, and removed the journal under
+        # this one's connections, which read "database disk image is malformed" from then on.
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(self._fd)
         self.identity = (st.st_dev, st.st_ino)
         self.moved = False
         """The file the store opened is no longer at its path (deleted, moved away, replaced)."""
@@ -57,13 +62,18 @@ class FileWatch:
             self.moved = True
             return f"the database file {self.path} was replaced by another file while the service used it"
         try:
-            with open(self.path, "rb") as f:
-                header = f.read(len(_HEADER))
+            header = os.pread(self._fd, len(_HEADER), 0)
         except OSError as err:
             return f"the database file {self.path} cannot be read: {err.strerror}"
         if header != _HEADER:
             return f"the database file {self.path} was truncated or overwritten while the service used it"
         return ""
+
+    def close(self) -> None:
+        """Let go of the file: only once the store's connections are closed (see ``__init__``)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class Keeper:

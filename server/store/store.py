@@ -187,6 +187,8 @@ class Store:
             if self.check_file():
                 self._journal_aside()  # again: nothing may have reached it since, but nothing must be left
             self.keeper.close()
+        if self.watch is not None:
+            self.watch.close()
 
     # -- the health of writes ------------------------------------------------------------
 
