@@ -200,7 +200,9 @@ class Service:
                 access_log=False,
                 ssl_certfile=cfg.tls_cert or None,
                 ssl_keyfile=cfg.tls_key or None,
-                http=guarded_protocol(budget.http, cfg.http_options.http_request_seconds),
+                http=guarded_protocol(
+                    budget.http, cfg.http_options.http_request_seconds, cfg.http_options.http_response_seconds
+                ),
                 timeout_keep_alive=max(1, round(cfg.http_options.http_keepalive_seconds)),
             )
         )

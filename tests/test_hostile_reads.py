@@ -1,0 +1,123 @@
+"""Large reads against a real ``rematd serve``: a read of statistics is bounded in rows, many at once leave
+little memory behind, and a reader that stops reading (a zero TCP window) is cut off, its descriptor freed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from bench.served import Served, launch, stop
+from rematd import wire
+from rematd.server.core.paging import MAX_ROWS_PAGE
+from rematd.v1 import advisor_pb2 as pb
+from rematd.v1 import advisor_pb2_grpc as pb_grpc
+
+from .store_rows import more_plans, more_steps
+from .test_hostile_input import rss_bytes
+from .test_service import hello, stats
+
+RESPONSE_SECONDS = 2.0
+ROWS = 20_000
+WIDE_PLANS = 500
+"""Plans of a job of 256 blocks, each with a per-length table: a page of them is some 8 MiB of JSON, more than
+the kernel's socket buffers take for a reader that does not read."""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    db = tmp_path_factory.mktemp("reads") / "r.db"
+    srv = launch(db, "--log-level", "error", "--http-response-seconds", str(RESPONSE_SECONDS))
+    try:
+        with grpc.insecure_channel(srv.grpc) as ch:
+            for h in (hello(job="long"), hello(job="wide", n=256)):
+                msgs = [
+                    pb.ClientMessage(hello=wire.hello_to_pb(h)),
+                    pb.ClientMessage(stats=wire.stats_to_pb(stats(0, 500))),
+                    pb.ClientMessage(goodbye=pb.Goodbye()),
+                ]
+                list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=10))
+        assert httpx.get(f"{srv.http}/api/v1/jobs/long/stats", timeout=10).json()["stats"]  # flushed
+        more_steps(db, "long", ROWS)
+        more_plans(db, "wide", 256, WIDE_PLANS)
+        yield srv
+    finally:
+        stop(srv.proc)
+
+
+def _held(pid: int, clients: set[int]) -> int:
+    """How many connections from the local ports ``clients`` the process holds a descriptor of."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    held = 0
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote_port = int(fields[2].split(":")[1], 16)
+        held += remote_port in clients and fields[9] in inodes
+    return held
+
+
+def test_a_read_of_statistics_is_bounded_and_many_leave_little_behind(served: Served) -> None:
+    url = f"{served.http}/api/v1/jobs/long/stats"
+    refused = httpx.get(url, params={"limit": 100_000}, timeout=10)
+    assert refused.status_code == 422 and "limit" in refused.text
+    assert len(httpx.get(url, params={"limit": MAX_ROWS_PAGE}, timeout=30).json()["stats"]) == MAX_ROWS_PAGE
+    time.sleep(1)
+    before = rss_bytes(served.proc.pid)
+    sizes: list[int] = []
+
+    def read() -> None:
+        for _ in range(2):
+            sizes.append(len(httpx.get(url, params={"limit": MAX_ROWS_PAGE}, timeout=60).content))
+
+    readers = [threading.Thread(target=read) for _ in range(16)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(120)
+    assert len(sizes) == 32 and min(sizes) > 1 << 20
+    time.sleep(1.5)
+    left = rss_bytes(served.proc.pid) - before
+    # 32 answers of some 2 MiB, made two at a time: what is left is a few answers' worth, not 32.
+    assert left < 48 << 20, f"{left >> 20} MiB left behind"
+
+
+def test_a_reader_that_stops_reading_is_cut_off(served: Served) -> None:
+    host, port = served.http.removeprefix("http://").rsplit(":", 1)
+    url = f"/api/v1/jobs/wide/plans?limit={WIDE_PLANS}"
+    assert len(httpx.get(served.http + url, timeout=60).content) > 6 << 20
+    stalled = []
+    try:
+        for _ in range(8):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that closes at once
+            s.connect((host, int(port)))
+            s.sendall(f"GET {url} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+            stalled.append(s)
+        clients = {s.getsockname()[1] for s in stalled}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _held(served.proc.pid, clients) < 8:
+            time.sleep(0.05)
+        assert _held(served.proc.pid, clients) == 8, "the stalled reads were not taken"
+        # Each is cut off once it has taken nothing for RESPONSE_SECONDS, whatever it does.
+        deadline = time.monotonic() + RESPONSE_SECONDS + 30
+        while time.monotonic() < deadline and _held(served.proc.pid, clients):
+            time.sleep(0.2)
+        assert _held(served.proc.pid, clients) == 0, "stalled readers still hold their descriptors"
+        assert httpx.get(f"{served.http}/healthz", timeout=10).status_code == 200
+    finally:
+        for s in stalled:
+            s.close()
