@@ -5,6 +5,7 @@ step reports wait in memory until the file is back."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -218,3 +219,52 @@ def test_another_process_writing_the_store_leaves_this_ones_reads_whole(tmp_path
         assert len(store.stats("long", 30_000)) == 20_001
     finally:
         store.close()
+
+
+_EVERY_DESCRIPTOR = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from rematd.server.core.advisor import AdvisorCore
+from rematd.server.store.store import Store
+from tests.test_service import hello, stats
+
+store = Store(sys.argv[2])
+core = AdvisorCore(store)
+core.open_session(hello(job="before"))
+taken = []
+try:
+    while True:
+        taken.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    problem = store.check_file()
+    session, _ = core.open_session(hello(job="during"))
+    core.on_stats(session, stats(0, 500))
+    store.flush()
+    rows = len(store.stats("during", 10))
+    # Several statements at once (the writer, the flush, reads on threads) find a connection each.
+    held = [store.engine.connect() for _ in range(6)]
+    at_once = sum(c.exec_driver_sql("SELECT count(*) FROM jobs").scalar() for c in held)
+    for c in held:
+        c.close()
+finally:
+    for fd in taken:
+        os.close(fd)
+store.close()
+print(json.dumps({"taken": len(taken), "problem": problem, "rows": rows, "at_once": at_once}))
+"""
+
+
+def test_the_store_needs_no_new_descriptor_when_a_burst_took_them_all(tmp_path: Path) -> None:
+    """A burst of connections can take every descriptor for a moment (the HTTP cap applies after accept):
+    the store is not taken for lost then, and a hello and its step are written."""
+    root = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        ["prlimit", "--nofile=256:256", "--", sys.executable, "-c", _EVERY_DESCRIPTOR, root, str(tmp_path / "r.db")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["taken"] > 0
+    assert said == {"taken": said["taken"], "problem": "", "rows": 1, "at_once": 12}

@@ -40,7 +40,7 @@ from rematd.server.store.columns import (
     warm_plan_out,
 )
 from rematd.server.store.compaction import compact
-from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, why
+from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, warm, why
 from rematd.server.store.file_watch import FileWatch, Keeper, check_journal, sqlite_file
 from rematd.server.store.holders import HOLDER_TIMEOUT_SECONDS, RANK_STATE, gone_here, new_holder
 from rematd.server.store.rows import (
@@ -137,6 +137,7 @@ class Store:
         """The SQLAlchemy engine every statement of the store goes through. Tests may listen to its events:
         ``sqlalchemy.event.listen(store.engine, "before_cursor_execute", slow)`` with a ``slow`` that sleeps
         makes a slow database without a mock (``slow(conn, cursor, statement, parameters, context, many)``)."""
+        warm(self.engine)
         self.buffer = WriteBehind(self.engine, self._lock, config.max_buffered)
         file = sqlite_file(url)
         self.watch = FileWatch(file) if file else None
