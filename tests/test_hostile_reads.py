@@ -3,24 +3,24 @@ little memory behind, and a reader that stops reading (a zero TCP window) is cut
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
+from bench.hostile_calls import held_from
 from bench.served import Served, launch, stop
+from bench.store_rows import more_plans, more_steps
 from rematd import wire
 from rematd.server.core.paging import MAX_ROWS_PAGE
+from rematd.server.core.views import MODES_PER_BLOCK, PAGE_MODES
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
-from .store_rows import more_plans, more_steps
 from .test_hostile_input import rss_bytes
 from .test_service import hello, stats
 
@@ -50,24 +50,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield srv
     finally:
         stop(srv.proc)
-
-
-def _held(pid: int, clients: set[int]) -> int:
-    """How many connections from the local ports ``clients`` the process holds a descriptor of."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    held = 0
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        remote_port = int(fields[2].split(":")[1], 16)
-        held += remote_port in clients and fields[9] in inodes
-    return held
 
 
 def test_a_read_of_statistics_is_bounded_and_many_leave_little_behind(served: Served) -> None:
@@ -109,15 +91,28 @@ def test_a_reader_that_stops_reading_is_cut_off(served: Served) -> None:
             stalled.append(s)
         clients = {s.getsockname()[1] for s in stalled}
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and _held(served.proc.pid, clients) < 8:
+        while time.monotonic() < deadline and held_from(served.proc.pid, clients) < 8:
             time.sleep(0.05)
-        assert _held(served.proc.pid, clients) == 8, "the stalled reads were not taken"
+        assert held_from(served.proc.pid, clients) == 8, "the stalled reads were not taken"
         # Each is cut off once it has taken nothing for RESPONSE_SECONDS, whatever it does.
         deadline = time.monotonic() + RESPONSE_SECONDS + 30
-        while time.monotonic() < deadline and _held(served.proc.pid, clients):
+        while time.monotonic() < deadline and held_from(served.proc.pid, clients):
             time.sleep(0.2)
-        assert _held(served.proc.pid, clients) == 0, "stalled readers still hold their descriptors"
+        assert held_from(served.proc.pid, clients) == 0, "stalled readers still hold their descriptors"
         assert httpx.get(f"{served.http}/healthz", timeout=10).status_code == 200
     finally:
         for s in stalled:
             s.close()
+
+
+def test_a_page_of_a_wide_models_plans_holds_fewer_plans_and_says_where_the_next_starts(served: Served) -> None:
+    url = f"{served.http}/api/v1/jobs/wide/plans"
+    page = httpx.get(url, params={"limit": 10_000}, timeout=60).json()
+    most = PAGE_MODES // (256 * MODES_PER_BLOCK)
+    assert len(page["plans"]) == most and page["next_cursor"]
+    seen = [p["version"] for p in page["plans"]]
+    while page["next_cursor"]:
+        page = httpx.get(url, params={"limit": 10_000, "cursor": page["next_cursor"]}, timeout=60).json()
+        assert len(page["plans"]) <= most
+        seen += [p["version"] for p in page["plans"]]
+    assert len(seen) == WIDE_PLANS + 1 and seen == sorted(seen)

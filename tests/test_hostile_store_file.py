@@ -210,7 +210,7 @@ def test_another_process_writing_the_store_leaves_this_ones_reads_whole(tmp_path
         time.sleep(0.6)  # the watch has looked at the file a few times
         writer = (
             "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-            "from tests.store_rows import more_plans, more_steps; "
+            "from bench.store_rows import more_plans, more_steps; "
             "more_steps(Path(sys.argv[2]), 'long', 20000); more_plans(Path(sys.argv[2]), 'wide', 256, 500)"
         )
         root = str(Path(__file__).resolve().parents[1])

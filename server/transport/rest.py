@@ -63,20 +63,60 @@ LARGE_ANSWER_BYTES = 1 << 20
 """An answer this large gives its memory back to the system once sent."""
 
 
+LIST_WAIT_SECONDS = 10.0
+"""How long a read of a list waits for its turn before it is answered 503."""
+
+
 class Lists:
-    """Reads that return lists, bounded: each holds its rows and their JSON (a 10,000-row page of statistics is
-    about 2 MiB of JSON and several times that in rows) while it is made, so a few at a time, and what a
+    """Reads that return lists, bounded: each holds its rows and their JSON (a page of statistics is up to
+    2 MiB of JSON, a page of plans up to 11 MiB, and several times that in rows) from when it is made until
+    it is delivered, so a few at a time (the others wait their turn, then are told to try again), and what a
     large one held goes back to the system after it (four reads of 100,000 rows left 130 MiB resident)."""
 
     def __init__(self, at_once: int = LISTS_AT_ONCE) -> None:
         self._turns = threading.BoundedSemaphore(at_once)
 
     def answer(self, read: Callable[[], Any]) -> Response:
-        with self._turns:
+        if not self._turns.acquire(timeout=LIST_WAIT_SECONDS):
+            return JSONResponse(
+                status_code=503,
+                content={"detail": "other large reads are under way; try again shortly"},
+                headers={"Retry-After": "5"},
+            )
+        try:
             body = to_json(read())
-        if len(body) >= LARGE_ANSWER_BYTES:
+        except BaseException:
+            self._turns.release()
+            raise
+        return _Delivered(body, on_done=self._delivered)
+
+    def _delivered(self, size: int) -> None:
+        self._turns.release()
+        if size >= LARGE_ANSWER_BYTES:
             give_back_soon()
-        return Response(body, media_type="application/json")
+
+
+class _Delivered(Response):
+    """A JSON answer that says when it has been delivered, or its client has gone (cut off, disconnected)."""
+
+    def __init__(self, body: bytes, *, on_done: Callable[[int], None]) -> None:
+        super().__init__(body, media_type="application/json")
+        self._on_done: Callable[[int], None] | None = on_done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        done, self._on_done = self._on_done, None
+        if done is not None:
+            size, self.body = len(self.body), b""
+            done(size)
+
+    def __del__(self) -> None:
+        self._done()  # never sent (its request was given up): its turn is not lost
 
 
 MODE_COLOURS = {

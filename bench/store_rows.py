@@ -1,6 +1,6 @@
 """Rows written into a store's SQLite file directly, as another process would: a long run's worth in a second.
 
-Standard library only, so that a test's child process imports it at once.
+Standard library only, so that a child process (a test's, a benchmark's) imports it at once.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def more_plans(db: Path, job: str, blocks: int, rows: int) -> None:
             )
         )
         entry = {"max_tokens": 64, "modes": "R" * blocks, "predicted_peak_bytes": 1, "predicted_overhead_ratio": 0.5}
-        table = json.dumps([{"max_seq_len": 64 * (k + 1), **entry} for k in range(6)])
+        table = json.dumps([{"max_seq_len": 64 * (k + 1), **entry} for k in range(16)])
         plans = [{**first, "version": v + 2, "modes": "R" * blocks, "shape_plans": table} for v in range(rows)]
         con.executemany(
             f"INSERT INTO plans ({', '.join(columns)}) VALUES ({', '.join(':' + c for c in columns)})", plans
