@@ -26,36 +26,25 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-import grpc
 import httpx
 
 from bench import hostile_calls as calls
-from bench.hostile_calls import hello, stats
+from bench.hostile_calls import answer, hello, stats
 from bench.hostile_kill import kill_while_answering
 from bench.loop_stall import while_probing
 from bench.rejected_streams import packed_hello
 from bench.served import Served, served
 from rematd.v1 import advisor_pb2 as pb
-from rematd.v1 import advisor_pb2_grpc as pb_grpc
-
-
-def _stream(target: str, msgs: list[pb.ClientMessage]) -> str:
-    with grpc.insecure_channel(target) as ch:
-        try:
-            list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=120))
-        except grpc.RpcError as err:
-            return err.code().name
-    return "OK"
 
 
 def big_stats(target: str) -> str:
     report = stats(1)
     report.mode_seconds.extend(pb.ModeSeconds(mode=pb.MODE_RECOMPUTE) for _ in range(200_000))
-    return _stream(target, [pb.ClientMessage(hello=hello("big-stats")), pb.ClientMessage(stats=report)])
+    return answer(target, [pb.ClientMessage(hello=hello("big-stats")), pb.ClientMessage(stats=report)])
 
 
 def packed(target: str) -> str:
-    return _stream(target, [packed_hello()])
+    return answer(target, [packed_hello()])
 
 
 def plan_table(target: str) -> str:
@@ -64,12 +53,12 @@ def plan_table(target: str) -> str:
     resumed.plan.version = 3
     for i in range(75_000):  # entries without modes: the most of them 1 MiB holds
         resumed.plan.shape_plans.add(max_seq_len=i + 1, max_tokens=i + 1)
-    return _stream(target, [pb.ClientMessage(hello=resumed)])
+    return answer(target, [pb.ClientMessage(hello=resumed)])
 
 
 def oom_flood(target: str) -> str:
     oom = pb.OomEvent(step=1, shape=pb.Shape(batch=1, seq_len=64, tokens=64))
-    return _stream(target, [pb.ClientMessage(hello=hello("oom-flood")), *[pb.ClientMessage(oom=oom)] * 2000])
+    return answer(target, [pb.ClientMessage(hello=hello("oom-flood")), *[pb.ClientMessage(oom=oom)] * 2000])
 
 
 INPUTS: dict[str, Callable[[str], str]] = {
@@ -108,7 +97,7 @@ def idle_load(grpc_target: str, http_base: str, pid: int, idle: int, request_sec
         t = time.perf_counter()
         healthz = httpx.get(http_base + "/healthz", timeout=30).status_code
         healthz_ms = (time.perf_counter() - t) * 1000
-        stream = _stream(grpc_target, [pb.ClientMessage(hello=hello("after-idle")), pb.ClientMessage(stats=stats(0))])
+        stream = answer(grpc_target, [pb.ClientMessage(hello=hello("after-idle")), pb.ClientMessage(stats=stats(0))])
         time.sleep(request_seconds + 1.5)
         after = _fds(pid)
     return {

@@ -187,11 +187,11 @@ def takeovers(grpc_target: str, http_base: str) -> dict[str, object]:
         stranger = hello("held")
         stranger.job_secret = "stranger-credential-0123456789"
         stranger.session_secret = secret
-        taken = _answer(grpc_target, [pb.ClientMessage(hello=stranger), pb.ClientMessage(stats=stats(1))])
+        taken = answer(grpc_target, [pb.ClientMessage(hello=stranger), pb.ClientMessage(stats=stats(1))])
         httpx.post(f"{http_base}/api/v1/jobs/held/end", timeout=30)
         newcomer = hello("held")
         newcomer.job_secret = "newcomer-credential-0123456789"
-        reopened = _answer(grpc_target, [pb.ClientMessage(hello=newcomer), pb.ClientMessage(stats=stats(0))])
+        reopened = answer(grpc_target, [pb.ClientMessage(hello=newcomer), pb.ClientMessage(stats=stats(0))])
         outbox.put(pb.ClientMessage(stats=stats(1)))
         try:
             next(call)
@@ -202,10 +202,11 @@ def takeovers(grpc_target: str, http_base: str) -> dict[str, object]:
     return {"secret_without_credential": taken, "reopen_by_another": reopened, "old_stream_after_end": old_stream}
 
 
-def _answer(target: str, msgs: list[pb.ClientMessage]) -> str:
+def answer(target: str, msgs: list[pb.ClientMessage]) -> str:
+    """How a stream of ``msgs`` ends: OK, or its status code's name."""
     with grpc.insecure_channel(target) as ch:
         try:
-            list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=30))
+            list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=120))
         except grpc.RpcError as err:
             return err.code().name
     return "OK"

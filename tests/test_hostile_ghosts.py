@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import queue
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +16,12 @@ from rematd import wire
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
+from .test_hostile_store_file import _until
 from .test_service import hello, stats
 
 RETENTION_SECONDS = 2.0
 FLAGS = ("--log-level", "warning", "--compact-seconds", "0.5", "--session-expiry-seconds", "3")
 GHOSTS = [f"ghost-{i}" for i in range(5)]
-
-
-def _until(check: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _jobs(http: str) -> dict[str, Any]:

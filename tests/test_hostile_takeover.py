@@ -4,7 +4,6 @@ final for the stream it reached even when the job is opened again at once."""
 from __future__ import annotations
 
 import dataclasses
-import queue
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,8 @@ from rematd.server.app import Bound
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
-from .test_service import hello, stats
+from .test_hostile_sessions import Stream, _stats
+from .test_service import hello
 
 TRAINER = "trainer-credential-0123456789"
 NEWCOMER = "newcomer-credential-0123456789"
@@ -32,31 +32,9 @@ def served(tmp_path: Path) -> Iterator[tuple[ServiceThread, Bound]]:
     svc.stop()
 
 
-class _Stream:
-    """One stream driven message by message, each answer awaited (10 s at most)."""
-
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
-        self.outbox: queue.Queue[pb.ClientMessage | None] = queue.Queue()
-        self.call = pb_grpc.AdvisorStub(self.channel).Session(iter(self.outbox.get, None), timeout=30)
-
-    def send(self, msg: pb.ClientMessage) -> pb.ServerMessage:
-        self.outbox.put(msg)
-        return next(self.call)
-
-    def close(self) -> None:
-        self.outbox.put(None)
-        self.call.cancel()
-        self.channel.close()
-
-
 def _hello(job: str, credential: str, **changes: object) -> pb.ClientMessage:
     h = dataclasses.replace(hello(job=job), job_secret=credential, host="gpu-1", pid=4242)
     return pb.ClientMessage(hello=wire.hello_to_pb(dataclasses.replace(h, **changes)))  # type: ignore[arg-type]
-
-
-def _stats(step: int, peak: int = 500) -> pb.ClientMessage:
-    return pb.ClientMessage(stats=wire.stats_to_pb(stats(step, peak)))
 
 
 def _oom(step: int) -> pb.ClientMessage:
@@ -65,7 +43,7 @@ def _oom(step: int) -> pb.ClientMessage:
 
 def test_the_session_secret_alone_does_not_take_over_a_live_rank(served: tuple[ServiceThread, Bound]) -> None:
     svc, bound = served
-    trainer = _Stream(bound.grpc)
+    trainer = Stream(bound.grpc)
     try:
         plan = trainer.send(_hello("secret-only", TRAINER))
         secret = trainer.send(_stats(100)).ack.session_secret
@@ -82,7 +60,7 @@ def test_the_session_secret_alone_does_not_take_over_a_live_rank(served: tuple[S
         assert trainer.send(_stats(101)).ack.step == 101
         assert svc.service.core.store.ooms("secret-only") == []
         # Its own process, reconnecting with both, still joins its session.
-        again = _Stream(bound.grpc)
+        again = Stream(bound.grpc)
         try:
             resumed = again.send(_hello("secret-only", TRAINER, plan_version=version, session_secret=secret))
             assert resumed.plan.version == version
@@ -95,7 +73,7 @@ def test_the_session_secret_alone_does_not_take_over_a_live_rank(served: tuple[S
 
 def test_an_ended_jobs_stream_stays_ended_when_the_job_is_opened_again(served: tuple[ServiceThread, Bound]) -> None:
     svc, bound = served
-    old = _Stream(bound.grpc)
+    old = Stream(bound.grpc)
     try:
         old.send(_hello("reopened", TRAINER))
         for step in range(5):
@@ -103,7 +81,7 @@ def test_an_ended_jobs_stream_stays_ended_when_the_job_is_opened_again(served: t
         ended = httpx.post(f"http://{bound.http}/api/v1/jobs/reopened/end", timeout=10)
         assert ended.status_code == 200, ended.text
         # Another process opens the job again before the old stream sends its next report.
-        new = _Stream(bound.grpc)
+        new = Stream(bound.grpc)
         try:
             assert new.send(_hello("reopened", NEWCOMER)).WhichOneof("kind") == "plan"
             with pytest.raises(grpc.RpcError) as err:
