@@ -15,18 +15,15 @@ table; writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.fsdp import build, launch
+from bench.fsdp import build, run_bench
 from tests.workers.deepspeed_models import LIVE, RELEASED
 
 CONFIGS = {"released": RELEASED, "live": LIVE}
@@ -89,12 +86,12 @@ class Run:
         self.seconds: list[float] = []
 
     def count(self, batches: list[Any]) -> None:
-        from rematd.client.deepspeed import ZeroModel
+        from rematd.client.parallel.zero import Zero3
         from tests.collectives import counting
 
-        own = ZeroModel.switched
+        own = Zero3.switched
         if self.contender.endswith("left alone"):
-            ZeroModel.switched = lambda self, rerun: None  # type: ignore[method-assign]
+            Zero3.switched = lambda self, rerun: None  # type: ignore[method-assign]
         try:
             for k, ids in enumerate(batches):
                 if self.handle is not None and self.contender.startswith("switch") and k == self.args.switch_at:
@@ -103,7 +100,7 @@ class Run:
                     step(self.engine, ids)
                 self.gathers.append(counts.get("all_gather", 0))
         finally:
-            ZeroModel.switched = own  # type: ignore[method-assign]
+            Zero3.switched = own  # type: ignore[method-assign]
 
     def time(self, ids: Any) -> None:
         start = time.perf_counter()
@@ -160,18 +157,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse(argv)
-    if args.worker:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        Path(os.environ["REMATD_BENCH_RESULT"]).write_text(json.dumps(worker(args)))
-        return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    results = launch(args, [a for a in argv if a != "--worker"], module="bench.deepspeed")
-    text = report(args, results)
-    print(text)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "ranks": results, "table": text}, indent=1))
+    run_bench("bench.deepspeed", argv, parse, worker, report)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -237,19 +238,32 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_bench(
+    module: str,
+    argv: list[str] | None,
+    parse: Callable[[list[str]], argparse.Namespace],
+    worker: Callable[[argparse.Namespace], Any],
+    report: Callable[[argparse.Namespace, Any], str],
+    ranks: Callable[[argparse.Namespace, list[str]], Any] | None = None,
+) -> None:
+    """A benchmark over ranks: as a worker (``--worker``) its rank's result; else it launches the ranks
+    (``ranks``, by default :func:`launch` of ``module``), prints ``report`` and writes it with the results."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     if args.worker:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        result = worker(args)
-        Path(os.environ["REMATD_BENCH_RESULT"]).write_text(json.dumps(result))
+        Path(os.environ["REMATD_BENCH_RESULT"]).write_text(json.dumps(worker(args)))
         return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    results = launch(args, [a for a in argv if a != "--worker"])
+    rest = [a for a in argv if a != "--worker"]
+    results = ranks(args, rest) if ranks is not None else launch(args, rest, module=module)
     text = report(args, results)
     print(text)
     Path(args.out).write_text(json.dumps({"args": vars(args), "ranks": results, "table": text}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_bench("bench.fsdp", argv, parse, worker, report)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ it goes, then the curve as a Markdown table, and writes JSON
 
     .venv/bin/python -m bench.load --ranks 1000,5000,10000 --seconds 20 --workers 2
     .venv/bin/python -m bench.load --ranks 5000,10000 --to-limit   # on until a level misses the p99 target
+    .venv/bin/python -m bench.load --postgres --replicas 2 --workers 1 --ranks 1000,2000   # a fleet (bench.load_fleet)
 
 The generator runs on the same machine and takes CPU from the server, so it
 measures itself too: its CPU, how late each scheduled report was sent
@@ -37,10 +38,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.load_fleet import Database, FleetWindow, database_arg, fleet_target
 from bench.load_gen import GROW_SECONDS, client_process
 from bench.load_probe import DIR_ENV, read_windows
-from bench.load_report import Level, Targets, level_of, markdown, print_header, print_row, summary
-from bench.load_server import Server, UsageWindow, proc_tree, rss_bytes, start_server
+from bench.load_report import (
+    Level,
+    Targets,
+    fleet_markdown,
+    level_of,
+    markdown,
+    print_header,
+    print_row,
+    summary,
+)
+from bench.load_server import Server, proc_tree, rss_bytes, start_server
 
 MAX_RANKS = 100_000
 
@@ -70,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, default=2, help="server worker processes (--workers of rematd serve)")
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--replicas", type=int, default=1, help="rematd serve processes on one store (needs --postgres)")
+    p.add_argument("--postgres", action="store_true", help="the store is a throw-away local PostgreSQL cluster")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between a rank's steps (1: 1 Hz)")
     p.add_argument(
         "--report-interval",
@@ -118,9 +131,13 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("clients and workers must be in 1-16")
     if not 0.01 <= args.interval <= 60:
         p.error("interval must be in 0.01-60 seconds")
+    if not 1 <= args.replicas <= 8:
+        p.error("replicas must be in 1-8")
+    if args.replicas > 1 and not args.postgres:
+        p.error("replicas > 1 share one store: add --postgres (SQLite has one writer)")
 
 
-def _start_clients(args: argparse.Namespace, server: Server, deadline: float) -> tuple[list[Any], list[Any]]:
+def _start_clients(args: argparse.Namespace, target: str, deadline: float) -> tuple[list[Any], list[Any]]:
     ctx = mp.get_context("spawn")
     pipes: list[Any] = []
     procs: list[Any] = []
@@ -128,7 +145,7 @@ def _start_clients(args: argparse.Namespace, server: Server, deadline: float) ->
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=client_process,
-            args=(server.target, child, i, args.interval, not args.no_fold, deadline),
+            args=(target, child, i, args.interval, not args.no_fold, deadline),
             daemon=True,
         )
         proc.start()
@@ -149,8 +166,8 @@ def _stop_clients(pipes: list[Any], procs: list[Any]) -> None:
 
 
 def _run_level(
-    n: int, args: argparse.Namespace, server: Server, pipes: list[Any], *, base_rss: int, failed_before: int,
-    targets: Targets, probe: Path | None,
+    n: int, args: argparse.Namespace, servers: list[Server], pipes: list[Any], *, base_rss: int, failed_before: int,
+    targets: Targets, probe: Path | None, database: Database | None,
 ) -> tuple[Level, list[dict[str, Any]], int]:  # fmt: skip
     """Grow to ``n`` ranks, settle, measure; the level, what each generator sent, and the failures so far."""
     share = [n // args.clients + (1 if i < n % args.clients else 0) for i in range(args.clients)]
@@ -161,11 +178,11 @@ def _run_level(
         _recv(conn, GROW_SECONDS + 30, "grow")
     ramp = time.monotonic() - t_grow
     time.sleep(args.settle)
-    window = UsageWindow(server.proc.pid, signal_processes=probe is not None)
+    window = FleetWindow([s.proc.pid for s in servers], database, signal_processes=probe is not None)
     for conn in pipes:
         conn.send(("measure", args.seconds))
     got = [_recv(conn, args.seconds + 30, "measure") for conn in pipes]
-    usage = window.close()
+    usage, by_replica, store = window.close()
     probed = None
     if probe is not None:
         time.sleep(1.0)  # each process writes its window when its loop next runs
@@ -175,6 +192,11 @@ def _run_level(
         ranks=n, seconds=args.seconds, ramp=ramp, got=got, failed_streams=failed - failed_before,
         base_rss=base_rss, usage=usage, targets=targets, probed=probed,
     )  # fmt: skip
+    if len(servers) > 1:
+        level.replica_cores = by_replica
+    if store is not None:
+        level.store_rows_per_s, level.store_commits_per_s = store.rows_per_s, store.commits_per_s
+        level.store_cpu_cores = store.cores
     return level, got, failed
 
 
@@ -187,54 +209,22 @@ def main(argv: list[str] | None = None) -> int:
     targets = Targets(p99_ms=args.p99_ms, kib_per_rank=args.kib_per_rank, longest_quiet_s=longest + args.interval)
     budget = len(levels) * (GROW_SECONDS + 30 + args.settle + args.seconds + 30) + 60
     tmp = Path(tempfile.mkdtemp(prefix="rematd-load-"))
-    pipes: list[Any] = []
-    procs: list[Any] = []
-    results: list[Level] = []
-    failed_before = 0
     probe = tmp / "probe" if args.probe else None
-    if probe is None:
-        server = start_server(tmp / "load.db", args.workers, args.report_interval)
-    else:
-        probe.mkdir()
-        python = (sys.executable, "-m", "bench.load_probe")
-        server = start_server(
-            tmp / "load.db", args.workers, args.report_interval, python=python, env={DIR_ENV: str(probe)}
-        )
+    database = Database() if args.postgres else None
+    servers: list[Server] = []
     try:
-        base_rss = rss_bytes(proc_tree(server.proc.pid))
-        # Every generator stops by itself at the run's deadline, whatever becomes of this process.
-        pipes, procs = _start_clients(args, server, time.monotonic() + budget)
-        print(
-            f"server {server.target}, {args.workers} worker(s), base RSS {base_rss / 2**20:.0f} MiB, "
-            f"{args.clients} generator process(es), {os.cpu_count()} CPUs shared by all, "
-            f"a step every {args.interval:g} s per rank, "
-            + ("every step reported" if args.no_fold else f"steady steps folded for up to {args.report_interval:g} s"),
-            flush=True,
-        )
-        print_header()
-        listed = len(args.ranks.split(","))
-        for i, n in enumerate(levels):
-            level, got, failed_before = _run_level(
-                n, args, server, pipes, base_rss=base_rss, failed_before=failed_before, targets=targets, probe=probe
-            )
-            results.append(level)
-            print_row(level)
-            for g in got if level.errors or level.failed_streams else []:
-                for e in g["error_samples"][:2]:
-                    print(f"    error: {e}", flush=True)
-            if server.proc.poll() is not None:
-                print("the server exited:\n" + "".join(server.output), flush=True)
-                break
-            if i + 1 >= listed and not level.latency_ok:
-                if i + 1 < len(levels):
-                    print(f"stopping: {n} ranks are past the service's limit on this machine", flush=True)
-                break
+        servers = _start_servers(args, tmp, probe, database)
+        results = _run(args, levels, targets, servers, budget, probe, database)
     finally:
-        _stop_clients(pipes, procs)
-        server.stop()
+        for server in servers:
+            server.stop()
+        if database is not None:
+            database.remove()
         shutil.rmtree(tmp, ignore_errors=True)
     settings = {
         "workers": args.workers,
+        "replicas": args.replicas,
+        "store": "postgresql" if args.postgres else "sqlite",
         "clients": args.clients,
         "interval_seconds": args.interval,
         "report_interval_seconds": 0.0 if args.no_fold else args.report_interval,
@@ -245,12 +235,85 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print("\n" + markdown(results) + "\n", flush=True)
+    if args.replicas > 1 or args.postgres:
+        print(fleet_markdown(results) + "\n", flush=True)
     print(
         f"highest level within the p99 target: {out['highest_within_latency_ranks']} ranks; "
         f"within every target (memory too): {out['highest_passing_ranks']}; JSON in {args.out}",
         flush=True,
     )
     return 0
+
+
+def _start_servers(args: argparse.Namespace, tmp: Path, probe: Path | None, database: Database | None) -> list[Server]:
+    db = database_arg(database, tmp)
+    env = None
+    python: tuple[str, ...] = ()
+    if probe is not None:
+        probe.mkdir()
+        python, env = (sys.executable, "-m", "bench.load_probe"), {DIR_ENV: str(probe)}
+    servers: list[Server] = []
+    try:
+        for _ in range(args.replicas):
+            servers.append(start_server(db, args.workers, args.report_interval, python=python, env=env))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def _run(
+    args: argparse.Namespace, levels: list[int], targets: Targets, servers: list[Server],
+    budget: float, probe: Path | None, database: Database | None,
+) -> list[Level]:  # fmt: skip
+    """Every level, until one misses the target past the listed ones; the levels run."""
+    pipes: list[Any] = []
+    procs: list[Any] = []
+    results: list[Level] = []
+    failed_before = 0
+    try:
+        base_rss = sum(rss_bytes(proc_tree(s.proc.pid)) for s in servers)
+        # Every generator stops by itself at the run's deadline, whatever becomes of this process.
+        target = fleet_target([s.target for s in servers])
+        pipes, procs = _start_clients(args, target, time.monotonic() + budget)
+        print(
+            f"server {target}, {args.replicas} replica(s) of {args.workers} worker(s) on "
+            f"{'PostgreSQL' if database is not None else 'SQLite'}, base RSS {base_rss / 2**20:.0f} MiB, "
+            f"{args.clients} generator process(es), {os.cpu_count()} CPUs shared by all, "
+            f"a step every {args.interval:g} s per rank, "
+            + ("every step reported" if args.no_fold else f"steady steps folded for up to {args.report_interval:g} s"),
+            flush=True,
+        )
+        print_header()
+        listed = len(args.ranks.split(","))
+        for i, n in enumerate(levels):
+            level, got, failed_before = _run_level(
+                n, args, servers, pipes, base_rss=base_rss, failed_before=failed_before, targets=targets, probe=probe,
+                database=database,
+            )  # fmt: skip
+            results.append(level)
+            print_row(level)
+            if level.replica_cores or level.store_rows_per_s is not None:
+                print(
+                    f"    replicas' cores {level.replica_cores}; store {level.store_rows_per_s} rows/s, "
+                    f"{level.store_commits_per_s} commits/s, {level.store_cpu_cores} cores",
+                    flush=True,
+                )
+            for g in got if level.errors or level.failed_streams else []:
+                for e in g["error_samples"][:2]:
+                    print(f"    error: {e}", flush=True)
+            dead = [s for s in servers if s.proc.poll() is not None]
+            if dead:
+                print("a server exited:\n" + "".join(dead[0].output), flush=True)
+                break
+            if i + 1 >= listed and not level.latency_ok:
+                if i + 1 < len(levels):
+                    print(f"stopping: {n} ranks are past the service's limit on this machine", flush=True)
+                break
+    finally:
+        _stop_clients(pipes, procs)
+    return results
 
 
 if __name__ == "__main__":

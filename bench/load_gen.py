@@ -256,6 +256,7 @@ def _cpu_self() -> float:
 async def _client_main(target: str, conn: Any, index: int, interval: float, fold: bool, deadline: float) -> None:
     import grpc
 
+    from rematd.client.connection import CHANNEL_OPTIONS
     from rematd.v1 import advisor_pb2 as pb
 
     gen = _Gen(interval=interval, fold=fold, reports=_Reports())
@@ -276,7 +277,8 @@ async def _client_main(target: str, conn: Any, index: int, interval: float, fold
                         # A connection of its own: channels to one target otherwise share one (gRPC's global
                         # subchannel pool), and one connection reaches one worker of the service, whatever
                         # the kernel would spread over them (SO_REUSEPORT).
-                        options = [("grpc.use_local_subchannel_pool", 1)]
+                        # The rematd client's balancing: a target of several replicas spreads the ranks.
+                        options = [("grpc.use_local_subchannel_pool", 1), *CHANNEL_OPTIONS]
                         channels.append(grpc.aio.insecure_channel(target, options=options))
                         # Streams started on a channel still connecting fail at once (CANCELLED, INTERNAL).
                         await asyncio.wait_for(channels[-1].channel_ready(), 30)

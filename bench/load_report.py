@@ -58,6 +58,13 @@ class Level:
     """With ``--probe``: the longest garbage collection in any server process."""
     server_stalls: list[str] | None = None
     """With ``--probe``: what the busiest loop was doing while late by more than 20 ms (samples, stack)."""
+    replica_cores: list[float] | None = None
+    """With ``--replicas``: each replica's CPU (its whole process tree), in the order they were started."""
+    store_rows_per_s: float | None = None
+    """With ``--postgres``: rows the database inserted or updated a second."""
+    store_commits_per_s: float | None = None
+    store_cpu_cores: float | None = None
+    """With ``--postgres``: the database's own CPU."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +177,26 @@ def markdown(levels: list[Level]) -> str:
             f"| {r.server_cpu_cores:g} | {r.server_rss_mib:.0f} | {r.server_kib_per_rank:g} | {r.gen_cpu_cores:g} "
             f"| {r.gen_lag_p50_ms:g} / {r.gen_lag_p99_ms:g} / {r.gen_lag_max_ms:g} | {r.gen_loop_p99_ms:g} "
             f"| {server_loop} | {r.load_1m:g} | {'yes' if r.latency_ok else 'no'} |"
+        )
+    return "\n".join(rows)
+
+
+def fleet_markdown(levels: list[Level]) -> str:
+    """What a fleet run adds: per replica CPU, CPU per 1,000 ranks, and the database's write rate."""
+    head = (
+        "| ranks | replicas | p99 ms | steps/s | reports/s | server cores by replica | server cores per 1,000 ranks "
+        "| store rows/s | store commits/s | database cores | load average | within p99 target |"
+    )
+    rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in levels:
+        replicas = r.replica_cores or [r.server_cpu_cores]
+        rows.append(
+            f"| {r.ranks:,} | {len(replicas)} | {r.p99_ms:g} | {r.steps_per_s:,.0f} | {r.rate_per_s:,.0f} "
+            f"| {' / '.join(f'{c:g}' for c in replicas)} | {r.server_cpu_cores / r.ranks * 1000:.3f} "
+            f"| {r.store_rows_per_s if r.store_rows_per_s is not None else '-'} "
+            f"| {r.store_commits_per_s if r.store_commits_per_s is not None else '-'} "
+            f"| {r.store_cpu_cores if r.store_cpu_cores is not None else '-'} | {r.load_1m:g} "
+            f"| {'yes' if r.latency_ok else 'no'} |"
         )
     return "\n".join(rows)
 

@@ -114,7 +114,12 @@ class Server:
 
 
 def start_server(
-    db: Path, workers: int, report_interval: float, *, python: Sequence[str] = (), env: dict[str, str] | None = None
+    db: Path | str,
+    workers: int,
+    report_interval: float,
+    *,
+    python: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Server:
     """``rematd serve`` on a free loopback port, with ``--workers`` processes; ``python`` is the command that
     runs the ``rematd`` CLI (by default this interpreter's ``-m rematd.server.cli``), ``env`` added to its

@@ -8,6 +8,7 @@ size terms (some 237,000 sub-messages, which cost about 16 times their bytes onc
 
     python -m bench.rejected_streams --streams 1000
     python -m bench.rejected_streams --packed --parallel 8 --streams 160
+    python -m bench.rejected_streams --burst      # 20 of each kind, one by one and 8 at once: RSS 3 s later
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def measure_parallel(target: str, pid: int, streams: int, parallel: int) -> dict
     }
 
 
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED)
+
+
 def send_refused(target: str, msg: pb.ClientMessage, n: int) -> None:
     with grpc.insecure_channel(target) as ch:
         stub = pb_grpc.AdvisorStub(ch)
@@ -100,7 +104,7 @@ def send_refused(target: str, msg: pb.ClientMessage, n: int) -> None:
             try:
                 list(stub.Session(iter([msg]), timeout=30))
             except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                if err.code() not in REFUSALS:
                     raise
             else:
                 raise RuntimeError("the hello was accepted")
@@ -128,12 +132,58 @@ def measure(target: str, pid: int, streams: int, warmup: int = 10) -> dict[str, 
     }
 
 
+def burst(target: str, pid: int, msg: pb.ClientMessage, streams: int, parallel: int, idle: float) -> dict[str, float]:
+    """RSS idle, at its peak while ``streams`` copies of ``msg`` are refused (``parallel`` at once), and after."""
+    time.sleep(idle)
+    start = peak = rss_bytes(pid)
+    share = [streams // parallel + (1 if i < streams % parallel else 0) for i in range(parallel)]
+    threads = [threading.Thread(target=send_refused, args=(target, msg, n)) for n in share if n]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, rss_bytes(pid))
+        time.sleep(0.02)
+    time.sleep(idle)
+    after = rss_bytes(pid)
+    return {
+        "streams": streams,
+        "at_once": parallel,
+        "message_mib": round(msg.ByteSize() / MiB, 2),
+        "rss_idle_mib": round(start / MiB, 1),
+        "rss_peak_mib": round(peak / MiB, 1),
+        f"rss_{idle:g}s_after_mib": round(after / MiB, 1),
+        "growth_mib": round((after - start) / MiB, 1),
+    }
+
+
+BURST_TOKEN = "rejected-streams-bench-token-0123456789"
+
+
+def bursts(idle: float = 3.0) -> dict[str, dict[str, float]]:
+    """20 hellos of each kind, one by one and 8 at once, each case on a fresh service: converted then refused
+    (INVALID_ARGUMENT), packed with size terms (refused before conversion), and sent without the token a
+    service requires (UNAUTHENTICATED)."""
+    out = {}
+    kinds = (("converted", refused_hello(), None), ("packed", packed_hello(), None))
+    kinds += (("no token", refused_hello(), {"REMATD_TOKEN": BURST_TOKEN}),)
+    for kind, msg, env in kinds:
+        for parallel in (1, 8):
+            db = Path(tempfile.mkdtemp(prefix="rematd-bench-")) / "r.db"
+            with served(db, "--log-level", "warning", env=env) as srv:
+                out[f"{kind}, {parallel} at once"] = burst(srv.grpc, srv.proc.pid, msg, 20, parallel, idle)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--packed", action="store_true", help="hellos packed with size terms, sent in parallel")
     parser.add_argument("--parallel", type=int, default=8, help="threads sending packed hellos at once")
+    parser.add_argument("--burst", action="store_true", help="20 hellos of each kind, one by one and 8 at once")
     args = parser.parse_args()
+    if args.burst:
+        print(json.dumps(bursts(), indent=2))
+        return 0
     db = Path(tempfile.mkdtemp(prefix="rematd-bench-")) / "r.db"
     with served(db) as srv:
         if args.packed:

@@ -46,7 +46,7 @@ def addresses(proc: subprocess.Popen[str], timeout: float = 60.0) -> tuple[str, 
 
 
 def launch(
-    db: Path,
+    db: Path | str,
     *args: str,
     grpc_port: int = 0,
     http_port: int = 0,
@@ -74,7 +74,7 @@ def launch(
 
 
 @contextmanager
-def served(db: Path, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Iterator[Served]:
+def served(db: Path | str, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Iterator[Served]:
     """:func:`launch` on ports it picks itself, stopped on the way out."""
     srv = launch(db, *args, timeout=timeout, env=env)
     try:

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from rematd.client.deepspeed import is_zero_param
 from rematd.client.errors import OutOfMemory
 
 
@@ -99,11 +98,11 @@ class SavedTensorAccounting:
         self._transient_owner: object | None = None
         self._excluded_fast: frozenset[tuple[str, int]] = frozenset()
         self.gathered: frozenset[int] = frozenset()
-        """Storages FSDP gathers parameters into (:func:`rematd.client.sharding.gathered_storages`): not activations."""
+        """Storages the parallel set-up gathers parameters into: weights, not activations."""
         self.active = False
         """True while the model's forward runs under this accounting's hooks."""
-        self.zero3 = False
-        """Whether parameters are ZeRO-3's: gathered anew at each use, saved for backward as weights."""
+        self.is_weight: Callable[[torch.Tensor], bool] | None = None
+        """The set-up's test for saved tensors that are parameters it gathered anew for this use (weights)."""
         self.hard_limit_bytes: int | None = None
         """Live bytes a pack may not take the total above: it raises ``OutOfMemory`` instead."""
 
@@ -114,7 +113,7 @@ class SavedTensorAccounting:
 
     def pack(self, t: torch.Tensor) -> Any:
         # The hot path (once per saved tensor): one storage object for both the key and the size.
-        if self.zero3 and is_zero_param(t):
+        if self.is_weight is not None and self.is_weight(t):
             return t
         try:
             st = t.untyped_storage()

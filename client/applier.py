@@ -6,10 +6,12 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from rematd.client.plan_sync import leanest
+from rematd.client.backends import Pricer
+from rematd.client.parallel.agreement import leanest
 from rematd.client.switch import SwitchableBlock
-from rematd.planner import Mode, Plan, Shape
+from rematd.planner import Mode, Plan, Shape, blocks_of, letters
 from rematd.planner.plan import entry_for
+from rematd.planner.reasons import lossy_note
 
 log = logging.getLogger("rematd.client")
 
@@ -39,6 +41,9 @@ class PlanApplier:
         """While set, a budget cut waits for a plan newer than this version: every block keeps the least it can."""
         self._applied: tuple[object, ...] | None = None
         """What the blocks' modes were last set from: the same again needs no work."""
+        self.price: Pricer = lambda modes, version, reason: None
+        """Prices a pin as a plan (the backend's planner, once it opens)."""
+        self._pin_plan: Plan | None = None
 
     def invalidate(self) -> None:
         """The blocks' modes were set by other means (safe mode, a pin): set them at the next step."""
@@ -50,6 +55,36 @@ class PlanApplier:
             raise ValueError(f"pin_modes needs {len(self.blocks)} modes, one per block, got {len(modes)}")
         self.pinned = None if modes is None else tuple(modes)
         self.invalidate()
+
+    def in_force(self) -> Plan:
+        """The plan in force: the planner's, or under a pin a plan of the pinned modes (the planner's version,
+        priced by the profile once there is one; lossy, and saying so, when some block compresses)."""
+        pins = self.pinned
+        if pins is None:
+            return self.plan
+        version = self.plan.version
+        cached = self._pin_plan
+        if cached is not None and cached.version == version and cached.modes == pins:
+            return cached
+        reason = (
+            f"pinned in the training process (h.pin_modes): modes {letters(pins)}; the planner's own plan "
+            f"(v{version}) comes back with h.pin_modes(None)"
+        )
+        priced = self.price(pins, version, reason)
+        if priced is not None:
+            self._pin_plan = priced
+            return priced
+        lossy = lossy_note(pins, ())
+        return Plan(
+            version=version,
+            blocks=blocks_of(pins),
+            checkpoint_every=0,
+            predicted_peak_bytes=0,
+            predicted_overhead_ratio=0.0,
+            target_bytes=self.plan.target_bytes,
+            reason=f"{reason} (not priced before the profiling step ends)" + (f"; {lossy}" if lossy else ""),
+            modes=pins,
+        )
 
     def receive(self, plan: Plan) -> None:
         """Called by the planner's side (any thread): keep the newest plan for the next step."""

@@ -21,7 +21,7 @@ def attach(
     server: str | None = None,
     job: str | None = None,
     budget_bytes: int | None = None,
-    blocks: Sequence[nn.Module] | None = None,
+    blocks: Sequence[nn.Module] | nn.ModuleDict | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     margin_ratio: float = 0.1,
     modes: Sequence[str | Mode] | None = None,
@@ -41,7 +41,11 @@ def attach(
 
     Args:
         model: the model being trained, or the DeepSpeed engine that trains it (its
-            ``step()`` then ends each of the handle's steps; see ``docs/deepspeed.md``).
+            ``step()`` then ends each of the handle's steps; see ``docs/deepspeed.md``),
+            or a ``torch.distributed.pipelining`` schedule: rematd attaches to the
+            modules of its stages on this rank, its ``step()`` starts each of the
+            handle's steps, and each stage's plan counts the microbatches the
+            schedule keeps alive on it (``docs/sharded.md``, "Pipeline parallel").
         server: ``"host:port"`` (or ``"[v6addr]:port"``, or a gRPC target
             such as ``"dns:///host:port"``) of a rematd service; ``None``
             plans in-process.
@@ -51,8 +55,9 @@ def attach(
         budget_bytes: the memory budget. On CUDA, the device memory the job
             may use (default: the device's capacity); on the CPU, the cap on
             bytes saved for backward during a step (default: host memory).
-        blocks: the modules to checkpoint (default: the longest
-            ``nn.ModuleList`` of same-class modules).
+        blocks: the modules to checkpoint, or an ``nn.ModuleDict`` of them
+            (default: the longest ``nn.ModuleList``, ``nn.Sequential`` or
+            ``nn.ModuleDict`` of same-class modules).
         optimizer: when given, the handle's :meth:`Handle.step` runs after
             each ``optimizer.step()`` by itself.
         margin_ratio: the fraction of the budget the planner keeps free, in [0, 1).
@@ -85,12 +90,15 @@ def attach(
             Do not compile the model itself (``torch.compile(model)`` is
             refused, and so is a compiled submodule); compile the rest as
             functions (``torch.compile(loss_fn)``).
-        same_plan: whether every rank of the default process group runs one
-            plan, the leanest of the ranks' own, agreed at each step's start
-            (one small all-gather). Default (``None``): when the parameters are
-            distributed tensors (``fully_shard``, tensor parallel), where the
-            ranks must recompute alike and one rank's out-of-memory error ends
-            the job; ``False`` under tensor parallel risks a hang.
+        same_plan: whether the ranks that share the model's parameters run one
+            plan, per block the leanest any of them chose, agreed at each step's
+            start (one all-reduce of a byte per block over their group: the
+            parameters' device mesh, ZeRO-3's data-parallel group; never across
+            pipeline stages). Default (``None``): where the set-up needs it
+            (FSDP2, tensor parallel, ZeRO-3: ranks that replay collectives or
+            share one memory shape); ``True`` also makes plain or DDP ranks agree
+            (over DDP's process group, else every rank); ``False`` under tensor
+            parallel risks a hang.
         compress: how the ``"compress"`` mode keeps activations: a
             :class:`rematd.client.CompressConfig`, or its format's name
             (``"int8"``, the default, ``"fp8"`` or ``"bf16"``); only with

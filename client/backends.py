@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from rematd.client.throttle import Throttled
 from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
-from rematd.planner import Plan, PlannerSession
+from rematd.planner import Mode, Plan, PlannerSession
+
+log = logging.getLogger("rematd.client")
+
+FAR_OVER = 1.10
+"""A step peaking over this multiple of its budget is logged (at most every 30 s) when planning in-process."""
 
 PlanCallback = Callable[[Plan], None]
+Pricer = Callable[[tuple[Mode, ...], int, str], Plan | None]
+"""A plan of given modes (a pin), its version and reason, priced by the rank's planner; None before it opens."""
 
 
 class Backend(Protocol):
@@ -21,6 +30,7 @@ class Backend(Protocol):
     def send_oom(self, oom: OomReport) -> None: ...
     def flush(self, timeout: float) -> bool: ...
     def close(self, timeout: float) -> None: ...
+    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None: ...
 
 
 class EmbeddedBackend:
@@ -31,6 +41,9 @@ class EmbeddedBackend:
         self._hello: Hello | None = None
         self._session: PlannerSession | None = None
         self._last: StepStats | None = None
+        self._over = Throttled()
+        self._said_no_fit = 0
+        """The last plan version whose "no plan fits" was logged."""
 
     def open(self, hello: Hello) -> None:
         self._hello = hello
@@ -79,6 +92,27 @@ class EmbeddedBackend:
         plan = self._session.observe(observation(self._hello, stats))
         if plan is not None:
             self._on_plan(plan)
+        self._watch(stats, self._session.plan)
+
+    def _watch(self, stats: StepStats, plan: Plan) -> None:
+        """Say in the training job's log when it runs far over its budget, or no plan fits it: nobody watches a
+        dashboard of an in-process planner."""
+        assert self._hello is not None
+        peak = stats.peak_bytes(self._hello.memory_source)
+        if peak > FAR_OVER * stats.budget_bytes:
+            self._over.log(
+                logging.WARNING,
+                "rematd: step %d peaked at %.1f MiB, %.0f%% over the budget of %.1f MiB (plan v%d: %s)",
+                stats.step,
+                peak / 2**20,
+                100 * (peak / stats.budget_bytes - 1),
+                stats.budget_bytes / 2**20,
+                plan.version,
+                plan.reason,
+            )
+        if "no plan fits" in plan.reason and plan.version > self._said_no_fit:
+            self._said_no_fit = plan.version
+            log.warning("rematd: no plan fits the budget of %.1f MiB: %s", stats.budget_bytes / 2**20, plan.reason)
 
     def send_oom(self, oom: OomReport) -> None:
         if self._session is not None:
@@ -88,6 +122,10 @@ class EmbeddedBackend:
 
     def flush(self, timeout: float) -> bool:
         return True
+
+    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None:
+        """``modes`` as a plan priced by this rank's planner (a pin in this process); None before it opens."""
+        return self._session.plan_of(modes, version=version, reason=reason) if self._session is not None else None
 
     def close(self, timeout: float) -> None:
         self._session = None

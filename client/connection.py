@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 TOKEN_ENV = "REMATD_TOKEN"
+
+CHANNEL_OPTIONS = (("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),)
+"""A target that resolves to several replicas (``dns:///rematd-headless.ns.svc:50051`` on a headless
+Service, or ``ipv4:10.0.0.1:50051,10.0.0.2:50051``) gets a stream on one of them per rank, the ranks
+spread over them (round_robin); a stream stays where it is until that replica goes away."""
 
 
 def _read_roots(value: str | os.PathLike[str] | bytes | None) -> bytes | None:

@@ -135,7 +135,8 @@ def train(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rematd demo", description=__doc__.splitlines()[0])
+    # The module's docstring without its reStructuredText markup: --help is read in a terminal.
+    parser = argparse.ArgumentParser(prog="rematd demo", description=(__doc__ or "").replace("``", ""))
     parser.add_argument("--server", help="host:port of a running rematd service (default: start one in-process)")
     parser.add_argument("--no-serve", action="store_true", help="exit when training ends instead of serving")
     workload = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
@@ -147,7 +148,12 @@ def _parser() -> argparse.ArgumentParser:
         "--http-port", type=int, help="dashboard port of the in-process service (default: rematd serve's)"
     )
     parser.add_argument("--db", help="SQLite file of the in-process service (default: a temporary one)")
-    parser.add_argument("--job", default="demo")
+    parser.add_argument(
+        "--job",
+        default="demo",
+        help="the job's name on the service and its dashboard (%(default)s); a name used before continues its "
+        "plan history",
+    )
     parser.add_argument(
         "--sync", action="store_true", help="wait for the service's answer after each step (repeatable runs)"
     )

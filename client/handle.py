@@ -26,19 +26,18 @@ from rematd.client.backends import Backend, EmbeddedBackend
 from rematd.client.compiled import CompileStats
 from rematd.client.compress import CompressConfig, check_compress
 from rematd.client.connection import StreamConfig
-from rematd.client.deepspeed import follow, is_engine
 from rematd.client.describe import dist_rank, model_fingerprint
-from rematd.client.discovery import find_blocks
+from rematd.client.discovery import find_stage_blocks
 from rematd.client.errors import UnsupportedModel
 from rematd.client.guard import Guard
 from rematd.client.hooks import AttachedHook
 from rematd.client.memory import MemorySample, SavedTensorMemory
 from rematd.client.oom_policy import OomPolicy
+from rematd.client.parallel.pick import StepStart, check_blocks, check_engine, follow_engine, resolve
+from rematd.client.parallel.pipeline import read_schedule
 from rematd.client.parts import build_parts
-from rematd.client.sharding import check_units
 from rematd.client.step_cycle import StepCycle
 from rematd.client.stream import StreamBackend
-from rematd.client.unwrap import unwrap
 from rematd.messages import StepStats
 from rematd.planner import Mode, Plan, Shape
 
@@ -57,7 +56,7 @@ class Handle:
         server: str | None,
         job: str | None,
         budget_bytes: int | None,
-        blocks: Sequence[nn.Module] | None,
+        blocks: Sequence[nn.Module] | nn.ModuleDict | None,
         optimizer: torch.optim.Optimizer | None,
         margin_ratio: float,
         modes: Sequence[str | Mode] | None = None,
@@ -81,11 +80,12 @@ class Handle:
         if compress is not None and Mode.COMPRESS not in offered:
             raise ValueError("compress= configures the 'compress' mode, which modes= does not enable: add 'compress'")
         self._offered = offered
-        engine = model if is_engine(model) else None
-        model = unwrap(model)
+        target = resolve(model)
+        engine, model = target.engine, target.model
         self.model = model
-        found = find_blocks(model, blocks)
-        check_units(model, found)  # sharded already; a model sharded after attach is checked at its first step
+        self._roots = target.roots
+        found = find_stage_blocks(model, target.roots, blocks, stages=target.schedule is not None)
+        check_blocks(model, found)  # sharded already; a model sharded after attach is checked at its first step
         self._parts = parts = build_parts(
             model, found, hard_limit_bytes=hard_limit, compile_backend=backend, compress=compressing
         )
@@ -94,6 +94,7 @@ class Handle:
         self._backend: Backend = (
             StreamBackend(server, self._applier.receive, stream) if server else EmbeddedBackend(self._applier.receive)
         )
+        self._applier.price = self._backend.plan_of
         self.server = server
         self._cycle = StepCycle(
             model,
@@ -106,17 +107,22 @@ class Handle:
             modes=offered,
             budget_bytes=budget,
             same_plan=same,
+            group=target.group,
         )
         self._life = self._cycle.life
         self._oom = OomPolicy(self._cycle.recover, closed=lambda: self._life.closed)
-        self._hooks = [
-            # Before ZeRO-3's own pre-hooks (attached to an engine, after them otherwise): a plan switch must
-            # restart its fetch trace before the step's first fetch.
-            model.register_forward_pre_hook(
-                AttachedHook(self._pre_forward), with_kwargs=True, prepend=engine is not None
-            ),
-            model.register_forward_hook(AttachedHook(self._post_forward), always_call=True),
-        ]
+        self._hooks: list[RemovableHandle | StepStart] = []
+        for root in target.roots:
+            self._hooks += [
+                # Before ZeRO-3's own pre-hooks (attached to an engine, after them otherwise): a plan switch must
+                # restart its fetch trace before the step's first fetch.
+                root.register_forward_pre_hook(
+                    AttachedHook(self._pre_forward), with_kwargs=True, prepend=engine is not None
+                ),
+                root.register_forward_hook(AttachedHook(self._post_forward), always_call=True),
+            ]
+        if target.schedule is not None:
+            self._follow_schedule(target.schedule)
         self._optimizer_hook: RemovableHandle | None = None
         self.optimizer = optimizer
         self._unfollow: Callable[[], None] | None = None
@@ -166,16 +172,40 @@ class Handle:
 
     @engine.setter
     def engine(self, engine: nn.Module | None) -> None:
-        if engine is not None and not is_engine(engine):
-            raise TypeError(
-                f"engine must be a DeepSpeed engine (deepspeed.initialize's first result), got {type(engine).__name__}"
-            )
+        check_engine(engine)
         if self._unfollow is not None:
             self._unfollow()
             self._unfollow = None
         self._cycle.engine = engine
         if engine is not None:
-            self._unfollow = follow(engine, self.step)
+            self._unfollow = follow_engine(engine, self.step)
+
+    @property
+    def pipeline(self) -> object | None:
+        """The ``torch.distributed.pipelining`` schedule whose ``step()`` starts each of the handle's steps: the one
+        ``attach`` was given, or set here before the first step when rematd was attached to the stage's module
+        (docs/sharded.md, "Pipeline parallel")."""
+        return self._cycle.schedule.schedule if self._cycle.schedule is not None else None
+
+    @pipeline.setter
+    def pipeline(self, schedule: object) -> None:
+        read = read_schedule(schedule)
+        if self._cycle.schedule is not None:
+            raise ValueError("pipeline: this handle follows a schedule already; attach a new handle for another")
+        if self._cycle.memory is not None:
+            raise ValueError("pipeline: set h.pipeline before the first step (the plan is made for its microbatches)")
+        modules = [s.module for s in read.stages]
+        if len(modules) != len(self._roots) or any(a is not b for a, b in zip(modules, self._roots, strict=False)):
+            raise ValueError(
+                f"pipeline: the schedule runs {len(modules)} stage(s) on this rank "
+                f"({', '.join(type(m).__name__ for m in modules)}), not the module rematd is attached to; attach to "
+                "the schedule instead: client.attach(schedule)"
+            )
+        self._follow_schedule(read)
+
+    def _follow_schedule(self, schedule: Any) -> None:
+        self._cycle.schedule = schedule
+        self._hooks.append(StepStart(schedule.schedule, AttachedHook(self._schedule_step)))
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -204,8 +234,11 @@ class Handle:
 
     @property
     def plan(self) -> Plan:
-        """The plan in force: version, checkpointed block indices, frequency."""
-        return self._applier.plan
+        """The plan in force: version, checkpointed block indices, frequency, modes, reason, ``lossy``.
+
+        Under :meth:`pin_modes`, the pinned modes as a plan (priced by the profile, with the version of the
+        planner's plan it sets aside, and its reason saying so); :attr:`history` keeps the planner's plans."""
+        return self._applier.in_force()
 
     @property
     def history(self) -> list[Plan]:
@@ -334,7 +367,12 @@ class Handle:
         return self._backend.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """End the session, remove hooks and restore the blocks' own forward."""
+        """End the session, remove hooks and restore the blocks' own forward.
+
+        Every step counted so far reaches the service first, steady steps folded into fewer reports
+        included: ``close`` waits for the service's answer to the last one at most ``timeout`` seconds, as
+        :meth:`flush` does. Only a service already lost (or one that refused the stream) is not waited for.
+        """
         if not self._life.close():
             return
         for h in (*self._hooks, *self._parts.hooks, *([self._optimizer_hook] if self._optimizer_hook else [])):
@@ -365,6 +403,8 @@ class Handle:
         try:
             if not self._life.in_step:
                 self._cycle.begin(args, kwargs)
+            else:
+                self._cycle.forward_seen(args, kwargs)
             if self._accounting_on():
                 self._cycle.start_counting()
         except UnsupportedModel:
@@ -372,6 +412,16 @@ class Handle:
         except Exception:
             self._cycle.errors += 1
             log.exception("rematd: pre-forward bookkeeping failed")
+
+    def _schedule_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A pipeline schedule's ``step()`` starts: so does a step, before any microbatch's forward."""
+        if self._life.closed or self._life.in_step or not torch.is_grad_enabled():
+            return
+        try:
+            self._cycle.begin_schedule_step(args, kwargs)
+        except Exception:
+            self._cycle.errors += 1
+            log.exception("rematd: bookkeeping at the schedule's step failed")
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self._cycle.stop_counting()

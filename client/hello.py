@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from rematd import __version__
-from rematd.client.accounting import SavedTensorAccounting, tensors_in
+from rematd.client.accounting import SavedTensorAccounting, local_part, tensors_in
 from rematd.client.credential import job_credential
 from rematd.client.describe import block_records
 from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
@@ -67,8 +67,11 @@ def offer_modes(blocks: Sequence[SwitchableBlock], memory: Memory, modes: Collec
 
 
 def fresh_grad_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients a step will create: those of trainable parameters without one now."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    """Bytes of the gradients a step will create on this rank: those of trainable parameters without one now
+    (a sharded parameter's gradient is its shard's size)."""
+    return sum(
+        local_part(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
+    )
 
 
 def complete_profile(blocks: Sequence[SwitchableBlock]) -> bool:
@@ -95,11 +98,12 @@ def other_activations(
     the input; what the step created and kept (optimizer state) is later steps' static memory; the
     rest is taken to grow with tokens (:func:`rematd.client.memory.outside_blocks`).
 
-    ``gathered``: on CUDA, the parameters FSDP holds unsharded at the peak, a constant of the model's sharding
-    (:func:`rematd.client.sharding.gathered_at_peak_bytes`), kept out of what grows with tokens. (On the CPU a
-    sharded model's static bytes hold them.)"""
+    ``gathered``: on CUDA, the parameters the parallel set-up holds gathered at the peak, a constant of the
+    model's sharding, kept out of what grows with tokens. (On the CPU a sharded model's static bytes hold them.)"""
     if not isinstance(memory, CudaMemory):
-        return Size.linear(max(0, sample.saved_peak_bytes - static - blocks_bytes))
+        # What the step saved and still held after it (a graph nobody ran backward through) is static memory
+        # from the next step on, not what a step saves outside the blocks.
+        return Size.linear(max(0, sample.saved_peak_bytes - static - blocks_bytes - sample.held_bytes))
     outside = outside_blocks(
         peak=sample.peak_allocated_bytes,
         static=static,
@@ -131,9 +135,22 @@ def build_hello(
     static: int,
     fresh_grads: int,
     gathered: int = 0,
+    in_flight: Sequence[int] = (),
+    other_in_flight: int = 1,
+    stages: Sequence[int] = (),
 ) -> Hello:
-    """The hello that opens the planner, from the profiling step; the blocks stop profiling."""
-    records = block_records(blocks)
+    """The hello that opens the planner, from the profiling step; the blocks stop profiling.
+
+    ``in_flight``: per block, the microbatches whose activations of it are alive at once at the peak (a pipeline
+    stage's; default one each); ``other_in_flight``: likewise for the memory outside the blocks, which the
+    profiling step's peak holds for each of them, and the hello gives per microbatch; ``stages``: per block,
+    which of the rank's pipeline stages it runs in."""
+    flights = tuple(in_flight) or (1,) * len(blocks)
+    where = tuple(stages) or (0,) * len(blocks)
+    records = tuple(
+        dataclasses.replace(r, in_flight=m, stage=t) if (m, t) != (1, 0) else r
+        for r, m, t in zip(block_records(blocks), flights, where, strict=True)
+    )
     for b in blocks:
         b.profiling = False
     return Hello(
@@ -153,12 +170,28 @@ def build_hello(
         job_secret=job_credential(),
         host=socket.gethostname()[:256],
         pid=os.getpid(),
-        other_activations=other_activations(
-            memory,
-            sample,
-            blocks_bytes=sum(r.saved_bytes for r in records),
-            static=static,
-            fresh_grads=fresh_grads,
-            gathered=gathered,
+        other_activations=_per_microbatch(
+            other_activations(
+                memory,
+                sample,
+                blocks_bytes=sum(r.saved_bytes * r.in_flight for r in records),
+                static=static,
+                fresh_grads=fresh_grads,
+                gathered=gathered,
+            ),
+            other_in_flight,
         ),
+        other_in_flight=other_in_flight,
     )
+
+
+def _per_microbatch(other: Size, in_flight: int) -> Size:
+    """What the memory outside the blocks holds per microbatch, of what ``in_flight`` of them held at once: the
+    parts that grow with tokens, divided; the constant ones (gradients, gathered parameters) are counted once."""
+    if in_flight == 1:
+        return other
+    growing = [Term(t.bytes // in_flight, t.batch_exp, t.seq_exp) for t in other.terms if t.batch_exp or t.seq_exp]
+    constant = sum(t.bytes for t in other.terms if not (t.batch_exp or t.seq_exp))
+    # The planner multiplies it all by in_flight: a constant part stands as its share of one microbatch.
+    terms = [*growing, *([Term(constant // in_flight, 0, 0)] if constant else [])]
+    return Size(tuple(t for t in terms if t.bytes))

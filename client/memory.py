@@ -18,6 +18,9 @@ class MemorySample(AllocatorFigures):
 
     peak_allocated_bytes: int = 0
     saved_peak_bytes: int = 0
+    held_bytes: int = 0
+    """On the CPU, bytes saved for backward still held once the step is over (a graph nobody ran backward
+    through): there at the next step's start, which counts them as static memory."""
 
 
 def outside_blocks(*, peak: int, static: int, blocks: int, allocated_after: int, fresh_grads: int) -> Size:
@@ -98,5 +101,6 @@ class SavedTensorMemory:
         self.accounting.release_held()
         return MemorySample(
             saved_peak_bytes=self.accounting.take_peak(),
+            held_bytes=self.accounting.live_bytes,
             total_bytes=self.total_bytes,
         )

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from rematd.client.backends import Backend
-from rematd.client.deepspeed import ZeroModel, is_zero3
 from rematd.client.describe import dist_rank, shape_of
 from rematd.client.hello import (
     Identity,
@@ -32,9 +31,11 @@ from rematd.client.hello import (
 from rematd.client.lifecycle import Lifecycle, Phase
 from rematd.client.memory import CudaMemory, MemorySample
 from rematd.client.oom_policy import free_after_oom, oom_message
+from rematd.client.parallel.agreement import CODES, MODES
+from rematd.client.parallel.base import PLAIN, SetUp
+from rematd.client.parallel.pick import pick
+from rematd.client.parallel.pipeline import Schedule, microbatch_shape
 from rematd.client.parts import BlockParts
-from rematd.client.plan_sync import PROFILING, PlanAgreement
-from rematd.client.sharding import ShardedModel, has_dtensors, is_sharded
 from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Shape
 
@@ -60,6 +61,7 @@ class StepCycle:
         modes: Collection[Mode],
         budget_bytes: int | None,
         same_plan: bool | None = None,
+        group: object | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -76,7 +78,9 @@ class StepCycle:
         """Where the figures come from; chosen at the first step, from where its input is."""
         self.step = 0
         self.shape = Shape()
-        self.static = 0
+        self.static = self.carried = 0
+        """Static bytes of the step; ``carried``: on the CPU, those saved for backward by earlier steps and still
+        held at its start (in ``static`` from the step's end)."""
         self.fresh_grads = 0
         """Bytes of the gradients the profiling step creates (those of parameters without one at its start)."""
         self.started: float | None = None
@@ -89,14 +93,17 @@ class StepCycle:
         """Failures of rematd's bookkeeping caught on the training thread; training went on after each."""
         self._counting: torch.autograd.graph.saved_tensors_hooks | None = None
         self.same_plan = same_plan
-        """Whether the ranks agree on one plan each step (None: when the parameters are distributed tensors)."""
-        self.sharded: ShardedModel | None = None
-        """FSDP's figures, for a model sharded with ``fully_shard`` (found at the first step)."""
-        self.zero: ZeroModel | None = None
-        """ZeRO-3's figures and fetch trace, for a model whose parameters it partitions (found at the first step)."""
+        """Whether the ranks agree on one plan each step (None: as the set-up says)."""
+        self.group = group
+        """The process group plain ranks agree over with ``same_plan=True`` (DDP's; None: the default group)."""
+        self.setup: SetUp = PLAIN
+        """The parallel set-up, picked at the first step (a model may be sharded after ``attach``)."""
+        self.schedule: Schedule | None = None
+        """The pipeline schedule whose ``step()`` starts a step, when attached to one."""
         self.engine: nn.Module | None = None
-        """The DeepSpeed engine whose step ends a step, when known: its optimizer's partitions are static memory."""
-        self.agreement: PlanAgreement | None = None
+        """The engine whose step ends a step, when known: its optimizer's partitions are static memory."""
+        self._shape_seen = False
+        """Whether the step's first forward has shown its shape (a pipeline step starts before any forward)."""
         self.ran: tuple[Mode, ...] = ()
         """The modes the step runs, when they are not its plan's (a pin, or the plan the ranks agreed on)."""
 
@@ -111,15 +118,17 @@ class StepCycle:
 
     # -- a step's start and end ----------------------------------------------
 
-    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The first grad-enabled forward after a step boundary."""
+    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any], shape: Shape | None = None) -> None:
+        """A step begins: at its first grad-enabled forward after a step boundary, with that forward's arguments,
+        or at a pipeline schedule's ``step()``, with the whole batch (``shape``: a microbatch's, when known)."""
         runs_in = self.life.begin_step()
         if self.memory is None:
             self._first_step()
             self.memory = memory_source(self.model, self.accounting, args, kwargs)
             self.accounting.exclude_module_state(self.model)
             offer_modes(self.blocks, self.memory, self.modes)
-        self.shape = shape_of(args, kwargs)
+        self._shape_seen = shape is None
+        self.shape = shape_of(args, kwargs) if shape is None else shape
         if runs_in is Phase.PROFILING:
             for b in self.blocks:
                 b.profiling = True
@@ -137,63 +146,95 @@ class StepCycle:
             self.life.plan_applied()
         # The retry (Phase.RETRY) runs with every block recomputed, whatever is pending; it runs on this rank
         # alone, so it agrees with no other.
-        if self.agreement is not None and runs_in is not Phase.RETRY:
+        if self.setup.agreement is not None and runs_in is not Phase.RETRY:
             self._agree()
         self.ran = self._modes_run(runs_in)
-        if self.zero is not None:
-            self.zero.switched(tuple(b.mode in RERUN and not b.profiling for b in self.blocks))
+        self.setup.step_begins(tuple(b.mode in RERUN and not b.profiling for b in self.blocks))
+        self._step_shape()
+        self.static = self._static_now()
+        # On the CPU, what the accounting still holds from before the step is there throughout it.
+        self.carried = 0 if self._on_cuda() else self.accounting.live_bytes
+        if not self._on_cuda():
+            # The weights the set-up gathers are no activations.
+            self.accounting.gathered = self.setup.weight_storages()
+        self.started = time.perf_counter()
+
+    def begin_schedule_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A pipeline schedule's ``step()`` starts, with the whole batch on the first stage (nothing on the others,
+        which run the last step's shape until their first forward shows this one's)."""
+        assert self.schedule is not None
+        shape = microbatch_shape(args, kwargs, self.schedule.n_microbatches)
+        self.begin(args, kwargs, shape if shape is not None else self.shape)
+
+    def _step_shape(self) -> None:
         if self.blocks[0].step_shape != self.shape:
             for b in self.blocks:
                 b.step_shape = self.shape
-        self.static = self.memory.static_bytes()
-        if self.sharded is not None and not self._on_cuda():
-            # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA, and so are the
-            # parameters FSDP holds gathered at the peak (there at every moment of backward); the weights FSDP
-            # gathers are no activations.
-            self.accounting.gathered = self.sharded.storages()
-            self.static += self.sharded.shard_bytes(self.optimizer) + self.sharded.gathered_at_peak
-        if self.zero is not None and not self._on_cuda():
-            # As for FSDP: the rank's partitions and what ZeRO-3 holds gathered at the peak are static memory.
-            self.static += self.zero.shard_bytes(self.engine) + self.zero.gathered_at_peak
-        self.started = time.perf_counter()
+
+    def _static_now(self) -> int:
+        """The memory there whatever the plan: on CUDA, what is allocated; on the CPU, what the set-up holds
+        there (shards, gathered parameters), standing in for a device."""
+        assert self.memory is not None
+        static = self.memory.static_bytes()
+        if not self._on_cuda():
+            static += self.setup.static_bytes(self.optimizer, self.engine)
+        return static
+
+    def _persisted(self) -> int:
+        """Static memory the profiling step created and kept for the steps after it, read at its end: optimizer
+        state made at the first ``optimizer.step()``, and gradients (kept by ``zero_grad(set_to_none=False)``,
+        torchtitan's default; counted whatever the loop does, as it cannot be known yet). On CUDA the gradients
+        the step created are priced as a constant beside the blocks already (:func:`other_activations`), so they
+        are left out here. ``self.static`` holds what the step carried in from earlier steps by now."""
+        grown = self._static_now() - (self.static - self.carried)
+        return max(0, grown - self.fresh_grads if self._on_cuda() else grown)
+
+    def forward_seen(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A forward inside a step that began before any (a pipeline's ``step()``): the first shows the
+        microbatches' shape, where the step's start could not (a stage that receives activations)."""
+        if self._shape_seen:
+            return
+        self._shape_seen = True
+        seen = shape_of(args, kwargs)
+        if not seen.batch or seen == self.shape:
+            return
+        if any(b.profiling for b in self.blocks) or not self.shape.batch:
+            self.shape = seen
+            for b in self.blocks:
+                if b.profiling:
+                    b.profile_shape = seen
+            self._step_shape()
+        else:
+            # The modes were set (and agreed) for the shape expected: they stay for this step, the next one
+            # starts from this shape.
+            log.info("rematd: this step's microbatches are %s, not %s as its plan assumed", seen, self.shape)
+            self.shape = seen
+            self._step_shape()
 
     def _on_cuda(self) -> bool:
         return isinstance(self.memory, CudaMemory)
 
     def _first_step(self) -> None:
-        """What can only be seen at the first step: whether (and how) the model is sharded."""
-        distributed = has_dtensors(self.model)
-        if is_sharded(self.model):
-            self.sharded = ShardedModel(self.model, [(b.name, b.module) for b in self.blocks])
-            for b in self.blocks:
-                b.sharded = True
-        if is_zero3(self.model):
-            self._first_zero3_step()
-        # ZeRO-3 ranks gather in lockstep: one rank recomputing alone would wait on the others' gathers.
-        agree = (distributed or self.zero is not None) if self.same_plan is None else self.same_plan
-        if agree and dist_rank()[1] > 1:
-            self.agreement = PlanAgreement()
-
-    def _first_zero3_step(self) -> None:
-        self.zero = ZeroModel(self.model, [b.module for b in self.blocks])
-        self.accounting.zero3 = True
+        """What can only be seen at the first step: the parallel set-up (a model may be sharded after attach)."""
+        found = [(b.name, b.module) for b in self.blocks]
+        self.setup = pick(self.model, found, same_plan=self.same_plan, schedule=self.schedule, group=self.group)
+        self.accounting.is_weight = self.setup.is_weight
         for b in self.blocks:
-            b.zero3 = True
+            b.setup = self.setup
+        log.info("rematd: %s", self.setup.describe())
 
     def _agree(self) -> None:
-        """Run the plan every rank agrees on (the leanest of theirs) instead of this rank's own."""
-        assert self.agreement is not None
-        own = [PROFILING if b.profiling else int(b.mode) for b in self.blocks]
-        chosen = self.agreement.agree(own)
+        """Run the modes the ranks of the set-up's group agree on (per block the leanest any put forward)."""
+        assert self.setup.agreement is not None
+        own = [CODES[Mode.STORE] if b.profiling else CODES[b.mode] for b in self.blocks]
+        chosen = self.setup.agreement.agree(own)
         if chosen == own:
             return
         for b, code in zip(self.blocks, chosen, strict=True):
-            if code == PROFILING:
-                # Another rank profiles this block: it stores, and so does this one (profiling or not).
-                b.mode = Mode.STORE
-            elif code != int(Mode.STORE) or not b.profiling:
+            mode = MODES[code]
+            if mode is not Mode.STORE or not b.profiling:
                 b.profiling = False  # profiled at a later step, when every rank stores it
-                b.mode = Mode(code)
+                b.mode = mode
         # The blocks' modes are not the plan's any more: the next step sets them from the plan again.
         self.applier.invalidate()
 
@@ -213,8 +254,10 @@ class StepCycle:
     def _report(self) -> None:
         assert self.memory is not None
         sample = self.memory.sample()
-        if self.sharded is not None and not self._on_cuda():
+        if not self._on_cuda():
+            # The accounting's peak holds what it carried in; the set-up's static memory comes on top.
             sample = dataclasses.replace(sample, saved_peak_bytes=sample.saved_peak_bytes + self.static)
+            self.static += self.carried
         self.last_memory = sample
         if self.budget_bytes is None:
             self.budget_bytes = max(1, int(sample.total_bytes or self.memory.total_bytes or 2**40))
@@ -261,7 +304,7 @@ class StepCycle:
                 world_size,
                 self.who.job,
             )
-        return build_hello(
+        hello = build_hello(
             self.who,
             self.blocks,
             self.memory,
@@ -274,14 +317,13 @@ class StepCycle:
             fresh_grads=self.fresh_grads,
             # On CUDA the gathered parameters are in the allocator's peak, beside the blocks; on the CPU they
             # are part of the static bytes already.
-            gathered=self._gathered_on_cuda(),
+            gathered=self.setup.gathered_at_peak if self._on_cuda() else 0,
+            in_flight=self.setup.in_flight(len(self.blocks)),
+            other_in_flight=self.setup.other_in_flight,
+            stages=self.setup.stages(len(self.blocks)),
         )
-
-    def _gathered_on_cuda(self) -> int:
-        if not self._on_cuda():
-            return 0
-        sharded = self.sharded.gathered_at_peak if self.sharded is not None else 0
-        return sharded + (self.zero.gathered_at_peak if self.zero is not None else 0)
+        # The first plan is made for the steps after profiling, which start with what profiling left behind.
+        return dataclasses.replace(hello, static_bytes=hello.static_bytes + self._persisted())
 
     # -- saved-tensor accounting around the model's forward -------------------
 

@@ -31,12 +31,12 @@ import grpc
 
 from rematd import wire
 from rematd.client.backends import PlanCallback
-from rematd.client.connection import StreamConfig
+from rematd.client.connection import CHANNEL_OPTIONS, StreamConfig
 from rematd.client.folding import Folder
 from rematd.client.local_planner import FALLBACK_MAX_FAILURES, LocalPlanner
 from rematd.client.throttle import Throttled
-from rematd.messages import Hello, OomReport, StepStats
-from rematd.planner import Plan
+from rematd.messages import Hello, OomReport, StepStats, open_planner
+from rematd.planner import Mode, Plan, PlannerSession
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -96,6 +96,8 @@ class StreamBackend:
         self._flush_now = threading.Event()
         self._call: Any = None
         self._local = LocalPlanner()
+        self._pricer: PlannerSession | None = None
+        """A planner over this rank's profile that prices a pin in the training process (made when first asked)."""
         self._lost_at = time.monotonic()
         self._throttled = Throttled()
         self.sent_step = -1
@@ -168,11 +170,26 @@ class StreamBackend:
         finally:
             self._flush_now.clear()
 
+    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None:
+        """``modes`` as a plan priced by this rank's profile, as the service would (a pin in the training
+        process: the service plans on, and hears of the modes run with each step); None before the profile."""
+        if self._hello is None:
+            return None
+        if self._pricer is None:
+            self._pricer = open_planner(self._hello)
+        return self._pricer.plan_of(modes, version=version, reason=reason)
+
     def close(self, timeout: float = 5.0) -> None:
+        """Deliver every step sent so far (folded ones too), waiting at most ``timeout`` as :meth:`flush` does,
+        then say goodbye and stop the stream thread. Where the service is known to be away (it was lost, or
+        refused the stream), nothing is waited for: what it missed is lost with the stream."""
         with self._lock:
             thread = self._thread
         if thread is None:
             return
+        reachable = self.connected or self._local.active or (self.reconnects == 0 and self.last_error is None)
+        if reachable and not self._stopping.is_set():
+            self.flush(timeout)
         self._put(_STOP)
         self._closing.set()
         thread.join(timeout)
@@ -211,8 +228,8 @@ class StreamBackend:
     def _channel(self) -> grpc.Channel:
         if self.config.tls:
             creds = grpc.ssl_channel_credentials(root_certificates=self.config.root_certificates)
-            return grpc.secure_channel(self.target, creds)
-        return grpc.insecure_channel(self.target)
+            return grpc.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
 
     def _requests(self, hello: Hello, done: threading.Event) -> Iterator[pb.ClientMessage]:
         yield pb.ClientMessage(hello=wire.hello_to_pb(hello))
@@ -227,6 +244,10 @@ class StreamBackend:
                     yield pb.ClientMessage(stats=wire.stats_to_pb(report))
                 continue
             if item is _STOP:
+                # What was folded goes out before the goodbye (a close that could not wait for its answer).
+                folded = folder.due(time.monotonic(), force=True)
+                if folded is not None:
+                    yield pb.ClientMessage(stats=wire.stats_to_pb(folded))
                 # Before the goodbye: the service ends the stream on it, which must not read as a lost stream.
                 self._stop()
                 yield pb.ClientMessage(goodbye=pb.Goodbye(reason="client closed"))

@@ -8,7 +8,6 @@ block's own forward back instead: it is not attached.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -22,12 +21,11 @@ from torch.utils.checkpoint import checkpoint
 from rematd.client.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.caches import holds_cache
 from rematd.client.compress import Compressor, CompressProbe, constant_storages
-from rematd.client.deepspeed import is_zero_param, kept_gathered
 from rematd.client.offload import Offloader
+from rematd.client.parallel.base import PLAIN, SetUp
 from rematd.client.profiling import BlockMeasure, Profiler
 from rematd.client.recompute_timing import RecomputeTimer
 from rematd.client.selective import selective_context
-from rematd.client.sharding import parameter_storages
 from rematd.planner import Mode, Shape
 
 log = logging.getLogger("rematd.client")
@@ -86,10 +84,8 @@ class SwitchableBlock:
         self._cache_logged = False
         self.compiled: CompiledVariants | None = None
         """The compiled variants this block runs (``attach(..., compile=...)``); None: eager."""
-        self.sharded = False
-        """Whether the block runs inside an FSDP unit: its parameters are gathered into FSDP's storages."""
-        self.zero3 = False
-        """Whether ZeRO-3 partitions its parameters: a recomputation keeps them gathered for the backward."""
+        self.setup: SetUp = PLAIN
+        """The parallel set-up (set at the first step): what its weights are, what a recomputation runs in."""
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = _SwitchedForward(self)
@@ -191,7 +187,7 @@ class SwitchableBlock:
         compressor = self.compressor
         if compressor is None:
             return run()
-        weights = parameter_storages(self.module) if self.sharded else frozenset()
+        weights = self.setup.block_weights(self.module)
         with compressor.block(constant_storages(tensors_in([args, kwargs])), weights):
             return run()
 
@@ -213,7 +209,7 @@ class SwitchableBlock:
         rematerialise what it did not keep, which is timed for the planner."""
         if self._in_forward:
             return self._original(*args, **kwargs)
-        with kept_gathered(self.module) if self.zero3 else contextlib.nullcontext():
+        with self.setup.recomputing(self.module):
             if self.timer is None:
                 return self._original(*args, **kwargs)
             cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
@@ -230,7 +226,7 @@ class SwitchableBlock:
         excluded = acct.excluded if acct is not None else frozenset()
         inputs = tensors_in([args, kwargs])
         cuda = any(t.is_cuda for t in inputs)
-        gathered = parameter_storages(self.module) if self.sharded else frozenset()
+        gathered = self.setup.block_weights(self.module)
         probe = (
             CompressProbe(self.compressor.config, constant_storages(inputs), cuda)
             if self.compressor is not None and Mode.COMPRESS in self.offer
@@ -241,9 +237,11 @@ class SwitchableBlock:
         if counting is not None and gathered:
             counting.gathered |= gathered
 
+        is_weight = self.setup.is_weight
+
         def pack(t: torch.Tensor) -> Any:
-            if self.zero3 and is_zero_param(t):
-                return t  # a weight ZeRO-3 gathered for this forward
+            if is_weight is not None and is_weight(t):
+                return t  # a weight the set-up gathered for this forward
             profiler.record(t)
             return counting.pack(t) if counting is not None else t
 

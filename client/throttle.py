@@ -18,6 +18,9 @@ class Throttled:
         self._held = 0
 
     def error(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
+        self.log(logging.ERROR, msg, *args, exc_info=exc_info)
+
+    def log(self, level: int, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
         now = time.monotonic()
         if now - self._last < self.every_s:
             self._held += 1
@@ -25,4 +28,4 @@ class Throttled:
         if self._held:
             msg, args = msg + " (%d more like it since the last report)", (*args, self._held)
         self._last, self._held = now, 0
-        log.error(msg, *args, exc_info=exc_info)
+        log.log(level, msg, *args, exc_info=exc_info)

@@ -1,14 +1,11 @@
-"""Which module ``attach`` works on: DDP's and DeepSpeed's inner module, an FSDP2 model as it is; compiled, FSDP1 and
-DeepSpeed pipeline models refused."""
+"""What ``attach`` refuses in any set-up: compiled modules, and libraries' own checkpointing."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from rematd.client.deepspeed import is_engine, refuse_unsupported
 from rematd.client.errors import UnsupportedModel
 from rematd.client.refusals import refuse_own_checkpointing
-from rematd.client.sharding import refuse_fsdp1
 
 
 def _compiled(m: nn.Module) -> bool:
@@ -21,8 +18,8 @@ def _compiled(m: nn.Module) -> bool:
     )
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module to attach to; raises :class:`UnsupportedModel` for a model rematd cannot switch."""
+def check_module(model: object) -> nn.Module:
+    """``model``, when rematd can switch its blocks; :class:`UnsupportedModel` (or ``TypeError``) otherwise."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
     for name, m in model.named_modules():
@@ -34,11 +31,5 @@ def unwrap(model: nn.Module) -> nn.Module:
                 "between steps, which a compiled graph does not see. Attach to the model without compiling it and "
                 "pass compile=True: attach(model, compile=True) compiles each block with its mode switch inside."
             )
-    refuse_fsdp1(model)
     refuse_own_checkpointing(model)
-    refuse_unsupported(model)
-    if isinstance(model, nn.parallel.DistributedDataParallel) or is_engine(model):
-        inner = model.module
-        assert isinstance(inner, nn.Module)
-        return inner
     return model

@@ -6,7 +6,7 @@
 torchtitan's order: rematd attaches to the unsharded model (checkpointing each block), then each block and
 the model are sharded with ``fully_shard``, then the optimizer is made over the sharded parameters and
 handed to the handle. The sequence length grows and shrinks over the run; each rank prints its plan per
-step (``.`` store, ``s`` selective, ``R`` recompute), the same on every rank.
+step (``.`` store, ``s`` selective, ``R`` recompute, ``O`` offload), the same on every rank.
 
 On the CPU the budget covers what a device would hold: the rank's shards (parameters, gradients, optimizer
 state), the parameters FSDP gathers, and the activations saved for backward.
@@ -22,9 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from rematd import client
-from rematd.planner import Mode
-
-LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "o"}
+from rematd.planner import letters
 
 
 def parse() -> argparse.Namespace:
@@ -60,7 +58,7 @@ def say(h: client.Handle, rank: int, step: int, seq: int, budget: int, loss: tor
     """One line per step: the plan the rank ran, its peak against the budget."""
     memory = h.last_memory  # on CUDA the allocator's peak; on the CPU the accounting's
     peak = (memory.peak_allocated_bytes or memory.saved_peak_bytes) if memory is not None else 0
-    plan = "".join(LETTERS[m] for m in h.modes)
+    plan = letters(h.modes)  # rematd's own letters: . store, s selective, R recompute, O offload, C compress
     print(
         f"rank {rank} step {step:3d} seq {seq:5d} plan {plan} v{h.plan.version} "
         f"peak {peak / 2**20:8.1f} MiB budget {budget / 2**20:8.1f} MiB loss {loss.item():.3f}",

@@ -6,7 +6,9 @@
   (``from rematd.integrations.lightning import RematdCallback``).
 
 Each is imported on first use: rematd needs neither ``transformers`` nor
-``lightning`` unless its callback is asked for.
+``lightning`` unless its callback is asked for. torchtitan's trainer gets rematd
+as one of its activation-checkpointing modes through
+``python -m rematd.integrations.torchtitan`` (:mod:`rematd.integrations.torchtitan`).
 """
 
 from __future__ import annotations

@@ -8,30 +8,41 @@ from rematd.planner.model import Mode, Option, Profile, Shape
 
 # Backward costs about twice the forward, so a step is about three forwards.
 STEP_FORWARDS = 3.0
+NO_MOMENT = -(2**62)
+"""Below any moment of backward: a stage whose blocks bring nothing back."""
 
 
 def peak_of(
-    chosen: Sequence[Option], static_bytes: int = 0, *, outside_bytes: int = 0, outside_in_backward: bool = True
+    chosen: Sequence[Option], static_bytes: int = 0, *, outside_bytes: int = 0, outside_in_backward: float = True
 ) -> int:
     """The peak in the order of backward: static memory plus the largest of what is held at the end of
     forward (every block's kept bytes and ``outside_bytes``) and, for each block that rematerialises,
     what is held while its backward runs (the kept bytes of the blocks before it, its own, and what it
-    brings back; the blocks after it have released theirs by then). ``outside_in_backward``: whether the
-    memory outside the blocks is still held then (on CUDA gradients and optimizer state are; the saved
-    tensors of the head and the loss are not)."""
-    before = worst = 0
+    brings back; the blocks after it have released theirs by then). ``outside_in_backward``: the fraction
+    of the memory outside the blocks still held then (on CUDA gradients and optimizer state are; the saved
+    tensors of the head and the loss are not). On a pipeline stage the other microbatches alive at once
+    hold what they keep (``Option.others``) at every moment of it; on a rank that runs several stages
+    (``Option.stage``) the backward runs through the later stages first, so while it runs in one stage the
+    others' blocks hold what they keep (the later ones, released, are kept by as many other microbatches)."""
+    before = worst = others = 0
+    stage, done = chosen[0].stage if chosen else 0, NO_MOMENT
     for o in chosen:
+        if o.stage != stage:
+            # A stage's moments hold what every stage after it keeps: counted from where it ended.
+            done, worst, stage = max(done, worst - before) if worst else done, 0, o.stage
         if o.transient:
             worst = max(worst, before + o.kept + o.transient)
         before += o.kept
-    backward = worst + (outside_bytes if outside_in_backward else 0)
-    return static_bytes + max(before + outside_bytes, backward)
+        others += o.others
+    worst = max(worst, before + done)
+    backward = worst + int(outside_bytes * outside_in_backward)
+    return static_bytes + others + max(before + outside_bytes, backward)
 
 
 def bound_of(chosen: Sequence[Option], static_bytes: int = 0) -> int:
     """What the knapsack bounds: every kept byte and the largest rematerialisation as if all were
     held at once; never below :func:`peak_of`."""
-    return static_bytes + sum(o.kept for o in chosen) + max((o.transient for o in chosen), default=0)
+    return static_bytes + sum(o.kept + o.others for o in chosen) + max((o.transient for o in chosen), default=0)
 
 
 def overhead_of(chosen: Sequence[Option], forward_seconds: float) -> float:

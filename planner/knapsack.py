@@ -1,7 +1,8 @@
 """The mode-per-block knapsack, prepared once and solved for many targets.
 
 The predicted peak is static + sum(kept) + max(transient): additive but for
-the one largest rematerialisation. Capping the transient at ``c`` leaves a
+the one largest rematerialisation (kept counts every microbatch alive at once,
+``Option.kept + Option.others``). Capping the transient at ``c`` leaves a
 multiple-choice knapsack: each block picks one of its options whose
 transient is at most ``c``, kept bytes within ``target - static - c``, least
 extra seconds. Its linear relaxation is solved greedily: every block starts
@@ -118,12 +119,12 @@ class Knapsack:
         for i, opts in enumerate(options):
             key = keys.get(id(opts))
             if key is None:
-                key = keys[id(opts)] = tuple([(o.mode, o.kept, o.transient) for o in opts])
+                key = keys[id(opts)] = tuple([(o.mode, o.kept + o.others, o.transient) for o in opts])
             groups.setdefault(key, []).append(i)
         classes = []
         for key, idx in groups.items():
             if len(idx) == 1:
-                merged = [(o.kept, o.seconds, o.transient, o.mode) for o in options[idx[0]]]
+                merged = [(o.kept + o.others, o.seconds, o.transient, o.mode) for o in options[idx[0]]]
             else:
                 secs = [sum(options[i][j].seconds for i in idx) / len(idx) for j in range(len(key))]
                 merged = [(kept, s, transient, mode) for (mode, kept, transient), s in zip(key, secs, strict=True)]

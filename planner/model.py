@@ -126,8 +126,17 @@ class BlockCost:
     """Seconds one forward of the block takes; the price of recomputing it."""
     modes: tuple[ModeCost, ...] = ()
     """Measured per-mode costs; when empty, store and recompute follow from the fields above."""
+    in_flight: int = 1
+    """Microbatches whose activations of this block are alive at once at the peak: 1 but on a pipeline stage,
+    whose schedule runs the forwards of several microbatches before the first one's backward."""
+    stage: int = 0
+    """On a rank that runs several pipeline stages, which of them the block runs in, in the order a microbatch's
+    forward runs them: its backward runs the later stages first, and releases what a stage's blocks keep only as
+    it passes them."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int) or self.in_flight < 1:
+            raise ValueError(f"in_flight must be a positive integer, got {self.in_flight!r}")
         check_bytes("saved_bytes", self.saved_bytes)
         check_bytes("input_bytes", self.input_bytes)
         check_seconds("forward_seconds", self.forward_seconds)
@@ -157,8 +166,15 @@ class Option:
 
     mode: Mode
     kept: int
+    """Bytes one microbatch keeps from the block's forward to its backward."""
     transient: int
+    """Bytes the block brings back while its backward runs."""
     seconds: float
+    others: int = 0
+    """Bytes the other microbatches alive at once keep for the block (on a pipeline stage): held at every
+    moment of the backward of the one whose backward runs."""
+    stage: int = 0
+    """The pipeline stage of the rank the block runs in (:attr:`BlockCost.stage`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,21 +187,31 @@ class Profile:
     """The input shape the costs were measured at."""
     other: Size = field(default_factory=Size)
     """Activations saved outside the blocks (embeddings, head, loss): always stored."""
-    other_in_backward: bool = True
-    """Whether ``other`` is still held while the blocks' backward runs: on CUDA (gradients, optimizer
-    state, memory outside the blocks whatever the plan) it is; the saved tensors of the head and the
-    loss, all the CPU accounting counts there, are released before the blocks' backward starts."""
+    other_in_backward: float = True
+    """The fraction of the memory outside the blocks (:meth:`other_at`) still held while the blocks' backward
+    runs: all of it on CUDA (gradients, optimizer state, memory outside the blocks whatever the plan); on the
+    CPU none (the saved tensors of the head and the loss, all its accounting counts there, are released before
+    the blocks' backward starts), but on a pipeline stage the other microbatches' alive at once,
+    ``(other_in_flight - 1) / other_in_flight``."""
+    other_in_flight: int = 1
+    """Microbatches whose memory outside the blocks is alive at once (a pipeline stage's): ``other`` is one
+    microbatch's."""
     _first: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """Per block, the first block with equal costs: costs are computed once per class of blocks."""
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("a profile needs at least one block")
+        if not 0.0 <= self.other_in_backward <= 1.0:
+            raise ValueError(f"other_in_backward must be a fraction in [0, 1], got {self.other_in_backward!r}")
+        if self.other_in_flight < 1:
+            raise ValueError(f"other_in_flight must be a positive integer, got {self.other_in_flight!r}")
         seen: dict[BlockCost, int] = {}
         object.__setattr__(self, "_first", tuple(seen.setdefault(b, i) for i, b in enumerate(self.blocks)))
 
     def other_at(self, shape: Shape | None = None) -> int:
-        return self.other.at(self.shape, shape or self.shape)
+        """Memory outside the blocks at the end of forward, every microbatch alive then included."""
+        return self.other.at(self.shape, shape or self.shape) * self.other_in_flight
 
     @property
     def num_blocks(self) -> int:
@@ -224,10 +250,12 @@ class Profile:
             # A mode's seconds scale like the block's stored activations.
             scale = store_now / store.bytes if store.bytes else tokens
             floor = next((m.extra_seconds for m in costs if m.mode == Mode.RECOMPUTE), 0.0)
+            others = b.in_flight - 1
             opts = [
-                Option(m.mode, m.kept.scaled(sizes), m.transient.scaled(sizes), _priced(m, floor) * scale)
+                Option(m.mode, kept, m.transient.scaled(sizes), _priced(m, floor) * scale, others * kept, b.stage)
                 for m in costs
                 if allowed is None or m.mode in allowed or m.mode == Mode.STORE
+                for kept in (m.kept.scaled(sizes),)
             ]
             out.append(opts)
         return out

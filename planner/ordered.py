@@ -12,13 +12,16 @@ partial plans it gives up and the caller falls back on the knapsack's bound.
 
 from __future__ import annotations
 
+from rematd.planner.cost import NO_MOMENT
 from rematd.planner.model import Mode, Option
 
 MAX_STATES = 20_000
 """Partial plans kept at once before the programme gives up (blocks of many unlike sizes)."""
 
-# A partial plan: (bytes kept so far, worst moment of backward so far, seconds, modes).
-_State = tuple[int, int, float, tuple[Mode, ...]]
+# A partial plan: (bytes kept so far, worst moment of backward so far in the current pipeline stage, seconds,
+# modes, bytes the other microbatches alive at once keep so far: held at every moment, so added to each, and the
+# worst moment of the stages before, less what was kept when it ended: every byte kept after it adds to it).
+_State = tuple[int, int, float, tuple[Mode, ...], int, int]
 
 
 class TooManyStates(Exception):
@@ -29,38 +32,46 @@ def exact_ordered(options: list[list[Option]], kept_budget: int, moment_budget: 
     """The least extra seconds with every kept byte within ``kept_budget`` and every moment of backward
     (kept bytes still held plus a block's rematerialisation) within ``moment_budget``; among equal
     seconds, the fewest blocks not stored, then the lowest peak. None when nothing fits;
-    :class:`TooManyStates` past :data:`MAX_STATES` partial plans."""
-    states: list[_State] = [(0, 0, 0.0, ())]
+    :class:`TooManyStates` past :data:`MAX_STATES` partial plans. What the other microbatches alive at
+    once keep (``Option.others``, on a pipeline stage) counts against both budgets."""
+    states: list[_State] = [(0, 0, 0.0, (), 0, NO_MOMENT)]
+    stage = options[0][0].stage if options and options[0] else 0
     for opts in options:
+        if opts and opts[0].stage != stage:
+            # A new pipeline stage of the rank: the moments of the one before now hold what comes after it.
+            stage = opts[0].stage
+            states = [(k, 0, t, m, e, max(d, w - k) if w else d) for k, w, t, m, e, d in states]
         grown: list[_State] = []
-        for kept, worst, secs, modes in states:
+        for kept, worst, secs, modes, others, done in states:
             for o in opts:
-                k = kept + o.kept
-                if k > kept_budget:
+                k, e = kept + o.kept, others + o.others
+                if k + e > kept_budget:
                     continue
                 w = max(worst, k + o.transient) if o.transient else worst
-                if w > moment_budget:
+                if max(w, k + done) + e > moment_budget:
                     continue
-                grown.append((k, w, secs + o.seconds, (*modes, o.mode)))
+                grown.append((k, w, secs + o.seconds, (*modes, o.mode), e, done))
         if not grown:
             return None
         states = _pareto(grown)
         if len(states) > MAX_STATES:
             raise TooManyStates(f"more than {MAX_STATES} partial plans")
-    best = min(states, key=lambda s: (round(s[2], 12), sum(m != Mode.STORE for m in s[3]), max(s[0], s[1])))
+    best = min(states, key=lambda s: (round(s[2], 12), sum(m != Mode.STORE for m in s[3]), s[4] + max(s[0], s[1])))
     return list(best[3])
 
 
 def _pareto(states: list[_State]) -> list[_State]:
-    """``states`` less those another keeps no more than, peaks no higher than and costs no more than."""
-    states.sort(key=lambda s: (s[0], s[1], s[2]))
-    front: list[tuple[int, float]] = []
+    """``states`` less those another keeps no more than, peaks no higher than (in this stage and the ones
+    before), costs no more than and whose other microbatches keep no more than."""
+    states.sort(key=lambda s: (s[0], s[1], s[2], s[4], s[5]))
+    front: list[tuple[int, float, int, int]] = []
     out: list[_State] = []
     for state in states:
-        _kept, worst, secs, _modes = state
+        kept, worst, secs, _modes, others, done = state
+        before = kept + done
         # Every state in ``front`` keeps no more (sorted by kept): dominated if one peaks and costs no more.
-        if any(w <= worst and s <= secs + 1e-15 for w, s in front):
+        if any(w <= worst and s <= secs + 1e-15 and e <= others and b <= before for w, s, e, b in front):
             continue
-        front.append((worst, secs))
+        front.append((worst, secs, others, before))
         out.append(state)
     return out

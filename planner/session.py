@@ -6,10 +6,13 @@ import dataclasses
 from collections import OrderedDict
 
 from rematd.planner.controller import Controller, ControllerConfig, Decision
-from rematd.planner.model import Mode, Plan, Profile, Shape, StepObservation, blocks_of
+from rematd.planner.cost import overhead_ratio
+from rematd.planner.model import Mode, Plan, Profile, Shape, ShapePlan, StepObservation, blocks_of
 from rematd.planner.reasons import lossy_note
 from rematd.planner.risk import oom_risk, usable_bytes
+from rematd.planner.shapes import at_shape
 from rematd.planner.solvers import frequency_of
+from rematd.planner.units import letters
 
 
 class PlannerSession:
@@ -63,6 +66,36 @@ class PlannerSession:
         while len(self._recent) > 8:
             self._recent.popitem(last=False)
         return plan
+
+    def usable(self, modes: tuple[Mode, ...]) -> tuple[Mode, ...]:
+        """``modes`` with any a block's profile does not offer replaced by recomputation, which every block has."""
+        options = self.profile.options_at(None)
+        return tuple(
+            m if any(o.mode == m for o in opts) else Mode.RECOMPUTE for m, opts in zip(modes, options, strict=True)
+        )
+
+    def plan_of(self, modes: tuple[Mode, ...], *, version: int, reason: str, table: tuple[ShapePlan, ...] = ()) -> Plan:
+        """A plan of given modes (and table) instead of the planner's (a pin, a warm start), priced by the
+        profile; its reason says when it is lossy, as the planner's own plans do."""
+        usable = self.usable(modes)
+        if usable != modes:
+            reason += f" (as {letters(usable)}: the profile offers no such mode for some blocks)"
+        at = at_shape(self.profile, None)
+        peak, extra = at.cost(usable)
+        blocks = blocks_of(usable)
+        uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in usable)
+        lossy = lossy_note(usable, table)
+        return Plan(
+            version=version,
+            blocks=blocks,
+            checkpoint_every=frequency_of(self.profile.num_blocks, blocks) if uniform else 0,
+            predicted_peak_bytes=self.static_bytes + at.other_bytes + peak,
+            predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
+            target_bytes=self._plan.target_bytes,
+            reason=f"{reason}; {lossy}" if lossy else reason,
+            modes=usable,
+            shape_plans=table,
+        )
 
     def renumber_after(self, version: int) -> Plan:
         """Re-issue the plan in force as ``version + 1`` (a client planned on its own meanwhile

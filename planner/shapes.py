@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 
@@ -46,7 +47,7 @@ class AtShape:
             for opts in base.options:
                 hit = rescaled.get(id(opts))
                 if hit is None:
-                    hit = [Option(o.mode, o.kept, o.transient, o.seconds * by_mode.get(o.mode, 1.0)) for o in opts]
+                    hit = [dataclasses.replace(o, seconds=o.seconds * by_mode.get(o.mode, 1.0)) for o in opts]
                     rescaled[id(opts)] = hit = _undominated(hit) if prune else hit
                 self.options.append(hit)
             # Recomputing a block costs about its forward: that mode's scale applies to forward time too.

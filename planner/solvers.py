@@ -83,8 +83,8 @@ class Outside:
 
     bytes: int = 0
     """Bytes outside the blocks at the end of forward (left out of the targets the solvers are given)."""
-    in_backward: bool = True
-    """Whether they are still held while the blocks' backward runs."""
+    in_backward: float = True
+    """The fraction of them still held while the blocks' backward runs."""
 
     def peak(self, chosen: Sequence[Option], static: int) -> int:
         """The peak of ``chosen`` in backward order, less these bytes (what the targets compare with)."""
@@ -146,7 +146,7 @@ def _ordered(
         pooled = pool_seconds(options)
         budget = target - static
         try:
-            modes = exact_ordered(pooled, budget, budget + (0 if outside.in_backward else outside.bytes))
+            modes = exact_ordered(pooled, budget, budget + outside.bytes - int(outside.bytes * outside.in_backward))
         except TooManyStates:
             pass
         else:
@@ -187,10 +187,10 @@ def _exact(options: list[list[Option]], cap: int, budget: int) -> tuple[float, l
     frontier: list[tuple[int, float, tuple[Mode, ...]]] = [(0, 0.0, ())]
     for opts in options:
         grown = [
-            (kept + o.kept, secs + o.seconds, (*picked, o.mode))
+            (kept + o.kept + o.others, secs + o.seconds, (*picked, o.mode))
             for kept, secs, picked in frontier
             for o in opts
-            if o.transient <= cap and kept + o.kept <= budget
+            if o.transient <= cap and kept + o.kept + o.others <= budget
         ]
         if not grown:
             return None
@@ -207,9 +207,9 @@ def _exact(options: list[list[Option]], cap: int, budget: int) -> tuple[float, l
 
 def _byte_classes(options: list[list[Option]]) -> list[list[int]]:
     """Blocks whose options are alike in everything but seconds."""
-    groups: dict[tuple[tuple[int, int, int], ...], list[int]] = {}
+    groups: dict[tuple[tuple[int, int, int, int], ...], list[int]] = {}
     for i, opts in enumerate(options):
-        groups.setdefault(tuple((int(o.mode), o.kept, o.transient) for o in opts), []).append(i)
+        groups.setdefault(tuple((int(o.mode), o.kept, o.transient, o.others) for o in opts), []).append(i)
     return list(groups.values())
 
 
@@ -222,7 +222,7 @@ def pool_seconds(options: list[list[Option]]) -> list[list[Option]]:
             continue
         first = options[idx[0]]
         pooled = [
-            Option(o.mode, o.kept, o.transient, sum(options[i][j].seconds for i in idx) / len(idx))
+            dataclasses.replace(o, seconds=sum(options[i][j].seconds for i in idx) / len(idx))
             for j, o in enumerate(first)
         ]
         for i in idx:
@@ -270,7 +270,7 @@ def solve_prepared(
     static_bytes: int = 0,
     exact: bool | None = None,
     outside_bytes: int = 0,
-    outside_in_backward: bool = True,
+    outside_in_backward: float = True,
 ) -> Choice:
     """:func:`solve` with the knapsack already prepared from ``options`` (many targets, one shape).
 

@@ -12,6 +12,7 @@ else
 fi
 TORCHVISION_SPEC=${TORCHVISION_SPEC:-torchvision==0.28.0}
 DEEPSPEED_SPEC=${DEEPSPEED_SPEC:-deepspeed==0.19.8}
+TORCHTITAN_SPEC=${TORCHTITAN_SPEC:-torchtitan==0.3.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 # Debian packages some tests need (promtool, a browser): installed when we can, as root.
@@ -40,6 +41,12 @@ fi
 # (no isolated build env, which would fetch another torch), and without its CUDA ops (DS_BUILD_OPS=0): the CPU ops it
 # needs it compiles on first use.
 DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --no-build-isolation "$DEEPSPEED_SPEC"
+
+# torchtitan (Python 3.11 or later) for rematd.integrations.torchtitan and its tests. Without its dependencies:
+# the dev extra holds those it imports; the rest is wandb, for --metrics.enable-wandb only, and large.
+if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    "$VENV/bin/python" -m pip install -q --no-deps "$TORCHTITAN_SPEC"
+fi
 
 # torch and torchvision must load together. PyPI's torchvision is built for torch's CUDA build: beside the CPU
 # build its ops library does not load and `import torchvision` fails (so do timm, and transformers' models).

@@ -93,7 +93,12 @@ class Service:
         self.store = Store(store_config(config))
         self.core = AdvisorCore(
             self.store,
-            Metrics(per_rank=config.per_rank_metrics, max_jobs=config.max_job_series),
+            Metrics(
+                per_rank=config.per_rank_metrics,
+                max_jobs=config.max_job_series,
+                multiprocess_dir=peers.metrics_dir(Path(config.shared_dir)) if config.shared_dir else None,
+                cache_seconds=config.metrics_cache_seconds,
+            ),
             config.core,
             job_tokens=JobTokens(load_job_tokens(config.job_tokens_file)),
         )
@@ -235,12 +240,12 @@ class Service:
         shared = Path(cfg.shared_dir)
         if cfg.worker_index == 0:
             core.metrics.peers = lambda: peers.gather(shared, skip=0)
-            return chores
 
         def publish() -> None:
-            peers.publish(core.metrics, core.rank_samples(), shared, cfg.worker_index)
+            # Every worker, 0 too: the supervisor reads a dead worker's last file to mark its ranks disconnected.
+            peers.publish(core.rank_samples(), shared, cfg.worker_index)
 
-        chores.append(asyncio.create_task(self._every(peers.PUBLISH_SECONDS, "publishing to worker 0", publish)))
+        chores.append(asyncio.create_task(self._every(peers.PUBLISH_SECONDS, "publishing live ranks", publish)))
         return chores
 
     async def _stop(self, running: _Running) -> None:

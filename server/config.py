@@ -213,6 +213,9 @@ class ServeConfig:
     counted in rematd_job_series_dropped."""
     metrics_need_token: bool = False
     """/metrics needs the bearer token too (a scraper sends it as its bearer_token)."""
+    metrics_cache_seconds: float = 1.0
+    """How long one render of /metrics serves every scraper (concurrent scrapes share one render rather than each
+    rendering); 0 renders for each scrape, still shared by the scrapes that wait at once."""
     grace_seconds: float = 5.0
     """At shutdown, after open streams are told to reconnect, how long their last messages get to finish."""
     drain_seconds: float = 0.0
@@ -243,7 +246,7 @@ class ServeConfig:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ValueError(f"{_flag(name)} must be in 0-65535, got {port}")
-        for name in ("grace_seconds", "drain_seconds"):
+        for name in ("grace_seconds", "drain_seconds", "metrics_cache_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.max_job_series < 1:

@@ -9,6 +9,8 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rematd.client.parallel.agreement import Agreement
+
 _KINDS = {
     "_allgather_base_": "all_gather",
     "allgather_into_tensor_coalesced_": "all_gather",
@@ -20,7 +22,7 @@ _KINDS = {
     "all_reduce": "all_reduce",
 }
 """The sharding's collectives by the op that carries them (c10d's, or the functional ones DTensor uses).
-rematd's plan agreement is a plain ``allgather_`` of a few integers: it is counted apart, as ``other``."""
+rematd's plan agreement (an all-reduce of a byte per block) is counted apart, as ``agreement``."""
 
 
 class _Count(TorchDispatchMode):
@@ -31,7 +33,8 @@ class _Count(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         namespace = func.namespace
         if namespace in ("c10d", "_c10d_functional"):
-            self.counts[_KINDS.get(func.__name__.split(".")[0], "other")] += 1
+            kind = "agreement" if Agreement.running else _KINDS.get(func.__name__.split(".")[0], "other")
+            self.counts[kind] += 1
         return func(*args, **(kwargs or {}))
 
 

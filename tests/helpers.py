@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,3 +53,20 @@ def live_server(
     db = tmp / "rematd.db"
     with served(db, *args, timeout=timeout, env=env) as srv:
         yield LiveServer(grpc=srv.grpc, http=srv.http.removeprefix("http://"), db=db, proc=srv.proc)
+
+
+@contextmanager
+def service_thread(db: Path, **core: Any) -> Iterator[Any]:
+    """A rematd service in this process, on loopback ports it picks, its core configured by ``core``
+    (``CoreConfig``'s fields); its bound addresses (``.grpc``, ``.http``)."""
+    from rematd.server import ServeConfig, ServiceThread
+    from rematd.server.config import CoreConfig
+
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(db), core=CoreConfig(**core)))
+    svc.start()
+    try:
+        bound = svc.service.bound
+        assert bound is not None
+        yield bound
+    finally:
+        svc.stop()

@@ -59,7 +59,8 @@ def test_a_pin_before_the_first_step_applies_from_the_first_step_after_profiling
     model, opt, h = _attached()
     h.pin_modes("recompute")
     train_step(model, opt, 32)
-    assert h.step_count == 1 and h.plan.blocks == (), "the profiling step, and a plan that recomputes nothing"
+    assert h.step_count == 1 and not h.history, "the profiling step: no plan of the planner's applied yet"
+    assert h.plan.modes == (Mode.RECOMPUTE,) * 4 and "pinned" in h.plan.reason, "the pin is the plan in force"
     profiled = h.last_stats
     assert profiled is not None
     train_step(model, opt, 32, seed=1)
@@ -130,3 +131,23 @@ def test_with_a_service_a_budget_cut_applies_to_the_very_next_step(tmp_path: Pat
         train_step(model, opt, 64, seed=5)
         assert h.modes == h.plan.modes_for(h.last_shape, 4)
         h.close()
+
+
+def test_planning_in_process_far_over_the_budget_says_so_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    model, opt, h = _attached(budget=10_000)  # a few KiB: no plan fits
+    with caplog.at_level("WARNING", logger="rematd.client"):
+        for seed in range(4):
+            train_step(model, opt, 32, seed=seed)
+    said = [r.getMessage() for r in caplog.records]
+    no_fit = [m for m in said if m.startswith("rematd: no plan fits the budget of 0.0 MiB")]
+    assert len(no_fit) == 1 and "no plan fits" in h.plan.reason, said  # once per plan, not once per step
+    over = [m for m in said if "% over the budget of" in m]
+    assert len(over) == 1 and over[0].startswith("rematd: step 0 peaked at"), said  # then at most every 30 s
+    h.close()
+    caplog.clear()
+    model, opt, h = _attached()  # room for everything: nothing to say
+    with caplog.at_level("WARNING", logger="rematd.client"):
+        for seed in range(3):
+            train_step(model, opt, 32, seed=seed)
+    assert caplog.records == []
+    h.close()

@@ -69,3 +69,27 @@ def test_a_full_collection_reaches_frozen_garbage() -> None:
     assert alive_after_young, "a young collection reached a frozen object"
     assert gone and full == 1
     assert gc.get_freeze_count() > 0, "what survived the full collection is frozen again"
+
+
+def test_what_a_burst_leaves_below_the_full_threshold_is_collected_once_streams_stop_ending() -> None:
+    async def go() -> tuple[bool, bool, int, int]:
+        c = Collections(interval=0.0, full_after_bytes=16 << 20, quiet=0.1, quiet_after_bytes=1 << 20)
+        held = [_cycle()]
+        ref = weakref.ref(held[0])
+        gc.collect()  # the cycle survives into the oldest generation, which young collections never visit
+        held.clear()
+        for _ in range(3):  # a burst: streams of 1 MiB messages ending one after another, far below 16 MiB
+            c.request(1 << 20)
+            await asyncio.sleep(0.03)
+        during = ref() is not None
+        await asyncio.sleep(0.3)
+        # Small streams (a rank's ordinary traffic) do not call for it.
+        quiet = Collections(interval=0.0, quiet=0.05)
+        quiet.request(4096)
+        await asyncio.sleep(0.2)
+        return during, ref() is None, c.full, quiet.full
+
+    during, gone, full, small = asyncio.run(go())
+    assert during, "not collected while streams keep ending"
+    assert gone and full == 1, "collected once they stopped"
+    assert small == 0

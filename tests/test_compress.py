@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from torch import nn
@@ -358,3 +359,53 @@ def test_on_cuda_compressed_gradients_stay_close_and_restores_are_timed(format: 
     assert h.last_stats is not None
     assert any(m.mode == Mode.COMPRESS and m.blocks > 0 for m in h.last_stats.mode_seconds)
     h.close()
+
+
+def test_a_compress_plan_in_force_is_lossy_pinned_in_process_or_by_an_operator(tmp_path: Path) -> None:
+    from .helpers import service_thread, train_step
+
+    # In-process: a pin is the plan in force, priced, and lossy in its flag and its reason.
+    model = tiny_model(d_model=64, seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    h = client.attach(model, budget_bytes=10**12, modes=ALL_COMPRESS, compress=SMALL, optimizer=opt)
+    h.pin_modes("compress")
+    assert h.plan.lossy and "not priced" in h.plan.reason  # before the profiling step
+    for seed in range(3):
+        train_step(model, opt, 32, seed=seed)
+    assert h.modes == (Mode.COMPRESS,) * 4
+    plan = h.plan
+    assert plan.lossy and plan.modes == (Mode.COMPRESS,) * 4 and plan.predicted_peak_bytes > 0
+    assert "pinned in the training process" in plan.reason and "lossy: blocks 0, 1, 2, 3" in plan.reason
+    assert not any(p.lossy for p in h.history), "the planner's own plans stay as they were"
+    h.pin_modes(None)
+    train_step(model, opt, 32, seed=4)
+    assert not h.plan.lossy and h.plan is h.history[-1]
+    h.close()
+
+    # Against a service: the REST API shows the modes the rank ran, lossy; an operator's pin is lossy too.
+    with service_thread(tmp_path / "c.db") as bound:
+        model = tiny_model(d_model=64, seed=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        h = client.attach(
+            model, server=bound.grpc, job="pinned", budget_bytes=10**12, modes=ALL_COMPRESS, compress=SMALL,
+            optimizer=opt,
+        )  # fmt: skip
+        h.pin_modes("compress")
+        for seed in range(3):
+            train_step(model, opt, 32, seed=seed)
+        assert h.flush(10.0) and h.plan.lossy and h.plan.modes == (Mode.COMPRESS,) * 4
+        url = f"http://{bound.http}/api/v1/jobs/pinned"
+        job = httpx.get(url, timeout=10).json()
+        assert job["in_force"]["lossy"] and job["in_force"]["source"] == "ranks", job["in_force"]
+        assert job["in_force"]["modes"] == ["compress"] * 4 and job["ranks"][0]["modes"] == ["compress"] * 4
+        h.pin_modes(None)
+        pinned = httpx.post(f"{url}/pin", json={"modes": ["compress", "store", "store", "store"]}, timeout=10)
+        assert pinned.status_code == 200, pinned.text
+        for seed in range(3, 6):
+            train_step(model, opt, 32, seed=seed)
+        assert h.flush(10.0)
+        job = httpx.get(url, timeout=10).json()
+        assert job["in_force"]["source"] == "plan" and job["in_force"]["lossy"], job["in_force"]
+        assert "pinned by an operator" in job["plan"]["reason"] and "lossy: blocks 0" in job["plan"]["reason"]
+        assert h.plan.lossy and h.modes[0] == Mode.COMPRESS
+        h.close()

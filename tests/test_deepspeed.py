@@ -95,6 +95,7 @@ def test_attach_refuses_deepspeed_set_ups_it_cannot_checkpoint_saying_what_to_ch
     assert 'Remove the "activation_checkpointing" section' in said["own_checkpointing"]
     assert "deepspeed.checkpointing.configure()" in said["configured"]
     assert "PipelineModule" in said["pipeline"] and "plain nn.Module" in said["pipeline"]
+    assert "torch.distributed.pipelining" in said["pipeline"]
     assert said["not_an_engine"].startswith("TypeError") and "SGD" in said["not_an_engine"]
 
 

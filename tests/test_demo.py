@@ -59,3 +59,14 @@ def test_the_demo_trains_against_a_service_named_with_server(
         assert max(version for *_, version in rows) >= 1, rows
         plans = httpx.get(f"{srv.url}/api/v1/jobs/remote/plans", timeout=10).json()["plans"]
         assert plans and plans[-1]["version"] >= max(version for *_, version in rows), plans
+
+
+def test_the_demo_help_is_plain_text_and_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        demo.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "rematd demo: a small GPT trains on the CPU" in out, out
+    unexplained = [a.option_strings for a in demo._parser()._actions if not a.help]
+    assert unexplained == [], f"options without help: {unexplained}"
+    assert "--job JOB             the job's name" in out, out

@@ -56,7 +56,8 @@ def container_ports(svc: dict[str, Any]) -> set[int]:
 
 
 def test_services_and_loopback_ports(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"rematd", "prometheus", "alertmanager", "grafana"}
+    always = {name for name, svc in compose["services"].items() if not svc.get("profiles")}
+    assert always == {"rematd", "prometheus", "alertmanager", "grafana"}
     for name, svc in compose["services"].items():
         for port in svc.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond the host's loopback"
@@ -73,6 +74,27 @@ def test_rematd_builds_the_image_and_needs_a_token(compose: dict[str, Any]) -> N
     grafana = service(compose, "grafana")
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+
+
+def test_the_postgres_profile_runs_two_replicas_on_one_database(compose: dict[str, Any]) -> None:
+    profiled = {name for name, svc in compose["services"].items() if svc.get("profiles")}
+    assert profiled == {"postgres", "rematd-fleet"}
+    assert all(compose["services"][n]["profiles"] == ["postgres"] for n in profiled)
+    db = service(compose, "postgres")
+    assert "ports" not in db, "the database stays on the compose network"
+    assert db["environment"]["POSTGRES_PASSWORD"] == "${POSTGRES_PASSWORD:-}", "the image refuses an empty one"
+    fleet = service(compose, "rematd-fleet")
+    assert fleet["deploy"]["replicas"] == 2 and fleet["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert fleet["build"] == service(compose, "rematd")["build"]
+    url = next(a.split("=", 1)[1] for a in fleet["command"] if a.startswith("--db="))
+    user, rest = url.removeprefix("postgresql://").split(":", 1)
+    assert user == db["environment"]["POSTGRES_USER"] and rest.endswith("@postgres:5432/rematd")
+    assert re.fullmatch(r"\$\{REMATD_TOKEN:\?.+\}", fleet["environment"]["REMATD_TOKEN"])
+    assert container_ports(fleet) == {50051, 8080}
+    # Prometheus finds each replica by the service's name, on its HTTP port, in the job the alerts select.
+    [job] = [j for j in load_yaml(PROMETHEUS_YML)["scrape_configs"] if j["job_name"] == "rematd"]
+    [dns] = job["dns_sd_configs"]
+    assert dns["names"] == ["rematd-fleet"] and dns["type"] == "A" and dns["port"] == 8080
 
 
 def test_every_bind_mount_exists(compose: dict[str, Any]) -> None:

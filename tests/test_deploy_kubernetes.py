@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,84 @@ def test_dockerfile_command_uses_flags_rematd_serve_accepts() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text(encoding="utf-8")
     used = set(re.findall(r'"(--[a-z][a-z-]+)"', dockerfile.split("\nCMD", 1)[1]))
     assert used and used <= serve_flags()
+
+
+FLEET = DEPLOY / "kubernetes-fleet"
+
+
+@functools.cache
+def fleet_objects() -> tuple[dict[str, Any], ...]:
+    """The fleet overlay as kustomize renders it (kubectl's own kustomize, offline)."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is not on PATH: its kustomize renders the fleet overlay (any kubectl 1.21 or later)"
+    out = subprocess.run([kubectl, "kustomize", str(FLEET)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc is not None)
+
+
+def fleet_one(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in fleet_objects() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_fleet_overlay_validates_strictly_offline(version: str, tmp_path: Path) -> None:
+    core = [d for d in fleet_objects() if not d["apiVersion"].startswith(OPERATOR_GROUP)]
+    files = []
+    for i, doc in enumerate(core):
+        files.append(tmp_path / f"{i}-{doc['kind']}.yaml")
+        files[-1].write_text(yaml.safe_dump(doc), encoding="utf-8")
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    out = subprocess.run(
+        [str(exe), "--strict", "--kubernetes-version", version, *map(str, files)], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "WARN" not in text and "ERROR" not in text, text
+    assert text.count(" passed ") == len(files), text
+
+
+def test_fleet_overlay_runs_replicas_on_postgresql_from_a_secret() -> None:
+    deployment = fleet_one("Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] > 1 and spec["strategy"]["type"] == "RollingUpdate"
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, "a new replica is ready before an old one goes"
+    pod = spec["template"]["spec"]
+    [c] = pod["containers"]
+    assert not [d for d in fleet_objects() if d["kind"] == "PersistentVolumeClaim"], "no SQLite volume"
+    assert all("persistentVolumeClaim" not in v for v in pod["volumes"])
+    assert "/data" not in {m["mountPath"] for m in c["volumeMounts"]}
+    env = {e["name"]: e for e in c["env"]}
+    args = dict(a.split("=", 1) for a in c["args"])
+    assert {a.split("=", 1)[0] for a in c["args"]} <= serve_flags()
+    var = re.fullmatch(r"\$\((\w+)\)", args["--db"])
+    assert var is not None and env[var.group(1)]["valueFrom"]["secretKeyRef"] == {"name": "rematd-db", "key": "url"}
+    assert float(args["--drain-seconds"]) > 0, "readiness fails before streams are told to move"
+    grace = float(args.get("--grace-seconds", 5))
+    assert pod["terminationGracePeriodSeconds"] > float(args["--drain-seconds"]) + grace
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", "not ready while the store is unreachable"
+    readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert "create secret generic rematd-db --from-literal=url=" in readme
+
+
+def test_fleet_overlay_has_a_headless_service_and_a_disruption_budget() -> None:
+    labels = fleet_one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    headless = fleet_one("Service", "rematd-headless")
+    assert headless["spec"]["clusterIP"] == "None" and not headless["spec"].get("publishNotReadyAddresses", False)
+    assert headless["spec"]["selector"].items() <= labels.items()
+    assert [p["name"] for p in headless["spec"]["ports"]] == ["grpc"]
+    budget = fleet_one("PodDisruptionBudget")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert budget["spec"]["maxUnavailable"] == 1
+    # The ServiceMonitor still scrapes every replica through the Service `rematd`, not twice through both.
+    monitor = fleet_one("ServiceMonitor")
+    selected = [
+        s["metadata"]["name"]
+        for s in fleet_objects()
+        if s["kind"] == "Service"
+        and monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    assert selected == ["rematd"]
+    readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert "dns:///rematd-headless." in readme

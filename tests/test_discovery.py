@@ -255,6 +255,44 @@ class DistilledSeq2Seq(nn.Module):
         self.decoder = Stack(LlamaDecoderLayer, d, 2)
 
 
+class TitanLlama(nn.Module):
+    """torchtitan's layout: ``layers`` is an ``nn.ModuleDict`` keyed "0", "1", ..., run in its order."""
+
+    def __init__(self, d: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(64, d)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(d) for i in range(n)})
+        self.norm = LlamaRMSNorm(d)
+        self.output = nn.Linear(d, 64, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(idx)
+        for layer in self.layers.values():
+            x = layer(x)[0]
+        out: torch.Tensor = self.output(self.norm(x))
+        return out
+
+
+class SequentialMLPs(nn.Module):
+    """Blocks written as ``nn.Sequential`` of torch's own layers, in an ``nn.ModuleList``."""
+
+    def __init__(self, d: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * d, d))
+            for _ in range(n)
+        )
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = x + layer(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
 # -- the tests ----------------------------------------------------------------
 
 
@@ -275,6 +313,8 @@ def images(seed: int = 0) -> torch.Tensor:
         (ResNetLike, ["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.0", "layer4.0"]),
         (StagedResNet, ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1", "stages.1.2"]),
         (TinyMoE, ["layers.0", "layers.1"]),
+        (TitanLlama, ["layers.0", "layers.1", "layers.2"]),
+        (SequentialMLPs, ["layers.0", "layers.1", "layers.2"]),
         (
             DistilledSeq2Seq,
             ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2", "decoder.layers.0", "decoder.layers.1"],
@@ -295,6 +335,8 @@ def test_finds_the_blocks_of_common_model_shapes(make: type[nn.Module], expected
         (LlamaForCausalLM, tokens, "tokens"),
         (EncoderClassifier, tokens, "tokens"),
         (ResNetLike, images, "classes"),
+        (TitanLlama, tokens, "tokens"),
+        (SequentialMLPs, tokens, "tokens"),
     ],
 )
 def test_every_shape_trains_with_every_block_recomputed_and_equal_gradients(
@@ -353,3 +395,39 @@ def test_explicit_blocks_across_two_lists_and_nesting_refused() -> None:
         client.attach(model, blocks=[model.encoder_layers[0], model.encoder_layers[0].mlp])
     with pytest.raises(client.BlockDiscoveryError, match=r"not an nn\.Module"):
         client.attach(model, blocks=["encoder_layers.0"])  # type: ignore[list-item]
+
+
+def test_module_dict_stacks_take_their_values_and_errors_hint_as_much() -> None:
+    model = TitanLlama()
+    h = client.attach(model, blocks=model.layers)  # the ModuleDict itself: its values are the blocks
+    assert h.blocks == ["layers.0", "layers.1", "layers.2"]
+    h.close()
+    with pytest.raises(client.BlockDiscoveryError, match=r"keys of the nn\.ModuleDict model\.layers") as err:
+        client.attach(model, blocks=list(model.layers))  # type: ignore[arg-type]
+    assert "blocks=list(model.layers.values())" in str(err.value)
+
+    mixed = nn.Module()
+    mixed.layers = nn.ModuleDict({"0": GPT2Block(8), "1": LlamaDecoderLayer(8)})
+    with pytest.raises(client.BlockDiscoveryError) as err:
+        client.attach(mixed)
+    said = str(err.value)
+    assert "layers (ModuleDict of 1 x GPT2Block, 1 x LlamaDecoderLayer)" in said, said
+    assert "blocks=list(model.layers.values())" in said, said
+
+
+def test_unlike_sequential_blocks_are_not_taken_and_the_error_names_them() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList(
+        [nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)), nn.Sequential(nn.Linear(4, 4), nn.ReLU())]
+    )
+    with pytest.raises(client.BlockDiscoveryError) as err:
+        client.attach(model)
+    said = str(err.value)
+    assert "Sequential(Linear, GELU, Linear)" in said and "Sequential(Linear, ReLU)" in said, said
+    assert "no nn.ModuleList" not in said and "blocks=list(model.layers)" in said, said
+    # Alike in classes, not in widths: still not one kind of block.
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, w), nn.GELU()) for w in (8, 16))
+    with pytest.raises(client.BlockDiscoveryError, match=r"2 x Sequential\(Linear, GELU\), unlike"):
+        client.attach(model)
+    with pytest.raises(client.BlockDiscoveryError, match=r"saw: no nn\.ModuleList, nn\.Sequential or nn\.ModuleDict"):
+        client.attach(nn.Linear(2, 2))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from rematd import client
-from rematd.client.sharding import refuse_fsdp1
+from rematd.client.parallel.fsdp import refuse_fsdp1
 
 from .collectives import differences
 from .distributed import run_ranks
@@ -130,7 +130,10 @@ def test_fsdp_memory_is_in_the_plan_on_the_cpu_accounting_path(tmp_path: Path) -
         # The rank's shards (half the parameters, then their gradients and Adam's two moments) are static, and
         # so are the parameters gathered in backward (every moment of it holds some), not what grows with tokens.
         assert r["gathered"] > 0 and all(t[1] or t[2] for t in r["other_terms"]), r
-        assert r["hello_static"] == r["full_param_bytes"] // 2 + r["gathered"]
+        # The first plan counts what the profiling step left for the steps after it: Adam's moments, and the
+        # gradients, which this loop frees with zero_grad() but torchtitan's keeps (set_to_none=False): which
+        # one a loop does shows only at its next step, so the first plan counts them.
+        assert r["hello_static"] == r["shard_bytes"] + r["full_param_bytes"] // 2 + r["gathered"]
         assert r["shard_bytes"] == 3 * r["full_param_bytes"] // 2
         assert r["static"] == r["shard_bytes"] + r["gathered"]
         assert r["store_peak"] > r["static"]

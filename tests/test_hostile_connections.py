@@ -203,3 +203,24 @@ def test_a_request_framed_or_addressed_two_ways_gets_400(tmp_path: Path, head: b
         answer = _answer(sock)
         assert answer.startswith(b"HTTP/1.1 400"), answer
         assert why in answer
+
+
+def test_uvicorn_is_pinned_to_the_range_its_protocol_subclass_was_written_against() -> None:
+    import importlib.metadata
+    import inspect
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    server = pyproject["project"]["optional-dependencies"]["server"]
+    [spec] = [Requirement(d) for d in server if d.startswith("uvicorn")]
+    assert any(s.operator == "<" for s in spec.specifier), "an upper bound: a new uvicorn may change its internals"
+    assert importlib.metadata.version("uvicorn") in spec.specifier, "the uvicorn installed is one the pin allows"
+    # What GuardedH11 takes of H11Protocol: its hooks, and the attributes it reads and sets.
+    for hook in ("connection_made", "data_received", "connection_lost"):
+        assert hook in vars(H11Protocol), hook
+    init = inspect.getsource(H11Protocol)
+    for attr in ("self.connections", "self.conn", "self.cycle", "self.loop", "self.transport"):
+        assert f"{attr} =" in init, attr

@@ -4,7 +4,9 @@ rendered off the event loop, and can require the token (a real service on loopba
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -122,7 +124,51 @@ def test_metrics_are_rendered_off_the_event_loop(service: ServiceThread) -> None
     where = Where()
     registry.register(where)
     try:
-        assert _get(service, "/metrics").status_code == 200
+        # A scrape within --metrics-cache-seconds of the last render is served that render: scrape until one renders.
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            assert _get(service, "/metrics").status_code == 200
+            time.sleep(0.1)
     finally:
         registry.unregister(where)
     assert seen and seen[0] != "rematd-service"  # the thread that runs the service's event loop
+
+
+def test_concurrent_scrapes_of_a_thousand_jobs_share_one_render_and_health_answers(tmp_path: Path) -> None:
+    svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "m.db"), metrics_cache_seconds=5.0))
+    svc.start()
+    try:
+        core = svc.service.core
+        for j in range(1000):
+            core.open_session(hello(job=f"scraped-{j:04d}"))
+        assert svc.service.bound is not None
+        base = f"http://{svc.service.bound.http}"
+        bodies: list[bytes] = []
+        health: list[int] = []
+        go = threading.Barrier(17)
+
+        def scrape() -> None:
+            go.wait(10)
+            r = httpx.get(f"{base}/metrics", timeout=60, headers={"accept-encoding": "identity"})
+            bodies.append(r.content)
+
+        def probe() -> None:
+            go.wait(10)
+            for _ in range(10):
+                health.append(httpx.get(f"{base}/healthz", timeout=60).status_code)
+
+        threads = [threading.Thread(target=scrape) for _ in range(16)] + [threading.Thread(target=probe)]
+        renders = core.metrics.scrape.renders
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(bodies) == 16 and health == [200] * 10
+        # 16 scrapes at once: one render (two if the first began before the last scrape's own read of the clock).
+        assert core.metrics.scrape.renders - renders <= 2
+        assert all(b'rematd_job_connected_ranks{job="scraped-0999"} 1.0' in b for b in bodies)
+        # What Prometheus asks for: the same body, gzipped in the same render.
+        r = httpx.get(f"{base}/metrics", timeout=60, headers={"accept-encoding": "gzip"})
+        assert r.headers["content-encoding"] == "gzip" and r.content in bodies
+    finally:
+        svc.stop()

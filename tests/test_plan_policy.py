@@ -26,8 +26,8 @@ def _planner(budget: int = 10_000, n: int = N) -> PlannerSession:
     return open_planner(hello)
 
 
-def _warm(modes: list[str], *, job: str = "earlier", n: int = N) -> dict[str, object]:
-    return {"job": job, "num_blocks": n, "modes": modes, "shape_plans": []}
+def _warm(modes: list[str], *, job: str = "earlier", n: int = N, budget: int = 10**9) -> dict[str, object]:
+    return {"job": job, "num_blocks": n, "modes": modes, "shape_plans": [], "budget_bytes": budget}
 
 
 def test_mode_names_round_trip_and_unknown_names_are_refused_naming_the_field() -> None:
@@ -121,6 +121,10 @@ def test_warm_starts_are_taken_only_from_another_job_of_the_same_size_that_fits(
     assert taken.reason == "warm start from job earlier"
     assert warm(_warm(every_other, job="policy")) is None, "a job's own plan is no warm start"
     assert warm(_warm(every_other[:-1], n=N - 1)) is None, "another model size"
+    # Another budget: a plan made for 4 MiB is no start for 1 GB, nor the other way round; within 10% it is.
+    assert warm(_warm(every_other, budget=4 * 2**20)) is None
+    assert warm(_warm(every_other, budget=10**10)) is None
+    assert warm(_warm(every_other, budget=int(0.91 * 10**9))) is not None
     with pytest.raises(ValueError, match="unreadable"):
         warm(_warm(["store", "warp", *every_other[2:]]))
     with pytest.raises(ValueError, match="unreadable"):
@@ -131,7 +135,7 @@ def test_warm_starts_are_taken_only_from_another_job_of_the_same_size_that_fits(
     # Under a tight budget, storing everything does not fit this job's target: planned afresh.
     tight = _planner(budget=3_000)
     assert tight.plan.blocks, "the tight budget needs recomputation"
-    assert policy.warm_start_plan(_warm(["store"] * N), job="policy", num_blocks=N, planner=tight,
+    assert policy.warm_start_plan(_warm(["store"] * N, budget=3_000), job="policy", num_blocks=N, planner=tight,
                                   version=1) is None  # fmt: skip
 
 

@@ -192,9 +192,9 @@ def test_a_warm_start_loosens_where_this_job_measures_room(core: AdvisorCore) ->
     core.close_session(first, ended=True)
     lean = sum(m != Mode.STORE for m in first.sent.modes_for(Shape(batch=1, seq_len=128, tokens=128), 8))
 
-    second, plan = core.open_session(dataclasses.replace(modes_hello("roomy"), budget_bytes=20_000))
+    second, plan = core.open_session(modes_hello("roomy"))
     assert plan.reason.startswith("warm start from job lean"), plan.reason
-    # This job's steps peak where predicted, under twice the budget: within a few dwells the plan
+    # This job's steps peak where predicted, under the same budget: within a few dwells the plan
     # recomputes less than the one it started from.
     for n in range(40):
         in_force = next(e for e in second.sent.shape_plans if e.max_tokens >= 128)
@@ -216,3 +216,38 @@ def test_an_ended_job_has_an_end_time_and_no_live_risk(core: AdvisorCore) -> Non
     assert job["state"] == "ended" and job["ended_at"] is not None
     assert job["oom_risk"] is None and job["ranks"][0]["oom_risk"] is None
     assert [j["oom_risk"] for j in core.list_jobs("ended")] == [None]
+
+
+def held_and_ended(core: AdvisorCore, job: str) -> RankSession:
+    """A job that held its plan, steps peaking where predicted, and ended: it leaves a warm start."""
+    s = run(core, job)
+    for n in range(len(LENGTHS), len(LENGTHS) + 25):
+        in_force = next(e for e in s.sent.shape_plans if e.max_tokens >= 128)
+        step(core, s, n, 128, int(in_force.predicted_peak_bytes * (0.99 if n % 2 else 1.0)))
+    core.close_session(s, ended=True)
+    return s
+
+
+def test_a_warm_start_comes_only_from_a_job_of_the_same_budget_within_ten_percent(core: AdvisorCore) -> None:
+    held_and_ended(core, "small")  # a budget of 10,000 bytes
+    far, plan = core.open_session(dataclasses.replace(modes_hello("far"), budget_bytes=10**9))
+    assert "warm start" not in plan.reason, plan.reason
+    near, plan = core.open_session(dataclasses.replace(modes_hello("near"), budget_bytes=10_900))
+    assert plan.reason.startswith("warm start from job small"), plan.reason
+    core.close_session(far, ended=True)
+    core.close_session(near, ended=True)
+
+
+def test_plan_rows_keep_their_length_and_versions_go_on_when_a_job_name_is_used_again(core: AdvisorCore) -> None:
+    first = run(core, "again")
+    core.close_session(first, ended=True)
+    rows = core.job_plans("again")
+    assert rows[0]["seq_len"] == 64, "the first plan was made at the profiled step's length"
+    assert {r["seq_len"] for r in rows[1:]} <= set(LENGTHS) and len(rows) >= 2
+    second, plan = core.open_session(modes_hello("again"))
+    assert plan.version == rows[-1]["version"] + 1, "a second run's first plan is not a second v1"
+    for n, seq in enumerate(LENGTHS):
+        step(core, second, n, seq, 6000 if seq == 64 else 9000)
+    core.close_session(second, ended=True)
+    versions = [(r["rank"], r["version"]) for r in core.job_plans("again")]
+    assert len(versions) == len(set(versions)) and versions == sorted(versions), versions

@@ -20,7 +20,7 @@ from rematd.server.metrics.registry import Metrics
 from rematd.server.store.store import Store
 from rematd.v1 import advisor_pb2 as pb
 
-from .helpers import tiny_model, train_step
+from .helpers import service_thread, tiny_model, train_step
 from .test_service import hello, session, stats
 
 
@@ -133,22 +133,20 @@ def test_a_restarted_service_continues_from_the_plan_in_force(tmp_path: Path) ->
         second.stop()
 
 
+def steady_run(grpc_target: str, job: str, *, pause: float) -> client.Handle:
+    """60 alike steps of a tiny model streamed to a service as ``job``; the handle, still open."""
+    model = tiny_model(n_layer=2, d_model=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    h = client.attach(model, server=grpc_target, job=job, budget_bytes=10**9, optimizer=opt)
+    for step in range(60):
+        train_step(model, opt, 32, seed=step)
+        time.sleep(pause)
+    return h
+
+
 def test_a_steady_rank_reports_less_often_and_every_step_is_counted(tmp_path: Path) -> None:
-    svc = ServiceThread(
-        ServeConfig(
-            grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), core=CoreConfig(max_report_interval_seconds=0.5)
-        )
-    )
-    svc.start()
-    try:
-        bound = svc.service.bound
-        assert bound is not None
-        model = tiny_model(n_layer=2, d_model=16)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        h = client.attach(model, server=bound.grpc, job="steady", budget_bytes=10**9, optimizer=opt)
-        for step in range(60):
-            train_step(model, opt, 32, seed=step)
-            time.sleep(0.02)
+    with service_thread(tmp_path / "r.db", max_report_interval_seconds=0.5) as bound:
+        h = steady_run(bound.grpc, "steady", pause=0.02)
         assert h.flush(10.0), "folded steps go out on flush"
         metrics = httpx.get(f"http://{bound.http}/metrics", timeout=10).text
         steps = next(
@@ -162,5 +160,14 @@ def test_a_steady_rank_reports_less_often_and_every_step_is_counted(tmp_path: Pa
         assert len(rows) < 45, f"{len(rows)} reports for 60 steady steps"
         assert rows[-1]["step"] == 59
         h.close()
-    finally:
-        svc.stop()
+
+
+def test_close_without_flush_delivers_every_step_it_counted(tmp_path: Path) -> None:
+    with service_thread(tmp_path / "r.db", max_report_interval_seconds=5.0) as bound:
+        h = steady_run(bound.grpc, "closing", pause=0.01)
+        h.close()  # no flush first: the steps folded into the next report must not be lost
+        job = httpx.get(f"http://{bound.http}/api/v1/jobs/closing", timeout=10).json()
+        assert job["ranks"][0]["last_stats"]["step"] == 59, job["ranks"][0]["last_stats"]
+        rows = httpx.get(f"http://{bound.http}/api/v1/jobs/closing/stats?limit=1000", timeout=10).json()
+        rows = rows["stats"] if isinstance(rows, dict) else rows
+        assert len(rows) < 50, f"{len(rows)} reports: the steady steps were not folded, so nothing was at stake"

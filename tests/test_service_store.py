@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
-import shutil
 import sqlite3
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from bench.postgres import Cluster, pg_bin
 from rematd import wire
 from rematd.messages import BlockProfile, Hello
 from rematd.planner import Mode
@@ -34,41 +30,23 @@ from .helpers import live_server
 from .test_service import _fields, hello, stats
 
 
-def _pg_bin() -> str | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if found:
-        return os.path.dirname(found[-1])
-    initdb = shutil.which("initdb")
-    return os.path.dirname(initdb) if initdb else None
+def new_cluster() -> Cluster:
+    """A throw-away PostgreSQL cluster (not started yet); the test is skipped where PostgreSQL is absent."""
+    bindir = pg_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL binaries are absent (Debian package 'postgresql', see scripts/system-packages.txt)")
+    return Cluster(bindir)
 
 
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
     """A throw-away PostgreSQL cluster in a temp dir, on a unix socket only (no TCP port at all)."""
-    bindir = _pg_bin()
-    if bindir is None:
-        pytest.skip("PostgreSQL binaries are absent (Debian package 'postgresql', see scripts/system-packages.txt)")
-    base = Path(tempfile.mkdtemp(prefix="rematd-pg-"))
-    data, sock = base / "data", base / "sock"
-    sock.mkdir()
-    prefix: list[str] = []
-    if os.geteuid() == 0:
-        # PostgreSQL refuses to run as root: run it as the package's own user.
-        shutil.chown(base, "postgres")
-        shutil.chown(sock, "postgres")
-        prefix = ["runuser", "-u", "postgres", "--"]
-    run = lambda *a: subprocess.run([*prefix, *a], check=True, capture_output=True, text=True, timeout=120)  # noqa: E731
-    run(f"{bindir}/initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-    run(
-        f"{bindir}/pg_ctl", "-D", str(data), "-l", str(base / "log"), "-w", "-t", "60",
-        "-o", f"-c listen_addresses='' -k {sock} -c fsync=off", "start",
-    )  # fmt: skip
+    cluster = new_cluster()
     try:
-        run(f"{bindir}/createdb", "-h", str(sock), "-U", "postgres", "rematd")
-        yield f"postgresql://postgres@/rematd?host={sock}"
+        cluster.start()
+        yield cluster.create()
     finally:
-        subprocess.run([*prefix, f"{bindir}/pg_ctl", "-D", str(data), "-m", "fast", "stop"], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
+        cluster.remove()
 
 
 def _exercise(store: Store) -> None:

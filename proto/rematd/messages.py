@@ -33,6 +33,8 @@ MAX_BLOCKS = 4096
 MAX_WORLD_SIZE = 1 << 20
 """The most ranks a job may say it trains with: past any job run today, and a bound on what a hello can
 make the service count (a world size of 2^32 kept the "fewer ranks connected than the world size" alert on)."""
+MAX_IN_FLIGHT = 4096
+"""Microbatches alive at once on a pipeline stage, at most."""
 MAX_TERMS = 16
 MAX_INT = 2**63 - 1
 """The largest integer any field may carry: the store keeps them in signed 64-bit columns."""
@@ -58,6 +60,11 @@ def _quoted(value: str, limit: int = 64) -> str:
 def _uint(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
         raise InvalidMessage(name, f"must be an integer in 0-{MAX_INT}, got {value!r}")
+
+
+def _in_flight(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_IN_FLIGHT:
+        raise InvalidMessage(name, f"must be 0-{MAX_IN_FLIGHT} microbatches alive at once, got {value!r}")
 
 
 def _shape(name: str, shape: Shape) -> None:
@@ -103,6 +110,11 @@ class BlockProfile:
     input_bytes: int
     forward_seconds: float
     modes: tuple[ModeCost, ...] = ()
+    in_flight: int = 1
+    """Microbatches whose activations of this block are alive at once at the peak (a pipeline stage's under
+    its schedule); 0 is read as 1."""
+    stage: int = 0
+    """On a rank that runs several pipeline stages, which of them the block runs in (0: the first)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,6 +146,9 @@ class Hello:
     """The host the rank runs on, named to a process refused because another holds the rank."""
     pid: int = 0
     """The rank's process id, likewise."""
+    other_in_flight: int = 1
+    """Microbatches whose memory outside the blocks (``other_activations``, per microbatch) is alive at once at
+    the peak; 0 is read as 1."""
 
     def validate(self) -> None:
         if not JOB_ID_RE.fullmatch(self.job_id):
@@ -161,6 +176,8 @@ class Hello:
             _uint(f"hello.blocks[{i}].saved_bytes", b.saved_bytes)
             _uint(f"hello.blocks[{i}].input_bytes", b.input_bytes)
             _seconds(f"hello.blocks[{i}].forward_seconds", b.forward_seconds)
+            _in_flight(f"hello.blocks[{i}].in_flight", b.in_flight)
+            _in_flight(f"hello.blocks[{i}].stage", b.stage)
             _check_modes(f"hello.blocks[{i}].modes", b.modes)
         _uint("hello.budget_bytes", self.budget_bytes)
         if self.budget_bytes == 0:
@@ -171,6 +188,7 @@ class Hello:
                 "hello.memory_source", f"must be one of {MEMORY_SOURCES}, got {_quoted(self.memory_source)}"
             )
         _size("hello.other_activations", self.other_activations)
+        _in_flight("hello.other_in_flight", self.other_in_flight)
         if not (isinstance(self.margin_ratio, (int, float)) and 0.0 <= self.margin_ratio < 1.0):
             raise InvalidMessage("hello.margin_ratio", f"must be in [0, 1), got {self.margin_ratio!r}")
         if self.plan is not None:
@@ -206,6 +224,7 @@ class Hello:
             _uint(f"{where}.predicted_peak_bytes", entry.predicted_peak_bytes)
 
     def profile(self) -> Profile:
+        in_flight = max(1, self.other_in_flight)
         return Profile(
             blocks=tuple(
                 BlockCost(
@@ -213,12 +232,16 @@ class Hello:
                     input_bytes=b.input_bytes,
                     forward_seconds=b.forward_seconds,
                     modes=b.modes,
+                    in_flight=max(1, b.in_flight),
+                    stage=b.stage,
                 )
                 for b in self.blocks
             ),
             shape=self.profile_shape,
             other=self.other_activations,
-            other_in_backward=self.memory_source == MEMORY_CUDA,
+            other_in_flight=in_flight,
+            # On the CPU the other microbatches' memory outside the blocks is what backward still holds of it.
+            other_in_backward=1.0 if self.memory_source == MEMORY_CUDA else (in_flight - 1) / in_flight,
         )
 
 

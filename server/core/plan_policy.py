@@ -20,9 +20,7 @@ from rematd.planner import (
     PlannerSession,
     Shape,
     ShapePlan,
-    blocks_of,
     every_k_blocks,
-    frequency_of,
     letters,
 )
 from rematd.planner.cost import overhead_ratio
@@ -31,6 +29,10 @@ from rematd.server.store.rows import ModeName, PlanRow, ShapePlanRow, WarmPlanRo
 
 QUIET_RISK = 0.25
 """Below this out-of-memory risk a rank's steady steps may be folded into fewer reports."""
+
+WARM_BUDGET_TOLERANCE = 0.10
+"""A warm start is taken only from a job whose budget is within this fraction of the new job's (of the larger
+of the two): a plan made for another budget is too lean, or too loose, to start from."""
 
 
 def mode_names(modes: tuple[Mode, ...]) -> list[ModeName]:
@@ -69,8 +71,9 @@ def shape_plan_of(row: ShapePlanRow) -> ShapePlan:
     )
 
 
-def plan_row(plan: Plan, num_blocks: int) -> PlanRow:
-    """A plan as the store and the REST API keep it: every block's mode and the per-length table."""
+def plan_row(plan: Plan, num_blocks: int, seq_len: int | None = None) -> PlanRow:
+    """A plan as the store and the REST API keep it: every block's mode and the per-length table, and the
+    length of the step it was made at."""
     return PlanRow(
         version=plan.version,
         checkpoint_every=plan.checkpoint_every,
@@ -81,6 +84,7 @@ def plan_row(plan: Plan, num_blocks: int) -> PlanRow:
         predicted_overhead_ratio=plan.predicted_overhead_ratio,
         target_bytes=plan.target_bytes,
         reason=plan.reason,
+        seq_len=seq_len or None,
     )
 
 
@@ -132,39 +136,6 @@ def check_fits(plan: Plan, cause: str) -> None:
         )
 
 
-def usable_modes(planner: PlannerSession, modes: tuple[Mode, ...]) -> tuple[Mode, ...]:
-    """``modes`` with any a block's profile does not offer replaced by recomputation, which every block has."""
-    options = planner.profile.options_at(None)
-    return tuple(
-        m if any(o.mode == m for o in opts) else Mode.RECOMPUTE for m, opts in zip(modes, options, strict=True)
-    )
-
-
-def plan_for(
-    planner: PlannerSession, version: int, modes: tuple[Mode, ...], reason: str, table: tuple[ShapePlan, ...] = ()
-) -> Plan:
-    """A plan of given modes (and table) sent instead of the planner's, priced by the rank's profile."""
-    profile = planner.profile
-    usable = usable_modes(planner, modes)
-    if usable != modes:
-        reason += f" (as {letters(usable)}: the profile offers no such mode for some blocks)"
-    at = at_shape(profile, None)
-    peak, extra = at.cost(usable)
-    blocks = blocks_of(usable)
-    uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in usable)
-    return Plan(
-        version=version,
-        blocks=blocks,
-        checkpoint_every=frequency_of(profile.num_blocks, blocks) if uniform else 0,
-        predicted_peak_bytes=planner.static_bytes + at.other_bytes + peak,
-        predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
-        target_bytes=planner.plan.target_bytes,
-        reason=reason,
-        modes=usable,
-        shape_plans=table,
-    )
-
-
 def pinned_plan(
     planner: PlannerSession,
     version: int,
@@ -193,7 +164,7 @@ def pinned_plan(
         reason = f"pinned by an operator: blocks {list(blocks)} recompute"
     else:
         return None
-    return plan_for(planner, version, modes, reason)
+    return planner.plan_of(modes, version=version, reason=reason)
 
 
 def next_plan(want: Plan, sent: Plan, num_blocks: int) -> Plan | None:
@@ -206,6 +177,15 @@ def next_plan(want: Plan, sent: Plan, num_blocks: int) -> Plan | None:
     if (want.block_modes(n), want.shape_plans) == (sent.block_modes(n), sent.shape_plans):
         return None
     return dataclasses.replace(want, version=sent.version + 1)
+
+
+def overhead_at(planner: PlannerSession, modes: tuple[Mode, ...], shape: Shape) -> float:
+    """The recompute overhead predicted for a step of ``shape`` that runs ``modes`` (0 where they are not priced)."""
+    try:
+        at = at_shape(planner.profile, shape if shape.seq_len else None)
+        return overhead_ratio(at.cost(modes)[1], at.forward_seconds)
+    except ValueError:
+        return 0.0
 
 
 def predicted_at(planner: PlannerSession, plan: Plan, shape: Shape, static_bytes: int, num_blocks: int) -> int:
@@ -221,12 +201,16 @@ def warm_start_plan(
     warm: WarmPlanRow | None, *, job: str, num_blocks: int, planner: PlannerSession, version: int
 ) -> Plan | None:
     """The plan an earlier job of the same model left (``warm``, as the store keeps it), for a new
-    rank of ``job``; None when it is this job's own, of another size, unreadable, or does not fit.
+    rank of ``job``; None when it is this job's own, of another size, for a budget more than
+    ``WARM_BUDGET_TOLERANCE`` away, unreadable, or does not fit.
 
     Raises ValueError only for a row it cannot read (the caller logs that and plans from the profile).
     """
     n = num_blocks
     if warm is None or warm["num_blocks"] != n or warm["job"] == job:
+        return None
+    budgets = (int(warm["budget_bytes"]), planner.budget_bytes)
+    if abs(budgets[0] - budgets[1]) > WARM_BUDGET_TOLERANCE * max(budgets):
         return None
     try:
         modes = modes_of(list(warm["modes"]), "warm_plans.modes")
@@ -256,7 +240,7 @@ def warm_start_plan(
         except ValueError:  # a mode this profile does not offer
             return None
         reason = f"warm start from job {warm['job']}"
-    return plan_for(planner, version, modes, reason, table)
+    return planner.plan_of(modes, version=version, reason=reason, table=table)
 
 
 def report_interval(

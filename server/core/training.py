@@ -120,7 +120,8 @@ class TrainingSide:
                 self.check_fits(plan, "hello.blocks")
             self.controls.reopen(job, now)
             new_plan = (resumed is None or jumped) and not recorded
-            self.writes.opened(hello, now, policy.plan_row(session.sent, len(hello.blocks)) if new_plan else None)
+            row = policy.plan_row(session.sent, len(hello.blocks), hello.profile_shape.seq_len) if new_plan else None
+            self.writes.opened(hello, now, row)
             if new_plan:
                 self.metrics.plans_issued.labels(job).inc()
             with self.sessions.lock:
@@ -186,11 +187,13 @@ class TrainingSide:
             return _Past(
                 last_version=last, learned=learned, recompiles=int(stats.get("recompiles_total", 0)) if stats else 0
             )
+        # A job's name used again: this run's plan versions go on from the last run's.
+        last = self.store.last_plan_version(job, rank)
         if self.config.warm_start and hello.model_fingerprint:
             bucket = policy.shape_bucket(hello.profile_shape.tokens)
-            return _Past(warm=self.store.warm_plan(fingerprint=hello.model_fingerprint, device=hello.device_name,
-                                                   bucket=bucket))  # fmt: skip
-        return _Past()
+            warm = self.store.warm_plan(fingerprint=hello.model_fingerprint, device=hello.device_name, bucket=bucket)
+            return _Past(last_version=last, warm=warm)
+        return _Past(last_version=last)
 
     def _fresh(self, hello: Hello, planner: PlannerSession, past: _Past) -> tuple[RankSession, bool]:
         """A new session for the rank; True when the store already holds the plan it starts on."""
@@ -213,6 +216,9 @@ class TrainingSide:
                 recorded = past.last_version == hello.plan_version
             else:
                 planner = self.planner(hello, first_version=max(past.last_version, hello.plan_version) + 1)
+        elif past.last_version:
+            # Each version names one plan of the job, whichever run made it: no second v1 in its history.
+            planner.renumber_after(past.last_version)
         tune_planner(planner, self.controls.get(job))
         session = RankSession(hello=hello, planner=planner, sent=planner.plan, base=planner.plan)
         # The same run going on after a restart of the service: its count goes on too.
@@ -264,7 +270,8 @@ class TrainingSide:
             if plan is not None:
                 # Handed over (not written) under the lock that chose it: another stream of the rank
                 # cannot hand over a later version first, so versions land in order.
-                self.writes.plan(session, policy.plan_row(plan, len(session.hello.blocks)), now)
+                row_of_plan = policy.plan_row(plan, len(session.hello.blocks), stats.shape.seq_len)
+                self.writes.plan(session, row_of_plan, now)
         # Into the write-behind buffer (memory) now, so a read right after the step sees it; a full
         # buffer is written on the writer's thread, as is a plan to remember for warm starts.
         self.writes.stats(job, session.hello.rank, row)
@@ -328,6 +335,13 @@ class TrainingSide:
         """The step's row; its prediction is of the plan it ran (the plan in force now if that is unknown)."""
         n = len(session.hello.blocks)
         ran = ran or session.sent
+        own: dict[str, Any] = {}
+        if len(stats.modes) == n:
+            # The rank ran other modes than its plan (a pin in its process, or the plan its job's ranks agreed
+            # on): the row says which, and predicts what they keep.
+            ran = dataclasses.replace(ran, modes=stats.modes, shape_plans=())
+            overhead = policy.overhead_at(session.planner, stats.modes, stats.shape)
+            own = {"modes": policy.mode_names(stats.modes), "predicted_overhead_ratio": overhead}
         # What the report and the row both name is copied as it came: a field added to both needs no line here.
         copied = {name: getattr(stats, name) for name in REPORTED}
         return cast(
@@ -341,6 +355,7 @@ class TrainingSide:
                 batch=stats.shape.batch,
                 oom_risk=session.planner.oom_risk,
                 recompiles_total=session.recompiles,
+                **own,
             ),
         )
 
@@ -380,7 +395,7 @@ class TrainingSide:
             plan = self._next_plan(session, changed, "oom.shape")
             if plan is not None:
                 self.metrics.plans_issued.labels(job).inc()
-                self.writes.plan(session, policy.plan_row(plan, len(session.hello.blocks)), now)
+                self.writes.plan(session, policy.plan_row(plan, len(session.hello.blocks), oom.shape.seq_len), now)
         return plan
 
     def _next_plan(self, session: RankSession, changed: Plan | None, cause: str) -> Plan | None:

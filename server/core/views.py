@@ -91,7 +91,20 @@ class RankView(TypedDict):
     modes: Annotated[list[ModeName] | None, Field(description="what its last step's length runs")]
     checkpointed_blocks: list[int] | None
     oom_risk: float | None
-    prices: Annotated[list[ModePrice] | None, Field(description="how sure each mode's price is (live ranks)")]
+    prices: Annotated[
+        list[ModePrice] | None, Field(description="how sure each mode's price is (ranks whose stream is here)")
+    ]
+    served_here: Annotated[
+        bool,
+        Field(
+            description="this process holds the rank's stream: its plan, risk and prices are read from memory; "
+            "otherwise (another worker or replica holds it, or none) from the store's latest rows"
+        ),
+    ]
+    figures_at: Annotated[
+        float | None,
+        Field(description="unix seconds: when the step its figures come from was received (null before one)"),
+    ]
 
 
 class InForce(TypedDict):
@@ -103,6 +116,13 @@ class InForce(TypedDict):
     predicted_peak_bytes: int
     predicted_overhead_ratio: float
     lossy: Annotated[bool, Field(description="some block compresses its saved activations: close, not bitwise")]
+    source: Annotated[
+        Literal["plan", "ranks"],
+        Field(
+            description="plan: the job's newest plan at that length; ranks: the modes its newest step ran instead "
+            "(a pin in the training process, h.pin_modes, or the plan a sharded job's ranks agreed on)"
+        ),
+    ]
 
 
 class JobView(JobRow):
@@ -146,9 +166,13 @@ def _job_state(row: JobRow, ranks: list[RankRow]) -> JobState:
 
 
 def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, ended: bool) -> RankView:
+    """One rank: from memory where this process holds its stream, else from the store (its last step, and the
+    newest plan it was sent, which is written before it is sent)."""
     last = r["last_stats"]
     modes: list[ModeName] | None = None
-    if live is not None:
+    if last and last.get("modes"):
+        modes = last["modes"]  # it ran modes of its own (a pin in its process, or its job's agreed plan)
+    elif live is not None:
         modes = live.modes(last)
     elif own_plan is not None:
         # Not live: what the rank's own last plan runs (the job's newest may be another rank's).
@@ -160,13 +184,23 @@ def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, e
         state=r["state"],
         device=r["device"],
         last_stats=last,
-        plan_version=live.sent.version if live else (last["plan_version"] if last else None),
+        plan_version=_plan_version(live, own_plan, last),
         modes=modes,
         checkpointed_blocks=[i for i, m in enumerate(modes) if m != "store"] if modes is not None else None,
         # An ended job carries no live risk: what it last measured is history.
         oom_risk=None if ended else (live.oom_risk if live else (last.get("oom_risk") if last else None)),
         prices=cast("list[ModePrice]", live.prices) if live else None,
+        served_here=live is not None,
+        figures_at=last["time"] if last else None,
     )
+
+
+def _plan_version(live: _Live | None, own_plan: StoredPlanRow | None, last: LastStepRow | None) -> int | None:
+    if live is not None:
+        return live.sent.version
+    if own_plan is not None:
+        return int(own_plan["version"])
+    return last["plan_version"] if last else None
 
 
 def _newest_step(ranks: list[RankRow]) -> LastStepRow | None:
@@ -180,9 +214,21 @@ def _in_force(plan: StoredPlanRow | None, newest: LastStepRow | None) -> InForce
     if plan is None:
         return None
     seq = newest["seq_len"] if newest else None
+    ran = newest.get("modes") if newest else None
+    if newest is not None and ran is not None:
+        # The ranks ran modes of their own: those are in force, with what they were predicted to keep.
+        return InForce(
+            seq_len=seq,
+            max_seq_len=None,
+            modes=ran,
+            predicted_peak_bytes=newest["predicted_peak_bytes"],
+            predicted_overhead_ratio=newest.get("predicted_overhead_ratio", 0.0),
+            lossy="compress" in ran,
+            source="ranks",
+        )
     tokens = seq * (newest["batch"] or 1) if newest and seq else None
     entry = entry_in_force(plan, seq, tokens)
-    return InForce(seq_len=seq, lossy="compress" in entry["modes"], **entry)
+    return InForce(seq_len=seq, lossy="compress" in entry["modes"], source="plan", **entry)
 
 
 class ReadViews:
@@ -287,12 +333,14 @@ class ReadViews:
         )
 
     def _live(self, job: str) -> dict[int, _Live]:
-        """What the job's live ranks hold now, copied under the lock: HTTP reads run on a thread pool while
-        the event loop adds ranks."""
+        """What the job's ranks streaming to this process hold now, copied under the lock: HTTP reads run on
+        a thread pool while the event loop adds ranks. A rank whose stream went (resumable here, or moved to
+        another worker or replica since) is read from the store, which has its newest step and plan."""
         with self.sessions.lock:
             return {
                 s.hello.rank: _Live(s.sent, len(s.hello.blocks), s.planner.oom_risk, s.planner.prices())
                 for s in self.sessions.by_job.get(job, {}).values()
+                if s.streams > 0
             }
 
     def job_plans(self, job: str) -> list[StoredPlanRow]:

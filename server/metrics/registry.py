@@ -1,23 +1,27 @@
 """rematd's Prometheus series: base units in names, bounded labels, series removed when a job ends.
 
 Counters and histograms are updated as things happen; the per-job gauges are computed at scrape time
-(``rematd.server.metrics.live``). Counts that several worker processes keep are added together at
-scrape time (``rematd.server.metrics.peers`` says why this is not prometheus_client's multiprocess
-mode).
+(``rematd.server.metrics.live``). With several worker processes, counters, gauges and histograms are
+prometheus_client's multiprocess files, added up at scrape time, and the per-job gauges come from the
+live ranks every worker publishes (``rematd.server.metrics.peers`` says why both).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from rematd.server.metrics.live import LiveGauges, RankSample
+from rematd.server.metrics.peers import MULTIPROC_ENV
+from rematd.server.metrics.scrape import DEFAULT_SECONDS, Scrape
 
 __all__ = ["MAX_JOB_SERIES", "MESSAGE_KINDS", "Metrics", "RankSample"]
 
@@ -29,54 +33,77 @@ MAX_JOB_SERIES = 1000
 
 
 class Metrics:
-    """All of rematd's series, on a registry of their own."""
+    """All of rematd's series: ``registry`` is what ``/metrics`` renders.
+
+    ``multiprocess_dir`` (the workers of ``--workers``): this process's counters, gauges and histograms go
+    to prometheus_client's files there, and ``registry`` adds up every worker's, dead ones included.
+    """
 
     def __init__(
-        self, registry: CollectorRegistry | None = None, *, per_rank: bool = False, max_jobs: int = MAX_JOB_SERIES
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        per_rank: bool = False,
+        max_jobs: int = MAX_JOB_SERIES,
+        multiprocess_dir: Path | None = None,
+        cache_seconds: float = DEFAULT_SECONDS,
     ) -> None:
         self.registry = registry or CollectorRegistry()
         self.max_jobs = max_jobs
         """Live jobs with per-job series, at most: 10,000 jobs made a 10 MiB scrape of 120,000 series."""
-        self.exported: set[str] | None = None
-        """The jobs the last scrape gave series, when it left some out (None: every live job's)."""
+        self.exported: set[str] = set()
+        """The jobs the last scrape gave series."""
         self.snapshot: Callable[[], list[RankSample]] | None = None
         """Set by the core: the live ranks, read at scrape time."""
         self.peers: Callable[[], list[dict[str, Any]]] | None = None
         """Set in the worker that serves HTTP when others share the port: what they published."""
-        self.summed: dict[str, Counter | Gauge] = {}
-        """Series every worker keeps, added together at scrape time (exported by ``_Summed``)."""
+        # Where this process's series live: its own registry, or (several workers) unregistered, in files.
+        self._own: CollectorRegistry | None = None
+        source: Collector
+        if multiprocess_dir is None:
+            self._own = CollectorRegistry()
+            source = self._own
+        else:
+            if os.environ.get(MULTIPROC_ENV) != str(multiprocess_dir):
+                raise RuntimeError(f"{MULTIPROC_ENV} must name {multiprocess_dir} before prometheus_client is imported")
+            # Unregistered, in files: read back (every worker's, dead ones too) by the collector.
+            source = MultiProcessCollector(None, path=str(multiprocess_dir))  # type: ignore[no-untyped-call]
         # process_open_fds / process_max_fds and friends, for the file-descriptor alert.
         ProcessCollector(registry=self.registry)
         self.registry.register(LiveGauges(self._live_samples, self.choose_jobs, per_rank=per_rank))
         self._count_messages()
         self._count_store()
         self._time()
-        self.registry.register(_Summed(self))
+        # Registered after the live gauges: a scrape chooses the jobs with series before it reads counters.
+        self.registry.register(_LiveJobsOnly(source, self))
+        self.scrape = Scrape(self.registry, cache_seconds)
+        """What /metrics serves: one render shared by the scrapes of ``cache_seconds``."""
 
     def _count_messages(self) -> None:
         per_job = ["job"]
-        self.plans_issued = self._summed_counter("rematd_plans_issued", "Plans sent to training ranks.", per_job)
-        self.oom_events = self._summed_counter("rematd_oom_events", "Out-of-memory events reported.", per_job)
-        self.steps = self._summed_counter("rematd_steps", "Training steps reported.", per_job)
-        self.exploration_steps = self._summed_counter(
+        self.plans_issued = self._counter("rematd_plans_issued", "Plans sent to training ranks.", per_job)
+        self.oom_events = self._counter("rematd_oom_events", "Out-of-memory events reported.", per_job)
+        self.steps = self._counter("rematd_steps", "Training steps reported.", per_job)
+        self.exploration_steps = self._counter(
             "rematd_exploration_steps", "Training steps that ran a trial of a mode not yet measured at their length.",
             per_job,
         )  # fmt: skip
-        self.recompiles = self._summed_counter(
+        self.recompiles = self._counter(
             "rematd_recompiles", "Graphs compiled for the blocks' variants (attach(..., compile=True)).", per_job
         )
         self._per_job = (self.plans_issued, self.oom_events, self.steps, self.exploration_steps, self.recompiles)
-        self.active_streams = Gauge("rematd_active_streams", "Training ranks connected now.", registry=None)
-        self.summed["rematd_active_streams"] = self.active_streams
-        self.invalid_messages = self._summed_counter("rematd_invalid_messages", "Messages refused as invalid.")
-        self.oom_dropped = self._summed_counter(
+        self.active_streams = Gauge(
+            "rematd_active_streams", "Training ranks connected now.", registry=self._own, multiprocess_mode="livesum"
+        )
+        self.invalid_messages = self._counter("rematd_invalid_messages", "Messages refused as invalid.")
+        self.oom_dropped = self._counter(
             "rematd_oom_events_dropped",
             "OOM events a rank reported faster than its rate (a burst of 10, then 1 a second), dropped.",
         )
-        self.unauthenticated = self._summed_counter(
+        self.unauthenticated = self._counter(
             "rematd_unauthenticated_requests", "Requests refused for a missing or wrong token.", ["transport"]
         )
-        self.service_faults = self._summed_counter(
+        self.service_faults = self._counter(
             "rematd_service_faults",
             "Messages the service failed to handle through a fault of its own (answered INTERNAL), by kind.",
             ["kind"],
@@ -85,17 +112,18 @@ class Metrics:
             self.service_faults.labels(kind)  # present at 0, so that a rate over it is defined from the start
 
     def _count_store(self) -> None:
-        self.rejected_rows = self._summed_counter(
+        self.rejected_rows = self._counter(
             "rematd_store_rejected_rows", "Buffered statistics rows the store refused, set aside."
         )
-        self.store_write_failures = self._summed_counter(
+        self.store_write_failures = self._counter(
             "rematd_store_write_failures",
             "Writes to the store that failed (a full or failing disk, a lost database); see /readyz.",
         )
         self.store_lost = Gauge(
             "rematd_store_lost",
             "1 while the store's database file is deleted, replaced or truncated under the service (writes stop).",
-            registry=self.registry,
+            registry=self._own,
+            multiprocess_mode="livemax",
         )
 
     def _time(self) -> None:
@@ -104,7 +132,7 @@ class Metrics:
             "Time to handle one message from a training rank, by kind of message.",
             ["kind"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=self._own,
         )
         for kind in MESSAGE_KINDS:
             self.message_duration.labels(kind)
@@ -112,14 +140,11 @@ class Metrics:
             "rematd_plan_duration_seconds",
             "Time the planner takes to decide on one step's statistics.",
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=self._own,
         )
 
-    def _summed_counter(self, name: str, doc: str, labels: list[str] | None = None) -> Counter:
-        """A counter this process keeps, exported added to what other workers count (so not registered)."""
-        counter = Counter(name, doc, labels or [], registry=None)
-        self.summed[name] = counter
-        return counter
+    def _counter(self, name: str, doc: str, labels: list[str] | None = None) -> Counter:
+        return Counter(name, doc, labels or [], registry=self._own)
 
     def _live_samples(self) -> list[RankSample]:
         return [*(self.snapshot() if self.snapshot is not None else []), *self.peer_samples()]
@@ -128,61 +153,39 @@ class Metrics:
         """The live jobs that get series: all up to ``max_jobs``, else those most at risk of running out of
         memory (then by name)."""
         if len(jobs) <= self.max_jobs:
-            self.exported = None
-            return set(jobs)
-        ranked = sorted(jobs, key=lambda j: (-max(r.oom_risk for r in jobs[j]), j))
-        self.exported = set(ranked[: self.max_jobs])
+            self.exported = set(jobs)
+        else:
+            ranked = sorted(jobs, key=lambda j: (-max(r.oom_risk for r in jobs[j]), j))
+            self.exported = set(ranked[: self.max_jobs])
         return self.exported
 
-    def local_counts(self) -> dict[str, dict[str, float]]:
-        """This process's counts, by metric and labels (a JSON list), for the worker serving HTTP."""
-        return {name: dict(_values(metric)) for name, metric in self.summed.items()}
-
-    def _peer_states(self) -> list[dict[str, Any]]:
-        return self.peers() if self.peers is not None else []
-
-    def peer_counts(self) -> list[dict[str, dict[str, float]]]:
-        return [state.get("counts", {}) for state in self._peer_states()]
-
     def peer_samples(self) -> list[RankSample]:
-        return [RankSample(**s) for state in self._peer_states() for s in state.get("samples", ())]
+        states = self.peers() if self.peers is not None else []
+        return [RankSample(**s) for state in states for s in state.get("samples", ())]
 
     def forget_job(self, job: str) -> None:
-        """Remove a job's counters; its gauges go with its sessions."""
+        """Remove a job's counters from this process (its gauges go with its sessions; a scrape leaves out the
+        counters of jobs no worker holds, which multiprocess files keep)."""
         for metric in self._per_job:
             with contextlib.suppress(KeyError):
                 metric.remove(job)
 
 
-class _Summed(Collector):
-    """Counts kept by this process, plus those other worker processes published."""
+class _LiveJobsOnly(Collector):
+    """Counters, gauges and histograms as ``source`` has them, per-job series only for the jobs the scrape
+    exports: the live ones, at most ``max_jobs`` (ended jobs' counts stay in multiprocess files)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, source: Collector, metrics: Metrics) -> None:
+        self.source = source
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        peers = self.metrics.peer_counts()
         exported = self.metrics.exported
-        for name, metric in self.metrics.summed.items():
-            values = dict(_values(metric))
-            for counts in peers:
-                for key, value in counts.get(name, {}).items():
-                    values[key] = values.get(key, 0.0) + value
-            labels = list(metric._labelnames)
-            family_of = CounterMetricFamily if isinstance(metric, Counter) else GaugeMetricFamily
-            family = family_of(name, metric._documentation, labels=labels)
-            by_job = labels == ["job"] and exported is not None
-            for key, value in sorted(values.items()):
-                label_values = json.loads(key)
-                if not by_job or exported is None or label_values[0] in exported:
-                    family.add_metric(label_values, value)
+        for family in self.source.collect():
+            # Without the _created series, as in the multiprocess files: the scrape is the same either way.
+            family.samples = [
+                s
+                for s in family.samples
+                if not s.name.endswith("_created") and ("job" not in s.labels or s.labels["job"] in exported)
+            ]
             yield family
-
-
-def _values(metric: Counter | Gauge) -> Iterator[tuple[str, float]]:
-    """(labels as a JSON list, value) of each series of an unregistered counter or gauge."""
-    for family in metric.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            yield json.dumps([sample.labels[n] for n in metric._labelnames]), sample.value

@@ -112,6 +112,7 @@ def plan_params(job: str, rank: int, plan: PlanRow, now: float) -> dict[str, Any
         "now": now,
         "modes": packed(plan["modes"]),
         "table": pack_table(plan["shape_plans"]),
+        "seq_len": plan.get("seq_len"),
     }
 
 

@@ -46,6 +46,18 @@ class LastStepRow(StepRow):
     """A rank's newest step, kept with the rank."""
 
     recompiles_total: NotRequired[Annotated[int, Field(description="the rank's compiles so far")]]
+    modes: NotRequired[
+        Annotated[
+            list[ModeName],
+            Field(
+                description="the modes the step ran when not its plan's (a pin in the training process, or the "
+                "plan a sharded job's ranks agreed on); predicted_peak_bytes is theirs"
+            ),
+        ]
+    ]
+    predicted_overhead_ratio: NotRequired[
+        Annotated[float, Field(description="with modes: their predicted recompute overhead")]
+    ]
 
 
 class OomRow(TypedDict):
@@ -85,6 +97,13 @@ class PlanRow(TypedDict):
     predicted_overhead_ratio: float
     target_bytes: int
     reason: str
+    seq_len: Annotated[
+        int | None,
+        Field(
+            description="the length of the step the plan was made at (the profiled step's for a rank's first "
+            "plan); null for plans stored before it was kept"
+        ),
+    ]
 
 
 class StoredPlanRow(PlanRow):

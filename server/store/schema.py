@@ -140,6 +140,12 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     ),
     (
         6,
+        "the step length each plan was made at",
+        # NULL on plans written before.
+        ("ALTER TABLE plans ADD COLUMN seq_len BIGINT",),
+    ),
+    (
+        7,
         "which process holds each connected rank, and when each process was last seen",
         (
             # NULL on rows written before: a rank left connected by a process before it is no one's now.

@@ -79,8 +79,9 @@ _HEARTBEAT = """INSERT INTO holders (holder, seen_at) VALUES (:holder, :now)
     ON CONFLICT(holder) DO UPDATE SET seen_at=excluded.seen_at"""
 
 _ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
-    predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans)
-    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now, :modes, :table)"""
+    predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans, seq_len)
+    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now, :modes, :table,
+            :seq_len)"""
 
 _ADD_OOM = """INSERT INTO oom_events (job, rank, step, time, seq_len, batch, plan_version, message)
     VALUES (:job, :rank, :step, :time, :seq_len, :batch, :plan_version, :message)"""
@@ -243,10 +244,13 @@ class Store:
     def writable(self, probe_every: float = 1.0) -> bool:
         """Whether the store takes writes. While writes fail, a probe write (at most one per
         ``probe_every`` seconds) finds out when it takes them again, with or without traffic: only
-        the probe clears a failure, since a write that changed nothing succeeds on a full disk too."""
+        the probe clears a failure, since a write that changed nothing succeeds on a full disk too.
+        On PostgreSQL the probe runs while writes succeed as well, so that readiness fails while the
+        database cannot be reached even when nothing else writes."""
         if self.check_file():
             return False
-        if self.failing_since is None:
+        # A database server can go away with no write to notice it: PostgreSQL is probed while it works too.
+        if self.failing_since is None and self.dialect == "sqlite":
             return True
         now = time.monotonic()
         if now - self._last_probe >= probe_every:
@@ -326,6 +330,13 @@ class Store:
                 "UPDATE ranks SET state=:state WHERE job=:job AND rank=:rank",
                 {"state": state, "job": job, "rank": rank},
             )
+
+    def disconnect_ranks(self, ranks: list[tuple[str, int]]) -> None:
+        """Mark ranks whose process died disconnected, those still marked connected (not ended ones)."""
+        self._write(
+            "UPDATE ranks SET state='disconnected' WHERE job=:job AND rank=:rank AND state='connected'",
+            [{"job": job, "rank": rank} for job, rank in ranks],
+        )
 
     def end_job(self, job: str, now: float) -> None:
         self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})

@@ -26,7 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import to_json
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
@@ -272,11 +272,15 @@ def _service(core: AdvisorCore, auth: TokenAuth, serving: Callable[[], bool]) ->
         return _readiness(core.store)
 
     @router.get("/metrics", include_in_schema=False)
-    def metrics(request: Request) -> Response:
-        # Not async: FastAPI runs it on a worker thread, so a large scrape does not hold the event loop.
+    async def metrics(request: Request) -> Response:
+        # One render on a worker thread serves every scrape for --metrics-cache-seconds (metrics.scrape).
         if auth.closed_metrics:
             auth.check(request.headers.get("authorization"))
-        return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        body = await core.metrics.scrape.body()
+        if "gzip" in request.headers.get("accept-encoding", ""):
+            headers = {"content-encoding": "gzip", "vary": "accept-encoding"}
+            return Response(body.gzipped, media_type=CONTENT_TYPE_LATEST, headers=headers)
+        return Response(body.plain, media_type=CONTENT_TYPE_LATEST, headers={"vary": "accept-encoding"})
 
     return router
 

@@ -20,7 +20,7 @@ import deepspeed
 import torch
 
 from rematd import client
-from rematd.client.deepspeed import ZeroModel
+from rematd.client.parallel.zero import Zero3
 from rematd.planner import Mode
 from tests.collectives import counting
 from tests.model_matrix import Rematerialised
@@ -47,12 +47,12 @@ def engines(case: dict[str, Any]) -> tuple[Any, Any, client.Handle]:
         model=ref, optimizer=torch.optim.AdamW(ref.parameters(), lr=1e-2), config=config
     )
     model = build(case["model"])
-    h = client.attach(model) if case["order"] == "before" else None
+    h = client.attach(model, modes=case.get("modes")) if case["order"] == "before" else None
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
     )
     if h is None:
-        h = client.attach(engine)
+        h = client.attach(engine, modes=case.get("modes"))
     else:
         h.engine = engine  # made after attach: the handle follows its step from here
     return ref_engine, engine, h
@@ -111,14 +111,14 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
             pinned=[m.name for m in pinned] if pinned else None, modes=[m.name for m in h.modes], rerun=counter.take()
         )
         steps.append(record)
-    zero = h._cycle.zero
+    zero = h._cycle.setup
     result = {
         "case": case,
         "steps": steps,
         "step_count": h.step_count,
         "blocks": h.blocks,
-        "restarts": zero.restarts if zero is not None else None,
-        "agreed": h._cycle.agreement is not None,
+        "restarts": zero.restarts if isinstance(zero, Zero3) else None,
+        "agreed": h._cycle.setup.agreement is not None,
         "static": h.last_stats.static_bytes if h.last_stats is not None else None,
     }
     counter.remove()
@@ -128,12 +128,12 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def without_restarts(case: dict[str, Any], rank: int) -> dict[str, Any]:
     """The case with ZeRO-3's trace left to find a switch by itself: what a switch costs without rematd's help."""
-    own = ZeroModel.switched
-    ZeroModel.switched = lambda self, modes: None  # type: ignore[method-assign]
+    own = Zero3.switched
+    Zero3.switched = lambda self, modes: None  # type: ignore[method-assign]
     try:
         return run_case(case, rank)
     finally:
-        ZeroModel.switched = own  # type: ignore[method-assign]
+        Zero3.switched = own  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rematd import client
+from rematd.client.parallel.fsdp import Fsdp
 from tests.workers.fsdp_exact import VOCAB, build, shard
 from tests.workers.rank import finish, start
 
@@ -45,8 +46,8 @@ def main() -> None:
     for n in range(3):
         step(model, opt, rank, n)
     hello = h._backend._hello  # type: ignore[attr-defined]
-    sharded = h._cycle.sharded
-    assert sharded is not None
+    sharded = h._cycle.setup
+    assert isinstance(sharded, Fsdp)
     stats = h.last_stats
     assert stats is not None
     result.update(

@@ -30,7 +30,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         assert h.flush(30.0), "the service did not answer"
         steps.append({"modes": [m.name for m in h.modes], "plan_version": h.plan.version})
-    agreement = h._cycle.agreement
+    agreement = h._cycle.setup.agreement
     result = {"steps": steps, "adopted": agreement.adopted if agreement is not None else -1, "rank": h.rank}
     h.close()
     finish(result)

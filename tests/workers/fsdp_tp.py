@@ -103,7 +103,7 @@ def main() -> None:
                 "recomputed": sum(m != Mode.STORE for m in h.modes),
             }
         )
-    agreement = h._cycle.agreement
+    agreement = h._cycle.setup.agreement
     result = {"steps": steps, "adopted": agreement.adopted if agreement is not None else -1}
     h.close()
     finish(result)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,12 @@ def start(backend: str = "gloo") -> int:
 
 def settings() -> Any:
     return json.loads(os.environ["REMATD_CONFIG"])
+
+
+def run_cases(run_case: Callable[[Any, int], Any]) -> None:
+    """Join the group, run each case of ``REMATD_CONFIG`` (a list) in turn, and leave writing their results."""
+    rank = start()
+    finish([run_case(case, rank) for case in settings()])
 
 
 def finish(result: Any) -> None:

@@ -64,23 +64,27 @@ class ModeCost(_message.Message):
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., kept: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., transient: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., extra_seconds: _Optional[float] = ...) -> None: ...
 
 class BlockProfile(_message.Message):
-    __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds", "modes")
+    __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds", "modes", "in_flight", "stage")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     INPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     saved_bytes: int
     input_bytes: int
     forward_seconds: float
     modes: _containers.RepeatedCompositeFieldContainer[ModeCost]
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., modes: _Optional[_Iterable[_Union[ModeCost, _Mapping]]] = ...) -> None: ...
+    in_flight: int
+    stage: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., input_bytes: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., modes: _Optional[_Iterable[_Union[ModeCost, _Mapping]]] = ..., in_flight: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version", "other_activations", "plan", "session_secret", "job_secret", "host", "pid")
+    __slots__ = ("job_id", "rank", "world_size", "device_name", "device_total_bytes", "model_fingerprint", "blocks", "profile_shape", "budget_bytes", "static_bytes", "memory_source", "margin_ratio", "client_version", "plan_version", "other_activations", "plan", "session_secret", "job_secret", "host", "pid", "other_in_flight")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +105,7 @@ class Hello(_message.Message):
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    OTHER_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -121,7 +126,8 @@ class Hello(_message.Message):
     job_secret: str
     host: str
     pid: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ..., other_activations: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., session_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    other_in_flight: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ..., other_activations: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., session_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., other_in_flight: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("step", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes", "reserved_bytes", "alloc_retries", "oom_count", "free_bytes", "total_bytes", "step_seconds", "plan_version", "shape", "saved_peak_bytes", "budget_bytes", "static_bytes", "inactive_split_bytes", "steps", "mode_seconds", "recompiles", "compile_seconds", "block_modes")

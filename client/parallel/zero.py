@@ -13,7 +13,7 @@ there, and its own post-backward hook releases them: a step gathers as often as 
 ZeRO-3's parameter coordinator records the order in which submodules fetch and prefetches along it. A new plan
 moves recomputations, and so fetches, into or out of backward: a trace that no longer matches is invalidated
 mid-step and recorded again only at the next step, two steps without prefetching. On a switch the coordinator
-starts recording at once (:meth:`ZeroModel.switched`): one step.
+starts recording at once (:meth:`Zero3.switched`): one step.
 
 DeepSpeed's internals read here (``ds_*`` attributes, the coordinator) are private: where they cannot be read,
 nothing is held and the trace is left alone, which costs gathers, never correctness.
@@ -32,6 +32,8 @@ from torch import nn
 
 from rematd.client.errors import UnsupportedModel
 from rematd.client.hooks import AttachedHook
+from rematd.client.parallel.agreement import Agreement
+from rematd.client.parallel.base import SetUp
 
 log = logging.getLogger("rematd.client")
 
@@ -53,6 +55,14 @@ def is_zero3(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_tensor") for p in model.parameters())
 
 
+def check_engine(engine: object) -> None:
+    """``h.engine``'s check: a DeepSpeed engine or None."""
+    if engine is not None and not is_engine(engine):
+        raise TypeError(
+            f"engine must be a DeepSpeed engine (deepspeed.initialize's first result), got {type(engine).__name__}"
+        )
+
+
 def is_zero_param(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ZeRO-3 parameter or a view of one (a gathered weight saved for backward)."""
     return hasattr(t, "ds_id") or hasattr(t._base, "ds_id")
@@ -64,8 +74,10 @@ def refuse_unsupported(model: nn.Module) -> None:
     if names & {"PipelineEngine", "PipelineModule"}:
         raise UnsupportedModel(
             "DeepSpeed pipeline parallelism (PipelineModule / PipelineEngine) is not supported: its stages "
-            "checkpoint through the PipelineModule's activation_checkpoint_interval. Pass deepspeed.initialize "
-            "a plain nn.Module (ZeRO stages 1-3 are supported), or do not attach rematd"
+            "checkpoint through the PipelineModule's activation_checkpoint_interval. Split the model into stages "
+            "with torch.distributed.pipelining (PipelineStage and a schedule: ScheduleGPipe, Schedule1F1B or "
+            "ScheduleInterleaved1F1B) and attach rematd to the schedule, client.attach(schedule); or pass "
+            "deepspeed.initialize a plain nn.Module (ZeRO stages 1-3 are supported)"
         )
     _refuse_own_checkpointing(model)
 
@@ -189,17 +201,48 @@ def _shard_bytes(p: nn.Parameter) -> int:
     return int(part.numel() * part.element_size()) if isinstance(part, torch.Tensor) else 0
 
 
-class ZeroModel:
-    """A ZeRO-3 model as its steps see it: its shards, what it holds gathered at the peak, its trace."""
+def data_parallel_agreement(model: nn.Module) -> Agreement | None:
+    """The ranks ZeRO-3 partitions the parameters over (the process group each parameter carries), agreeing."""
+    import torch.distributed as dist
 
-    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    group = next((p.ds_process_group for p in model.parameters() if hasattr(p, "ds_process_group")), None)
+    size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if size < 2:
+        return None
+    return Agreement([group], f"ZeRO-3's data-parallel group ({size} ranks)")
+
+
+class Zero3(SetUp):
+    """A ZeRO-3 model as its steps see it: its shards, what it holds gathered at the peak, its trace. Its ranks
+    gather in lockstep, so they run one plan: one rank recomputing alone would wait on the others' gathers."""
+
+    name = "ZeRO-3"
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], *, agree: bool = True) -> None:
+        super().__init__()
         self.model = model
         self._params = list(model.parameters())
-        self.gathered_at_peak = self._gathered_at_peak(blocks)
-        """Full parameter bytes held gathered at the step's peak (a constant of the model's partitioning)."""
+        self._gathered = self._gathered_at_peak(blocks)
         self._rerun: tuple[bool, ...] | None = None
         self.restarts = 0
         """Times a plan switch made ZeRO-3 record its fetch order afresh."""
+        self.is_weight = is_zero_param
+        self.agreement = data_parallel_agreement(model) if agree else None
+
+    @property
+    def gathered_at_peak(self) -> int:
+        """Full parameter bytes held gathered at the step's peak (a constant of the model's partitioning)."""
+        return self._gathered
+
+    def static_bytes(self, optimizer: torch.optim.Optimizer | None, engine: nn.Module | None) -> int:
+        # As for FSDP: the rank's partitions and what ZeRO-3 holds gathered at the peak are static memory.
+        return self.shard_bytes(engine) + self._gathered
+
+    def recomputing(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return kept_gathered(module)
+
+    def step_begins(self, rerun: tuple[bool, ...]) -> None:
+        self.switched(rerun)
 
     def _gathered_at_peak(self, blocks: Sequence[nn.Module]) -> int:
         """The persistent parameters (never released), and the two largest units gathered at once when

@@ -29,16 +29,13 @@ from torch import nn
 
 from rematd.client.accounting import local_part, storage_id
 from rematd.client.errors import UnsupportedModel
+from rematd.client.parallel.base import SetUp
+from rematd.client.parallel.tensor import mesh_agreement
 
 try:  # torch >= 2.6 exports FSDP2 here; older builds have it under _composable
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - depends on the torch build
     FSDPModule = None  # type: ignore[assignment,misc]
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = None  # type: ignore[assignment,misc]
 
 
 def is_unit(m: nn.Module) -> bool:
@@ -72,11 +69,6 @@ def refuse_fsdp1(model: nn.Module) -> None:
 def is_sharded(model: nn.Module) -> bool:
     """Whether any module of ``model`` is an FSDP2 unit."""
     return any(is_unit(m) for m in model.modules())
-
-
-def has_dtensors(model: nn.Module) -> bool:
-    """Whether parameters are distributed tensors (FSDP2 or tensor parallel): the ranks share the work."""
-    return DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def check_units(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> None:
@@ -238,16 +230,21 @@ def _storage_ids(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     return frozenset(i for i in map(storage_id, tensors) if i is not None)
 
 
-class ShardedModel:
-    """A sharded model as its steps see it: checked once its sharding is visible (at the first step, since
-    ``attach`` may come before ``fully_shard``), then asked for FSDP's figures each step, from what was
-    looked up once (the units, their sharded parameters) so that a step pays for sums, not searches."""
+class Fsdp(SetUp):
+    """A model sharded with FSDP2 as its steps see it: checked once its sharding is visible (at the first step,
+    since ``attach`` may come before ``fully_shard``), then asked for FSDP's figures each step, from what was
+    looked up once (the units, their sharded parameters) so that a step pays for sums, not searches. The ranks of
+    the parameters' device mesh run one plan (with tensor parallel, over both of its dimensions): they share one
+    memory shape, and one rank's out-of-memory error tightens them all."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    name = "FSDP2"
+
+    def __init__(self, model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, agree: bool = True) -> None:
+        super().__init__()
         check_units(model, blocks)
+        self.agreement = mesh_agreement(model) if agree else None
         self.model = model
-        self.gathered_at_peak = gathered_at_peak_bytes(model)
-        """Unsharded parameter bytes held at the step's peak (a constant of the model's sharding)."""
+        self._gathered_at_peak = gathered_at_peak_bytes(model)
         self._units = [m for m in model.modules() if is_unit(m)]
         self._storages: frozenset[int] = frozenset()
         self._params: list[torch.Tensor] | None = None
@@ -255,11 +252,24 @@ class ShardedModel:
         self._state_key: tuple[int, int] = (0, -1)
         self._state_bytes = 0
 
-    def storages(self) -> frozenset[int]:
+    @property
+    def gathered_at_peak(self) -> int:
+        """Unsharded parameter bytes held at the step's peak (a constant of the model's sharding)."""
+        return self._gathered_at_peak
+
+    def static_bytes(self, optimizer: torch.optim.Optimizer | None, engine: nn.Module | None) -> int:
+        # The CPU stands in for a device: the rank's shards are its static memory, as on CUDA, and so are the
+        # parameters FSDP holds gathered at the peak (there at every moment of backward).
+        return self.shard_bytes(optimizer) + self._gathered_at_peak
+
+    def weight_storages(self) -> frozenset[int]:
         """FSDP's gathering storages; they appear at each unit's first all-gather and then stay."""
         if len(self._storages) < len(self._units):
             self._storages = gathered_storages(self.model)
         return self._storages
+
+    def block_weights(self, module: nn.Module) -> frozenset[int]:
+        return parameter_storages(module)
 
     def shard_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
         if self._params is None:

@@ -1,0 +1,166 @@
+"""rematd as torchtitan's ``activation-checkpoint:rematd``: its debug Llama trained by torchtitan's own trainer
+on CPU ranks (gloo), through ``python -m rematd.integrations.torchtitan`` with torchtitan's own arguments.
+
+On 1 rank, on 2 ranks with FSDP and on 2 ranks with tensor parallel, torchtitan without checkpointing is the
+reference; rematd with a pinned
+plan (recompute, selective and store, two blocks each) and rematd under its planner, at a budget between
+that plan's measured peak (leaner than none, looser than full checkpointing) and no checkpointing, must give
+bitwise the same losses and parameters; the planned run's measured peaks stay under the budget from its first
+planned step, whose prediction counts what the profiling step left behind (gradients torchtitan keeps
+allocated, optimizer state). The stand-ins torchtitan needs on the CPU are in ``tests/torchtitan_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if sys.version_info < (3, 11):
+    pytest.skip("torchtitan needs Python 3.11 or later", allow_module_level=True)
+
+import torch
+
+from tests.distributed import ROOT, run_launcher
+from tests.torchtitan_cpu import RECORD, make_assets
+
+STEPS = 4
+PIN = ["recompute", "selective", "store"] * 2
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_assets(tmp_path_factory.mktemp("titan_assets"))
+
+
+def train(
+    tmp: Path,
+    assets: tuple[Path, Path],
+    *,
+    ranks: int,
+    module: str,
+    checkpointing: list[str],
+    parallelism: tuple[str, ...] = (),
+) -> list[Any]:
+    """Train the debug model ``STEPS`` steps; what each rank recorded (losses, rematd's steps, parameters)."""
+    record = tmp / f"record-{len(list(tmp.iterdir()))}"
+    record.mkdir()
+    tokenizer, data = assets
+    titan_args = [
+        *("--module", "llama3", "--config", "llama3_debugmodel"),
+        *("--hf-assets-path", str(tokenizer), "--dataloader.dataset-path", str(data)),
+        *("--dump-folder", str(record / "out"), "--training.steps", str(STEPS)),
+        *("--training.seq-len", "128", "--training.local-batch-size", "2", "--debug.seed", "0"),
+        # torch releases shard torchtitan's default spmd_types parameters only from a nightly on.
+        *("--parallelism.spmd-backend", "partial_dtensor"),
+        *parallelism,
+    ]
+    launcher = ["--standalone", "--nproc-per-node", str(ranks), str(ROOT / "tests" / "torchtitan_cpu.py")]
+    run_launcher(
+        "torch.distributed.run",
+        [*launcher, module, *titan_args, *checkpointing],
+        timeout=400,
+        env={RECORD: str(record), "OMP_NUM_THREADS": "1"},
+    )
+    return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+def assert_bitwise(reference: list[Any], run: list[Any], what: str) -> None:
+    for rank, (ref, got) in enumerate(zip(reference, run, strict=True)):
+        assert len(got["losses"]) == len(ref["losses"]) == STEPS
+        for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+            assert torch.equal(a, b), f"{what}: rank {rank} step {step + 1} loss {b.item()} != {a.item()}"
+        assert ref["params"].keys() == got["params"].keys()
+        differ = [n for n, p in ref["params"].items() if not torch.equal(p, got["params"][n])]
+        assert not differ, f"{what}: rank {rank} parameters differ: {differ[:5]}"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "parallelism"),
+    [(1, ()), (2, ()), (2, ("--parallelism.tensor-parallel-degree", "2"))],
+    ids=["1-rank", "2-ranks-fsdp", "2-ranks-tensor-parallel"],
+)
+def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
+    tmp_path: Path, assets: tuple[Path, Path], ranks: int, parallelism: tuple[str, ...]
+) -> None:
+    reference = train(
+        tmp_path, assets, ranks=ranks, module="torchtitan.train", checkpointing=["activation-checkpoint:none"],
+        parallelism=parallelism,
+    )  # fmt: skip
+    rematd = ["activation-checkpoint:rematd", "--activation-checkpoint.margin", "0.02"]
+
+    pinned = train(
+        tmp_path, assets, ranks=ranks, module="rematd.integrations.torchtitan",
+        checkpointing=[*rematd, "--activation-checkpoint.pin", ",".join(PIN)], parallelism=parallelism,
+    )  # fmt: skip
+    assert_bitwise(reference, pinned, "pinned plan")
+    profiled, *later = pinned[0]["steps"]
+    assert [s[0]["modes"] for s in pinned[0]["steps"]] == [["store"] * 6] + [PIN] * (STEPS - 1)
+    # What a later step would peak at with every block stored: the profiling step's activations on top of
+    # the static memory later steps start with (its own, plus the gradients and optimizer state it made).
+    storing = profiled[0]["measured"] - profiled[0]["static"] + later[0][0]["static"]
+    assert later[0][0]["static"] > profiled[0]["static"], "gradients and optimizer state persist from step 2 on"
+    mixed = max(s[0]["measured"] for s in later)
+    assert mixed < storing
+    budget = (mixed + storing) // 2
+
+    planned = train(
+        tmp_path, assets, ranks=ranks, module="rematd.integrations.torchtitan",
+        checkpointing=[*rematd, "--activation-checkpoint.budget-bytes", str(budget)], parallelism=parallelism,
+    )  # fmt: skip
+    assert_bitwise(reference, planned, "planned")
+    for rank, record in enumerate(planned):
+        steps = [s[0] for s in record["steps"]]
+        assert steps[0]["modes"] == ["store"] * 6, "the first step profiles"
+        first = steps[1]
+        assert first["plan_version"] >= 1 and first["modes"] != ["store"] * 6, first
+        # The first plan counted what persists from the profiling step: measured within 2% of its prediction.
+        assert abs(first["measured"] - first["predicted"]) <= 0.02 * first["measured"], first
+        over = [(s["step"], s["measured"] / MIB) for s in steps[1:] if s["measured"] > budget]
+        assert not over, f"rank {rank}: steps over the budget of {budget / MIB:.1f} MiB: {over}"
+
+
+def test_command_line_shows_and_refuses(tmp_path: Path) -> None:
+    """``--help``, the flags' values, and every refusal at start, each naming the flag to change."""
+    result = tmp_path / "cli.json"
+    run_launcher("tests.workers.torchtitan_cli", [], timeout=200, env={"COLUMNS": "200", "REMATD_RESULT": str(result)})
+    out = json.loads(result.read_text())
+    assert "activation-checkpoint:rematd" in out["help"]["out"] and out["help"]["exit"] == "0"
+    rematd_help = out["rematd_help"]["out"]
+    for flag in ("budget-bytes", "margin", "modes", "pin", "server", "job", "compress", "compile"):
+        assert f"--activation-checkpoint.{flag}" in rematd_help, flag
+    assert "preserve-rng-state" not in rematd_help, "torchtitan's wrapper settings are no rematd flags"
+    assert json.loads(out["parsed"]["out"].splitlines()[-1]) == {
+        "budget_bytes": 80000000, "margin": 0.05, "modes": ["store", "recompute", "compress"],
+        "pin": ["recompute", "store"], "server": None, "job": "titan-1", "compress": "fp8", "compile": False,
+        "preserve_rng_state": True, "determinism_check": "default", "debug": False,
+    }  # fmt: skip
+    assert out["selective_default"]["out"].splitlines()[-1] == "SelectiveAC.Config", "torchtitan's default is unchanged"
+    assert "ok" in out["compile_loss_only"] and "ok" in out["cuda_graphs_off"]
+    refused = {
+        "compile": "--activation-checkpoint.compile",
+        "cuda_graphs": "--training.disable-cuda-graphs",
+        "margin": "--activation-checkpoint.margin",
+        "modes": "--activation-checkpoint.modes",
+        "compress_off": "--activation-checkpoint.compress",
+        "pin_compress": "--activation-checkpoint.pin",
+        "job": "--activation-checkpoint.job",
+        "server": "--activation-checkpoint.server",
+        "rng": "no-preserve-rng-state",
+    }
+    for check, words in refused.items():
+        assert out[check].get("exit") == "2" and words in " ".join(out[check]["out"].split()), (check, out[check])
+    assert "ok" in out["rng_selective"], "torchtitan's own modes keep their flags"
+    # Pipeline stages are planned through the schedule: the flag is accepted.
+    assert "ok" in out["pipeline"], out["pipeline"]
+    assert out["version"] == {
+        "error": "RuntimeError",
+        "message": "rematd.integrations.torchtitan supports torchtitan 0.3.0; this is torchtitan 0.2.0: "
+        "pip install torchtitan==0.3.0",
+    }
+    assert out["outside_trainer"]["error"] == "RuntimeError"
+    assert "python -m rematd.integrations.torchtitan" in out["outside_trainer"]["message"]

@@ -1,0 +1,313 @@
+"""torchtitan on CPU ranks: the stand-ins it needs there, and a launcher that records what a run did.
+
+torchtitan targets NVIDIA GPUs and a torch nightly. On the CPU build of a released torch it lacks:
+
+- Triton (imported by its MoE expert-parallel kernels, which a dense model never runs): those kernels'
+  module is a stub whose functions raise;
+- a device: it picks ``cuda`` when no accelerator is found; the CPU stands in, with the few calls torchtitan
+  makes of a device module (no memory statistics);
+- FlexAttention's backward (none on the CPU): the same attention, with the block mask made dense, through
+  ``scaled_dot_product_attention``; the block mask is made eagerly instead of compiled;
+- gloo's ``PREMUL_SUM`` (FSDP divides gradients with it when a divide factor is set, as torchtitan sets
+  one): FSDP reduces with SUM and divides itself, as it does on MTIA;
+- ``torch.distributed.set_timeout`` (a torch nightly's): a no-op;
+- pipeline schedules that take micro-batches (a nightly's ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``):
+  they go to the schedule's ``_step_microbatches``, which a release has.
+
+``python tests/torchtitan_cpu.py MODULE ARGS...`` (under torchrun) installs them and runs ``python -m MODULE
+ARGS...``: ``torchtitan.train`` or ``rematd.integrations.torchtitan``, with torchtitan's own arguments. With
+``REMATD_TITAN_RECORD=dir`` each rank writes ``dir/rank<N>.pt``: every step's loss, rematd's statistics per
+step (when attached), each step's seconds and the parameters at the end, gathered whole; with
+``REMATD_TITAN_PROFILE_STEP=k`` also step k's peak of CPU memory above its start, from torch's memory profiler
+(that step is slowed by it).
+
+:func:`make_assets` writes a tokenizer and a small text data set (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import random
+import runpy
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RECORD = "REMATD_TITAN_RECORD"
+PROFILE_STEP = "REMATD_TITAN_PROFILE_STEP"
+
+
+def make_assets(where: Path, *, documents: int = 200, seed: int = 0) -> tuple[Path, Path]:
+    """A word-level tokenizer (with torchtitan's BOS and EOS) and a JSON-lines data set of random words; the
+    tokenizer's folder and the data set's folder (``--hf-assets-path``, ``--dataloader.dataset-path``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(500)]
+    vocab = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok_dir, data_dir = where / "tokenizer", where / "data"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(tok_dir / "tokenizer.json"))
+    special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(special))
+    lines = (
+        json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 200)))}) for _ in range(documents)
+    )
+    (data_dir / "train.json").write_text("\n".join(lines) + "\n")
+    return tok_dir, data_dir
+
+
+# -- stand-ins ---------------------------------------------------------------
+
+
+def stub_triton_kernels() -> None:
+    try:
+        import triton  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+    module = types.ModuleType(name)
+
+    def missing(attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        def fail(*_: Any, **__: Any) -> Any:
+            raise RuntimeError(f"{attr} is a Triton kernel; Triton is not installed")
+
+        return fail
+
+    module.__getattr__ = missing  # type: ignore[method-assign]
+    sys.modules[name] = module
+
+
+class _CpuDevice(types.ModuleType):
+    """The device module torchtitan asks for, on the CPU: one device, no memory statistics."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        pass
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> Any:
+        return types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        pass
+
+
+def _dense_flex_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float | None,
+    enable_gqa: bool,
+    return_aux: Any,
+    kernel_options: Any,
+) -> tuple[torch.Tensor, None]:
+    """FlexAttention without its kernel: the mask made dense, the attention by SDPA (it has a CPU backward)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    if score_mod is not None or return_aux.lse:
+        raise NotImplementedError("the CPU stand-in for FlexAttention takes a mask only")
+    mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return out, None
+
+
+def _sum_reduction_on_gloo() -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    original = collectives._get_gradient_divide_factors
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def factors(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["force_sum_reduction_for_comms"] = True
+        return original(*bound.args, **bound.kwargs)
+
+    collectives._get_gradient_divide_factors = factors
+
+
+def _pipeline_steps_take_microbatches() -> None:
+    """A released torch's schedules split a whole batch in ``step``; torchtitan hands them the micro-batches
+    (``arg_mbs=``, ``kwarg_mbs=``, ``target_mbs=``), as a nightly's do: those go to ``_step_microbatches``."""
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        whole_batch = cls.step
+        if "arg_mbs" in inspect.signature(whole_batch).parameters:
+            continue
+
+        def step(self: Any, *args: Any, whole_batch: Any = whole_batch, **kwargs: Any) -> Any:
+            if not {"arg_mbs", "kwarg_mbs", "target_mbs"} & kwargs.keys():
+                return whole_batch(self, *args, **kwargs)
+            stages = getattr(self, "_stages", None) or [self._stage]
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(
+                kwargs.get("arg_mbs"),
+                kwargs.get("kwarg_mbs"),
+                kwargs.get("target_mbs"),
+                kwargs.get("losses"),
+                kwargs.get("return_outputs", True),
+                loss_kwargs=kwargs.get("loss_kwargs"),
+            )
+            return None
+
+        cls.step = step
+
+
+def install() -> None:
+    """Every stand-in, before torchtitan's modules that read the device are imported."""
+    import torch.distributed as dist
+
+    stub_triton_kernels()
+    from torchtitan.tools import utils
+
+    utils.device_type, utils.device_module = "cpu", _CpuDevice("cpu_device")
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = lambda timeout, group=None: None
+    _sum_reduction_on_gloo()
+    _pipeline_steps_take_microbatches()
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    attention.FlexAttention._compiled_flex_attn = staticmethod(_dense_flex_attention)
+    attention._compiled_create_block_mask = create_block_mask
+
+
+# -- recording ---------------------------------------------------------------
+
+
+def _record(where: Path) -> None:
+    """Wrap torchtitan's trainer so that each rank saves its losses, rematd's statistics and its parameters."""
+    from torchtitan.trainer import Trainer
+
+    losses: list[torch.Tensor] = []
+    steps: list[list[dict[str, Any]]] = []
+    seconds: list[float] = []
+    peaks: list[int] = []
+    profile_step = int(os.environ.get(PROFILE_STEP, "0"))
+    forward_backward, train_step, close = Trainer.forward_backward_step, Trainer.train_step, Trainer.close
+
+    def recorded_forward_backward(self: Any, **kwargs: Any) -> torch.Tensor:
+        loss = forward_backward(self, **kwargs)
+        losses.append(_whole(loss))  # a distributed tensor under tensor parallel's loss parallelism
+        return loss  # type: ignore[no-any-return]
+
+    def recorded_train_step(self: Any, data_iterator: Any) -> None:
+        profiled = len(seconds) + 1 == profile_step
+        started = time.perf_counter()
+        if profiled:
+            peaks.append(_profiled_peak(lambda: train_step(self, data_iterator)))
+        else:
+            train_step(self, data_iterator)
+        seconds.append(time.perf_counter() - started)
+        steps.append([_stats(part.handle) for part in getattr(self, "rematd", [])])
+
+    def recorded_close(self: Any) -> None:
+        params = {name: _whole(p) for m in self.model_parts for name, p in m.named_parameters()}
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        record = {"losses": losses, "steps": steps, "params": params, "seconds": seconds, "peaks": peaks}
+        torch.save(record, where / f"rank{rank}.pt")
+        close(self)
+
+    Trainer.forward_backward_step = recorded_forward_backward
+    Trainer.train_step = recorded_train_step
+    Trainer.close = recorded_close
+
+
+def _profiled_peak(step: Callable[[], None]) -> int:
+    """The most bytes the CPU allocator held during ``step`` beyond what it held when the step started, from
+    torch's memory profiler (which sees every allocation, compiled code's too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+            step()
+        timeline = Path(tmp) / "memory.json"
+        p.export_memory_timeline(str(timeline), device="cpu")
+        _, sizes = json.loads(timeline.read_text())
+    totals = [sum(at) for at in sizes]
+    return max(totals) - totals[0] if totals else 0
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    full = getattr(p, "full_tensor", None)
+    return (full() if callable(full) else p).detach().clone()
+
+
+def _stats(handle: Any) -> dict[str, Any]:
+    """What the step that just ended ran and measured, and the plan in force for it."""
+    stats = handle.last_stats
+    ran = next((p for p in handle.history if p.version == stats.plan_version), None)
+    return {
+        "step": stats.step,
+        "plan_version": stats.plan_version,
+        "modes": [m.label for m in handle.modes],
+        "measured": stats.saved_peak_bytes or stats.peak_allocated_bytes,
+        "predicted": ran.predicted_peak_bytes if ran is not None else 0,
+        "budget": stats.budget_bytes,
+        "static": stats.static_bytes,
+    }
+
+
+def main() -> None:
+    install()
+    if os.environ.get(RECORD):
+        _record(Path(os.environ[RECORD]))
+    module, *args = sys.argv[1:]
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
