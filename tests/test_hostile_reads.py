@@ -3,6 +3,7 @@ little memory behind, and a reader that stops reading (a zero TCP window) is cut
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ from bench.store_rows import more_plans, more_steps
 from rematd import wire
 from rematd.server.core.paging import MAX_ROWS_PAGE
 from rematd.server.core.views import MODES_PER_BLOCK, PAGE_MODES
+from rematd.server.transport import rest
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -116,3 +118,27 @@ def test_a_page_of_a_wide_models_plans_holds_fewer_plans_and_says_where_the_next
         assert len(page["plans"]) <= most
         seen += [p["version"] for p in page["plans"]]
     assert len(seen) == WIDE_PLANS + 1 and seen == sorted(seen)
+
+
+def test_a_list_read_waits_its_turn_then_is_told_to_try_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer holds its turn until it is delivered (or dropped): the next read waits, then gets 503."""
+    monkeypatch.setattr(rest, "LIST_WAIT_SECONDS", 0.2)
+    lists = rest.Lists(at_once=1)
+    first = lists.answer(lambda: {"rows": list(range(10))})
+    assert first.status_code == 200
+    waited = lists.answer(lambda: {"rows": []})
+    assert waited.status_code == 503 and waited.headers["retry-after"] == "5"
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.disconnect"}
+
+    asyncio.run(first({"type": "http"}, receive, send))
+    assert b"[0,1,2" in sent[-1]["body"]  # type: ignore[operator]
+    assert lists.answer(lambda: {"rows": []}).status_code == 200  # delivered: its turn is back
+    dropped = lists.answer(lambda: {"rows": []})
+    del dropped  # never sent (its request given up): its turn is back too
+    assert lists.answer(lambda: {"rows": []}).status_code == 200
