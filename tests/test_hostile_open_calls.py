@@ -52,11 +52,15 @@ def test_watch_calls_are_bounded_in_number_memory_and_time(tmp_path: Path) -> No
             started = time.monotonic()
             calls = [_watch(channel) for _ in range(3000)]
             firsts = [_first(c) for c in calls]
+            flood = time.monotonic() - started
             held = [c for c, f in zip(calls, firsts, strict=True) if f is None]
             refused = [f for f in firsts if f is not None]
             grown = rss_bytes(srv.proc.pid) - before
-            assert len(held) <= MAX_OPEN_CALLS, f"{len(held)} Watch calls held at once"
-            assert len(refused) >= 3000 - MAX_OPEN_CALLS
+            # A held call keeps its slot for IDLE seconds, so a flood read slower than that (a loaded machine)
+            # may see a slot serve a second call once the first ended: the bound allows for it, no more.
+            rounds = 1 + int(flood // IDLE)
+            assert len(held) <= MAX_OPEN_CALLS * rounds, f"{len(held)} Watch calls held in {flood:.1f} s"
+            assert len(refused) >= 3000 - MAX_OPEN_CALLS * rounds
             # Refused; HTTP/2 resets some of a flood's streams itself, which the client reads as CANCELLED.
             assert grpc.StatusCode.RESOURCE_EXHAUSTED in refused
             assert set(refused) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
@@ -67,7 +71,7 @@ def test_watch_calls_are_bounded_in_number_memory_and_time(tmp_path: Path) -> No
                 for _ in call:  # type: ignore[attr-defined]
                     pass
                 assert call.code() == grpc.StatusCode.OK
-            assert time.monotonic() - started < IDLE + 8
+            assert time.monotonic() - started < flood + IDLE + 8
             # A watcher that calls again is served again.
             assert _first(_watch(channel)) is None
     finally:
