@@ -1,10 +1,13 @@
-"""What hostile input costs a real ``rematd serve`` on loopback: how long each kind holds the event loop, and what
-idle connections cost in file descriptors.
+"""What hostile input costs a real ``rematd serve`` on loopback: how long each kind holds the event loop, what
+idle connections cost in file descriptors, what callers that hold what they open cost, and what a SIGKILL loses.
 
 For each input, a client polls /healthz back to back while the input is sent; the longest answer bounds how
 long the input held the loop (the median is the loop's ordinary pace). Then ``--idle`` HTTP connections and as
 many gRPC connections are opened and left silent: the service's descriptors are counted while they are held,
-/healthz is timed, and a new gRPC stream is opened; after ``--request-seconds`` they should be closed.
+/healthz is timed, and a new gRPC stream is opened; after ``--request-seconds`` they should be closed. Then
+``--watches`` health Watch calls on one connection, many large reads at once, readers that stop reading, and
+takeover attempts (``bench.hostile_calls``); last, another service is killed as plans answering OOMs arrive,
+and started again on its store (``bench.hostile_kill``).
 
     python -m bench.hostile --idle 2000
 """
@@ -23,64 +26,39 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-import grpc
 import httpx
 
+from bench import hostile_calls as calls
+from bench.hostile_calls import answer, hello, stats
+from bench.hostile_kill import kill_while_answering
 from bench.loop_stall import while_probing
 from bench.rejected_streams import packed_hello
-from bench.served import served
-from rematd import wire
-from rematd.messages import BlockProfile, Hello, StepStats
-from rematd.planner import Shape
+from bench.served import Served, served
 from rematd.v1 import advisor_pb2 as pb
-from rematd.v1 import advisor_pb2_grpc as pb_grpc
-
-
-def _hello(job: str) -> pb.Hello:
-    blocks = tuple(
-        BlockProfile(index=i, name=f"b{i}", saved_bytes=1000, input_bytes=100, forward_seconds=0.01) for i in range(4)
-    )
-    return wire.hello_to_pb(
-        Hello(job_id=job, blocks=blocks, profile_shape=Shape(batch=1, seq_len=64, tokens=64), budget_bytes=10_000)
-    )
-
-
-def _stats(step: int) -> pb.StepStats:
-    shape = Shape(batch=1, seq_len=64, tokens=64)
-    return wire.stats_to_pb(StepStats(step=step, saved_peak_bytes=3000, budget_bytes=10_000, shape=shape))
-
-
-def _stream(target: str, msgs: list[pb.ClientMessage]) -> str:
-    with grpc.insecure_channel(target) as ch:
-        try:
-            list(pb_grpc.AdvisorStub(ch).Session(iter(msgs), timeout=120))
-        except grpc.RpcError as err:
-            return err.code().name
-    return "OK"
 
 
 def big_stats(target: str) -> str:
-    stats = _stats(1)
-    stats.mode_seconds.extend(pb.ModeSeconds(mode=pb.MODE_RECOMPUTE) for _ in range(200_000))
-    return _stream(target, [pb.ClientMessage(hello=_hello("big-stats")), pb.ClientMessage(stats=stats)])
+    report = stats(1)
+    report.mode_seconds.extend(pb.ModeSeconds(mode=pb.MODE_RECOMPUTE) for _ in range(200_000))
+    return answer(target, [pb.ClientMessage(hello=hello("big-stats")), pb.ClientMessage(stats=report)])
 
 
 def packed(target: str) -> str:
-    return _stream(target, [packed_hello()])
+    return answer(target, [packed_hello()])
 
 
 def plan_table(target: str) -> str:
-    hello = _hello("big-table")
-    hello.plan_version = 3
-    hello.plan.version = 3
+    resumed = hello("big-table")
+    resumed.plan_version = 3
+    resumed.plan.version = 3
     for i in range(75_000):  # entries without modes: the most of them 1 MiB holds
-        hello.plan.shape_plans.add(max_seq_len=i + 1, max_tokens=i + 1)
-    return _stream(target, [pb.ClientMessage(hello=hello)])
+        resumed.plan.shape_plans.add(max_seq_len=i + 1, max_tokens=i + 1)
+    return answer(target, [pb.ClientMessage(hello=resumed)])
 
 
 def oom_flood(target: str) -> str:
     oom = pb.OomEvent(step=1, shape=pb.Shape(batch=1, seq_len=64, tokens=64))
-    return _stream(target, [pb.ClientMessage(hello=_hello("oom-flood")), *[pb.ClientMessage(oom=oom)] * 2000])
+    return answer(target, [pb.ClientMessage(hello=hello("oom-flood")), *[pb.ClientMessage(oom=oom)] * 2000])
 
 
 INPUTS: dict[str, Callable[[str], str]] = {
@@ -119,7 +97,7 @@ def idle_load(grpc_target: str, http_base: str, pid: int, idle: int, request_sec
         t = time.perf_counter()
         healthz = httpx.get(http_base + "/healthz", timeout=30).status_code
         healthz_ms = (time.perf_counter() - t) * 1000
-        stream = _stream(grpc_target, [pb.ClientMessage(hello=_hello("after-idle")), pb.ClientMessage(stats=_stats(0))])
+        stream = answer(grpc_target, [pb.ClientMessage(hello=hello("after-idle")), pb.ClientMessage(stats=stats(0))])
         time.sleep(request_seconds + 1.5)
         after = _fds(pid)
     return {
@@ -134,16 +112,53 @@ def idle_load(grpc_target: str, http_base: str, pid: int, idle: int, request_sec
     }
 
 
+def held_calls(srv: Served, db: Path, args: argparse.Namespace) -> dict[str, object]:
+    """What callers that hold what they open cost (``bench.hostile_calls``), /healthz timed around each."""
+    calls.fill(db, srv.grpc, srv.http)
+    pid = srv.proc.pid
+    kinds: dict[str, Callable[[], dict[str, object]]] = {
+        f"{args.watches} health Watch calls on one connection": lambda: calls.watch_flood(
+            srv.grpc, pid, args.watches, args.idle_seconds
+        ),
+        "16 readers of 10,000 steps, two reads each": lambda: calls.large_reads(srv.http, pid, 16, 10_000),
+        "8 readers of an 11 MiB page that never read": lambda: calls.stalled_readers(
+            srv.http, pid, 8, args.response_seconds
+        ),
+        "takeover attempts": lambda: calls.takeovers(srv.grpc, srv.http),
+    }
+    report: dict[str, object] = {}
+    for name, run in kinds.items():
+        answer, lags = while_probing(srv.http, run)
+        report[name] = {
+            **answer,
+            "healthz_p50_ms": round(statistics.median(lags) * 1000, 2),
+            "healthz_max_ms": round(max(lags) * 1000, 1),
+        }
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle", type=int, default=2000, help="idle HTTP connections, and as many gRPC ones")
     parser.add_argument("--request-seconds", type=float, default=3.0, help="the service's --http-request-seconds")
+    parser.add_argument("--watches", type=int, default=3000, help="health Watch calls opened on one connection")
+    parser.add_argument("--idle-seconds", type=float, default=10.0, help="the service's --idle-connection-seconds")
+    parser.add_argument("--response-seconds", type=float, default=3.0, help="the service's --http-response-seconds")
+    parser.add_argument("--kill-ranks", type=int, default=16, help="ranks bursting OOMs when the service is killed")
     args = parser.parse_args()
-    db = Path(tempfile.mkdtemp(prefix="rematd-bench-")) / "r.db"
-    timeouts = ("--http-request-seconds", str(args.request_seconds), "--handshake-timeout-seconds", "3")
+    base = Path(tempfile.mkdtemp(prefix="rematd-bench-"))
+    db = base / "r.db"
+    timeouts = (
+        *("--http-request-seconds", str(args.request_seconds), "--handshake-timeout-seconds", "3"),
+        *("--idle-connection-seconds", str(args.idle_seconds), "--http-response-seconds", str(args.response_seconds)),
+    )
     with served(db, *timeouts) as srv:
         report: dict[str, object] = {name: stall(srv.http, lambda f=f: f(srv.grpc)) for name, f in INPUTS.items()}
         report["idle connections"] = idle_load(srv.grpc, srv.http, srv.proc.pid, args.idle, args.request_seconds)
+        report.update(held_calls(srv, db, args))
+    report["SIGKILL as plans answering OOMs arrive"] = kill_while_answering(
+        base / "killed.db", args.kill_ranks, 2 * args.kill_ranks
+    )
     print(json.dumps(report, indent=2))
     return 0
 

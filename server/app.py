@@ -28,6 +28,7 @@ from rematd.server.core.ownership import JobTokens
 from rematd.server.metrics import peers
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store.database import database_url, redact_url
+from rematd.server.store.holders import HEARTBEAT_SECONDS
 from rematd.server.store.store import Store
 from rematd.server.transport.auth import load_job_tokens
 from rematd.server.transport.connections import Budget, fd_budget, guarded_protocol
@@ -161,6 +162,12 @@ class Service:
         grpc_port = self._bind_grpc(server)
         sock = self._bind_http() if cfg.http else None
         web = self._web(budget) if sock is not None else None
+        try:
+            # Before the first hello: ranks a killed process of this store left connected read as lost now.
+            await asyncio.to_thread(self.core.heartbeat)
+        except Exception:
+            log.exception("saying in the store that this process is alive failed; trying again in %.0f s",
+                          HEARTBEAT_SECONDS)  # fmt: skip
         await server.start()
         await health.set(True)
         self.serving = True
@@ -198,7 +205,9 @@ class Service:
                 access_log=False,
                 ssl_certfile=cfg.tls_cert or None,
                 ssl_keyfile=cfg.tls_key or None,
-                http=guarded_protocol(budget.http, cfg.http_options.http_request_seconds),
+                http=guarded_protocol(
+                    budget.http, cfg.http_options.http_request_seconds, cfg.http_options.http_response_seconds
+                ),
                 timeout_keep_alive=max(1, round(cfg.http_options.http_keepalive_seconds)),
             )
         )
@@ -220,6 +229,7 @@ class Service:
         chores = [
             asyncio.create_task(self._every(cfg.controls_poll_seconds, "controls", core.refresh_controls)),
             asyncio.create_task(self._every(cfg.compact_seconds, "compact", core.compact)),
+            asyncio.create_task(self._every(HEARTBEAT_SECONDS, "heartbeat", core.heartbeat)),
             # Often enough that a rank goes within a quarter of the expiry after it is due.
             asyncio.create_task(
                 self._every(min(30.0, cfg.core.session_expiry_seconds / 4), "expiry", core.expire_sessions)

@@ -148,11 +148,14 @@ class HttpOptions:
     of its next request) is closed: idle and slow-header connections hold no descriptor for long."""
     http_keepalive_seconds: float = 5.0
     """An idle keep-alive connection is closed this long after its last response."""
+    http_response_seconds: float = 30.0
+    """A response whose unsent bytes the client leaves waiting this long (a reader that stops reading, a zero TCP
+    window) is cut off and its connection closed: it holds no descriptor or buffer for long."""
 
     def __post_init__(self) -> None:
         if self.max_http_connections < 1:
             raise ValueError(f"max-http-connections must be >= 1, got {self.max_http_connections}")
-        for name in ("http_request_seconds", "http_keepalive_seconds"):
+        for name in ("http_request_seconds", "http_keepalive_seconds", "http_response_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
 

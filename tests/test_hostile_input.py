@@ -3,8 +3,12 @@ too long to echo, hellos too large to convert; each refused cheaply and answered
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,12 +19,13 @@ import httpx
 import pytest
 
 from rematd import wire
+from rematd.server import ServeConfig
 from rematd.server.transport.http_guard import MAX_BODY_BYTES
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
 from .helpers import LiveServer, live_server
-from .test_service import hello
+from .test_service import hello, stats
 
 TOKEN = "hostile-input-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -177,3 +182,73 @@ def test_a_hello_with_too_many_blocks_is_refused_before_conversion(server: LiveS
     assert "400000 blocks" in (err.details() or "")
     # Generous: what this guards against held the loop for seconds.
     assert max(lags) < 1.0, max(lags)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"),
+    [
+        ("PATCH", "/api/v1/jobs/victim", {"budget_bytes": True}, "budget_bytes"),
+        ("PATCH", "/api/v1/jobs/victim", {"budget_bytes": "1000"}, "budget_bytes"),
+        ("PATCH", "/api/v1/jobs/victim", {"budget_bytes": 1000.5}, "budget_bytes"),
+        ("PATCH", "/api/v1/jobs/victim", {"margin_ratio": "0.5"}, "margin_ratio"),
+        ("PATCH", "/api/v1/jobs/victim", {"margin_ratio": False}, "margin_ratio"),
+        ("POST", "/api/v1/jobs/victim/pin", {"checkpoint_every": True}, "checkpoint_every"),
+        ("POST", "/api/v1/jobs/victim/pin", {"blocks": ["1"]}, "blocks"),
+    ],
+)
+def test_a_boolean_or_a_string_is_not_a_number(
+    server: LiveServer, method: str, path: str, body: dict[str, object], field: str
+) -> None:
+    r = httpx.request(method, server.url + path, json=body, headers=AUTH, timeout=10)
+    assert r.status_code == 422, r.text
+    assert any(field in e["loc"] for e in r.json()["detail"]), r.text
+    controls = httpx.get(server.url + "/api/v1/jobs/victim", timeout=10).json()["controls"]
+    assert controls["budget_bytes"] is None and controls["margin_ratio"] is None and controls["pin_every"] is None
+    # The same fields as numbers are taken.
+    good = {"budget_bytes": 1000, "margin_ratio": 0, "checkpoint_every": 2, "blocks": [1]}[field]
+    r = httpx.request(method, server.url + path, json={field: good}, headers=AUTH, timeout=10)
+    assert r.status_code == 200, r.text
+    httpx.patch(server.url + path, json={"budget_bytes": None, "margin_ratio": None}, headers=AUTH, timeout=10)
+    httpx.delete(server.url + "/api/v1/jobs/victim/pin", headers=AUTH, timeout=10)
+
+
+def test_a_world_size_or_block_modes_out_of_bounds_are_refused_by_name(server: LiveServer) -> None:
+    huge = dataclasses.replace(hello(job="wide"), world_size=2**32 - 1)
+    err = _session(server, pb.ClientMessage(hello=wire.hello_to_pb(huge)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "hello.world_size" in (err.details() or "")
+    # 4,096 modes for a job of 4 blocks: one per block, or none.
+    report = wire.stats_to_pb(stats(0, 500))
+    report.block_modes.extend([pb.MODE_STORE] * 4096)
+    err = _session(server, pb.ClientMessage(hello=wire.hello_to_pb(hello(job="four"))), pb.ClientMessage(stats=report))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stats.block_modes" in (err.details() or "") and "4 blocks" in (err.details() or "")
+    assert httpx.get(server.url + "/api/v1/jobs/wide", timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("lines", "said"),
+    [
+        ("llama tok-llama-0123456789\nllama tok-other-0123456789\n", "line 2: job 'llama' is given a token on line 1"),
+        ("team-[ab tok-team-0123456789\n", "line 1: 'team-[ab' leaves a '[' open"),
+        ("team/a tok-team-0123456789\n", "line 1: 'team/a' has '/'"),
+    ],
+)
+def test_a_job_tokens_file_with_a_duplicate_or_a_bad_pattern_stops_the_start(
+    tmp_path: Path, lines: str, said: str
+) -> None:
+    tokens = tmp_path / "job-tokens"
+    tokens.write_text(lines)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db"), job_tokens_file=str(tokens))
+
+
+def test_rematd_serve_names_the_bad_line_of_a_job_tokens_file(tmp_path: Path) -> None:
+    tokens = tmp_path / "job-tokens"
+    tokens.write_text("# two teams\nteam-a-* tok-team-a-0123456789\nteam-a-* tok-team-b-0123456789\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+         "--db", str(tmp_path / "r.db"), "--job-tokens-file", str(tokens)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done
+    assert "line 3: job 'team-a-*' is given a token on line 2" in done.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from sqlalchemy import text
 
 from bench.postgres import Cluster, pg_bin
 from rematd import wire
@@ -73,6 +74,13 @@ def _exercise(store: Store) -> None:
     core.pin("db-job", modes=["recompute", "store", "store", "recompute"])
     other.refresh_controls()
     assert other.job_controls("db-job")["pin_modes"] == ["recompute", "store", "store", "recompute"]
+    # A rank left connected by a process that is gone (a ghost) reads as lost.
+    core.open_session(hello(job="ghost-job"))
+    assert store.heartbeat() == []
+    assert core.get_job("ghost-job")["ranks"][0]["state"] == "connected"
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE ranks SET holder='another-host:1:gone' WHERE job='ghost-job'"))
+    assert core.get_job("ghost-job")["ranks"][0]["state"] == "disconnected"
 
 
 def test_sqlite_record(tmp_path: Path) -> None:
@@ -86,7 +94,7 @@ def test_postgresql_record(postgres_url: str) -> None:
     store = Store(StoreConfig(url=database_url(postgres_url)))
     assert store.dialect == "postgresql" and store.schema_version() == SCHEMA_VERSION
     _exercise(store)
-    assert store.compact(now=time.time() + 10 * 365 * 86400)["expired_jobs"] == 1
+    assert store.compact(now=time.time() + 10 * 365 * 86400)["expired_jobs"] == 2  # the ghost's too
     store.close()
 
 

@@ -30,6 +30,9 @@ from rematd.planner import (
 # \Z, not $: "$" also matches before a final newline, which would let "victim\n" pass for a name.
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 MAX_BLOCKS = 4096
+MAX_WORLD_SIZE = 1 << 20
+"""The most ranks a job may say it trains with: past any job run today, and a bound on what a hello can
+make the service count (a world size of 2^32 kept the "fewer ranks connected than the world size" alert on)."""
 MAX_IN_FLIGHT = 4096
 """Microbatches alive at once on a pipeline stage, at most."""
 MAX_TERMS = 16
@@ -159,7 +162,9 @@ class Hello:
         _uint("hello.device_total_bytes", self.device_total_bytes)
         _uint("hello.plan_version", self.plan_version)
         _shape("hello.profile_shape", self.profile_shape)
-        if self.world_size < 1 or self.rank >= self.world_size:
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise InvalidMessage("hello.world_size", f"must be in 1-{MAX_WORLD_SIZE}, got {self.world_size}")
+        if self.rank >= self.world_size:
             raise InvalidMessage("hello.rank", f"rank {self.rank} is outside world_size {self.world_size}")
         if not self.blocks:
             raise InvalidMessage("hello.blocks", "the profile has no blocks")
@@ -333,8 +338,13 @@ def open_planner(
 
 
 def observation(hello: Hello, stats: StepStats) -> StepObservation:
-    """Planner input for one step (stats validated first)."""
+    """Planner input for one step (stats validated first, and held to the rank's profile)."""
     stats.validate()
+    if stats.modes and len(stats.modes) != len(hello.blocks):
+        raise InvalidMessage(
+            "stats.block_modes",
+            f"{len(stats.modes)} entries for a profile of {len(hello.blocks)} blocks (give one per block, or none)",
+        )
     return StepObservation(
         step=stats.step,
         peak_bytes=stats.peak_bytes(hello.memory_source),

@@ -95,7 +95,8 @@ class AdvisorCore:
         return self.training.open_session(hello)
 
     def on_stats(self, session: RankSession, stats: StepStats) -> Plan | None:
-        """One step's statistics; returns the plan to send when it changes. Never waits for the store."""
+        """One step's statistics; returns the plan to send when it changes. Never waits for the store: the
+        plan is sent after :meth:`durable`."""
         return self.training.on_stats(session, stats)
 
     def report_interval(self, session: RankSession) -> float:
@@ -110,8 +111,15 @@ class AdvisorCore:
         )
 
     def on_oom(self, session: RankSession, oom: OomReport) -> Plan | None:
-        """An out-of-memory event; returns the tighter plan. Never waits for the store."""
+        """An out-of-memory event; returns the tighter plan. Never waits for the store: it is answered after
+        :meth:`durable`."""
         return self.training.on_oom(session, oom)
+
+    def durable(self, session: RankSession) -> bool:
+        """Wait until the rank's plans and OOM events handed over so far are in the store, before its answer
+        goes out (a few seconds at most: then it goes out anyway). Blocking: the servicer calls it off the
+        event loop."""
+        return self.training.writes.durable(session)
 
     def close_session(self, session: RankSession, *, ended: bool) -> None:
         """A rank's stream closed: ``ended`` when it said goodbye, else it was lost.
@@ -124,6 +132,12 @@ class AdvisorCore:
     def expire_sessions(self, now: float | None = None) -> int:
         """Forget ranks whose stream has been gone longer than the expiry; returns how many."""
         return self.sessions.expire(time.monotonic() if now is None else now, self.config.session_expiry_seconds)
+
+    def heartbeat(self) -> None:
+        """Say in the store that this process is alive, and forget processes that are not: the ranks a
+        killed process left connected read as lost from now (``rematd.server.store.holders``)."""
+        for holder in self.store.heartbeat():
+            log.warning("process %s is gone without closing its streams: the ranks it held read as lost", holder)
 
     def compact(self) -> dict[str, int]:
         """Retention and down-sampling on the store, by a clock that ignores jumps of the wall clock; jobs with

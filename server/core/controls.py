@@ -212,6 +212,8 @@ class OperatorControls:
     def _apply(self, job: str, c: Controls) -> list[tuple[RankSession, float]]:
         """Under the registry's lock: drop an ended job; returns the job's ranks and the margin each now plans with."""
         if c.ended_at is not None and job in self.sessions.by_job:
+            for s in self.sessions.by_job[job].values():
+                s.revoked = True
             self.sessions.drop_job(job)
             return []
         return [

@@ -45,19 +45,23 @@ def holder(session: RankSession) -> str:
 
 
 def check_claim(existing: RankSession | None, hello: Hello, expiry_seconds: float) -> bool:
-    """Whether ``hello`` is the holder's own (it presents the live stream's session secret); raises
-    SessionTaken, naming the holder, when the rank is held by another."""
+    """Whether ``hello`` is the holder's own (it presents the holder's job credential and the session
+    secret of its stream); raises SessionTaken, naming the holder, when the rank is held by another."""
     if existing is None:
         return False
-    owner = same_secret(hello.session_secret, existing.secret)
+    credential = _same_credential(hello.job_secret, existing.hello.job_secret)
+    owner = same_secret(hello.session_secret, existing.secret) and credential
     rank = f"rank {hello.rank} of job {hello.job_id!r}"
     if existing.streams > 0 and not owner:
+        # Both, not either: the session secret alone (read off a log, a core dump) took a live rank over
+        # and ended its trainer's stream with a step out of order.
         raise SessionTaken(
-            f"{rank} is held by {holder(existing)}, live on another stream; a reconnect must present the "
-            "session secret from that stream's first acknowledgement (retry once it has ended)"
+            f"{rank} is held by {holder(existing)}, live on another stream; a reconnect must present that "
+            "process's job credential and the session secret from that stream's first acknowledgement (retry "
+            "once it has ended)"
         )
     resumable = existing.streams == 0 and not existing.ended
-    if resumable and not _same_credential(hello.job_secret, existing.hello.job_secret):
+    if resumable and not credential:
         raise SessionTaken(
             f"{rank} is held by {holder(existing)}, whose stream was lost; only that process (its job "
             f"credential) may resume it until it says goodbye or {expiry_seconds:.0f} s after its stream went"

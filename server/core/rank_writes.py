@@ -22,6 +22,9 @@ from rematd.server.store.writer import StoreWriter
 
 log = logging.getLogger("rematd.server")
 
+DURABLE_SECONDS = 5.0
+"""How long a rank's answer waits for its plan or OOM event to reach the store before it goes out anyway."""
+
 
 def warm_row(session: RankSession, now: float) -> WarmPlanRow | None:
     """What ``Store.remember_warm_plan`` keeps of the plan the rank holds (None without a fingerprint).
@@ -75,17 +78,36 @@ class RankWrites:
             self._flush_soon()
 
     def plan(self, session: RankSession, row: PlanRow, now: float) -> None:
+        """A plan the rank is sent; the stream waits for it (:meth:`durable`) before it sends it."""
         h = session.hello
-        self.writer.submit(f"plan {row['version']} of rank {h.rank} of job {h.job_id}",
-                           lambda: self._write_plan(session, row, now))  # fmt: skip
+        ticket = self.writer.submit(f"plan {row['version']} of rank {h.rank} of job {h.job_id}",
+                                    lambda: self._write_plan(session, row, now))  # fmt: skip
+        session.unwritten = max(session.unwritten, ticket)
 
     def remember(self, warm: WarmPlanRow) -> None:
         self.writer.submit(f"the warm-start plan of job {warm['job']}", lambda: self.store.remember_warm_plan(warm))
 
-    def oom(self, job: str, rank: int, row: OomRow) -> None:
-        self.writer.submit(
+    def oom(self, session: RankSession, row: OomRow) -> None:
+        """An OOM event; the stream waits for it (:meth:`durable`) before it answers the OOM."""
+        job, rank = session.hello.job_id, session.hello.rank
+        ticket = self.writer.submit(
             f"an OOM of rank {rank} of job {job}", lambda: self.store.add_oom(job=job, rank=rank, row=row)
         )
+        session.unwritten = max(session.unwritten, ticket)
+
+    def durable(self, session: RankSession, timeout: float = DURABLE_SECONDS) -> bool:
+        """Wait until the plans and OOM events of the rank handed over so far are in the store (or failed,
+        logged and counted): what a rank is answered with survives a crash of the service right after.
+        False if the store took longer than ``timeout``: the answer goes out all the same, since a rank
+        that ran out of memory must not wait on a slow disk for its tighter plan."""
+        ticket = session.unwritten
+        if self.writer.wait(ticket, timeout):
+            return True
+        log.warning(
+            "job %s rank %d: answered before the store took its plan or OOM event (still queued after %.0f s)",
+            session.hello.job_id, session.hello.rank, timeout,
+        )  # fmt: skip
+        return False
 
     def ended(self, session: RankSession, *, ended: bool, warm: WarmPlanRow | None) -> None:
         """A stream's end, after everything the stream handed over; waited for (raises)."""

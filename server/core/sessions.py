@@ -63,6 +63,11 @@ class RankSession:
     """Graphs compiled for the rank's block variants so far (``attach(..., compile=True)``), kept in the
     store with its last statistics so that the count outlives the stream and the service."""
     opened_at: float = field(default_factory=time.time)
+    unwritten: int = 0
+    """The store writer's ticket of the rank's latest plan or OOM event: its answer waits for it."""
+    revoked: bool = False
+    """An operator ended its job: the streams that hold this session are refused at their next message, even
+    if the job is opened again meanwhile (a new run gets a session of its own)."""
     disconnected_at: float | None = None
     """When (monotonic) its last stream went without a goodbye; None while connected or ended."""
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False, compare=False)

@@ -44,6 +44,17 @@ class _Past:
     warm: WarmPlanRow | None = None
 
 
+def _ended(job: str) -> JobEnded:
+    return JobEnded(f"job {job!r} was ended by an operator; this rank's reports are no longer taken")
+
+
+def _not_revoked(session: RankSession) -> None:
+    """Raise JobEnded once an operator ended the session's job: a new run of the job opened since (another
+    session of the same rank) does not bring this stream back."""
+    if session.revoked:
+        raise _ended(session.hello.job_id)
+
+
 class TrainingSide:
     """Opens, feeds and closes rank sessions."""
 
@@ -244,11 +255,12 @@ class TrainingSide:
 
     def on_stats(self, session: RankSession, stats: StepStats) -> Plan | None:
         job = session.hello.job_id
-        stats = self._under_controls(job, stats)
+        stats = self._under_controls(session, stats)
         obs = self._observation(session, stats)
         ran, changed = self._observe(session, stats, obs)
         now = time.time()
         with self.sessions.lock:
+            _not_revoked(session)  # under the lock the end is applied under: nothing is written after it
             plan = self._next_plan(session, changed, "stats.shape")
             warm = self._steady(session, stats.steps, now) if plan is None else None
             session.recompiles = min(MAX_INT, session.recompiles + stats.recompiles)
@@ -267,11 +279,13 @@ class TrainingSide:
             self.writes.remember(warm)
         return plan
 
-    def _under_controls(self, job: str, stats: StepStats) -> StepStats:
+    def _under_controls(self, session: RankSession, stats: StepStats) -> StepStats:
         """The step as the operator's controls see it: refused once the job was ended, its budget overridden."""
+        job = session.hello.job_id
         controls = self.controls.get(job)
         if controls is not None and controls.ended_at is not None:
-            raise JobEnded(f"job {job!r} was ended by an operator; this rank's reports are no longer taken")
+            raise _ended(job)
+        _not_revoked(session)
         if controls is not None and controls.budget_bytes is not None and stats.budget_bytes:
             return dataclasses.replace(stats, budget_bytes=controls.budget_bytes)
         return stats
@@ -359,7 +373,9 @@ class TrainingSide:
             oom.validate()
         except InvalidMessage as err:
             raise self._invalid(err) from None
-        job, rank = session.hello.job_id, session.hello.rank
+        job = session.hello.job_id
+        with self.sessions.lock:
+            _not_revoked(session)
         now = time.time()
         row = OomRow(
             step=oom.step,
@@ -369,8 +385,8 @@ class TrainingSide:
             plan_version=oom.plan_version,
             message=oom.message[:1000],
         )
-        self.writes.oom(job, rank, row)
         with self.sessions.lock:
+            self.writes.oom(session, row)
             self.metrics.oom_events.labels(job).inc()
             session.oom_on_plan = True
         with session.planning:

@@ -36,6 +36,11 @@ JobState = Literal["running", "disconnected", "ended"]
 JOB_STATES: tuple[JobState, ...] = ("running", "disconnected", "ended")
 STATS_ROWS = 2000
 """Rows a read of a job's statistics returns unless it asks for another number."""
+PAGE_MODES = 1_000_000
+"""Modes a page of plans holds at most (about 11 MiB of JSON): 10,000 plans of a 4,096-block model would be
+gigabytes, so a wide model's page holds fewer plans and says where the next starts."""
+MODES_PER_BLOCK = 17
+"""A plan's modes per block: its own and those of the most entries its table has (16 by default)."""
 
 
 PriceState = Literal["measured", "trial", "estimate"]
@@ -355,9 +360,11 @@ class ReadViews:
         return self.store.plans(job)
 
     def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
-        """A job's plans, oldest first: ``limit`` of them after ``cursor``."""
+        """A job's plans, oldest first: ``limit`` of them after ``cursor``, fewer for a wide model (at most about
+        ``PAGE_MODES`` modes a page: a plan holds a mode per block at each length of its table)."""
         after = decode(cursor, int) or 0
-        self._require_job(job)
+        row = self._require_job(job)
+        limit = min(limit, max(1, PAGE_MODES // (max(1, int(row["num_blocks"])) * MODES_PER_BLOCK)))
         return _by_id(self.store.plans(job, after=after, limit=limit + 1), limit)
 
     def job_stats(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import threading
 
 log = logging.getLogger("rematd.server")
 
@@ -33,3 +34,26 @@ def limit_arenas(arenas: int = MAX_ARENAS) -> bool:
 def give_back() -> bool:
     """Return the free pages of every arena to the system; False where it cannot."""
     return _libc is not None and bool(_libc.malloc_trim(0))
+
+
+_soon: threading.Timer | None = None
+_soon_lock = threading.Lock()
+
+
+def give_back_soon(delay: float = 0.5) -> None:
+    """:func:`give_back` once, ``delay`` seconds from now (on a thread of its own): after a large answer is
+    sent and its rows freed. Calls before it runs join it."""
+    global _soon
+    with _soon_lock:
+        if _soon is not None:
+            return
+        _soon = threading.Timer(delay, _give_back_now)
+        _soon.daemon = True
+        _soon.start()
+
+
+def _give_back_now() -> None:
+    global _soon
+    with _soon_lock:
+        _soon = None
+    give_back()

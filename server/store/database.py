@@ -61,6 +61,22 @@ def dialect_of(url: str) -> str:
     return "postgresql" if url.startswith("postgresql") else "sqlite"
 
 
+SQLITE_CONNECTIONS = 8
+"""Connections to a SQLite file the store keeps open, opened at start (``warm``): a burst of connections that
+takes every descriptor of the process for a moment must find the store with the descriptors it needs."""
+
+
+def warm(engine: Engine) -> None:
+    """Open the connections the pool keeps, now, while descriptors are to be had (SQLite files only)."""
+    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:"):
+        return
+    held = [engine.connect() for _ in range(SQLITE_CONNECTIONS)]
+    for conn in held:
+        conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").close()  # opens the journal and its index
+    for conn in held:
+        conn.close()
+
+
 def open_engine(url: str) -> Engine:
     """The engine of a store's URL; a SQLite file's folder is created."""
     if dialect_of(url) != "sqlite":
@@ -69,10 +85,12 @@ def open_engine(url: str) -> Engine:
     database = make_url(url).database
     if database and not memory:
         Path(database).parent.mkdir(parents=True, exist_ok=True)
+    pooled = {} if memory else {"pool_size": SQLITE_CONNECTIONS, "max_overflow": SQLITE_CONNECTIONS}
     engine = create_engine(
         url,
         connect_args={"check_same_thread": False, "timeout": 30},
         poolclass=StaticPool if memory else None,
+        **pooled,
     )
 
     @event.listens_for(engine, "connect")

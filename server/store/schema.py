@@ -144,6 +144,15 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         # NULL on plans written before.
         ("ALTER TABLE plans ADD COLUMN seq_len BIGINT",),
     ),
+    (
+        7,
+        "which process holds each connected rank, and when each process was last seen",
+        (
+            # NULL on rows written before: a rank left connected by a process before it is no one's now.
+            "ALTER TABLE ranks ADD COLUMN holder TEXT",
+            "CREATE TABLE IF NOT EXISTS holders (holder TEXT PRIMARY KEY, seen_at {FLOAT} NOT NULL)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -40,8 +40,9 @@ from rematd.server.store.columns import (
     warm_plan_out,
 )
 from rematd.server.store.compaction import compact
-from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, why
-from rematd.server.store.file_watch import FileWatch, sqlite_file
+from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, warm, why
+from rematd.server.store.file_watch import FileWatch, Keeper, check_journal, sqlite_file
+from rematd.server.store.holders import HOLDER_TIMEOUT_SECONDS, RANK_STATE, gone_here, new_holder
 from rematd.server.store.rows import (
     OOM_COLUMNS,
     ControlsRow,
@@ -71,8 +72,11 @@ _UPSERT_JOB = """INSERT INTO jobs (job, created_at, updated_at, world_size, num_
     num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
     model_fingerprint=excluded.model_fingerprint, device=excluded.device, ended_at=NULL"""
 
-_UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state) VALUES (:job, :rank, :device, :state)
-    ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state"""
+_UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state, holder) VALUES (:job, :rank, :device, :state, :holder)
+    ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state, holder=excluded.holder"""
+_RANKS = f"SELECT job, rank, device, {RANK_STATE} AS state, last_stats FROM ranks"
+_HEARTBEAT = """INSERT INTO holders (holder, seen_at) VALUES (:holder, :now)
+    ON CONFLICT(holder) DO UPDATE SET seen_at=excluded.seen_at"""
 
 _ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
     predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans, seq_len)
@@ -104,6 +108,9 @@ _SAVE_LEARNED = """INSERT INTO learned_state VALUES (:job, :rank, :state, :now)
 def _opened(url: str, path: str, lock: threading.RLock) -> Engine:
     """An engine on ``url`` with the schema brought up to date; StoreError naming what is wrong."""
     try:
+        file = sqlite_file(url)
+        if file:
+            check_journal(file)
         engine = open_engine(url)
         schema.migrate(engine, path=path, lock=lock)
     except StoreError:
@@ -131,10 +138,12 @@ class Store:
         """The SQLAlchemy engine every statement of the store goes through. Tests may listen to its events:
         ``sqlalchemy.event.listen(store.engine, "before_cursor_execute", slow)`` with a ``slow`` that sleeps
         makes a slow database without a mock (``slow(conn, cursor, statement, parameters, context, many)``)."""
+        warm(self.engine)
         self.buffer = WriteBehind(self.engine, self._lock, config.max_buffered)
         file = sqlite_file(url)
         self.watch = FileWatch(file) if file else None
         """The SQLite file the store was opened on (None for PostgreSQL or memory)."""
+        self.keeper = Keeper(file) if file else None
         self.failing_since: float | None = None
         """When (monotonic) writes to the store began to fail; None while they succeed."""
         self.last_failure = ""
@@ -143,6 +152,8 @@ class Store:
         self._last_probe = 0.0
         self.lost = ""
         """Why the store's file is not the store any more ("" while it is): writes stop until it is back."""
+        self.holder = new_holder()
+        """This process's name on the ranks it opens (``holders``)."""
         self._closed = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
         self._flusher.start()
@@ -156,7 +167,7 @@ class Store:
         deleted by kind."""
         self.flush()
         with self._writing(), self._lock, self.engine.begin() as conn:
-            return compact(conn, self.config, time.time() if now is None else now, live)
+            return compact(conn, self.config, time.time() if now is None else now, live, self._liveness())
 
     def close(self) -> None:
         """Write what is buffered and let go of the database; a store that cannot be written loses the
@@ -170,7 +181,16 @@ class Store:
             self.flush()
         except Exception as err:
             log.error("the store cannot be written (%s): %d buffered step report(s) are lost", why(err), pending)
+        with contextlib.suppress(Exception):
+            # A process that stopped holds nothing: a rank it left connected reads as lost at once.
+            self._write("DELETE FROM holders WHERE holder=:holder", {"holder": self.holder})
         self.engine.dispose()
+        if self.keeper is not None:
+            if self.check_file():
+                self._journal_aside()  # again: nothing may have reached it since, but nothing must be left
+            self.keeper.close()
+        if self.watch is not None:
+            self.watch.close()
 
     # -- the health of writes ------------------------------------------------------------
 
@@ -180,6 +200,7 @@ class Store:
             return ""
         problem = self.watch.problem()
         if problem and not self.lost:
+            self._journal_aside()
             log.error(
                 "%s; writes stop (step reports are kept in memory, the newest %d) until it is back or the service "
                 "restarts",
@@ -193,6 +214,16 @@ class Store:
             log.info("the database file %s is back; writes resume", self.watch.path)
         self.lost = problem
         return problem
+
+    def _journal_aside(self) -> None:
+        """The file moved away: its journal, which names the path, goes into the file itself now, so that
+        whatever takes the path (another application's database) is not handed the store's pages."""
+        if self.keeper is None or self.watch is None or not self.watch.moved:
+            return
+        with self._lock:
+            emptied = self.keeper.empty_journal()
+        if not emptied:
+            log.error("the journal %s-wal could not be emptied into the store's own file", self.watch.path)
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -284,7 +315,10 @@ class Store:
                 {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
                  "dev": device},
             )  # fmt: skip
-            conn.execute(text(_UPSERT_RANK), {"job": job, "rank": rank, "device": device, "state": "connected"})
+            conn.execute(
+                text(_UPSERT_RANK),
+                {"job": job, "rank": rank, "device": device, "state": "connected", "holder": self.holder},
+            )
             if plan is not None:
                 conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
 
@@ -314,6 +348,24 @@ class Store:
                (SELECT 1 FROM ranks WHERE ranks.job=:job AND ranks.state <> 'ended')""",
             {"now": now, "job": job},
         )
+
+    def heartbeat(self, now: float | None = None) -> list[str]:
+        """Say this process is alive, and forget processes that are not (not seen for the timeout, or gone
+        from this host); returns those forgotten: the ranks they left connected read as lost from now."""
+        now = time.time() if now is None else now
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            conn.execute(text(_HEARTBEAT), {"holder": self.holder, "now": now})
+            others = conn.execute(
+                text("SELECT holder, seen_at FROM holders WHERE holder <> :holder"), {"holder": self.holder}
+            ).all()
+            gone = [h for h, seen in others if seen < now - HOLDER_TIMEOUT_SECONDS or gone_here(h)]
+            for h in gone:
+                conn.execute(text("DELETE FROM holders WHERE holder=:h"), {"h": h})
+        return gone
+
+    def _liveness(self) -> dict[str, Any]:
+        """The parameters of ``RANK_STATE``."""
+        return {"holder": self.holder, "alive": time.time() - HOLDER_TIMEOUT_SECONDS}
 
     def add_plan(self, *, job: str, rank: int, plan: PlanRow, now: float) -> None:
         self._write(_ADD_PLAN, plan_params(job, rank, plan, now))
@@ -351,13 +403,15 @@ class Store:
         return cast(JobRow, dict(rows[0])) if rows else None
 
     def all_ranks(self) -> list[RankRow]:
-        return self._ranks("SELECT * FROM ranks ORDER BY job, rank", {})
+        return self._ranks(f"{_RANKS} ORDER BY job, rank", {})
 
     def ranks(self, job: str) -> list[RankRow]:
-        return self._ranks("SELECT * FROM ranks WHERE job=:job ORDER BY rank", {"job": job})
+        return self._ranks(f"{_RANKS} WHERE job=:job ORDER BY rank", {"job": job})
 
     def _ranks(self, sql: str, params: dict[str, Any]) -> list[RankRow]:
-        return [cast(RankRow, decoded(r, json_columns=("last_stats",))) for r in self._read(sql, params)]
+        """Ranks as read: one its holder left connected when it died reads as disconnected (``holders``)."""
+        rows = self._read(sql, {**params, **self._liveness()})
+        return [cast(RankRow, decoded(r, json_columns=("last_stats",))) for r in rows]
 
     def last_rank_stats(self, job: str, rank: int) -> LastStepRow | None:
         """A rank's last statistics: the buffer's newest if it holds one, else the store's. The buffer is

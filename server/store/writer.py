@@ -59,9 +59,16 @@ class StoreWriter:
         with self._cv:
             return self._submitted - self._done
 
-    def submit(self, what: str, fn: Callable[[], Any]) -> None:
-        """Hand ``fn`` over to be run in turn; an error it raises is logged and counted, never raised here."""
-        self._enqueue(what, fn, waited=False)
+    def submit(self, what: str, fn: Callable[[], Any]) -> int:
+        """Hand ``fn`` over to be run in turn; an error it raises is logged and counted, never raised here.
+        Returns its ticket, for :meth:`wait`."""
+        return self._enqueue(what, fn, waited=False).seq
+
+    def wait(self, ticket: int, timeout: float | None = None) -> bool:
+        """Wait until the write of ``ticket`` (and every one before it) is done or failed; False on timeout."""
+        if threading.current_thread() is self._thread:
+            return False
+        return self._wait_for(ticket, timeout)
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in turn after everything handed over before it; returns its result or raises its error."""

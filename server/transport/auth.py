@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from rematd.messages import JOB_ID_RE
 from rematd.server.core.errors import Unauthenticated
 
 TOKEN_ENV = "REMATD_TOKEN"
@@ -38,14 +39,51 @@ def load_job_tokens(path: str) -> dict[str, str]:
     except OSError as err:
         raise ValueError(f"job-tokens-file {path!r} cannot be read: {err.strerror}") from err
     tokens: dict[str, str] = {}
+    lines: dict[str, int] = {}
     for n, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
+        where = f"job-tokens-file {path!r} line {n}"
         if len(words) != 2 or len(words[1]) < 16:
-            raise ValueError(f"job-tokens-file {path!r} line {n}: want 'JOB TOKEN' with a token of 16+ characters")
-        tokens[words[0]] = words[1]
+            raise ValueError(f"{where}: want 'JOB TOKEN' with a token of 16+ characters")
+        job = words[0]
+        problem = job_pattern_problem(job)
+        if problem:
+            raise ValueError(f"{where}: {job[:64]!r} {problem}")
+        if job in lines:
+            # Which line's token would hold is no one's guess to make: the operator says.
+            raise ValueError(f"{where}: job {job!r} is given a token on line {lines[job]} already")
+        tokens[job] = words[1]
+        lines[job] = n
     return tokens
+
+
+_PATTERN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-*?[]!")
+
+
+def job_pattern_problem(job: str) -> str:
+    """Why ``job`` names no job of a job-tokens file (a job name, or a shell pattern of job names), or ""."""
+    if len(job) > 128:
+        return "is longer than a job name (128 characters)"
+    bad = sorted(set(job) - _PATTERN_CHARS)
+    if bad:
+        return f"has {''.join(bad)[:8]!r}, which no job name holds (letters, digits, '.', '_', '-'; '*', '?', '[...]')"
+    depth = 0
+    for c in job:
+        if c == "[":
+            if depth:
+                return "opens a '[' inside another"
+            depth = 1
+        elif c == "]":
+            if not depth:
+                return "closes a ']' it did not open"
+            depth = 0
+    if depth:
+        return "leaves a '[' open"
+    if not any(c in job for c in "*?[") and not JOB_ID_RE.fullmatch(job):
+        return "is not a job name (it must start with a letter or a digit)"
+    return ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

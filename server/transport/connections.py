@@ -93,12 +93,14 @@ class GuardedH11(H11Protocol):
 
     cap: ClassVar[int] = 512
     request_seconds: ClassVar[float] = 10.0
+    response_seconds: ClassVar[float] = 30.0
     refused: ClassVar[int] = 0
     """Connections refused over the cap (since start): every one held was sending or awaiting a request."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._respond_by: asyncio.TimerHandle | None = None
         self._head = bytearray()
         self._over_cap = False
         self.opened_at = 0.0
@@ -173,13 +175,54 @@ class GuardedH11(H11Protocol):
         if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             self._disarm()
 
+    # A response the client does not take: the write buffer fills (``pause_writing``), or a connection being
+    # closed still holds unsent bytes. Either way the client gets ``response_seconds`` to take them.
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._unsent_deadline()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._respond_by is not None:
+            self._respond_by.cancel()
+            self._respond_by = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.get_write_buffer_size():
+            self._unsent_deadline()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        if self.transport.get_write_buffer_size():
+            self._unsent_deadline()
+
+    def _unsent_deadline(self) -> None:
+        if self._respond_by is None:
+            self._respond_by = self.loop.call_later(self.response_seconds, self._not_taken)
+
+    def _not_taken(self) -> None:
+        """Cut off a response the client has not taken in time: one that stopped reading (a zero TCP window)
+        would hold its descriptor and the buffered body for ever, a closing connection's included."""
+        self._respond_by = None
+        unsent = self.transport.get_write_buffer_size()
+        if unsent:
+            log.warning("HTTP response cut off: the client took nothing for %.0f s (%d bytes unsent)",
+                        self.response_seconds, unsent)  # fmt: skip
+            self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._respond_by is not None:
+            self._respond_by.cancel()
+            self._respond_by = None
         if self._over_cap:
             return
         super().connection_lost(exc)
 
 
-def guarded_protocol(cap: int, request_seconds: float) -> type[GuardedH11]:
+def guarded_protocol(cap: int, request_seconds: float, response_seconds: float = 30.0) -> type[GuardedH11]:
     """The protocol class uvicorn builds each connection with, for this service's limits."""
-    return type("GuardedH11", (GuardedH11,), {"cap": cap, "request_seconds": request_seconds, "refused": 0})
+    limits = {"cap": cap, "request_seconds": request_seconds, "response_seconds": response_seconds}
+    return type("GuardedH11", (GuardedH11,), {**limits, "refused": 0})

@@ -22,7 +22,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from rematd import wire
-from rematd.messages import InvalidMessage
+from rematd.messages import InvalidMessage, OomReport
 from rematd.planner import Plan
 from rematd.server.config import GrpcOptions
 from rematd.server.core.advisor import AdvisorCore, RankSession
@@ -32,6 +32,7 @@ from rematd.server.store.database import is_store_error
 from rematd.server.transport.auth import METADATA_KEY, TokenAuth
 from rematd.server.transport.http_guard import bounded
 from rematd.server.transport.message_limits import precheck_hello, precheck_stats
+from rematd.server.transport.open_calls import MAX_OPEN_CALLS, OpenCalls, open_call_limit
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -356,6 +357,9 @@ class _Stream:
             new = await _to_the_end(core.on_stats, session, stats)
         else:
             new = core.on_stats(session, stats)
+        if new is not None:
+            # A plan goes out once it is in the store: a crash right after must not lose what the rank runs.
+            await _to_the_end(core.durable, session)
         ack = pb.ServerMessage(
             ack=pb.StepAck(
                 step=stats.step,
@@ -372,8 +376,14 @@ class _Stream:
         if not session.ooms.take():
             self.core.metrics.oom_dropped.inc()  # over the rank's rate: neither planned nor written
             return ()
-        new = await _to_the_end(self.core.on_oom, session, wire.oom_from_pb(msg))
+        new = await _to_the_end(self._oom_blocking, session, wire.oom_from_pb(msg))
         return (pb.ServerMessage(plan=wire.plan_to_pb(new)),) if new is not None else ()
+
+    def _oom_blocking(self, session: RankSession, oom: OomReport) -> Plan | None:
+        """An OOM planned, and answered once it (and the plan it brought) is in the store."""
+        new = self.core.on_oom(session, oom)
+        self.core.durable(session)
+        return new
 
 
 class Health:
@@ -392,7 +402,10 @@ def build_server(
     core: AdvisorCore, *, auth: TokenAuth, options: GrpcOptions, max_connections: int = 0
 ) -> tuple[grpc.aio.Server, AdvisorServicer, Health]:
     """The gRPC server with the Advisor, health and reflection services (not yet bound or started)."""
-    server = grpc.aio.server(options=options.channel_options(max_connections))
+    # Health and reflection need no token: their long calls are bounded in number and in time.
+    most = open_call_limit(max_connections) if max_connections else MAX_OPEN_CALLS
+    limit = OpenCalls(most=most, seconds=options.idle_connection_seconds)
+    server = grpc.aio.server(options=options.channel_options(max_connections), interceptors=[limit])
     servicer = AdvisorServicer(core, auth)
     pb_grpc.add_AdvisorServicer_to_server(servicer, server)
     health = Health()

@@ -16,6 +16,7 @@ the package (swagger-ui-bundle), so ``/docs`` works without the internet.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -37,6 +38,7 @@ from rematd.server.core.advisor import JOB_STATES, AdvisorCore
 from rematd.server.core.errors import JobNotFound, SessionError, Unauthenticated
 from rematd.server.core.paging import JOBS_PAGE, MAX_JOBS_PAGE, MAX_ROWS_PAGE, ROWS_PAGE
 from rematd.server.core.views import STATS_ROWS, JobView
+from rematd.server.runtime.allocator import give_back_soon
 from rematd.server.store.rows import ControlsRow, ModeName
 from rematd.server.store.store import Store
 from rematd.server.transport.auth import TokenAuth
@@ -53,6 +55,68 @@ def _json(view: Any) -> Response:
     to its model; validating each row here would cost more than ten times the encoding on a large read, in the
     process that serves the training ranks' streams."""
     return Response(to_json(view), media_type="application/json")
+
+
+LISTS_AT_ONCE = 2
+"""Reads of a list (jobs, plans, statistics, OOM events) made at once; the others wait their turn."""
+LARGE_ANSWER_BYTES = 1 << 20
+"""An answer this large gives its memory back to the system once sent."""
+
+
+LIST_WAIT_SECONDS = 10.0
+"""How long a read of a list waits for its turn before it is answered 503."""
+
+
+class Lists:
+    """Reads that return lists, bounded: each holds its rows and their JSON (a page of statistics is up to
+    2 MiB of JSON, a page of plans up to 11 MiB, and several times that in rows) from when it is made until
+    it is delivered, so a few at a time (the others wait their turn, then are told to try again), and what a
+    large one held goes back to the system after it (four reads of 100,000 rows left 130 MiB resident)."""
+
+    def __init__(self, at_once: int = LISTS_AT_ONCE) -> None:
+        self._turns = threading.BoundedSemaphore(at_once)
+
+    def answer(self, read: Callable[[], Any]) -> Response:
+        if not self._turns.acquire(timeout=LIST_WAIT_SECONDS):
+            return JSONResponse(
+                status_code=503,
+                content={"detail": "other large reads are under way; try again shortly"},
+                headers={"Retry-After": "5"},
+            )
+        try:
+            body = to_json(read())
+        except BaseException:
+            self._turns.release()
+            raise
+        return _Delivered(body, on_done=self._delivered)
+
+    def _delivered(self, size: int) -> None:
+        self._turns.release()
+        if size >= LARGE_ANSWER_BYTES:
+            give_back_soon()
+
+
+class _Delivered(Response):
+    """A JSON answer that says when it has been delivered, or its client has gone (cut off, disconnected)."""
+
+    def __init__(self, body: bytes, *, on_done: Callable[[int], None]) -> None:
+        super().__init__(body, media_type="application/json")
+        self._on_done: Callable[[int], None] | None = on_done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        done, self._on_done = self._on_done, None
+        if done is not None:
+            size, self.body = len(self.body), b""
+            done(size)
+
+    def __del__(self) -> None:
+        self._done()  # never sent (its request was given up): its turn is not lost
 
 
 MODE_COLOURS = {
@@ -75,7 +139,8 @@ def dashboard_page() -> str:
 class PinBody(BaseModel):
     """A plan to pin: every k-th block or a set of blocks recomputing (the rest storing), or one mode per block."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a boolean or a string is not a block count (JSON's true would read as 1, "4" as 4).
+    model_config = ConfigDict(extra="forbid", strict=True)
     checkpoint_every: int | None = Field(None, ge=0, le=MAX_BLOCKS, description="k for every k-th block; 0 for none")
     blocks: list[Annotated[int, Field(ge=0, le=MAX_BLOCKS)]] | None = Field(
         None, max_length=MAX_BLOCKS, description="block indices to recompute"
@@ -94,7 +159,8 @@ class PinBody(BaseModel):
 class TuneBody(BaseModel):
     """Overrides of a job's planning; null clears an override."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: ``"budget_bytes": true`` is not a budget of one byte, nor ``"1000"`` one of 1,000.
+    model_config = ConfigDict(extra="forbid", strict=True)
     margin_ratio: float | None = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
     budget_bytes: int | None = Field(None, gt=0, le=MAX_INT)
 
@@ -236,14 +302,19 @@ def _job_reads(core: AdvisorCore) -> APIRouter:
     """Jobs, and each job's plans, statistics and OOM events."""
     router = APIRouter(prefix="/api/v1/jobs")
 
+    lists = Lists()
+
     @router.get("", response_model=JobList)
     def jobs(
         state: Annotated[str | None, Query(description=f"one of {', '.join(JOB_STATES)}")] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = JOBS_PAGE,
         cursor: Cursor = None,
     ) -> Response:
-        page = core.jobs_page(state, limit=limit, cursor=cursor)
-        return _json({"jobs": page.rows, "next_cursor": page.next_cursor})
+        def read() -> dict[str, Any]:
+            page = core.jobs_page(state, limit=limit, cursor=cursor)
+            return {"jobs": page.rows, "next_cursor": page.next_cursor}
+
+        return lists.answer(read)
 
     @router.get("/{job}", response_model=JobView)
     def job(job: str) -> Response:
@@ -251,23 +322,31 @@ def _job_reads(core: AdvisorCore) -> APIRouter:
 
     @router.get("/{job}/plans", response_model=JobPlans)
     def plans(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
-        page = core.plans_page(job, limit=limit, cursor=cursor)
-        return _json({"job": job, "plans": page.rows, "next_cursor": page.next_cursor})
+        def read() -> dict[str, Any]:
+            page = core.plans_page(job, limit=limit, cursor=cursor)
+            return {"job": job, "plans": page.rows, "next_cursor": page.next_cursor}
+
+        return lists.answer(read)
 
     @router.get("/{job}/stats", response_model=JobStats)
     def stats(
         job: str,
-        limit: int = Query(STATS_ROWS, ge=1, le=100_000),
+        limit: int = Query(STATS_ROWS, ge=1, le=MAX_ROWS_PAGE, description="the latest steps, at most"),
         since: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
         until: float | None = Query(None, ge=0, le=1e11, allow_inf_nan=False, description="unix seconds"),
         rank: int | None = Query(None, ge=0, le=MAX_INT),
     ) -> Response:
-        return _json({"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)})
+        return lists.answer(
+            lambda: {"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)}
+        )
 
     @router.get("/{job}/ooms", response_model=JobOoms)
     def ooms(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
-        page = core.ooms_page(job, limit=limit, cursor=cursor)
-        return _json({"job": job, "ooms": page.rows, "next_cursor": page.next_cursor})
+        def read() -> dict[str, Any]:
+            page = core.ooms_page(job, limit=limit, cursor=cursor)
+            return {"job": job, "ooms": page.rows, "next_cursor": page.next_cursor}
+
+        return lists.answer(read)
 
     return router
 
