@@ -45,9 +45,9 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.common import MiB, gpt, median, table, tokens, write_json
 from rematd import client
-from rematd.client.accounting import SavedTensorAccounting
-from rematd.client.models import TinyGPT, lm_loss
-from rematd.client.selective import compiled_selective_context
+from rematd.client.blocks.selective import compiled_selective_context
+from rematd.client.demo.tiny_gpt import TinyGPT, lm_loss
+from rematd.client.memory.accounting import SavedTensorAccounting
 from rematd.planner import letters
 
 
