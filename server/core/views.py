@@ -16,10 +16,10 @@ from typing_extensions import TypedDict
 from rematd.messages import InvalidMessage
 from rematd.planner import Plan, Shape
 from rematd.server.core.controls import require_job
-from rematd.server.core.figures import headroom_ratio, job_oom_risk, job_peak
 from rematd.server.core.paging import JOBS_PAGE, ROWS_PAGE, Page, decode, encode
 from rematd.server.core.plan_policy import entry_in_force, mode_names
 from rematd.server.core.sessions import CONNECTED, ENDED, Sessions
+from rematd.server.figures import headroom_ratio, job_oom_risk, job_peak
 from rematd.server.store.rows import (
     ControlsRow,
     JobRow,
