@@ -11,7 +11,6 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rematd.server.transport.auth import TokenAuth, load_job_tokens
 
@@ -113,7 +112,7 @@ class GrpcOptions:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
 
-    def channel_options(self, max_connections: int = 0) -> list[tuple[str, Any]]:
+    def channel_options(self, max_connections: int = 0) -> list[tuple[str, int]]:
         """The server's options; ``max_connections`` (0: no cap) bounds the connections it accepts at once."""
         # Streams live for days: no max connection age; liveness comes from pings. A connection without a
         # call (one that never sent a preface or a stream) holds a file descriptor for nothing, and is closed.

@@ -56,7 +56,7 @@ def _exercise(store: Store) -> None:
     new = core.on_stats(s, stats(0, 9500, seq=128))
     assert new is not None
     core.on_oom(s, wire.oom_from_pb(pb.OomEvent(step=1, message="CUDA out of memory")))
-    core.pin("db-job", checkpoint_every=1)
+    core.pin("db-job", pin_every=1)
     core.close_session(s, ended=False)
     assert [p["version"] for p in core.job_plans("db-job")][:2] == [1, 2]
     assert core.job_ooms("db-job")[0]["message"] == "CUDA out of memory"
@@ -71,7 +71,7 @@ def _exercise(store: Store) -> None:
     recorded = core.job_plans("db-job")
     assert all(len(p["modes"]) == 4 for p in recorded) and recorded[1]["shape_plans"]
     assert recorded[1]["blocks"] == [i for i, m in enumerate(recorded[1]["modes"]) if m != "store"]
-    core.pin("db-job", modes=["recompute", "store", "store", "recompute"])
+    core.pin("db-job", pin_modes=["recompute", "store", "store", "recompute"])
     other.refresh_controls()
     assert other.job_controls("db-job")["pin_modes"] == ["recompute", "store", "store", "recompute"]
     # A rank left connected by a process that is gone (a ghost) reads as lost.
