@@ -1,8 +1,9 @@
 """The service's settings: each has one default, here, and the ``rematd serve`` flags are built from them.
 
-Each setting's attribute docstring is its flag's help (``rematd.server.flags``). A setting an operator does not
-set on the command line says why in its field's ``NO_FLAG`` metadata. Errors name a setting as its flag is
-spelled, without the dashes (``keep-steps``), so the same message reads right from Python and from the CLI.
+Each setting's attribute docstring is its flag's help; a ``REMATD_*`` variable may set it too
+(``rematd.server.flags``). A setting an operator does not set on the command line says why in its field's
+``NO_FLAG`` metadata. Errors name a setting as its flag is spelled, without the dashes (``keep-steps``), so
+the same message reads right from Python and from the CLI.
 """
 
 from __future__ import annotations

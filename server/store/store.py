@@ -497,8 +497,9 @@ class Store:
 
     def warm_plan(self, *, fingerprint: str, device: str, bucket: int) -> WarmPlanRow | None:
         rows = self._read(
-            "SELECT * FROM warm_plans WHERE model_fingerprint=:fp AND device=:dev AND shape_bucket=:bucket",
-            {"fp": fingerprint, "dev": device, "bucket": bucket},
+            "SELECT * FROM warm_plans WHERE model_fingerprint=:model_fingerprint AND device=:device "
+            "AND shape_bucket=:shape_bucket",
+            {"model_fingerprint": fingerprint, "device": device, "shape_bucket": bucket},
             fresh=False,
         )
         return warm_plan_out(rows[0]) if rows else None
