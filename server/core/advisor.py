@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+
+from typing_extensions import Unpack
 
 from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Plan
 from rematd.server.config import CoreConfig
 from rematd.server.core import plan_policy as policy
-from rematd.server.core.controls import OperatorControls
+from rematd.server.core.controls import OperatorControls, PinTarget
 from rematd.server.core.errors import JobNotFound, SessionError
 from rematd.server.core.ownership import JobTokens
 from rematd.server.core.paging import JOBS_PAGE, ROWS_PAGE, Page
@@ -33,7 +35,7 @@ from rematd.server.core.plan_policy import (
 from rematd.server.core.rank_writes import RankWrites
 from rematd.server.core.sessions import RankSession, Sessions
 from rematd.server.core.training import TrainingSide
-from rematd.server.core.views import JOB_STATES, STATS_ROWS, JobView, ReadViews
+from rematd.server.core.views import JOB_STATES, JobView, ReadViews, StatsQuery
 from rematd.server.metrics.registry import Metrics, RankSample
 from rematd.server.store.database import is_store_error
 from rematd.server.store.retention_clock import RetentionClock
@@ -178,16 +180,9 @@ class AdvisorCore:
 
     # -- the operator side: controls ------------------------------------------
 
-    def pin(
-        self,
-        job: str,
-        *,
-        pin_every: int | None = None,
-        pin_blocks: list[int] | None = None,
-        pin_modes: Sequence[str] | None = None,
-    ) -> ControlsRow:
-        """Pin a job's plan until unpinned; one of the three, as :meth:`OperatorControls.pin` takes it."""
-        return self.controls.pin(job, pin_every=pin_every, pin_blocks=pin_blocks, pin_modes=pin_modes)
+    def pin(self, job: str, **target: Unpack[PinTarget]) -> ControlsRow:
+        """Pin a job's plan until unpinned; ``target`` as :meth:`OperatorControls.pin` takes it."""
+        return self.controls.pin(job, **target)
 
     def unpin(self, job: str) -> ControlsRow:
         return self.controls.unpin(job)
@@ -231,17 +226,9 @@ class AdvisorCore:
     def job_plans(self, job: str) -> list[StoredPlanRow]:
         return self.views.job_plans(job)
 
-    def job_stats(
-        self,
-        job: str,
-        *,
-        limit: int = STATS_ROWS,
-        since: float | None = None,
-        until: float | None = None,
-        rank: int | None = None,
-    ) -> list[StoredStepRow]:
-        """A job's latest ``limit`` steps, within ``since``-``until`` and of ``rank`` where given."""
-        return self.views.job_stats(job, limit=limit, since=since, until=until, rank=rank)
+    def job_stats(self, job: str, **query: Unpack[StatsQuery]) -> list[StoredStepRow]:
+        """A job's step statistics; ``query`` as :meth:`ReadViews.job_stats` takes it."""
+        return self.views.job_stats(job, **query)
 
     def job_ooms(self, job: str) -> list[StoredOomRow]:
         return self.views.job_ooms(job)

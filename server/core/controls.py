@@ -9,6 +9,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from typing_extensions import TypedDict, Unpack
+
 from rematd.messages import JOB_ID_RE, InvalidMessage
 from rematd.planner import ControllerConfig, Mode, Plan, PlannerSession
 from rematd.server.core.errors import JobNotFound
@@ -16,6 +18,17 @@ from rematd.server.core.plan_policy import mode_names, modes_of, pinned_plan
 from rematd.server.core.sessions import ENDED, RankSession, Sessions
 from rematd.server.store.rows import ControlsRow, JobRow
 from rematd.server.store.store import Store
+
+
+class PinTarget(TypedDict, total=False):
+    """The plan an operator pins, one of three ways, named as the controls keep them (``ControlsRow``)."""
+
+    pin_every: int | None
+    """Every k-th block recomputing (0: none)."""
+    pin_blocks: list[int] | None
+    """These blocks recomputing, the rest storing."""
+    pin_modes: Sequence[str] | None
+    """One mode per block."""
 
 
 @dataclass(slots=True)
@@ -119,19 +132,12 @@ class OperatorControls:
             retune = self._apply(job, controls)
         self._retune(retune)
 
-    def pin(
-        self,
-        job: str,
-        *,
-        pin_every: int | None = None,
-        pin_blocks: list[int] | None = None,
-        pin_modes: Sequence[str] | None = None,
-    ) -> ControlsRow:
+    def pin(self, job: str, **target: Unpack[PinTarget]) -> ControlsRow:
         """Pin a job's plan until unpinned: every k-th block or a set of blocks recomputing, or one mode per block
         (named as the controls keep them, :class:`~rematd.server.store.rows.ControlsRow`)."""
         row = require_job(self.store, job)
         n = int(row["num_blocks"])
-        modes, blocks = pin_modes, pin_blocks
+        pin_every, blocks, modes = target.get("pin_every"), target.get("pin_blocks"), target.get("pin_modes")
         if sum(x is not None for x in (pin_every, blocks, modes)) != 1:
             raise InvalidMessage("body", "give exactly one of pin_every, pin_blocks or pin_modes")
         pinned_modes: tuple[Mode, ...] | None = None

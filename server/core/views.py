@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar, cast
 
 from pydantic import Field
-from typing_extensions import TypedDict
+from typing_extensions import TypedDict, Unpack
 
 from rematd.messages import InvalidMessage
 from rematd.planner import Plan, Shape
@@ -41,6 +41,15 @@ PAGE_MODES = 1_000_000
 gigabytes, so a wide model's page holds fewer plans and says where the next starts."""
 MODES_PER_BLOCK = 17
 """A plan's modes per block: its own and those of the most entries its table has (16 by default)."""
+
+
+class StatsQuery(TypedDict, total=False):
+    """Which steps a read of a job's statistics returns."""
+
+    limit: int
+    since: float | None
+    until: float | None
+    rank: int | None
 
 
 PriceState = Literal["measured", "trial", "estimate"]
@@ -369,19 +378,14 @@ class ReadViews:
         limit = min(limit, max(1, PAGE_MODES // (max(1, int(row["num_blocks"])) * MODES_PER_BLOCK)))
         return _by_id(self.store.plans(job, after=after, limit=limit + 1), limit)
 
-    def job_stats(
-        self,
-        job: str,
-        *,
-        limit: int = STATS_ROWS,
-        since: float | None = None,
-        until: float | None = None,
-        rank: int | None = None,
-    ) -> list[StoredStepRow]:
+    def job_stats(self, job: str, **query: Unpack[StatsQuery]) -> list[StoredStepRow]:
+        """A job's latest ``limit`` steps (``STATS_ROWS`` unless given), within ``since``-``until`` and of
+        ``rank`` where given."""
         self._require_job(job)
+        since, until = query.get("since"), query.get("until")
         if since is not None and until is not None and since > until:
             raise InvalidMessage("since", f"since ({since}) is after until ({until})")
-        return self.store.stats(job, limit, since=since, until=until, rank=rank)
+        return self.store.stats(job, query.get("limit", STATS_ROWS), since=since, until=until, rank=query.get("rank"))
 
     def job_ooms(self, job: str) -> list[StoredOomRow]:
         self._require_job(job)
