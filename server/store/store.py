@@ -78,7 +78,7 @@ _ADD_OOM = OOM_EVENTS.insert()
 _SET_CONTROLS = JOB_CONTROLS.insert()
 _REMEMBER_WARM = WARM_PLANS.insert()
 
-_SAVE_LEARNED = """INSERT INTO learned_state VALUES (:job, :rank, :state, :now)
+_SAVE_LEARNED = """INSERT INTO learned_state (job, rank, state, updated_at) VALUES (:job, :rank, :state, :updated_at)
     ON CONFLICT(job, rank) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at"""
 
 
@@ -313,14 +313,14 @@ class Store:
         )
 
     def end_job(self, job: str, now: float) -> None:
-        self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})
+        self._write("UPDATE jobs SET ended_at=:ended_at WHERE job=:job", {"ended_at": now, "job": job})
 
     def end_job_if_done(self, job: str, now: float) -> None:
         """Mark the job ended when every rank the store has of it said goodbye (on any worker or replica)."""
         self._write(
-            """UPDATE jobs SET ended_at=:now WHERE job=:job AND ended_at IS NULL AND NOT EXISTS
+            """UPDATE jobs SET ended_at=:ended_at WHERE job=:job AND ended_at IS NULL AND NOT EXISTS
                (SELECT 1 FROM ranks WHERE ranks.job=:job AND ranks.state <> 'ended')""",
-            {"now": now, "job": job},
+            {"ended_at": now, "job": job},
         )
 
     def heartbeat(self, now: float | None = None) -> list[str]:
@@ -365,7 +365,7 @@ class Store:
 
     def save_learned(self, *, job: str, rank: int, state: dict[str, object], now: float) -> None:
         """What a rank's controller learned, kept beside its plan history for a restarted service."""
-        self._write(_SAVE_LEARNED, {"job": job, "rank": rank, "state": dumps(state), "now": now})
+        self._write(_SAVE_LEARNED, {"job": job, "rank": rank, "state": dumps(state), "updated_at": now})
 
     # -- reads -----------------------------------------------------------------------
 

@@ -104,8 +104,8 @@ class WriteBehind:
         if not last:
             return
         conn.execute(
-            text("UPDATE ranks SET last_stats=:s WHERE job=:job AND rank=:rank"),
-            [{"s": dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
+            text("UPDATE ranks SET last_stats=:last_stats WHERE job=:job AND rank=:rank"),
+            [{"last_stats": dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
         )
         newest: dict[str, LastStepRow] = {}
         for (j, _k), r in last.items():
