@@ -19,8 +19,8 @@ from rematd.server.store.rows import (
     StoredControlsRow,
     StoredPlanRow,
     WarmPlanRow,
-    keys,
 )
+from rematd.server.store.tables import JOB_CONTROLS, PLANS, WARM_PLANS
 
 STORE, RECOMPUTE = Mode.STORE.label, Mode.RECOMPUTE.label
 # Modes are kept one letter a block, as the demo prints them: a plan of 4096 blocks with a table of
@@ -137,18 +137,17 @@ def controls_out(r: Mapping[str, object]) -> StoredControlsRow:
 
 def plan_params(job: str, rank: int, plan: PlanRow, now: float) -> Params:
     """A plan's row of ``plans``."""
-    return {**plan, "job": job, "rank": rank, "created_at": now, "blocks": dumps(list(plan["blocks"])),
-            "modes": packed(plan["modes"]), "shape_plans": pack_table(plan["shape_plans"]),
-            "seq_len": plan.get("seq_len")}  # fmt: skip
+    return PLANS.values({**plan, "job": job, "rank": rank, "created_at": now, "blocks": dumps(list(plan["blocks"])),
+                         "modes": packed(plan["modes"]), "shape_plans": pack_table(plan["shape_plans"])})  # fmt: skip
 
 
 def warm_params(row: WarmPlanRow) -> Params:
-    return {**row, "blocks": dumps(list(row["blocks"])), "modes": packed(row["modes"]),
-            "shape_plans": pack_table(row["shape_plans"])}  # fmt: skip
+    return WARM_PLANS.values({**row, "blocks": dumps(list(row["blocks"])), "modes": packed(row["modes"]),
+                              "shape_plans": pack_table(row["shape_plans"])})  # fmt: skip
 
 
 def controls_params(job: str, controls: ControlsRow, revision: int, now: float) -> Params:
-    """A job's row of ``job_controls``: every override, None where the controls leave it unset."""
-    return {**{k: controls.get(k) for k in keys(ControlsRow)}, "job": job,
-            "pin_blocks": dumps(controls.get("pin_blocks")), "pin_modes": packed(controls.get("pin_modes")),
-            "revision": revision, "updated_at": now}  # fmt: skip
+    """A job's row of ``job_controls``: every override, NULL where the controls leave it unset."""
+    return JOB_CONTROLS.values({**controls, "job": job, "pin_blocks": dumps(controls.get("pin_blocks")),
+                                "pin_modes": packed(controls.get("pin_modes")), "revision": revision,
+                                "updated_at": now})  # fmt: skip
