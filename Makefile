@@ -8,7 +8,7 @@ TORCH_SPEC ?=
 
 .PHONY: setup demo serve test lint typecheck proto proto-check clean
 
-$(STAMP): pyproject.toml scripts/setup.sh scripts/system-packages.txt
+$(STAMP): pyproject.toml scripts/setup.sh scripts/system-packages.txt scripts/torchvision_cpu.py
 	PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC='$(TORCH_SPEC)' bash scripts/setup.sh
 	touch $@
 

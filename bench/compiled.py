@@ -35,41 +35,23 @@ import contextlib
 import functools
 import random
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bench.common import MiB, gpt, median, table, tokens, write_json
+from bench.common import MiB, median, table, write_json
+from bench.compiled_budget import at_report
+from bench.compiled_setup import ADAPTIVE_LENGTHS, Meter, Setup, batch_of, build_model, setup_of, size_arguments, step
 from rematd import client
 from rematd.client.blocks.selective import compiled_selective_context
-from rematd.client.demo.tiny_gpt import TinyGPT, lm_loss
-from rematd.client.memory.accounting import SavedTensorAccounting
+from rematd.client.demo.tiny_gpt import TinyGPT
 from rematd.planner import letters
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Setup:
-    n_layer: int
-    d_model: int
-    n_head: int
-    seq: int
-    batch: int
-    steps: int
-    warmup: int
-    device: str
-    backend: str
-    bf16: bool
-
-
-QUICK = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq": 16, "batch": 2, "steps": 4, "warmup": 3}
-MID = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq": 128, "batch": 4, "steps": 6, "warmup": 3}
-FULL = {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq": 1024, "batch": 8, "steps": 10, "warmup": 6}
 WHOLE_RATIOS = (1.0, 0.5, 0.2)
-ADAPTIVE_LENGTHS = (256, 512, 768, 1024, 1536, 2048)
 
 
 def _plain(m: nn.Module, x: torch.Tensor) -> Any:
@@ -108,76 +90,13 @@ def graphs_compiled() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-class Meter:
-    """Step time and peak memory of one strategy's steps."""
-
-    def __init__(self, setup: Setup, model: nn.Module, handle: client.Handle | None = None) -> None:
-        self.setup = setup
-        self.cuda = setup.device == "cuda"
-        self.handle = handle
-        self.acct = SavedTensorAccounting()
-        self.acct.exclude_module_state(model)
-        self.acct.active = True
-
-    @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        if self.cuda or self.handle is not None:
-            yield  # rematd's own hooks count on the CPU; CUDA's allocator counts everything
-        else:
-            with self.acct.hooks():
-                yield
-
-    def peak(self) -> int:
-        if self.cuda:
-            return int(torch.cuda.max_memory_allocated())
-        if self.handle is not None and self.handle.last_stats is not None:
-            return self.handle.last_stats.saved_peak_bytes
-        return self.acct.take_peak()
-
-
-def _autocast(setup: Setup) -> contextlib.AbstractContextManager[Any]:
-    if setup.bf16:
-        return torch.autocast(setup.device, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def step(
-    setup: Setup, model: nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor, meter: Meter
-) -> tuple[float, int]:
-    """One training step: its seconds and its peak."""
-    start = time.perf_counter()
-    with meter.measuring():
-        with _autocast(setup):
-            loss = lm_loss(model, data)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if meter.handle is not None:
-            meter.handle.step()
-        if meter.cuda:
-            torch.cuda.synchronize()
-    return time.perf_counter() - start, meter.peak()
-
-
-def _model(setup: Setup) -> TinyGPT:
-    model = gpt(setup.n_layer, setup.d_model, setup.n_head, max_seq_len=max(setup.seq, max(ADAPTIVE_LENGTHS)))
-    return model.to(setup.device)
-
-
-def _data(setup: Setup, seq: int | None = None, seed: int = 0) -> torch.Tensor:
-    return tokens(setup.batch, seq or setup.seq, seed).to(setup.device)
-
-
 def measure(setup: Setup, name: str) -> dict[str, Any]:
     """One static or whole-model strategy: steady step seconds, peak, compile seconds, graphs."""
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
     torch._dynamo.reset()
-    model = _model(setup)
+    model = build_model(setup)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     run: nn.Module = model
     patch: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -187,7 +106,7 @@ def measure(setup: Setup, name: str) -> dict[str, Any]:
         patch = functorch_config.patch(activation_memory_budget=float(name.removeprefix("whole-")))
         run = torch.compile(model, backend=setup.backend)  # type: ignore[assignment]
     meter = Meter(setup, model)
-    data = _data(setup)
+    data = batch_of(setup)
     graphs = graphs_compiled()
     first: list[float] = []
     times: list[float] = []
@@ -213,11 +132,11 @@ def rematd_through(setup: Setup, budgets: list[int]) -> list[dict[str, Any]]:
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = _model(setup)
+    model = build_model(setup)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     h = client.attach(model, compile=setup.backend, budget_bytes=max(budgets))
     meter = Meter(setup, model, h)
-    data = _data(setup)
+    data = batch_of(setup)
     rows = []
     start = time.perf_counter()
     for _ in range(2):  # profiling (eager), then every offered mode compiled ahead
@@ -260,7 +179,7 @@ def adaptive(setup: Setup, budget: int, steps: int, seed: int = 0) -> dict[str, 
     out: dict[str, Any] = {"budget_mib": budget / MiB, "lengths": sorted(set(lengths))}
     for name in ("block-full", "rematd"):
         torch._dynamo.reset()
-        model = _model(setup)
+        model = build_model(setup)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         h = None
         if name == "rematd":
@@ -273,7 +192,7 @@ def adaptive(setup: Setup, budget: int, steps: int, seed: int = 0) -> dict[str, 
         start = time.perf_counter()
         done = 0
         for i, seq in enumerate(lengths):
-            data = _data(setup, seq, seed=i)
+            data = batch_of(setup, seq, seed=i)
             try:
                 if h is not None:
                     h.run_step(step, setup, model, opt, data, meter)
@@ -321,24 +240,15 @@ def run(setup: Setup, *, with_adaptive: bool = False, adaptive_steps: int = 30) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model on the CPU")
-    parser.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
+    size_arguments(parser)
     parser.add_argument("--adaptive", action="store_true", help="also the adaptive-length scenario")
     parser.add_argument("--out", default="bench/compiled.json")
-    parser.add_argument("--mid", action="store_true", help="a CPU-sized model: 4 blocks, d_model 128, batch 4 x 128")
     parser.add_argument(
         "--at", type=float, default=0.0, help="only rematd against torch.compile's budget at this fraction of eager's"
     )
-    parser.add_argument("--warmup", type=int, default=0, help="steps before measuring (default: the size's own)")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not (args.quick or args.mid)
-    shape = {**(QUICK if args.quick else MID if args.mid else FULL)}
-    if args.warmup:
-        shape["warmup"] = args.warmup
-    setup = Setup(**shape, device="cuda" if cuda else "cpu", backend=args.backend, bf16=cuda)  # type: ignore[arg-type]
+    setup = setup_of(args)
     if args.at:
-        from bench.compiled_budget import at_report  # it builds on this module
-
         at_report(setup, args.at, args.out)
         return
     payload = run(setup, with_adaptive=args.adaptive, adaptive_steps=8 if args.quick else 40)

@@ -1,6 +1,7 @@
 """rematd with ``compile=True`` against ``torch.compile``'s own activation memory budget, at the same bytes.
 
-    python -m bench.compiled --mid --at 0.5 --warmup 24     # CPU: 4 blocks, d_model 128, batch 4 x 128
+    python -m bench.compiled_budget --mid --at 0.5 --warmup 24   # CPU: 4 blocks, d_model 128, batch 4 x 128
+    python -m bench.compiled --mid --at 0.5 --warmup 24          # the same, from the strategies' benchmark
 
 Eager without checkpointing, ``torch.compile(model)`` with ``activation_memory_budget`` at the ratio, and
 rematd with ``compile=True`` at that ratio of the bytes eager saves for backward, stepped in turn round
@@ -9,6 +10,7 @@ after round (each round in its own order), so that the machine's drift falls on 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import random
 from collections.abc import Callable
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from bench.common import MiB, median, table, write_json
-from bench.compiled import Meter, Setup, _data, _model, step
+from bench.compiled_setup import Meter, Setup, batch_of, build_model, setup_of, size_arguments, step
 from rematd import client
 from rematd.planner import letters
 
@@ -49,14 +51,14 @@ def at_budget_contenders(setup: Setup, ratio: float) -> tuple[list[Contender], i
     with ``compile=True`` at ``ratio`` of the bytes eager saves; and that budget."""
     import torch._functorch.config as functorch_config
 
-    eager_model = _model(setup)
+    eager_model = build_model(setup)
     eager = Contender(
         "eager", eager_model, torch.optim.SGD(eager_model.parameters(), lr=1e-4), Meter(setup, eager_model)
     )
-    eager.step(setup, _data(setup), record=True)
+    eager.step(setup, batch_of(setup), record=True)
     budget = int(eager.peaks.pop() * ratio)
     eager.times.clear()
-    whole_model = _model(setup)
+    whole_model = build_model(setup)
     compiled: Any = torch.compile(whole_model, backend=setup.backend)
     whole = Contender(
         f"whole-{ratio}",
@@ -65,7 +67,7 @@ def at_budget_contenders(setup: Setup, ratio: float) -> tuple[list[Contender], i
         Meter(setup, whole_model),
         patch=lambda: functorch_config.patch(activation_memory_budget=ratio),
     )
-    ours_model = _model(setup)
+    ours_model = build_model(setup)
     h = client.attach(ours_model, compile=setup.backend, budget_bytes=budget)
     ours = Contender(
         "rematd", ours_model, torch.optim.SGD(ours_model.parameters(), lr=1e-4), Meter(setup, ours_model, h)
@@ -79,7 +81,7 @@ def at_budget(setup: Setup, ratio: float) -> dict[str, Any]:
     the measured rounds of each round's step time over eager's."""
     contenders, budget = at_budget_contenders(setup, ratio)
     for i in range(setup.warmup + setup.steps):
-        data = _data(setup, seed=i + 1)
+        data = batch_of(setup, seed=i + 1)
         for c in random.Random(i).sample(contenders, len(contenders)):
             c.step(setup, data, record=i >= setup.warmup)
     eager = contenders[0]
@@ -110,3 +112,18 @@ def at_report(setup: Setup, ratio: float, out: str) -> None:
     ]
     print(table(payload["rows"], columns))
     write_json(out, payload)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    size_arguments(parser)
+    parser.add_argument("--at", type=float, default=0.5, help="the budget, a fraction of eager's saved bytes")
+    parser.add_argument("--out", default="bench/compiled_budget.json")
+    args = parser.parse_args()
+    if not 0 < args.at <= 1:
+        raise SystemExit(f"--at {args.at}: the budget is a fraction of eager's saved bytes, in (0, 1]")
+    at_report(setup_of(args), args.at, args.out)
+
+
+if __name__ == "__main__":
+    main()

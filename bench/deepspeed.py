@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from bench.fsdp import build, run_bench
-from tests.workers.deepspeed_models import LIVE, RELEASED
+from bench.zero3 import LIVE, RELEASED
 
 CONFIGS = {"released": RELEASED, "live": LIVE}
 CONTENDERS = ("plain", "recompute", "switch", "switch, trace left alone")
@@ -86,8 +86,8 @@ class Run:
         self.seconds: list[float] = []
 
     def count(self, batches: list[Any]) -> None:
+        from bench.collectives import counting
         from rematd.client.parallel.zero import Zero3
-        from tests.collectives import counting
 
         own = Zero3.switched
         if self.contender.endswith("left alone"):

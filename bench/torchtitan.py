@@ -5,7 +5,7 @@
     python -m bench.torchtitan --quick              # sequence 128, 5 steps: a smoke run
 
 Each contender is a training run of its own, started as a user would, with torchtitan's arguments (on the CPU
-through ``tests/torchtitan_cpu.py``, which adds the stand-ins torchtitan needs there): ``torchtitan.train``
+through ``bench.torchtitan_cpu``, which adds the stand-ins torchtitan needs there): ``torchtitan.train``
 with ``activation-checkpoint:none``, ``full``, ``selective`` and ``memory-budget`` (``--compile.enable``, its
 ``--activation-checkpoint.memory-budget``: the compiler's partitioner chooses what to keep), and
 ``rematd.integrations.torchtitan`` with ``activation-checkpoint:rematd`` at a budget ``--between`` of the way
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from bench.common import table, write_json
-from tests.distributed import ROOT, run_launcher
-from tests.torchtitan_cpu import PROFILE_STEP, RECORD, make_assets
+from bench.launch import run_launcher
+from bench.torchtitan_cpu import PROFILE_STEP, RECORD, make_assets
 
 MiB = 2**20
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, assets: tuple[Path, Path], where: Path, module
         *("--training.local-batch-size", str(args.batch), "--debug.seed", "0"),
         *("--parallelism.spmd-backend", "partial_dtensor", "--metrics.log-freq", str(args.steps)),
     ]
-    launcher = ["--standalone", "--nproc-per-node", str(args.ranks), str(ROOT / "tests" / "torchtitan_cpu.py")]
+    launcher = ["--standalone", "--nproc-per-node", str(args.ranks), "-m", "bench.torchtitan_cpu"]
     env = {RECORD: str(record), PROFILE_STEP: str(args.profile_step), "OMP_NUM_THREADS": "1"}
     run_launcher("torch.distributed.run", [*launcher, module, *titan, *ac], timeout=3600, env=env)
     return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(args.ranks)]

@@ -48,12 +48,15 @@ if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; the
     "$VENV/bin/python" -m pip install -q --no-deps "$TORCHTITAN_SPEC"
 fi
 
-# torch and torchvision must load together. PyPI's torchvision is built for torch's CUDA build: beside the CPU
-# build its ops library does not load and `import torchvision` fails (so do timm, and transformers' models).
-# The models need none of those ops: rematd.torchvision_ops makes every Python of this environment import
-# torchvision without them (a .pth file; see docs/setup.md).
-if ! "$VENV/bin/python" -m rematd.torchvision_ops --check; then
-    if ! "$VENV/bin/python" -m rematd.torchvision_ops --install; then
+# torch and torchvision must load together. On a CPU machine the matching torchvision comes from PyTorch's CPU
+# index; where that is out of reach pip takes PyPI's, built for torch's CUDA build, whose compiled ops do not
+# load beside the CPU build: `import torchvision` then fails (so do timm, and transformers' models). No CPU
+# build of torchvision is on PyPI, as a wheel or as source, so set-up installs scripts/torchvision_cpu.py into
+# the environment instead: torchvision's nms as a CPU kernel written in torch, in every Python of it (a .pth
+# file; see docs/setup.md). Once installed, it is installed again each time, so that the copy follows the script.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -e "$site/torchvision_cpu.pth" ] || ! "$VENV/bin/python" scripts/torchvision_cpu.py --check; then
+    if ! "$VENV/bin/python" scripts/torchvision_cpu.py --install; then
         echo "setup: torchvision does not load beside $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')." >&2
         echo "setup: install the torchvision release built for that torch (TORCHVISION_SPEC=...), or uninstall torchvision." >&2
         exit 1

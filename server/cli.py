@@ -5,62 +5,89 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+import typing
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
 from rematd.server.config import ExposedWithoutToken, ServeConfig
-from rematd.server.flags import Flag, add_flags, build
+from rematd.server.flags import BadOption, Options, Setting, build, from_env, options_model, parse, settings_of
 from rematd.server.run import bad_db, run_one
 from rematd.server.runtime.log_limits import RepeatLimit
 from rematd.server.store.database import StoreError
 from rematd.server.transport.auth import load_token
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LogLevel = Literal["debug", "info", "warning", "error"]
+PROG = "rematd serve"
 
 
-def serve_parser() -> tuple[argparse.ArgumentParser, list[Flag]]:
-    """The parser, and the flags it has for ServeConfig's settings."""
-    p = argparse.ArgumentParser(prog="rematd serve", description="Run the rematd service: gRPC, REST, /metrics.")
-    flags = add_flags(p, ServeConfig)
+class ServeOptions(Options):
+    """Run the rematd service: gRPC, REST, /metrics."""
+
+    model_config = SettingsConfigDict(cli_prog_name=PROG)
     # Not settings of the service: where the token comes from, how many processes, how much they log.
-    p.add_argument(
-        "--token-file",
-        help="file whose first line is the bearer token writes need (else $REMATD_TOKEN); "
+    token_file: str | None = Field(
+        None,
+        description="file whose first line is the bearer token writes need (else $REMATD_TOKEN); "
         "without a token, rematd listens on loopback only",
     )
-    p.add_argument("--workers", type=int, default=1, help="gRPC worker processes sharing the port (SO_REUSEPORT)")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    return p, flags
+    workers: int = Field(1, description="gRPC worker processes sharing the port (SO_REUSEPORT)")
+    log_level: LogLevel = Field("info", description="how much the service logs")
+
+
+def serve_options() -> tuple[type[ServeOptions], list[Setting]]:
+    """The options model, and the settings of ServeConfig it has an option for."""
+    settings = settings_of(ServeConfig)
+    return options_model(ServeOptions, settings), settings
+
+
+def _refuse(message: str) -> typing.NoReturn:
+    print(f"usage: {PROG} [-h] [options]\n{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def serve(argv: list[str]) -> int:
-    """``rematd serve`` with ``argv`` (its options); the exit status."""
-    parser, flags = serve_parser()
-    args = parser.parse_args(argv)
+    """``rematd serve`` with ``argv`` (its options, over ``REMATD_*`` variables); the exit status."""
+    model, settings = serve_options()
+    try:
+        options = parse(model, argv)
+    except BadOption as err:
+        _refuse(str(err))
     # The service's own handler, its repeated lines limited (does nothing where logging is set up already).
     handler = logging.StreamHandler()
     handler.addFilter(RepeatLimit())
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=[handler]
+        level=options.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[handler],
     )
+    workers = options.workers
     try:
-        if args.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {args.workers}")
-        config: ServeConfig = build(ServeConfig, args, flags, token=load_token(args.token_file))
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        config = build(ServeConfig, options, settings, token=load_token(options.token_file))
     except ExposedWithoutToken as err:
-        print(f"rematd serve: {err}", file=sys.stderr)
+        print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     except ValueError as err:
-        parser.error(str(err))
-    if args.workers > 1:
+        _refuse(_with_variables(str(err), from_env(model.model_fields, argv)))
+    if workers > 1:
         from rematd.server.workers import serve_workers
 
         try:
-            return serve_workers(config, args.workers)
+            return serve_workers(config, workers)
         except StoreError as err:
             return bad_db(config, err)
     return run_one(config)
+
+
+def _with_variables(message: str, env: dict[str, str]) -> str:
+    """``message`` naming the variable an option it names came from, where one did."""
+    named = [variable for option, variable in env.items() if option in message]
+    return f"{message} (set by {', '.join(named)})" if named else message
 
 
 def main(argv: list[str] | None = None) -> int:

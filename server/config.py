@@ -1,8 +1,9 @@
 """The service's settings: each has one default, here, and the ``rematd serve`` flags are built from them.
 
-Each setting's attribute docstring is its flag's help (``rematd.server.flags``). A setting an operator does not
-set on the command line says why in its field's ``NO_FLAG`` metadata. Errors name a setting as its flag is
-spelled, without the dashes (``keep-steps``), so the same message reads right from Python and from the CLI.
+Each setting's attribute docstring is its flag's help; a ``REMATD_*`` variable may set it too
+(``rematd.server.flags``). A setting an operator does not set on the command line says why in its field's
+``NO_FLAG`` metadata. Errors name a setting as its flag is spelled, without the dashes (``keep-steps``), so
+the same message reads right from Python and from the CLI.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rematd.server.transport.auth import TokenAuth, load_job_tokens
 
@@ -113,7 +113,7 @@ class GrpcOptions:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
 
-    def channel_options(self, max_connections: int = 0) -> list[tuple[str, Any]]:
+    def channel_options(self, max_connections: int = 0) -> list[tuple[str, int]]:
         """The server's options; ``max_connections`` (0: no cap) bounds the connections it accepts at once."""
         # Streams live for days: no max connection age; liveness comes from pings. A connection without a
         # call (one that never sent a preface or a stream) holds a file descriptor for nothing, and is closed.

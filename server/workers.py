@@ -36,8 +36,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 from rematd.server.app import store_config
 from rematd.server.config import ServeConfig
@@ -95,14 +96,15 @@ class Supervisor:
         shared: Path,
         *,
         target: Callable[..., None] = _worker,
-        args: tuple[Any, ...] | None = None,
+        args: tuple[object, ...] | None = None,
     ) -> None:
         """``target`` runs a worker, given ``args`` (by default its settings and index)."""
         self.config = config
         self.target = target
         self.args = args
         self.shared = shared
-        self.procs: list[Any] = [None] * workers
+        self.procs: list[BaseProcess | None] = [None] * workers
+        """Each worker's process, by index (None before it is started)."""
         self.restarts: list[collections.deque[float]] = [collections.deque() for _ in range(workers)]
         self.stopping = False
         self.failure: tuple[str, int] | None = None
@@ -118,7 +120,7 @@ class Supervisor:
         p.start()
         self.procs[index] = p
 
-    def stop(self, _sig: int = 0, _frame: Any = None) -> None:
+    def stop(self, _sig: int = 0, _frame: FrameType | None = None) -> None:
         self.stopping = True
         for p in self.procs:
             if p is not None and p.pid is not None and p.is_alive():
@@ -129,33 +131,33 @@ class Supervisor:
         while True:
             if not self.stopping:
                 for index, p in enumerate(self.procs):
-                    if p.exitcode is not None and not self.stopping:
+                    if p is not None and p.exitcode is not None and not self.stopping:
                         self._died(index, p)
-            alive = [p for p in self.procs if p.is_alive()]
+            alive = [p for p in self.procs if p is not None and p.is_alive()]
             if alive:
                 multiprocessing.connection.wait([p.sentinel for p in alive], timeout=1.0)
             elif self.stopping:
                 return
             # else: one died since the check above (a restart that failed at once): the next pass sees it
 
-    def _died(self, index: int, p: Any) -> None:
-        how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with status {p.exitcode}"
-        self._forget(p.pid, index)
+    def _died(self, index: int, p: BaseProcess) -> None:
+        code, pid = p.exitcode or 0, p.pid or 0
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        self._forget(pid, index)
         now = time.monotonic()
         recent = self.restarts[index]
         while recent and now - recent[0] > RESTART_WINDOW_SECONDS:
             recent.popleft()
-        if p.exitcode == BAD_SETTINGS:
-            self._give_up(f"worker {index} (pid {p.pid}) {how}: its store or settings are unusable", BAD_SETTINGS)
+        if code == BAD_SETTINGS:
+            self._give_up(f"worker {index} (pid {pid}) {how}: its store or settings are unusable", BAD_SETTINGS)
         elif len(recent) >= MAX_RESTARTS:
             self._give_up(
-                f"worker {index} (pid {p.pid}) {how}, its {len(recent) + 1}th exit within "
-                f"{RESTART_WINDOW_SECONDS:.0f} s",
+                f"worker {index} (pid {pid}) {how}, its {len(recent) + 1}th exit within {RESTART_WINDOW_SECONDS:.0f} s",
                 1,
             )
         else:
             recent.append(now)
-            log.error("worker %d (pid %d) %s; starting it again, the other workers go on", index, p.pid, how)
+            log.error("worker %d (pid %d) %s; starting it again, the other workers go on", index, pid, how)
             self.start(index)
 
     def _give_up(self, why: str, status: int) -> None:
@@ -187,7 +189,11 @@ class Supervisor:
             return self.failure[1]
         # A worker stopped by the supervisor's SIGTERM exits 0 once it has drained (or dies of it, still starting);
         # any other end is a failure.
-        codes = [0 if self.stopping and p.exitcode == -signal.SIGTERM else abs(p.exitcode or 0) for p in self.procs]
+        codes = [
+            0 if self.stopping and p.exitcode == -signal.SIGTERM else abs(p.exitcode or 0)
+            for p in self.procs
+            if p is not None
+        ]
         return max(codes, default=0)
 
 

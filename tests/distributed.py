@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -68,26 +67,3 @@ def run_ranks(
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
     return [json.loads((tmp / f"{worker}-rank{r}.json").read_text()) for r in range(world)]
-
-
-def run_launcher(module: str, args: list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None) -> str:
-    """Run ``python -m <module> <args>`` (a launcher that starts ranks of its own); its standard output.
-
-    It runs in a session of its own: on a timeout the launcher and the ranks it started are killed together."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    return stdout

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .distributed import run_launcher
+from bench.launch import run_launcher
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")

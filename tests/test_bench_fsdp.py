@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .distributed import run_launcher
+from bench.launch import run_launcher
 
 
 def test_the_fsdp_benchmark_runs_and_keeps_rematd_under_its_budget(tmp_path: Path) -> None:

@@ -301,8 +301,9 @@ def test_service_counts_a_jobs_recompiles(tmp_path: Path) -> None:
 
 def test_compiled_benchmark_runs_its_strategies_on_the_cpu() -> None:
     from bench import compiled as bench
+    from bench.compiled_setup import QUICK, Setup
 
-    setup = bench.Setup(**{**bench.QUICK, "steps": 1, "warmup": 1}, device="cpu", backend="aot_eager", bf16=False)
+    setup = Setup(**{**QUICK, "steps": 1, "warmup": 1}, device="cpu", backend="aot_eager", bf16=False)
     every_2nd = bench.measure(setup, "block-every-2nd")
     # Two kinds (checkpointed, plain), each one graph for the blocks that run it.
     assert every_2nd["graphs"] == 2 and every_2nd["peak_mib"] > 0

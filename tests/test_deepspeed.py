@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from .collectives import differences
+from bench.collectives import differences
+
 from .distributed import run_ranks
 
 pytestmark = pytest.mark.skipif(

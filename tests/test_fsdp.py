@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from bench.collectives import differences
 from rematd import client
 from rematd.client.parallel.fsdp import refuse_fsdp1
 
-from .collectives import differences
 from .distributed import run_ranks
 from .helpers import live_server
 

@@ -193,6 +193,8 @@ def test_a_hello_with_too_many_blocks_is_refused_before_conversion(server: LiveS
         ("PATCH", "/api/v1/jobs/victim", {"margin_ratio": "0.5"}, "margin_ratio"),
         ("PATCH", "/api/v1/jobs/victim", {"margin_ratio": False}, "margin_ratio"),
         ("POST", "/api/v1/jobs/victim/pin", {"checkpoint_every": True}, "checkpoint_every"),
+        ("POST", "/api/v1/jobs/victim/pin", {"pin_every": True}, "pin_every"),
+        ("POST", "/api/v1/jobs/victim/pin", {"pin_blocks": ["1"]}, "pin_blocks"),
         ("POST", "/api/v1/jobs/victim/pin", {"blocks": ["1"]}, "blocks"),
     ],
 )
@@ -205,7 +207,8 @@ def test_a_boolean_or_a_string_is_not_a_number(
     controls = httpx.get(server.url + "/api/v1/jobs/victim", timeout=10).json()["controls"]
     assert controls["budget_bytes"] is None and controls["margin_ratio"] is None and controls["pin_every"] is None
     # The same fields as numbers are taken.
-    good = {"budget_bytes": 1000, "margin_ratio": 0, "checkpoint_every": 2, "blocks": [1]}[field]
+    good = {"budget_bytes": 1000, "margin_ratio": 0, "checkpoint_every": 2, "blocks": [1], "pin_every": 2,
+            "pin_blocks": [1]}[field]  # fmt: skip
     r = httpx.request(method, server.url + path, json={field: good}, headers=AUTH, timeout=10)
     assert r.status_code == 200, r.text
     httpx.patch(server.url + path, json={"budget_bytes": None, "margin_ratio": None}, headers=AUTH, timeout=10)

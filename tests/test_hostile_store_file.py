@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -65,6 +66,30 @@ def _until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
     return False
 
 
+def _flush_rounds(store: Store) -> Callable[[], int]:
+    """How many rounds the store's write-behind thread has finished from now on: each looks at the file, then
+    writes what is buffered (or finds it cannot). What a round would have written, it has written when it ends."""
+    rounds = 0
+    flush = store.flush
+
+    def counted() -> None:
+        nonlocal rounds
+        try:
+            flush()
+        finally:
+            if threading.current_thread() is store._flusher:  # not a flush of another caller's
+                rounds += 1
+
+    store.flush = counted  # type: ignore[method-assign]
+    return lambda: rounds
+
+
+def _after_rounds(store: Store, rounds: int, why: str) -> None:
+    """Wait until the write-behind thread has finished ``rounds`` more rounds (``why`` says what for)."""
+    done = _flush_rounds(store)
+    assert _until(lambda: done() >= rounds), f"the store's write-behind thread ran {done()} rounds, not {rounds}, {why}"
+
+
 def _lost_metric(svc: ServiceThread) -> str:
     assert svc.service.bound is not None
     text = httpx.get(f"http://{svc.service.bound.http}/metrics", timeout=10).text
@@ -82,7 +107,7 @@ def test_a_deleted_record_is_seen_and_nothing_is_written_into_a_fresh_file(serve
     assert svc.service.bound is not None
     _, err = session(svc.service.bound.grpc, [pb.ClientMessage(hello=wire.hello_to_pb(hello(job="during")))])
     assert err is not None  # a hello is refused while the store cannot take it
-    time.sleep(0.6)
+    _after_rounds(svc.service.core.store, 2, "after the hello")
     assert not db.exists()  # no fresh, empty record in its place
 
 
@@ -99,7 +124,7 @@ def test_a_record_moved_away_and_back_keeps_the_reports_sent_meanwhile(served: t
     assert live is not None
     for step in range(3, 8):
         svc.service.core.on_stats(live, stats(step, 4000))
-    time.sleep(0.6)
+    _after_rounds(store, 2, "after the reports")
     assert store.pending() >= 5  # kept, not written into the stranger's file
     assert sqlite3.connect(db).execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
     os.replace(aside, db)
@@ -207,7 +232,7 @@ def test_another_process_writing_the_store_leaves_this_ones_reads_whole(tmp_path
             core.on_stats(s, stats(0, 500))
             core.close_session(s, ended=True)
         assert _until(lambda: store.watch is not None and store.pending() == 0)
-        time.sleep(0.6)  # the watch has looked at the file a few times
+        _after_rounds(store, 2, "looking at the file")  # the watch has looked at the file again
         writer = (
             "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
             "from bench.store_rows import more_plans, more_steps; "

@@ -1,36 +1,74 @@
-"""The packages' import graph: no module imports itself through others, and the service never imports the client.
+"""The import graph: layers import downwards, and no modules import each other. Read from the source with ``ast``,
+so no module is imported to check it.
 
-Every import counts, a function's own included (it runs the first time the function does), except those under
-``if TYPE_CHECKING:``, which never run.
+Every module of the package (its folders as ``pyproject.toml`` maps them) and of ``bench/`` is parsed; an import
+anywhere in a module counts (a function's own included: it runs on the first call), except under
+``if TYPE_CHECKING:``, which never runs. The cycle check takes both kinds too: an import deferred into a function
+so that two modules can each reach the other is still a cycle, only one that breaks later (``bench.compiled`` and
+``bench.compiled_budget`` were one such pair).
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The folders of the package, as pyproject.toml's package-dir maps them, and bench/.
+SOURCES = {
     "rematd": ROOT / "proto" / "rematd",
     "rematd.planner": ROOT / "planner",
     "rematd.client": ROOT / "client",
     "rematd.server": ROOT / "server",
     "rematd.integrations": ROOT / "integrations",
+    "bench": ROOT / "bench",
 }
+# Generated code (protoc's): it imports only its own kind.
+SKIP_FILES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
 
-def modules() -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for package, folder in PACKAGES.items():
-        for path in folder.rglob("*.py"):
-            rel = path.relative_to(folder).with_suffix("")
-            if "_pb2" in path.name or "__pycache__" in rel.parts:
+@dataclass(frozen=True, slots=True)
+class Import:
+    """One import statement's target, resolved to a dotted module name."""
+
+    target: str
+    """The most specific module it names: ``from a import b`` is ``a.b`` when ``b`` is a module of ``a``."""
+    line: int
+    """Where it stands in the importing module."""
+    top_level: bool
+    """Whether it runs while the module itself is imported (not inside a function)."""
+
+
+@dataclass(slots=True)
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    imports: list[Import] = field(default_factory=list)
+
+
+def _module_name(prefix: str, root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([prefix, *parts])
+
+
+def _walk() -> dict[str, Module]:
+    modules: dict[str, Module] = {}
+    for prefix, root in SOURCES.items():
+        for path in sorted(root.rglob("*.py")):
+            if path.name.endswith(SKIP_FILES) or "__pycache__" in path.parts:
                 continue
-            parts = [p for p in rel.parts if p != "__init__"]
-            name = ".".join([package, *parts])
-            found[name] = path
-    return found
+            name = _module_name(prefix, root, path)
+            modules[name] = Module(name=name, path=path, is_package=path.name == "__init__.py")
+    return modules
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -39,136 +77,229 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import under ``node``, skipping the bodies of ``if TYPE_CHECKING:`` (their ``else`` still runs)."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.Import, ast.ImportFrom)):
-            yield child
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            for stmt in child.orelse:
-                yield from _imports(ast.Module(body=[stmt], type_ignores=[]))
-        else:
-            yield from _imports(child)
+def _statements(body: list[ast.stmt], *, top_level: bool) -> Iterator[tuple[ast.stmt, bool]]:
+    """Each statement of ``body`` and the statements nested in it, with whether it runs at import time."""
+    for node in body:
+        yield node, top_level
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _statements(node.orelse, top_level=top_level)
+            continue
+        inner_top = top_level and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, name, None)
+            if not isinstance(children, list):
+                continue
+            for child in children:
+                if isinstance(child, (ast.ExceptHandler, ast.match_case)):
+                    yield from _statements(child.body, top_level=inner_top)
+                elif isinstance(child, ast.stmt):
+                    yield from _statements([child], top_level=inner_top)
 
 
-def graph() -> dict[str, set[str]]:
-    mods = modules()
-    edges: dict[str, set[str]] = {name: set() for name in mods}
-    for name, path in mods.items():
-        is_package = path.name == "__init__.py"
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    anchor = name.split(".") if is_package else name.split(".")[:-1]
-                    anchor = anchor[: len(anchor) - (node.level - 1)]
-                    base = ".".join([*anchor, *([base] if base else [])])
-                # ``from package import module`` imports the module; ``from module import name`` the module.
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            for target in targets:
-                # ``import a.b.c`` of a module this project does not have: the nearest one it does.
-                while target and target not in mods:
-                    target = target.rpartition(".")[0]
-                if target and target != name:
-                    edges[name].add(target)
-    return edges
+def _resolve(module: Module, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.name.split(".")
+    # A package's relative import starts from the package itself; a module's from the package holding it.
+    drop = node.level - 1 if module.is_package else node.level
+    if drop > len(base) - 1:
+        raise AssertionError(f"{module.path}:{node.lineno}: relative import beyond the top package")
+    base = base[: len(base) - drop]
+    return ".".join([*base, node.module] if node.module else base)
 
 
-def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan), each as one cycle through it."""
+def _targets(module: Module, node: ast.stmt, known: set[str]) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name
+    elif isinstance(node, ast.ImportFrom):
+        source = _resolve(module, node)
+        for alias in node.names:
+            sub = f"{source}.{alias.name}"
+            yield sub if sub in known else source
+
+
+def _read(module: Module, source: str, known: set[str]) -> None:
+    tree = ast.parse(source, filename=str(module.path))
+    for node, top_level in _statements(tree.body, top_level=True):
+        for target in dict.fromkeys(_targets(module, node, known)):  # `from a import b, c`: a once
+            module.imports.append(Import(target=target, line=node.lineno, top_level=top_level))
+
+
+def _graph() -> dict[str, Module]:
+    modules = _walk()
+    for module in modules.values():
+        _read(module, module.path.read_text(encoding="utf-8"), set(modules))
+    return modules
+
+
+GRAPH = _graph()
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _offences(importer: str, forbidden: str) -> list[str]:
+    """Each import of a module under ``forbidden`` by a module under ``importer``, as ``path:line: target``."""
+    found = []
+    for module in GRAPH.values():
+        if not _within(module.name, importer):
+            continue
+        for imp in module.imports:
+            if _within(imp.target, forbidden):
+                found.append(f"{module.path.relative_to(ROOT)}:{imp.line}: imports {imp.target}")
+    return found
+
+
+def test_the_reader_counts_what_runs() -> None:
+    source = """
+from __future__ import annotations
+from typing import TYPE_CHECKING
+from . import sibling
+from .sibling import name
+import rematd.server.app
+if TYPE_CHECKING:
+    from rematd.client import typed_only
+else:
+    import at_runtime
+def later():
+    from ..other import thing
+class Holder:
+    import in_class_body
+"""
+    module = Module(name="rematd.pkg.mod", path=ROOT / "mod.py", is_package=False)
+    _read(module, source, {"rematd.pkg.sibling", "rematd.other.thing"})
+    seen = {(i.target, i.top_level) for i in module.imports}
+    assert ("rematd.pkg.sibling", True) in seen and ("rematd.server.app", True) in seen
+    assert ("at_runtime", True) in seen and ("in_class_body", True) in seen
+    assert ("rematd.other.thing", False) in seen, "a function's import counts, as run later"
+    assert not any("typed_only" in t or t == "rematd.client" for t, _ in seen), "TYPE_CHECKING's never runs"
+
+
+def test_the_walk_finds_every_layer() -> None:
+    # A moved folder would leave a rule below checking nothing.
+    for package in ("rematd", "rematd.planner", "rematd.client", "rematd.server", "rematd.integrations", "bench"):
+        assert package in GRAPH, f"{package} not found under {SOURCES[package]}"
+    assert "rematd.server.metrics" in GRAPH and "rematd.server.core" in GRAPH
+    assert len(GRAPH) > 100, sorted(GRAPH)
+
+
+def test_the_planner_imports_only_itself_and_the_standard_library() -> None:
+    outside = []
+    for module in GRAPH.values():
+        if not _within(module.name, "rematd.planner"):
+            continue
+        for imp in module.imports:
+            top = imp.target.split(".")[0]
+            if _within(imp.target, "rematd.planner") or (top != "rematd" and top in sys.stdlib_module_names):
+                continue
+            outside.append(f"{module.path.relative_to(ROOT)}:{imp.line}: imports {imp.target}")
+    assert not outside, "the planner imports outside itself and the standard library:\n" + "\n".join(outside)
+
+
+def test_server_metrics_does_not_import_server_core() -> None:
+    # core records into metrics; metrics reading core back makes the two one layer.
+    found = _offences("rematd.server.metrics", "rematd.server.core")
+    assert not found, "rematd.server.metrics imports rematd.server.core:\n" + "\n".join(found)
+
+
+def test_the_server_does_not_import_the_client() -> None:
+    found = _offences("rematd.server", "rematd.client")
+    assert not found, "rematd.server imports rematd.client:\n" + "\n".join(found)
+
+
+def test_the_client_does_not_import_the_server() -> None:
+    # The client runs inside the training job, which installs rematd[client] only.
+    found = _offences("rematd.client", "rematd.server")
+    assert not found, "rematd.client imports rematd.server:\n" + "\n".join(found)
+
+
+def test_benchmarks_do_not_import_the_tests() -> None:
+    found = _offences("bench", "tests")
+    assert not found, "bench imports tests (move what both need into bench/):\n" + "\n".join(found)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, or of one that imports itself (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
     found: list[list[str]] = []
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(_cycle_through(sorted(component), edges))
+    def visit(start: str) -> None:
+        # Iterative, so a long chain of imports cannot reach the recursion limit.
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in edges[node]:
+                    found.append(sorted(component))
 
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
     return found
 
 
-def _cycle_through(component: list[str], edges: dict[str, set[str]]) -> list[str]:
-    """One path from the component's first module back to itself, for the failure message."""
+def _edges() -> dict[str, set[str]]:
+    """Who imports whom among the modules walked (rematd's and bench's)."""
+    edges: dict[str, set[str]] = {name: set() for name in GRAPH}
+    for module in GRAPH.values():
+        for imp in module.imports:
+            if imp.target in GRAPH and imp.target != module.name:
+                edges[module.name].add(imp.target)
+    return edges
+
+
+def _describe(component: list[str]) -> str:
+    """The modules of one cycle, and the import lines that close it."""
     members = set(component)
-    start = component[0]
-    paths = {start: [start]}
-    queue = [start]
-    while queue:
-        v = queue.pop(0)
-        for w in sorted(edges[v] & members):
-            if w == start:
-                return [*paths[v], start]
-            if w not in paths:
-                paths[w] = [*paths[v], w]
-                queue.append(w)
-    return component
+    lines = [" <-> ".join(component)]
+    for name in component:
+        for imp in GRAPH[name].imports:
+            if imp.target in members and imp.target != name:
+                where = "" if imp.top_level else " (inside a function)"
+                lines.append(f"  {GRAPH[name].path.relative_to(ROOT)}:{imp.line}: imports {imp.target}{where}")
+    return "\n".join(lines)
 
 
-def test_the_graph_sees_what_the_packages_import() -> None:
-    edges = graph()
-    # A top-level import, a function's own import, and one under TYPE_CHECKING (not counted).
-    assert "rematd.server.config" in edges["rematd.server.app"]
-    assert "rematd.demo" in edges["rematd.cli"]
-    assert "rematd.server.app" in edges["rematd.demo"]
-    assert "rematd.client.blocks.compiled" not in edges["rematd.client.blocks.switchable"]
-    assert len(edges) > 60
+def test_no_import_cycles() -> None:
+    cycles = _cycles(_edges())
+    assert not cycles, "import cycles:\n" + "\n".join(_describe(c) for c in cycles)
 
 
-def test_no_module_imports_itself_through_others() -> None:
-    found = cycles(graph())
-    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
-
-
-def test_the_cycle_finder_finds_a_cycle_and_names_its_path() -> None:
-    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert cycles(edges) == [["a", "b", "c", "a"]]
-    assert cycles({"a": {"b"}, "b": set()}) == []
-
-
-def test_the_service_never_imports_the_client() -> None:
-    edges = graph()
-    bad = sorted(
-        f"{src} imports {dst}"
-        for src, targets in edges.items()
-        if src.startswith("rematd.server")
-        for dst in targets
-        if dst == "rematd.client" or dst.startswith("rematd.client.")
-    )
-    assert not bad, bad
-
-
-def test_the_client_never_imports_the_service() -> None:
-    """The demo's service start lives in ``rematd.demo``, above both: a training job needs no server extra."""
-    edges = graph()
-    bad = sorted(
-        f"{src} imports {dst}"
-        for src, targets in edges.items()
-        if src == "rematd.client" or src.startswith("rematd.client.")
-        for dst in targets
-        if dst == "rematd.server" or dst.startswith("rematd.server.")
-    )
-    assert not bad, bad
+@pytest.mark.parametrize(
+    ("edges", "expected"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+        ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}}, [["a", "b", "c"], ["d"]]),
+    ],
+)
+def test_the_cycle_finder_names_each_cycle(edges: dict[str, set[str]], expected: list[list[str]]) -> None:
+    assert sorted(_cycles(edges)) == expected

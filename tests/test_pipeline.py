@@ -15,10 +15,11 @@ import pytest
 import torch
 from torch import nn
 
+from bench.launch import run_launcher
 from rematd import client
 from rematd.client.parallel.pipeline import alive_at_peak
 
-from .distributed import run_launcher, run_ranks
+from .distributed import run_ranks
 
 TWO_STAGES = [
     {"schedule": "gpipe", "split": "titan", "counts": [3, 2], "pinned": True, "steps": 4},

@@ -150,6 +150,19 @@ def test_reads_need_the_token_off_loopback(core: AdvisorCore) -> None:
     assert http.get("/healthz").status_code == 200
 
 
+def test_the_pin_body_names_its_fields_as_the_controls_keep_them_and_takes_the_old_names(core: AdvisorCore) -> None:
+    http = TestClient(create_app(core, TokenAuth(token=TOKEN)))
+    for field, value, old in (("pin_every", 2, "checkpoint_every"), ("pin_blocks", [1, 3], "blocks")):
+        answers = []
+        for name in (field, old):
+            r = http.post("/api/v1/jobs/known/pin", json={name: value}, headers=AUTH)
+            assert r.status_code == 200, r.text
+            answers.append({k: v for k, v in r.json().items() if k not in ("revision", "updated_at")})
+            assert http.get("/api/v1/jobs/known").json()["controls"][field] == value
+        assert answers[0] == answers[1] and answers[0][field] == value
+    assert http.delete("/api/v1/jobs/known/pin", headers=AUTH).json()["pin_every"] is None
+
+
 def test_pin_unpin_tune_and_end(core: AdvisorCore) -> None:
     http = TestClient(create_app(core, TokenAuth(token=TOKEN)))
     s = core.sessions.by_job["known"][0]
@@ -191,8 +204,11 @@ def test_pin_unpin_tune_and_end(core: AdvisorCore) -> None:
         ("POST", "/api/v1/jobs/known/pin", {}, 422, None),
         ("POST", "/api/v1/jobs/known/pin", {"checkpoint_every": 2, "blocks": [1]}, 422, None),
         ("POST", "/api/v1/jobs/known/pin", {"checkpoint_every": -1}, 422, None),
-        ("POST", "/api/v1/jobs/known/pin", {"checkpoint_every": 9}, 422, "checkpoint_every"),
-        ("POST", "/api/v1/jobs/known/pin", {"blocks": [8]}, 422, "blocks"),
+        ("POST", "/api/v1/jobs/known/pin", {"checkpoint_every": 9}, 422, "pin_every"),
+        ("POST", "/api/v1/jobs/known/pin", {"pin_every": 9}, 422, "pin_every"),
+        ("POST", "/api/v1/jobs/known/pin", {"blocks": [8]}, 422, "pin_blocks"),
+        ("POST", "/api/v1/jobs/known/pin", {"pin_blocks": [8]}, 422, "pin_blocks"),
+        ("POST", "/api/v1/jobs/known/pin", {"pin_every": 2, "checkpoint_every": 2}, 422, None),
         ("POST", "/api/v1/jobs/known/pin", {"every": 2}, 422, None),
         ("PATCH", "/api/v1/jobs/known", {"margin_ratio": 1.0}, 422, None),
         ("PATCH", "/api/v1/jobs/known", {"budget_bytes": 0}, 422, None),

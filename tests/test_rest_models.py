@@ -123,7 +123,7 @@ def test_a_key_a_migration_adds_to_stats_rows_reaches_the_client(core: AdvisorCo
 
 def test_every_view_fits_its_model_and_comes_back_whole(core: AdvisorCore) -> None:
     """The endpoints send the views unvalidated (a large read stays cheap); here each is held to its model."""
-    core.pin("known", blocks=[1, 3])
+    core.pin("known", pin_blocks=[1, 3])
     core.tune("known", {"budget_bytes": 123_456})
     views = [
         (JobList, {"jobs": core.list_jobs()}),

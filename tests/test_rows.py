@@ -23,20 +23,8 @@ from rematd.server.metrics.registry import Metrics
 from rematd.server.store import rows
 from rematd.server.store.rows import keys
 from rematd.server.store.store import Store
+from rematd.server.store.tables import JOB_CONTROLS, JOBS, STATS, TABLES, Table
 from rematd.server.transport.rest import MODE_COLOURS, create_app, dashboard_page
-
-# Each table and the row type it keeps, with the columns that only the database has (row ids, and the
-# owner a read already knows).
-TABLES = {
-    "stats": (rows.StoredStepRow, {"id", "job"}),
-    "oom_events": (rows.StoredOomRow, {"id", "job"}),
-    "plans": (rows.StoredPlanRow, {"id", "job"}),
-    "jobs": (rows.JobRow, set()),
-    # The process that holds a rank's stream: the store's own bookkeeping, never read back as a field.
-    "ranks": (rows.RankRow, {"holder"}),
-    "job_controls": (rows.StoredControlsRow, set()),
-    "warm_plans": (rows.WarmPlanRow, set()),
-}
 
 
 @pytest.fixture
@@ -46,16 +34,36 @@ def store(tmp_path: Path) -> Store:
     s.close()
 
 
-@pytest.mark.parametrize("table", sorted(TABLES))
-def test_each_table_holds_exactly_its_row_type(store: Store, table: str) -> None:
-    row, database_only = TABLES[table]
-    columns = {c["name"] for c in inspect(store.engine).get_columns(table)}
-    assert columns - database_only == set(keys(row)), f"{table}: add a migration, or the field to {row.__name__}"
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
+def test_each_table_holds_exactly_its_row_type(store: Store, table: Table) -> None:
+    columns = {c["name"] for c in inspect(store.engine).get_columns(table.name)}
+    # Row ids are the database's own; the owner columns (a row's job, a rank's holder) are written, not read.
+    assert columns - {"id"} == set(table.columns), (
+        f"{table.name}: add a migration, or the field to {table.row.__name__}"
+    )
+    assert set(table.columns) - set(table.owner) == set(keys(table.row))
 
 
-def test_the_step_columns_the_store_writes_are_the_step_row() -> None:
-    assert ("job", "rank", *keys(rows.StepRow)) == rows.STEP_COLUMNS
-    assert {"oom_risk"} == rows.OPTIONAL_STEP_COLUMNS, "only what a client may leave unmeasured is nullable"
+def test_the_statements_name_each_column_once_and_bind_it_by_its_own_name() -> None:
+    assert STATS.columns == ("job", *keys(rows.StoredStepRow))
+    assert {"oom_risk"} == STATS.optional, "only what a client may leave unmeasured is nullable"
+    for table in TABLES:
+        sql = table.insert()
+        for column in table.columns:
+            assert f":{column}" in sql
+        assert sql.count(":") == len(table.columns), sql
+    upsert = JOB_CONTROLS.insert()
+    assert "pin_every=excluded.pin_every" in upsert and "job=excluded" not in upsert
+    assert "created_at=excluded" not in JOBS.insert(), "a job's creation time stays as first written"
+
+
+def test_a_write_lacking_a_required_field_is_refused_by_name() -> None:
+    row = {"job": "j", "rank": 0, "step": 1}
+    with pytest.raises(KeyError, match="time"):
+        STATS.values(row)
+    full = {**row, "time": 1.0, "peak_bytes": 1, "budget_bytes": 2, "predicted_peak_bytes": 1, "plan_version": 1,
+            "seq_len": 8, "batch": 1, "step_seconds": 0.1}  # fmt: skip
+    assert STATS.values(full)["oom_risk"] is None
 
 
 def test_fields_a_step_report_and_its_row_share_mean_the_same() -> None:
@@ -79,7 +87,7 @@ def test_every_field_the_dashboard_reads_is_a_field_of_a_row_or_a_view() -> None
     # The page's own code is camelCase; snake_case names after a dot are the service's fields.
     read = set(re.findall(r"\.([a-z]+(?:_[a-z]+)+)\b", page))
     views = (JobView, RankView, InForce, ModePrice, BucketPrice)
-    known = {k for t in (*{r for r, _ in TABLES.values()}, *views) for k in keys(t)}
+    known = {k for t in (*{t.row for t in TABLES}, *views) for k in keys(t)}
     assert read, "the dashboard reads fields"
     assert read <= known, f"the dashboard reads fields no row or view has: {sorted(read - known)}"
 

@@ -21,6 +21,7 @@ from rematd.server.config import StoreConfig
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store.database import database_url
+from rematd.server.store.rows import WarmPlanRow
 from rematd.server.store.schema import _TYPES, MIGRATIONS, SCHEMA_VERSION
 from rematd.server.store.store import Store
 from rematd.v1 import advisor_pb2 as pb
@@ -56,7 +57,7 @@ def _exercise(store: Store) -> None:
     new = core.on_stats(s, stats(0, 9500, seq=128))
     assert new is not None
     core.on_oom(s, wire.oom_from_pb(pb.OomEvent(step=1, message="CUDA out of memory")))
-    core.pin("db-job", checkpoint_every=1)
+    core.pin("db-job", pin_every=1)
     core.close_session(s, ended=False)
     assert [p["version"] for p in core.job_plans("db-job")][:2] == [1, 2]
     assert core.job_ooms("db-job")[0]["message"] == "CUDA out of memory"
@@ -71,7 +72,7 @@ def _exercise(store: Store) -> None:
     recorded = core.job_plans("db-job")
     assert all(len(p["modes"]) == 4 for p in recorded) and recorded[1]["shape_plans"]
     assert recorded[1]["blocks"] == [i for i, m in enumerate(recorded[1]["modes"]) if m != "store"]
-    core.pin("db-job", modes=["recompute", "store", "store", "recompute"])
+    core.pin("db-job", pin_modes=["recompute", "store", "store", "recompute"])
     other.refresh_controls()
     assert other.job_controls("db-job")["pin_modes"] == ["recompute", "store", "store", "recompute"]
     # A rank left connected by a process that is gone (a ghost) reads as lost.
@@ -81,6 +82,28 @@ def _exercise(store: Store) -> None:
     with store.engine.begin() as conn:
         conn.execute(text("UPDATE ranks SET holder='another-host:1:gone' WHERE job='ghost-job'"))
     assert core.get_job("ghost-job")["ranks"][0]["state"] == "disconnected"
+    # The upserts the tables build: a job said hello to again keeps its creation time; a warm plan kept again for
+    # the same model, device and size replaces the first.
+    job = store.job("db-job")
+    assert job is not None
+    store.open_rank(job="db-job", rank=7, now=job["created_at"] + 100, world_size=8, num_blocks=4, budget_bytes=77,
+                    fingerprint=job["model_fingerprint"])  # fmt: skip
+    store.set_rank_state(job="db-job", rank=7, state="ended")
+    again = store.job("db-job")
+    assert (
+        again is not None
+        and again["created_at"] == job["created_at"]
+        and again["updated_at"] == job["created_at"] + 100
+    )
+    assert again["world_size"] == 8 and again["budget_bytes"] == 77 and again["ended_at"] is None
+    warm: WarmPlanRow = {"model_fingerprint": "fp-w", "device": "cpu", "shape_bucket": 10, "job": "db-job",
+                         "blocks": [1], "num_blocks": 4, "budget_bytes": 10, "shape_plans": [], "updated_at": 1.0,
+                         "modes": ["store", "recompute", "store", "store"]}  # fmt: skip
+    store.remember_warm_plan(warm)
+    second: WarmPlanRow = {**warm, "blocks": [0, 3], "modes": ["recompute", "store", "store", "recompute"],
+                           "updated_at": 2.0}  # fmt: skip
+    store.remember_warm_plan(second)
+    assert store.warm_plan(fingerprint="fp-w", device="cpu", bucket=10) == second
 
 
 def test_sqlite_record(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -32,25 +31,8 @@ TOKEN = "workers-token-0123456789abcdef"
 
 
 def test_two_workers_share_the_port_the_controls_and_the_metrics(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "REMATD_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "rematd.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
-           "--db", str(tmp_path / "w.db"), "--workers", "2"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc, grpc_addr, http_addr = _start(tmp_path)  # returns once both workers listen
     try:
-        assert proc.stdout is not None
-        grpc_addr = http_addr = None
-        deadline = time.monotonic() + 60
-        while (grpc_addr is None or http_addr is None) and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "rematd serve --workers 2 exited at start"
-            if m := re.search(r"serving gRPC on (\S+)", line):
-                grpc_addr = m.group(1)
-            if m := re.search(r"REST on http://([^/\s]+)/", line):
-                http_addr = m.group(1)
-        assert grpc_addr and http_addr
-        time.sleep(1.0)  # the second worker binds a moment later
-        assert len(worker_pids(proc.pid)) == 2, "two worker processes"
-
         # Six ranks, each on its own connection: the kernel spreads them over the workers.
         ranks = []
         for r in range(6):
@@ -93,8 +75,9 @@ def test_two_workers_share_the_port_the_controls_and_the_metrics(tmp_path: Path)
                 if (connected, steps) == (6, 6 * (step + 1)) or time.monotonic() > deadline:
                     break
                 time.sleep(0.3)
-        assert connected == 6 and metric(text, 'rematd_job_world_size{job="wide"}') == 6
-        assert steps == 6 * (step + 1) and metric(text, "rematd_active_streams") == 6
+        seen = f"/metrics after 10 s: {connected} ranks connected, {steps} steps (6 and {6 * (step + 1)} expected)"
+        assert connected == 6 and metric(text, 'rematd_job_world_size{job="wide"}') == 6, seen
+        assert steps == 6 * (step + 1) and metric(text, "rematd_active_streams") == 6, seen
         for ch, out, _ in ranks:
             out.put(None)
             ch.close()

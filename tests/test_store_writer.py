@@ -158,11 +158,14 @@ def test_close_gives_up_writes_the_record_does_not_take_in_time(caplog: pytest.L
     writer.submit("a stuck write", lambda: gate.wait(10))
     for i in range(3):
         writer.submit(f"write {i}", lambda i=i: ran.append(i))
+    thread = writer._thread
+    assert thread is not None
     with caplog.at_level(logging.ERROR, logger="rematd.server"):
         writer.close(timeout=0.2)
     assert "3 queued write(s)" in caplog.text
     gate.set()
-    time.sleep(0.2)
+    thread.join(5)  # the stuck write returns; whatever the thread would still run, it has run when it ends
+    assert not thread.is_alive(), "the writer's thread goes on after the stuck write returned"
     assert ran == [], "given up, not run beside later writes"
     writer.submit("after close", lambda: ran.append(99))
     assert ran == [99], "after close a write runs on the caller's thread"

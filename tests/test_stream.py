@@ -176,7 +176,10 @@ def test_token_is_sent_as_bearer_metadata_and_env_is_the_default(monkeypatch: py
         assert h.plan.version == 0 and h.step_count == 5 and stream.reconnects == 0
         assert not h.flush(5.0), "the refused steps will never be answered"
         attempts = len(rec.metadata)
-        time.sleep(0.5)
+        thread = stream._thread
+        assert thread is not None
+        thread.join(5)  # the refusal stops the stream thread: once it has ended, nothing can try again
+        assert not thread.is_alive(), "the stream thread goes on after UNAUTHENTICATED"
         assert len(rec.metadata) == attempts, "UNAUTHENTICATED is not retried"
         h.close()
     finally:

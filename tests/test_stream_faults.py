@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -71,7 +72,10 @@ def test_a_failing_fallback_planner_is_logged_counted_and_given_up_and_the_strea
         stream = stream_of(h)
         assert wait_for(lambda: len(calls) >= FALLBACK_MAX_FAILURES and not stream.planning_locally)
         run_steps(model, opt, 2)
-        time.sleep(0.5)
+        # Two more attempts to reach the service: the pause between them, the reports of those two steps
+        # waiting, is where a planner not given up would be asked again.
+        tries = stream.reconnects
+        assert wait_for(lambda: stream.reconnects >= tries + 2), f"{stream.reconnects - tries} reconnects, not 2"
     assert len(calls) == FALLBACK_MAX_FAILURES, "a planner that keeps failing is given up"
     assert stream.errors == FALLBACK_MAX_FAILURES
     assert stream._thread is not None and stream._thread.is_alive()
@@ -127,11 +131,16 @@ def test_a_stream_the_service_ends_is_reconnected() -> None:
 
 
 class EndsEveryStream(Recorder):
-    """Answers each hello, then ends the stream normally."""
+    """Answers each hello, then ends the stream normally; notes when each stream came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.came: list[float] = []
 
     def Session(
         self, request_iterator: Iterator[pb.ClientMessage], context: grpc.ServicerContext
     ) -> Iterator[pb.ServerMessage]:  # type: ignore[override]
+        self.came.append(time.monotonic())
         yield next(super().Session(request_iterator, context))
 
 
@@ -143,9 +152,11 @@ def test_a_service_that_keeps_ending_streams_is_reconnected_with_backoff() -> No
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         h = client.attach(model, server=f"127.0.0.1:{port}", job="flapping", optimizer=opt, fallback_after_s=None)
         run_steps(model, opt, 1)
-        time.sleep(2.0)
-        # Pauses of 0.2 s doubling (each 50-100% of that): at most 5 attempts in 2 s, not one every 0.1-0.2 s.
-        assert 2 <= len(rec.hellos) <= 6, len(rec.hellos)
+        # Pauses of 0.2 s doubling, each 50-100% of that: the k-th at least 0.1 * 2**k s, rather than a
+        # reconnection every 0.1-0.2 s. Four streams come within 0.2 + 0.4 + 0.8 s of pauses.
+        assert wait_for(lambda: len(rec.came) >= 4), f"{len(rec.came)} streams came, not 4"
+        gaps = [later - earlier for earlier, later in itertools.pairwise(rec.came[:4])]
+        assert all(gap >= 0.1 * 2**k for k, gap in enumerate(gaps)), gaps
         h.close()
     finally:
         server.stop(None)

@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
-from .distributed import ROOT, run_launcher, run_ranks
+from bench.launch import ROOT, run_launcher
+
+from .distributed import run_ranks
 
 MODES = ["store", "selective", "recompute", "compress"]
 DS = {"DS_ACCELERATOR": "cpu"}

@@ -7,7 +7,7 @@ plan (recompute, selective and store, two blocks each) and rematd under its plan
 that plan's measured peak (leaner than none, looser than full checkpointing) and no checkpointing, must give
 bitwise the same losses and parameters; the planned run's measured peaks stay under the budget from its first
 planned step, whose prediction counts what the profiling step left behind (gradients torchtitan keeps
-allocated, optimizer state). The stand-ins torchtitan needs on the CPU are in ``tests/torchtitan_cpu.py``.
+allocated, optimizer state). The stand-ins torchtitan needs on the CPU are in ``bench/torchtitan_cpu.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ if sys.version_info < (3, 11):
 
 import torch
 
-from tests.distributed import ROOT, run_launcher
-from tests.torchtitan_cpu import RECORD, make_assets
+from bench.launch import run_launcher
+from bench.torchtitan_cpu import RECORD, make_assets
 
 STEPS = 4
 PIN = ["recompute", "selective", "store"] * 2
@@ -59,7 +59,7 @@ def train(
         *("--parallelism.spmd-backend", "partial_dtensor"),
         *parallelism,
     ]
-    launcher = ["--standalone", "--nproc-per-node", str(ranks), str(ROOT / "tests" / "torchtitan_cpu.py")]
+    launcher = ["--standalone", "--nproc-per-node", str(ranks), "-m", "bench.torchtitan_cpu"]
     run_launcher(
         "torch.distributed.run",
         [*launcher, module, *titan_args, *checkpointing],

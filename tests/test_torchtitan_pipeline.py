@@ -1,7 +1,7 @@
 """Pipeline parallel (degree 2) through ``activation-checkpoint:rematd``.
 
 torchtitan's own pipeline run works on the same CPU ranks (with the schedule stand-in in
-``tests/torchtitan_cpu.py``); rematd's must then train bitwise as it does, pinned and planned, without a hang,
+``bench/torchtitan_cpu.py``); rematd's must then train bitwise as it does, pinned and planned, without a hang,
 under the budget from its first planned step, one handle per rank following torchtitan's interleaved schedule.
 """
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
+
+from typing_extensions import Unpack
 
 from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Plan
 from rematd.server.config import CoreConfig
 from rematd.server.core import plan_policy as policy
-from rematd.server.core.controls import OperatorControls
+from rematd.server.core.controls import OperatorControls, PinTarget
 from rematd.server.core.errors import JobNotFound, SessionError
 from rematd.server.core.ownership import JobTokens
 from rematd.server.core.paging import JOBS_PAGE, ROWS_PAGE, Page
@@ -33,7 +35,7 @@ from rematd.server.core.plan_policy import (
 from rematd.server.core.rank_writes import RankWrites
 from rematd.server.core.sessions import RankSession, Sessions
 from rematd.server.core.training import TrainingSide
-from rematd.server.core.views import JOB_STATES, JobView, ReadViews
+from rematd.server.core.views import JOB_STATES, JobView, ReadViews, StatsQuery
 from rematd.server.metrics.registry import Metrics, RankSample
 from rematd.server.store.database import is_store_error
 from rematd.server.store.retention_clock import RetentionClock
@@ -178,14 +180,14 @@ class AdvisorCore:
 
     # -- the operator side: controls ------------------------------------------
 
-    def pin(self, job: str, **target: Any) -> ControlsRow:
+    def pin(self, job: str, **target: Unpack[PinTarget]) -> ControlsRow:
         """Pin a job's plan until unpinned; ``target`` as :meth:`OperatorControls.pin` takes it."""
         return self.controls.pin(job, **target)
 
     def unpin(self, job: str) -> ControlsRow:
         return self.controls.unpin(job)
 
-    def tune(self, job: str, changes: dict[str, Any]) -> ControlsRow:
+    def tune(self, job: str, changes: Mapping[str, object]) -> ControlsRow:
         """Override a job's margin or budget (a value of None clears the override)."""
         return self.controls.tune(job, changes)
 
@@ -206,14 +208,16 @@ class AdvisorCore:
     def list_jobs(self, state: str | None = None) -> list[JobView]:
         return self.views.list_jobs(state)
 
-    def jobs_page(self, state: str | None = None, *, limit: int = JOBS_PAGE, cursor: str | None = None) -> Page:
+    def jobs_page(
+        self, state: str | None = None, *, limit: int = JOBS_PAGE, cursor: str | None = None
+    ) -> Page[JobView]:
         """A page of jobs in the order they were created, and where the next starts."""
         return self.views.jobs_page(state, limit=limit, cursor=cursor)
 
-    def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+    def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page[StoredPlanRow]:
         return self.views.plans_page(job, limit=limit, cursor=cursor)
 
-    def ooms_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+    def ooms_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page[StoredOomRow]:
         return self.views.ooms_page(job, limit=limit, cursor=cursor)
 
     def get_job(self, job: str) -> JobView:
@@ -222,8 +226,8 @@ class AdvisorCore:
     def job_plans(self, job: str) -> list[StoredPlanRow]:
         return self.views.job_plans(job)
 
-    def job_stats(self, job: str, **query: Any) -> list[StoredStepRow]:
-        """A job's step statistics; ``query`` (limit, since, until, rank) as :meth:`ReadViews.job_stats` takes it."""
+    def job_stats(self, job: str, **query: Unpack[StatsQuery]) -> list[StoredStepRow]:
+        """A job's step statistics; ``query`` as :meth:`ReadViews.job_stats` takes it."""
         return self.views.job_stats(job, **query)
 
     def job_ooms(self, job: str) -> list[StoredOomRow]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from typing_extensions import TypedDict, Unpack
 
 from rematd.messages import JOB_ID_RE, InvalidMessage
 from rematd.planner import ControllerConfig, Mode, Plan, PlannerSession
@@ -16,6 +18,17 @@ from rematd.server.core.plan_policy import mode_names, modes_of, pinned_plan
 from rematd.server.core.sessions import ENDED, RankSession, Sessions
 from rematd.server.store.rows import ControlsRow, JobRow
 from rematd.server.store.store import Store
+
+
+class PinTarget(TypedDict, total=False):
+    """The plan an operator pins, one of three ways, named as the controls keep them (``ControlsRow``)."""
+
+    pin_every: int | None
+    """Every k-th block recomputing (0: none)."""
+    pin_blocks: list[int] | None
+    """These blocks recomputing, the rest storing."""
+    pin_modes: Sequence[str] | None
+    """One mode per block."""
 
 
 @dataclass(slots=True)
@@ -119,44 +132,37 @@ class OperatorControls:
             retune = self._apply(job, controls)
         self._retune(retune)
 
-    def pin(
-        self,
-        job: str,
-        *,
-        checkpoint_every: int | None = None,
-        blocks: list[int] | None = None,
-        modes: list[str] | None = None,
-    ) -> ControlsRow:
-        """Pin a job's plan until unpinned: every k-th block or a set of blocks recomputing, or one mode per block."""
+    def pin(self, job: str, **target: Unpack[PinTarget]) -> ControlsRow:
+        """Pin a job's plan until unpinned: every k-th block or a set of blocks recomputing, or one mode per block
+        (named as the controls keep them, :class:`~rematd.server.store.rows.ControlsRow`)."""
         row = require_job(self.store, job)
         n = int(row["num_blocks"])
-        if sum(x is not None for x in (checkpoint_every, blocks, modes)) != 1:
-            raise InvalidMessage("body", "give exactly one of checkpoint_every, blocks or modes")
+        pin_every, blocks, modes = target.get("pin_every"), target.get("pin_blocks"), target.get("pin_modes")
+        if sum(x is not None for x in (pin_every, blocks, modes)) != 1:
+            raise InvalidMessage("body", "give exactly one of pin_every, pin_blocks or pin_modes")
         pinned_modes: tuple[Mode, ...] | None = None
         if modes is not None:
             if len(modes) != n:
-                raise InvalidMessage("modes", f"give one mode per block: {n} for this job, got {len(modes)}")
-            pinned_modes = modes_of(list(modes), "modes")
+                raise InvalidMessage("pin_modes", f"give one mode per block: {n} for this job, got {len(modes)}")
+            pinned_modes = modes_of(list(modes), "pin_modes")
             for s in self.sessions.of_job(job):
                 options = s.planner.profile.options_at(None)
                 missing = [i for i, (m, opts) in enumerate(zip(pinned_modes, options, strict=True))
                            if not any(o.mode == m for o in opts)]  # fmt: skip
                 if missing:
                     raise InvalidMessage(
-                        "modes", f"blocks {missing} of rank {s.hello.rank} do not offer the modes asked for them"
+                        "pin_modes", f"blocks {missing} of rank {s.hello.rank} do not offer the modes asked for them"
                     )
-        if checkpoint_every is not None and not 0 <= checkpoint_every <= n:
-            raise InvalidMessage(
-                "checkpoint_every", f"must be in 0-{n} for a job of {n} blocks, got {checkpoint_every}"
-            )
+        if pin_every is not None and not 0 <= pin_every <= n:
+            raise InvalidMessage("pin_every", f"must be in 0-{n} for a job of {n} blocks, got {pin_every}")
         pinned: tuple[int, ...] | None = None
         if blocks is not None:
             bad = [b for b in blocks if not 0 <= b < n]
             if bad:
-                raise InvalidMessage("blocks", f"indices {bad} are outside 0-{n - 1}")
+                raise InvalidMessage("pin_blocks", f"indices {bad} are outside 0-{n - 1}")
             pinned = tuple(sorted(set(blocks)))
         c = self._copy(job)
-        c.pin_every, c.pin_blocks, c.pin_modes = checkpoint_every, pinned, pinned_modes
+        c.pin_every, c.pin_blocks, c.pin_modes = pin_every, pinned, pinned_modes
         self._set(job, c)
         return self.job_controls(job)
 
@@ -167,7 +173,7 @@ class OperatorControls:
         self._set(job, c)
         return self.job_controls(job)
 
-    def tune(self, job: str, changes: dict[str, Any]) -> ControlsRow:
+    def tune(self, job: str, changes: Mapping[str, object]) -> ControlsRow:
         """Override a job's margin or budget (a value of None clears the override)."""
         require_job(self.store, job)
         c = self._copy(job)
@@ -175,12 +181,12 @@ class OperatorControls:
             m = changes["margin_ratio"]
             if m is not None and not (isinstance(m, (int, float)) and math.isfinite(m) and 0.0 <= m < 1.0):
                 raise InvalidMessage("margin_ratio", f"must be in [0, 1), got {m!r}")
-            c.margin_ratio = None if m is None else float(m)
+            c.margin_ratio = float(m) if isinstance(m, (int, float)) else None
         if "budget_bytes" in changes:
             b = changes["budget_bytes"]
             if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
                 raise InvalidMessage("budget_bytes", f"must be a positive integer, got {b!r}")
-            c.budget_bytes = b
+            c.budget_bytes = b if isinstance(b, int) else None
         self._set(job, c)
         return self.job_controls(job)
 

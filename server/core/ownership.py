@@ -4,7 +4,7 @@ First come, first served: the first hello of a rank binds it to the job credenti
 (``Hello.job_secret``: a secret the client library creates once per training process, or a per-job
 token an operator issued). While the rank can be resumed (its stream live, or lost less than
 ``--session-expiry-seconds`` ago without a goodbye), only a hello with that credential may resume
-it, and one for a live stream must also present that stream's session secret. Anything else is
+it, and one for a live stream must also present that stream's session secret. Every other hello is
 refused (``ABORTED``) with the holder named (host, process id, model, since when), so the refused
 process's log says who holds the rank. Job name, rank and fingerprint can be read over REST and
 prove nothing; a stranger's hello for a rank whose trainer is away would otherwise have opened a

@@ -11,7 +11,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 from rematd.messages import InvalidMessage
 
@@ -23,18 +23,22 @@ ROWS_PAGE = 1000
 MAX_ROWS_PAGE = 10_000
 
 
+_Row = TypeVar("_Row")
+_Position = TypeVar("_Position")
+
+
 @dataclass(frozen=True, slots=True)
-class Page:
-    rows: list[Any]
+class Page(Generic[_Row]):
+    rows: list[_Row]
     next_cursor: str | None
     """Where the next page starts; None on the last page."""
 
 
-def encode(position: Any) -> str:
+def encode(position: object) -> str:
     return base64.urlsafe_b64encode(json.dumps(position, separators=(",", ":")).encode()).decode().rstrip("=")
 
 
-def decode(cursor: str | None, kind: type) -> Any:
+def decode(cursor: str | None, kind: type[_Position]) -> _Position | None:
     """The position a cursor holds (of type ``kind``), None for none; InvalidMessage naming ``cursor`` else."""
     if cursor is None:
         return None

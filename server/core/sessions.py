@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar, cast
 
 from rematd.messages import Hello
 from rematd.planner import Plan, PlannerSession, Profile
@@ -90,7 +90,7 @@ class Sessions:
         self.lock = threading.RLock()
         self.by_key: dict[tuple[str, int], RankSession] = {}
         self.by_job: dict[str, dict[int, RankSession]] = {}
-        self.interned: dict[Any, Any] = {}
+        self.interned: dict[object, object] = {}
         self.interned_bytes = 0
         self._transitions = [threading.Lock() for _ in range(_TRANSITION_STRIPES)]
 
@@ -160,7 +160,7 @@ class Sessions:
         with self.lock:
             hit = self.interned.get(value)
             if hit is not None:
-                return hit  # type: ignore[no-any-return]
+                return cast(_T, hit)  # the value it was kept as, equal to ``value``, of its type
             cost = _interned_bytes(value)
             if self.interned_bytes + cost > MAX_INTERNED_BYTES:
                 return value

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, cast
+from typing import cast
 
 from rematd.messages import MAX_INT, Hello, InvalidMessage, OomReport, StepStats, observation, open_planner
 from rematd.planner import Plan, PlannerSession, StepObservation
@@ -39,7 +39,7 @@ class _Past:
     """What the store holds of a rank that outlived a restart of the service, read before any lock."""
 
     last_version: int = 0
-    learned: dict[str, Any] | None = None
+    learned: dict[str, object] | None = None
     recompiles: int = 0
     warm: WarmPlanRow | None = None
 
@@ -335,7 +335,7 @@ class TrainingSide:
         """The step's row; its prediction is of the plan it ran (the plan in force now if that is unknown)."""
         n = len(session.hello.blocks)
         ran = ran or session.sent
-        own: dict[str, Any] = {}
+        own: dict[str, object] = {}
         if len(stats.modes) == n:
             # The rank ran other modes than its plan (a pin in its process, or the plan its job's ranks agreed
             # on): the row says which, and predicts what they keep.

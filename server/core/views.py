@@ -8,18 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Literal, TypeVar, cast
 
 from pydantic import Field
-from typing_extensions import TypedDict
+from typing_extensions import TypedDict, Unpack
 
 from rematd.messages import InvalidMessage
 from rematd.planner import Plan, Shape
 from rematd.server.core.controls import require_job
-from rematd.server.core.figures import headroom_ratio, job_oom_risk, job_peak
 from rematd.server.core.paging import JOBS_PAGE, ROWS_PAGE, Page, decode, encode
 from rematd.server.core.plan_policy import entry_in_force, mode_names
 from rematd.server.core.sessions import CONNECTED, ENDED, Sessions
+from rematd.server.figures import headroom_ratio, job_oom_risk, job_peak
 from rematd.server.store.rows import (
     ControlsRow,
     JobRow,
@@ -41,6 +41,15 @@ PAGE_MODES = 1_000_000
 gigabytes, so a wide model's page holds fewer plans and says where the next starts."""
 MODES_PER_BLOCK = 17
 """A plan's modes per block: its own and those of the most entries its table has (16 by default)."""
+
+
+class StatsQuery(TypedDict, total=False):
+    """Which steps a read of a job's statistics returns."""
+
+    limit: int
+    since: float | None
+    until: float | None
+    rank: int | None
 
 
 PriceState = Literal["measured", "trial", "estimate"]
@@ -267,10 +276,12 @@ class ReadViews:
         self.settle()
         return require_job(self.store, job)
 
-    def list_jobs(self, state: str | None = None) -> list[Any]:
+    def list_jobs(self, state: str | None = None) -> list[JobView]:
         return self.jobs_page(state, limit=None).rows
 
-    def jobs_page(self, state: str | None = None, *, limit: int | None = JOBS_PAGE, cursor: str | None = None) -> Page:
+    def jobs_page(
+        self, state: str | None = None, *, limit: int | None = JOBS_PAGE, cursor: str | None = None
+    ) -> Page[JobView]:
         """Jobs in the order they were created: ``limit`` of them after ``cursor`` (all with ``limit`` None)."""
         if state is not None and state not in JOB_STATES:
             raise InvalidMessage("state", f"must be one of {JOB_STATES}, got {state!r}")
@@ -285,9 +296,9 @@ class ReadViews:
             rank_plans.setdefault(job, {})[rank] = p
         ooms = self.store.oom_counts()
         views: list[JobView] = []
-        last: list[Any] = []
+        last: list[float | str] = []
         for row in self.store.jobs():
-            position = [row["created_at"], row["job"]]
+            position: list[float | str] = [row["created_at"], row["job"]]
             if after is not None and position <= after:
                 continue
             if limit is not None and len(views) == limit:
@@ -359,7 +370,7 @@ class ReadViews:
         self._require_job(job)
         return self.store.plans(job)
 
-    def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+    def plans_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page[StoredPlanRow]:
         """A job's plans, oldest first: ``limit`` of them after ``cursor``, fewer for a wide model (at most about
         ``PAGE_MODES`` modes a page: a plan holds a mode per block at each length of its table)."""
         after = decode(cursor, int) or 0
@@ -367,36 +378,32 @@ class ReadViews:
         limit = min(limit, max(1, PAGE_MODES // (max(1, int(row["num_blocks"])) * MODES_PER_BLOCK)))
         return _by_id(self.store.plans(job, after=after, limit=limit + 1), limit)
 
-    def job_stats(
-        self,
-        job: str,
-        *,
-        limit: int = STATS_ROWS,
-        since: float | None = None,
-        until: float | None = None,
-        rank: int | None = None,
-    ) -> list[StoredStepRow]:
+    def job_stats(self, job: str, **query: Unpack[StatsQuery]) -> list[StoredStepRow]:
+        """A job's latest ``limit`` steps (``STATS_ROWS`` unless given), within ``since``-``until`` and of
+        ``rank`` where given."""
         self._require_job(job)
+        since, until = query.get("since"), query.get("until")
         if since is not None and until is not None and since > until:
             raise InvalidMessage("since", f"since ({since}) is after until ({until})")
-        return self.store.stats(job, limit, since=since, until=until, rank=rank)
+        return self.store.stats(job, query.get("limit", STATS_ROWS), since=since, until=until, rank=query.get("rank"))
 
     def job_ooms(self, job: str) -> list[StoredOomRow]:
         self._require_job(job)
         return self.store.ooms(job)
 
-    def ooms_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page:
+    def ooms_page(self, job: str, *, limit: int = ROWS_PAGE, cursor: str | None = None) -> Page[StoredOomRow]:
         """A job's OOM events, oldest first: ``limit`` of them after ``cursor``."""
         after = decode(cursor, int) or 0
         self._require_job(job)
         return _by_id(self.store.ooms(job, after=after, limit=limit + 1), limit)
 
 
-def _by_id(rows: list[Any], limit: int) -> Page:
-    """A page of rows read one past ``limit``, without their row ids."""
+_Paged = TypeVar("_Paged", StoredPlanRow, StoredOomRow)
+
+
+def _by_id(rows: list[_Paged], limit: int) -> Page[_Paged]:
+    """A page of rows read one past ``limit``, without the row ids a paged read of the store adds to them."""
     more = len(rows) > limit
     rows = rows[:limit]
-    last = rows[-1]["id"] if rows else 0
-    for r in rows:
-        del r["id"]
-    return Page(rows, encode(last) if more else None)
+    ids = [cast(dict[str, int], r).pop("id") for r in rows]
+    return Page(rows, encode(ids[-1] if ids else 0) if more else None)

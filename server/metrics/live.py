@@ -1,6 +1,6 @@
 """The per-job gauges, computed when Prometheus scrapes from the live ranks (a snapshot the core hands
 over), not updated on every message: a job of a thousand ranks would otherwise pay for a thousand-rank
-aggregate per rank per step. Headroom and OOM risk come from ``rematd.server.core.figures``, as the
+aggregate per rank per step. Headroom and OOM risk come from ``rematd.server.figures``, as the
 dashboard's do."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rematd.server.core.figures import headroom_ratio, job_oom_risk, job_peak
+from rematd.server.figures import headroom_ratio, job_oom_risk, job_peak
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

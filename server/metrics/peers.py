@@ -25,7 +25,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from rematd.server.metrics.live import RankSample
 
@@ -54,8 +53,9 @@ def publish(samples: list[RankSample], directory: Path, index: int) -> None:
     os.replace(tmp, _path(directory, index))
 
 
-def gather(directory: Path, skip: int, now: float | None = None) -> list[dict[str, Any]]:
-    """The fresh states the other workers published."""
+def gather(directory: Path, skip: int, now: float | None = None) -> list[RankSample]:
+    """The live ranks the other workers published, from fresh publications (one that does not read is left
+    out, said in the log)."""
     now = time.time() if now is None else now
     out = []
     for path in directory.glob("worker-*.json"):
@@ -64,8 +64,9 @@ def gather(directory: Path, skip: int, now: float | None = None) -> list[dict[st
         try:
             if now - path.stat().st_mtime > STALE_SECONDS:
                 continue
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError) as err:
+            samples = json.loads(path.read_text()).get("samples", ())
+            out.extend([RankSample(**s) for s in samples])
+        except (OSError, ValueError, TypeError, AttributeError) as err:
             log.warning("reading %s failed (%s); its ranks are left out of this scrape", path.name, err)
     return out
 

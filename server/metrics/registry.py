@@ -12,7 +12,6 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import Metric
@@ -55,7 +54,7 @@ class Metrics:
         """The jobs the last scrape gave series."""
         self.snapshot: Callable[[], list[RankSample]] | None = None
         """Set by the core: the live ranks, read at scrape time."""
-        self.peers: Callable[[], list[dict[str, Any]]] | None = None
+        self.peers: Callable[[], list[RankSample]] | None = None
         """Set in the worker that serves HTTP when others share the port: what they published."""
         # Where this process's series live: its own registry, or (several workers) unregistered, in files.
         self._own: CollectorRegistry | None = None
@@ -162,8 +161,7 @@ class Metrics:
         return self.exported
 
     def peer_samples(self) -> list[RankSample]:
-        states = self.peers() if self.peers is not None else []
-        return [RankSample(**s) for state in states for s in state.get("samples", ())]
+        return self.peers() if self.peers is not None else []
 
     def forget_job(self, job: str) -> None:
         """Remove a job's counters from this process (its gauges go with its sessions; a scrape leaves out the

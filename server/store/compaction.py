@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
 
-from sqlalchemy import Connection, bindparam, text
+from sqlalchemy import Connection, TextClause, bindparam, text
 
 from rematd.server.config import StoreConfig
 from rematd.server.store.holders import RANK_STATE
@@ -26,7 +25,7 @@ _IDLE_JOBS = f"""SELECT job FROM jobs WHERE updated_at < :c AND job NOT IN :live
 _JOB_TABLES = ("stats", "oom_events", "plans", "learned_state", "ranks", "job_controls", "jobs")
 
 
-def _old(sql: str) -> Any:
+def _old(sql: str) -> TextClause:
     return text(sql).bindparams(bindparam("live", expanding=True))
 
 
@@ -35,7 +34,7 @@ def compact(
     config: StoreConfig,
     now: float,
     live: Collection[str],
-    liveness: Mapping[str, Any],
+    liveness: Mapping[str, object],
 ) -> dict[str, int]:
     """Down-sample and apply retention in ``conn``'s transaction; returns rows deleted by kind. Nothing of the
     ``live`` jobs (a rank's session open or resumable) is deleted, however old, nor of a job with a rank

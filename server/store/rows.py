@@ -1,7 +1,7 @@
 """The rows the store keeps, each defined once.
 
-The core builds them, the store writes and reads them (its column lists come from here), and the
-REST API returns them as they are: its response models are these types, so ``/openapi.json``
+The core builds them, the store writes and reads them (its tables, columns and statements come from
+these: ``tables``), and the REST API returns them as they are: its response models are these types, so ``/openapi.json``
 documents what the store holds. Tests hold the database's tables to these definitions, and the
 dashboard's reads to their keys.
 
@@ -176,15 +176,6 @@ def keys(row: type) -> tuple[str, ...]:
     return tuple(get_type_hints(row))
 
 
-STEP_COLUMNS = ("job", "rank", *keys(StepRow))
-"""The ``stats`` table's columns a step fills."""
-
-
 def nullable(row: type) -> frozenset[str]:
     """A row type's keys that may hold None."""
     return frozenset(k for k, kind in get_type_hints(row).items() if type(None) in get_args(kind))
-
-
-OPTIONAL_STEP_COLUMNS = nullable(StepRow)
-"""Columns a step may leave out (NULL): clients that do not measure them, rows from before they were kept."""
-OOM_COLUMNS = keys(OomRow)

@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any, cast
 
 from sqlalchemy import Engine, text
 from sqlalchemy import exc as sa_exc
@@ -29,6 +28,9 @@ from sqlalchemy import exc as sa_exc
 from rematd.server.config import StoreConfig
 from rematd.server.store import schema
 from rematd.server.store.columns import (
+    Params,
+    as_int,
+    as_row,
     controls_out,
     controls_params,
     decoded,
@@ -44,7 +46,6 @@ from rematd.server.store.database import StoreError, database_url, dialect_of, o
 from rematd.server.store.file_watch import FileWatch, Keeper, check_journal, sqlite_file
 from rematd.server.store.holders import HOLDER_TIMEOUT_SECONDS, RANK_STATE, gone_here, new_holder
 from rematd.server.store.rows import (
-    OOM_COLUMNS,
     ControlsRow,
     JobRow,
     LastStepRow,
@@ -57,6 +58,7 @@ from rematd.server.store.rows import (
     StoredStepRow,
     WarmPlanRow,
 )
+from rematd.server.store.tables import JOB_CONTROLS, JOBS, OOM_EVENTS, PLANS, RANKS, WARM_PLANS
 from rematd.server.store.write_behind import WriteBehind
 
 log = logging.getLogger("rematd.server")
@@ -65,43 +67,18 @@ _PLANS = "SELECT plans.*, jobs.num_blocks AS job_blocks FROM plans JOIN jobs ON 
 
 _NOT_ID_JOB = ("id", "job")
 
-_UPSERT_JOB = """INSERT INTO jobs (job, created_at, updated_at, world_size, num_blocks, budget_bytes,
-        model_fingerprint, device, ended_at)
-    VALUES (:job, :now, :now, :ws, :nb, :b, :fp, :dev, NULL)
-    ON CONFLICT(job) DO UPDATE SET updated_at=excluded.updated_at, world_size=excluded.world_size,
-    num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
-    model_fingerprint=excluded.model_fingerprint, device=excluded.device, ended_at=NULL"""
-
-_UPSERT_RANK = """INSERT INTO ranks (job, rank, device, state, holder) VALUES (:job, :rank, :device, :state, :holder)
-    ON CONFLICT(job, rank) DO UPDATE SET device=excluded.device, state=excluded.state, holder=excluded.holder"""
+_UPSERT_JOB = JOBS.insert()
+_UPSERT_RANK = RANKS.insert()
 _RANKS = f"SELECT job, rank, device, {RANK_STATE} AS state, last_stats FROM ranks"
 _HEARTBEAT = """INSERT INTO holders (holder, seen_at) VALUES (:holder, :now)
     ON CONFLICT(holder) DO UPDATE SET seen_at=excluded.seen_at"""
 
-_ADD_PLAN = """INSERT INTO plans (job, rank, version, checkpoint_every, blocks, predicted_peak_bytes,
-    predicted_overhead_ratio, target_bytes, reason, created_at, modes, shape_plans, seq_len)
-    VALUES (:job, :rank, :version, :every, :blocks, :peak, :overhead, :target, :reason, :now, :modes, :table,
-            :seq_len)"""
+_ADD_PLAN = PLANS.insert()
+_ADD_OOM = OOM_EVENTS.insert()
+_SET_CONTROLS = JOB_CONTROLS.insert()
+_REMEMBER_WARM = WARM_PLANS.insert()
 
-_ADD_OOM = """INSERT INTO oom_events (job, rank, step, time, seq_len, batch, plan_version, message)
-    VALUES (:job, :rank, :step, :time, :seq_len, :batch, :plan_version, :message)"""
-
-
-_SET_CONTROLS = """INSERT INTO job_controls (job, pin_blocks, pin_every, margin_ratio, budget_bytes, ended_at,
-    revision, updated_at, pin_modes) VALUES (:job, :pb, :pe, :mr, :bb, :ea, :rev, :now, :pm)
-    ON CONFLICT(job) DO UPDATE SET pin_blocks=excluded.pin_blocks, pin_every=excluded.pin_every,
-    pin_modes=excluded.pin_modes, margin_ratio=excluded.margin_ratio, budget_bytes=excluded.budget_bytes,
-    ended_at=excluded.ended_at, revision=excluded.revision, updated_at=excluded.updated_at"""
-
-_REMEMBER_WARM = """INSERT INTO warm_plans (model_fingerprint, device, shape_bucket, job, blocks, num_blocks,
-    budget_bytes, updated_at, modes, shape_plans)
-    VALUES (:model_fingerprint, :device, :shape_bucket, :job, :blocks, :num_blocks, :budget_bytes, :updated_at,
-            :modes, :shape_plans)
-    ON CONFLICT(model_fingerprint, device, shape_bucket) DO UPDATE SET job=excluded.job,
-    blocks=excluded.blocks, num_blocks=excluded.num_blocks, budget_bytes=excluded.budget_bytes,
-    updated_at=excluded.updated_at, modes=excluded.modes, shape_plans=excluded.shape_plans"""
-
-_SAVE_LEARNED = """INSERT INTO learned_state VALUES (:job, :rank, :state, :now)
+_SAVE_LEARNED = """INSERT INTO learned_state (job, rank, state, updated_at) VALUES (:job, :rank, :state, :updated_at)
     ON CONFLICT(job, rank) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at"""
 
 
@@ -267,11 +244,11 @@ class Store:
                 self.failing_since = None
         return self.failing_since is None
 
-    def _write(self, sql: str, params: dict[str, Any] | list[dict[str, Any]]) -> None:
+    def _write(self, sql: str, params: Params | list[Params]) -> None:
         with self._writing(), self._lock, self.engine.begin() as conn:
             conn.execute(text(sql), params)
 
-    def _read(self, sql: str, params: dict[str, Any] | None = None, *, fresh: bool = True) -> list[Any]:
+    def _read(self, sql: str, params: Params | None = None, *, fresh: bool = True) -> list[Params]:
         """Rows of a query; ``fresh`` (for what the buffer holds) writes the buffer first."""
         if fresh:
             try:
@@ -279,7 +256,7 @@ class Store:
             except Exception:  # a store that cannot be written can still be read: without the buffered rows
                 log.warning("reading the store without its buffered rows: %s", self.last_failure)
         with self.engine.connect() as conn:
-            return list(conn.execute(text(sql), params or {}).mappings().all())
+            return [dict(r) for r in conn.execute(text(sql), params or {}).mappings()]
 
     def pending(self) -> int:
         return self.buffer.pending()
@@ -310,15 +287,12 @@ class Store:
     ) -> None:
         """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on."""
         with self._writing(), self._lock, self.engine.begin() as conn:
-            conn.execute(
-                text(_UPSERT_JOB),
-                {"job": job, "now": now, "ws": world_size, "nb": num_blocks, "b": budget_bytes, "fp": fingerprint,
-                 "dev": device},
-            )  # fmt: skip
-            conn.execute(
-                text(_UPSERT_RANK),
-                {"job": job, "rank": rank, "device": device, "state": "connected", "holder": self.holder},
-            )
+            job_row: JobRow = {"job": job, "created_at": now, "updated_at": now, "ended_at": None,
+                               "world_size": world_size, "num_blocks": num_blocks, "budget_bytes": budget_bytes,
+                               "model_fingerprint": fingerprint, "device": device}  # fmt: skip
+            conn.execute(text(_UPSERT_JOB), dict(job_row))
+            rank_row: RankRow = {"job": job, "rank": rank, "device": device, "state": "connected", "last_stats": None}
+            conn.execute(text(_UPSERT_RANK), {**rank_row, "holder": self.holder})
             if plan is not None:
                 conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
 
@@ -339,14 +313,14 @@ class Store:
         )
 
     def end_job(self, job: str, now: float) -> None:
-        self._write("UPDATE jobs SET ended_at=:now WHERE job=:job", {"now": now, "job": job})
+        self._write("UPDATE jobs SET ended_at=:ended_at WHERE job=:job", {"ended_at": now, "job": job})
 
     def end_job_if_done(self, job: str, now: float) -> None:
         """Mark the job ended when every rank the store has of it said goodbye (on any worker or replica)."""
         self._write(
-            """UPDATE jobs SET ended_at=:now WHERE job=:job AND ended_at IS NULL AND NOT EXISTS
+            """UPDATE jobs SET ended_at=:ended_at WHERE job=:job AND ended_at IS NULL AND NOT EXISTS
                (SELECT 1 FROM ranks WHERE ranks.job=:job AND ranks.state <> 'ended')""",
-            {"now": now, "job": job},
+            {"ended_at": now, "job": job},
         )
 
     def heartbeat(self, now: float | None = None) -> list[str]:
@@ -363,7 +337,7 @@ class Store:
                 conn.execute(text("DELETE FROM holders WHERE holder=:h"), {"h": h})
         return gone
 
-    def _liveness(self) -> dict[str, Any]:
+    def _liveness(self) -> Params:
         """The parameters of ``RANK_STATE``."""
         return {"holder": self.holder, "alive": time.time() - HOLDER_TIMEOUT_SECONDS}
 
@@ -376,7 +350,7 @@ class Store:
             self.flush()
 
     def add_oom(self, *, job: str, rank: int, row: OomRow) -> None:
-        self._write(_ADD_OOM, {**{k: row[k] for k in OOM_COLUMNS}, "job": job, "rank": rank})  # type: ignore[literal-required]
+        self._write(_ADD_OOM, OOM_EVENTS.values({**row, "job": job, "rank": rank}))
 
     def set_controls(self, job: str, controls: ControlsRow, now: float) -> int:
         """Replace a job's operator controls; returns their new revision."""
@@ -389,18 +363,18 @@ class Store:
         """Keep ``row`` as the plan the next job of its model, device and size starts from."""
         self._write(_REMEMBER_WARM, warm_params(row))
 
-    def save_learned(self, *, job: str, rank: int, state: dict[str, Any], now: float) -> None:
+    def save_learned(self, *, job: str, rank: int, state: dict[str, object], now: float) -> None:
         """What a rank's controller learned, kept beside its plan history for a restarted service."""
-        self._write(_SAVE_LEARNED, {"job": job, "rank": rank, "state": dumps(state), "now": now})
+        self._write(_SAVE_LEARNED, {"job": job, "rank": rank, "state": dumps(state), "updated_at": now})
 
     # -- reads -----------------------------------------------------------------------
 
     def jobs(self) -> list[JobRow]:
-        return [cast(JobRow, dict(r)) for r in self._read("SELECT * FROM jobs ORDER BY created_at, job")]
+        return [as_row(JobRow, r) for r in self._read("SELECT * FROM jobs ORDER BY created_at, job")]
 
     def job(self, job: str) -> JobRow | None:
         rows = self._read("SELECT * FROM jobs WHERE job=:job", {"job": job})
-        return cast(JobRow, dict(rows[0])) if rows else None
+        return as_row(JobRow, rows[0]) if rows else None
 
     def all_ranks(self) -> list[RankRow]:
         return self._ranks(f"{_RANKS} ORDER BY job, rank", {})
@@ -408,10 +382,10 @@ class Store:
     def ranks(self, job: str) -> list[RankRow]:
         return self._ranks(f"{_RANKS} WHERE job=:job ORDER BY rank", {"job": job})
 
-    def _ranks(self, sql: str, params: dict[str, Any]) -> list[RankRow]:
+    def _ranks(self, sql: str, params: Params) -> list[RankRow]:
         """Ranks as read: one its holder left connected when it died reads as disconnected (``holders``)."""
         rows = self._read(sql, {**params, **self._liveness()})
-        return [cast(RankRow, decoded(r, json_columns=("last_stats",))) for r in rows]
+        return [as_row(RankRow, decoded(r, json_columns=("last_stats",))) for r in rows]
 
     def last_rank_stats(self, job: str, rank: int) -> LastStepRow | None:
         """A rank's last statistics: the buffer's newest if it holds one, else the store's. The buffer is
@@ -422,39 +396,31 @@ class Store:
         rows = self._read(
             "SELECT last_stats FROM ranks WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}, fresh=False
         )
-        found: LastStepRow | None = loads(rows[0]["last_stats"]) if rows else None
-        return found
+        found = loads(rows[0]["last_stats"]) if rows else None
+        return as_row(LastStepRow, found) if isinstance(found, dict) else None
 
     def plans(self, job: str, *, after: int = 0, limit: int | None = None) -> list[StoredPlanRow]:
         """A job's plans, oldest first: all, or ``limit`` of those written after row ``after`` (each with its
         row ``id`` then)."""
         if limit is None:
             rows = self._read(f"{_PLANS} WHERE plans.job=:job ORDER BY plans.id", {"job": job}, fresh=False)
-            return [cast(StoredPlanRow, plan_out(r)) for r in rows]
+            return [plan_out(r) for r in rows]
         rows = self._read(
             f"{_PLANS} WHERE plans.job=:job AND plans.id > :after ORDER BY plans.id LIMIT :n",
             {"job": job, "after": after, "n": limit},
             fresh=False,
         )
-        return [cast(StoredPlanRow, plan_out(r, ("job",))) for r in rows]
+        return [plan_out(r, ("job",)) for r in rows]
 
     def latest_rank_plans(self) -> dict[tuple[str, int], StoredPlanRow]:
         """Each rank's newest plan, by (job, rank)."""
         rows = self._read(f"{_PLANS} WHERE plans.id IN (SELECT MAX(id) FROM plans GROUP BY job, rank)", fresh=False)
-        out = {}
-        for r in rows:
-            d = plan_out(r, ("id",))
-            out[(d.pop("job"), int(d["rank"]))] = cast(StoredPlanRow, d)
-        return out
+        return {(str(r["job"]), p["rank"]): p for r in rows for p in (plan_out(r),)}
 
     def latest_plans(self) -> dict[str, StoredPlanRow]:
         """Each job's newest plan."""
         rows = self._read(f"{_PLANS} WHERE plans.id IN (SELECT MAX(id) FROM plans GROUP BY job)", fresh=False)
-        out = {}
-        for r in rows:
-            d = plan_out(r, ("id",))
-            out[d.pop("job")] = cast(StoredPlanRow, d)
-        return out
+        return {str(r["job"]): plan_out(r) for r in rows}
 
     def last_plan_version(self, job: str, rank: int) -> int:
         rows = self._read(
@@ -462,7 +428,7 @@ class Store:
             {"job": job, "rank": rank},
             fresh=False,
         )
-        return int(rows[0]["v"] or 0)
+        return as_int(rows[0]["v"] or 0)
 
     def last_plan(self, job: str, rank: int) -> StoredPlanRow | None:
         rows = self._read(
@@ -470,7 +436,7 @@ class Store:
             {"job": job, "rank": rank},
             fresh=False,
         )
-        return cast(StoredPlanRow, plan_out(rows[0])) if rows else None
+        return plan_out(rows[0]) if rows else None
 
     def stats(
         self,
@@ -483,7 +449,7 @@ class Store:
     ) -> list[StoredStepRow]:
         """A job's latest ``limit`` steps, oldest first; ``oom_risk`` is None on rows that did not carry it."""
         where = ["job=:job"]
-        params: dict[str, Any] = {"job": job, "limit": limit}
+        params: Params = {"job": job, "limit": limit}
         bounds = {"since": ("time >=", since), "until": ("time <=", until), "rank": ("rank =", rank)}
         for name, (condition, value) in bounds.items():
             if value is not None:
@@ -494,31 +460,31 @@ class Store:
             "ORDER BY id",
             params,
         )
-        return [cast(StoredStepRow, decoded(r, drop=_NOT_ID_JOB)) for r in rows]
+        return [as_row(StoredStepRow, decoded(r, drop=_NOT_ID_JOB)) for r in rows]
 
     def count_stats(self, job: str | None = None) -> int:
         if job is None:
             rows = self._read("SELECT COUNT(*) AS n FROM stats")
         else:
             rows = self._read("SELECT COUNT(*) AS n FROM stats WHERE job=:job", {"job": job})
-        return int(rows[0]["n"])
+        return as_int(rows[0]["n"])
 
     def ooms(self, job: str, *, after: int = 0, limit: int | None = None) -> list[StoredOomRow]:
         """A job's OOM events, oldest first: all, or ``limit`` of those written after row ``after`` (each with
         its row ``id`` then)."""
         if limit is None:
             rows = self._read("SELECT * FROM oom_events WHERE job=:job ORDER BY id", {"job": job}, fresh=False)
-            return [cast(StoredOomRow, decoded(r, drop=_NOT_ID_JOB)) for r in rows]
+            return [as_row(StoredOomRow, decoded(r, drop=_NOT_ID_JOB)) for r in rows]
         rows = self._read(
             "SELECT * FROM oom_events WHERE job=:job AND id > :after ORDER BY id LIMIT :n",
             {"job": job, "after": after, "n": limit},
             fresh=False,
         )
-        return [cast(StoredOomRow, decoded(r, drop=("job",))) for r in rows]
+        return [as_row(StoredOomRow, decoded(r, drop=("job",))) for r in rows]
 
     def oom_counts(self) -> dict[str, int]:
         return {
-            r["job"]: int(r["n"])
+            str(r["job"]): as_int(r["n"])
             for r in self._read("SELECT job, COUNT(*) AS n FROM oom_events GROUP BY job", fresh=False)
         }
 
@@ -527,17 +493,18 @@ class Store:
         rows = self._read(
             "SELECT * FROM job_controls WHERE revision > :r ORDER BY revision", {"r": revision}, fresh=False
         )
-        return [cast(StoredControlsRow, controls_out(r)) for r in rows]
+        return [controls_out(r) for r in rows]
 
     def warm_plan(self, *, fingerprint: str, device: str, bucket: int) -> WarmPlanRow | None:
         rows = self._read(
-            "SELECT * FROM warm_plans WHERE model_fingerprint=:fp AND device=:dev AND shape_bucket=:bucket",
-            {"fp": fingerprint, "dev": device, "bucket": bucket},
+            "SELECT * FROM warm_plans WHERE model_fingerprint=:model_fingerprint AND device=:device "
+            "AND shape_bucket=:shape_bucket",
+            {"model_fingerprint": fingerprint, "device": device, "shape_bucket": bucket},
             fresh=False,
         )
-        return cast(WarmPlanRow, warm_plan_out(rows[0])) if rows else None
+        return warm_plan_out(rows[0]) if rows else None
 
-    def learned(self, *, job: str, rank: int) -> dict[str, Any] | None:
+    def learned(self, *, job: str, rank: int) -> dict[str, object] | None:
         rows = self._read(
             "SELECT state FROM learned_state WHERE job=:job AND rank=:rank", {"job": job, "rank": rank}, fresh=False
         )

@@ -14,17 +14,23 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Literal, TypeAlias
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy import exc as sa_exc
 
-from rematd.server.store.columns import dumps
-from rematd.server.store.rows import OPTIONAL_STEP_COLUMNS, STEP_COLUMNS, LastStepRow
+from rematd.server.store.columns import Params, dumps
+from rematd.server.store.rows import LastStepRow
+from rematd.server.store.tables import STATS
 
 log = logging.getLogger("rematd.server")
 
-_INSERT = text(f"INSERT INTO stats ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join(':' + c for c in STEP_COLUMNS)})")
+_INSERT = text(STATS.insert())
+Last: TypeAlias = dict[tuple[str, int], LastStepRow]
+"""Each rank's newest step, by (job, rank)."""
+# One thing to write on its own: a step's row, or a rank's newest step.
+_Item: TypeAlias = tuple[Literal["stats"], Params] | tuple[Literal["last"], tuple[tuple[str, int], LastStepRow]]
+
 # Errors of the database itself, not of what was written: worth another try, the rows are kept.
 _TRANSIENT = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
 
@@ -36,8 +42,8 @@ class WriteBehind:
         self.engine = engine
         self.max_buffered = max_buffered
         self._write_lock = write_lock
-        self._pending: list[dict[str, Any]] = []
-        self._pending_last: dict[tuple[str, int], LastStepRow] = {}
+        self._pending: list[Params] = []
+        self._pending_last: Last = {}
         self._flush_lock = threading.Lock()
         # The buffer has its own lock: the event loop appends to it and must never wait on a database write.
         self._buf_lock = threading.Lock()
@@ -45,7 +51,7 @@ class WriteBehind:
         """Rows taken out of the buffer are being written (under ``_flush_lock``): the buffer is not idle."""
         self.rejected = 0
         """Rows the database refused, set aside."""
-        self.set_aside: collections.deque[tuple[str, dict[str, Any]]] = collections.deque(maxlen=100)
+        self.set_aside: collections.deque[tuple[str, Params]] = collections.deque(maxlen=100)
         """The latest rows set aside, for a look in a debugger or a test."""
         self.on_rejected: Callable[[], None] | None = None
 
@@ -65,9 +71,9 @@ class WriteBehind:
 
     def add(self, *, job: str, rank: int, row: LastStepRow) -> bool:
         """Buffer one step's row; True when the buffer is full enough to flush now."""
-        full = {**row, "job": job, "rank": rank}
+        values = STATS.values({**row, "job": job, "rank": rank})
         with self._buf_lock:
-            self._pending.append({c: full.get(c) if c in OPTIONAL_STEP_COLUMNS else full[c] for c in STEP_COLUMNS})
+            self._pending.append(values)
             self._pending_last[(job, rank)] = row
             return len(self._pending) >= self.max_buffered
 
@@ -92,51 +98,58 @@ class WriteBehind:
                 with self._buf_lock:
                     self._in_flight = False
 
-    def _write(self, conn: Connection, rows: list[dict[str, Any]], last: dict[tuple[str, int], LastStepRow]) -> None:
+    def _write(self, conn: Connection, rows: list[Params], last: Last) -> None:
         if rows:
             conn.execute(_INSERT, rows)
         if not last:
             return
         conn.execute(
-            text("UPDATE ranks SET last_stats=:s WHERE job=:job AND rank=:rank"),
-            [{"s": dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
+            text("UPDATE ranks SET last_stats=:last_stats WHERE job=:job AND rank=:rank"),
+            [{"last_stats": dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
         )
-        jobs: dict[str, dict[str, Any]] = {}
+        newest: dict[str, LastStepRow] = {}
         for (j, _k), r in last.items():
-            if j not in jobs or r["time"] > jobs[j]["t"]:
-                jobs[j] = {"job": j, "t": r["time"], "b": r["budget_bytes"]}
-        conn.execute(text("UPDATE jobs SET updated_at=:t, budget_bytes=:b WHERE job=:job"), list(jobs.values()))
+            if j not in newest or r["time"] > newest[j]["time"]:
+                newest[j] = r
+        conn.execute(
+            text("UPDATE jobs SET updated_at=:updated_at, budget_bytes=:budget_bytes WHERE job=:job"),
+            [{"job": j, "updated_at": r["time"], "budget_bytes": r["budget_bytes"]} for j, r in newest.items()],
+        )
 
-    def _write_each(self, rows: list[dict[str, Any]], last: dict[tuple[str, int], LastStepRow]) -> None:
-        items: list[tuple[str, Any]] = [("stats", r) for r in rows]
+    def _write_each(self, rows: list[Params], last: Last) -> None:
+        items: list[_Item] = [("stats", r) for r in rows]
         # Oldest first, so a job's updated_at only moves forward.
         items += [("last", kv) for kv in sorted(last.items(), key=lambda kv: kv[1]["time"])]
-        for i, (kind, item) in enumerate(items):
+        for i, item in enumerate(items):
             try:
                 with self._write_lock, self.engine.begin() as conn:
-                    if kind == "stats":
-                        self._write(conn, [item], {})
+                    if item[0] == "stats":
+                        self._write(conn, [item[1]], {})
                     else:
-                        self._write(conn, [], dict([item]))
+                        self._write(conn, [], dict([item[1]]))
             except _TRANSIENT:
                 rest = items[i:]
-                self._keep([r for k, r in rest if k == "stats"], dict(kv for k, kv in rest if k == "last"))
+                self._keep([r[1] for r in rest if r[0] == "stats"], dict(r[1] for r in rest if r[0] == "last"))
                 raise
             except Exception as err:
-                self._reject(kind, item if kind == "stats" else {"job": item[0][0], "rank": item[0][1], **item[1]}, err)
+                if item[0] == "stats":
+                    self._reject("stats", item[1], err)
+                else:
+                    (job, rank), row = item[1]
+                    self._reject("last", {"job": job, "rank": rank, **row}, err)
 
     def bound(self) -> None:
         """Keep at most the newest rows the buffer holds while writes fail (the oldest go first)."""
         self._keep([], {})
 
-    def _keep(self, rows: list[dict[str, Any]], last: dict[tuple[str, int], LastStepRow]) -> None:
+    def _keep(self, rows: list[Params], last: Last) -> None:
         with self._buf_lock:
             # Oldest first, within the buffer's bound.
             self._pending = (rows + self._pending)[-self.max_buffered * 4 :]
             for key, r in last.items():
                 self._pending_last.setdefault(key, r)
 
-    def _reject(self, kind: str, row: dict[str, Any], err: Exception) -> None:
+    def _reject(self, kind: str, row: Params, err: Exception) -> None:
         self.rejected += 1
         self.set_aside.append((kind, row))
         log.error("the store refused a statistics row; set aside, not retried: %s: %s; row %r", type(err).__name__,

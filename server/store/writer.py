@@ -14,10 +14,12 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TypeVar
 
 log = logging.getLogger("rematd.server")
+
+_R = TypeVar("_R")
 
 IDLE_SECONDS = 5.0
 """An idle writer's thread ends after this long; the next write starts another."""
@@ -27,11 +29,10 @@ IDLE_SECONDS = 5.0
 class _Write:
     seq: int
     what: str
-    fn: Callable[[], Any]
+    fn: Callable[[], object]
     waited: bool
     """Someone waits for it (``call``), and is given its error instead of the log."""
     error: BaseException | None = None
-    result: Any = field(default=None)
 
 
 class StoreWriter:
@@ -59,7 +60,7 @@ class StoreWriter:
         with self._cv:
             return self._submitted - self._done
 
-    def submit(self, what: str, fn: Callable[[], Any]) -> int:
+    def submit(self, what: str, fn: Callable[[], object]) -> int:
         """Hand ``fn`` over to be run in turn; an error it raises is logged and counted, never raised here.
         Returns its ticket, for :meth:`wait`."""
         return self._enqueue(what, fn, waited=False).seq
@@ -70,15 +71,16 @@ class StoreWriter:
             return False
         return self._wait_for(ticket, timeout)
 
-    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def call(self, what: str, fn: Callable[[], _R]) -> _R:
         """Run ``fn`` in turn after everything handed over before it; returns its result or raises its error."""
         if threading.current_thread() is self._thread:
             return fn()  # a write that hands over another: in order already
-        item = self._enqueue(what, fn, waited=True)
+        result: list[_R] = []
+        item = self._enqueue(what, lambda: result.append(fn()), waited=True)
         self._wait_for(item.seq)
         if item.error is not None:
             raise item.error
-        return item.result
+        return result[0]
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until what was handed over before this call is written (or failed); False on timeout."""
@@ -105,7 +107,7 @@ class StoreWriter:
         if thread is not None:
             thread.join(timeout)
 
-    def _enqueue(self, what: str, fn: Callable[[], Any], *, waited: bool) -> _Write:
+    def _enqueue(self, what: str, fn: Callable[[], object], *, waited: bool) -> _Write:
         with self._cv:
             if not self._closed:
                 self._submitted += 1
@@ -138,7 +140,7 @@ class StoreWriter:
 
     def _run(self, item: _Write) -> None:
         try:
-            item.result = item.fn()
+            item.fn()
         except Exception as err:
             if item.waited:
                 item.error = err

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -46,7 +46,7 @@ def status_of(err: BaseException) -> grpc.StatusCode:
     """The one place domain errors become gRPC status codes.
 
     Only a message the client got wrong (InvalidMessage, which names the field) is INVALID_ARGUMENT,
-    which the client takes as final. Any other error, a plain ValueError from a bug included, is a
+    which the client takes as final. Every other error, a plain ValueError from a bug included, is a
     fault of the service: INTERNAL, which the client retries with backoff.
     """
     if isinstance(err, Unauthenticated):
@@ -76,7 +76,7 @@ HELLOS_AT_ONCE = 2
 """Hellos converted and planned at the same time (the others wait their turn on their worker threads)."""
 
 
-async def _to_the_end(fn: Callable[..., _R], *args: Any) -> _R:
+async def _to_the_end(fn: Callable[..., _R], *args: object) -> _R:
     """``fn`` on a worker thread, waited for to its end even when the stream is cancelled meanwhile:
     the stream's session is closed after it, never while its planning thread may still set what the
     rank was sent or write a plan."""
@@ -94,7 +94,7 @@ class _OpenStream:
 
     __slots__ = ("reading", "task", "told")
 
-    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+    def __init__(self, task: asyncio.Task[object] | None) -> None:
         self.task = task
         self.reading = False
         """Waiting for the rank's next message (the only place a stream is interrupted)."""

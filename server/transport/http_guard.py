@@ -14,11 +14,10 @@ carry (NaN, Infinity) or an unbounded string must not decide what the error look
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -74,7 +73,7 @@ def authorize_write(headers: Mapping[str, str], auth: TokenAuth) -> None:
 _SINGLE = frozenset({b"host", b"origin", b"content-length", b"transfer-encoding", b"authorization", b"sec-fetch-site"})
 
 
-def ambiguous_headers(raw: Any) -> str:
+def ambiguous_headers(raw: Iterable[tuple[bytes, bytes]]) -> str:
     """Why a request's headers can be read two ways, or "": a proxy in front may pick the other reading (a body
     framed by both Content-Length and Transfer-Encoding, or two of a header that decides who is asking)."""
     names = [bytes(k).lower() for k, _ in raw]
@@ -162,7 +161,7 @@ class BodyGuard:
                     return {"type": "http.disconnect"}
             return message
 
-        async def watched(message: MutableMapping[str, Any]) -> None:
+        async def watched(message: Message) -> None:
             nonlocal started
             if refused:
                 return
@@ -173,9 +172,10 @@ class BodyGuard:
         return counted, watched
 
 
-def _error(e: Any) -> dict[str, Any]:
+def _error(e: Mapping[str, object]) -> dict[str, object]:
+    loc = e.get("loc", ())
     return {
-        "loc": [bounded(str(p), 64) for p in e.get("loc", ())][:8],
+        "loc": [bounded(str(p), 64) for p in (loc if isinstance(loc, (list, tuple)) else ())][:8],
         "msg": bounded(str(e.get("msg", ""))),
         "type": str(e.get("type", ""))[:64],
     }
@@ -191,7 +191,7 @@ async def internal_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(status_code=500, content={"detail": "the service failed handling this request; see its log"})
 
 
-def install(app: Any, *, auth: TokenAuth, on_unauthenticated: Callable[[], None]) -> None:
+def install(app: FastAPI, *, auth: TokenAuth, on_unauthenticated: Callable[[], None]) -> None:
     """Add the guards to a FastAPI app."""
     handler: Callable[[Request, Exception], Awaitable[JSONResponse]] = validation_error
     app.add_exception_handler(RequestValidationError, handler)

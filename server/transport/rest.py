@@ -20,15 +20,16 @@ import threading
 import time
 from collections.abc import Callable
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import to_json
+from starlette.types import Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
 
 from rematd import __version__
@@ -50,7 +51,7 @@ RowsLimit = Annotated[int, Query(ge=1, le=MAX_ROWS_PAGE, description="rows a pag
 Cursor = Annotated[str | None, Query(max_length=1024, description="next_cursor of the page before")]
 
 
-def _json(view: Any) -> Response:
+def _json(view: object) -> Response:
     """A read view as JSON, as it is. The endpoint's response model documents it, and the tests hold every view
     to its model; validating each row here would cost more than ten times the encoding on a large read, in the
     process that serves the training ranks' streams."""
@@ -76,7 +77,7 @@ class Lists:
     def __init__(self, at_once: int = LISTS_AT_ONCE) -> None:
         self._turns = threading.BoundedSemaphore(at_once)
 
-    def answer(self, read: Callable[[], Any]) -> Response:
+    def answer(self, read: Callable[[], object]) -> Response:
         if not self._turns.acquire(timeout=LIST_WAIT_SECONDS):
             return JSONResponse(
                 status_code=503,
@@ -103,7 +104,7 @@ class _Delivered(Response):
         super().__init__(body, media_type="application/json")
         self._on_done: Callable[[int], None] | None = on_done
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -141,18 +142,32 @@ class PinBody(BaseModel):
 
     # Strict: a boolean or a string is not a block count (JSON's true would read as 1, "4" as 4).
     model_config = ConfigDict(extra="forbid", strict=True)
-    checkpoint_every: int | None = Field(None, ge=0, le=MAX_BLOCKS, description="k for every k-th block; 0 for none")
-    blocks: list[Annotated[int, Field(ge=0, le=MAX_BLOCKS)]] | None = Field(
-        None, max_length=MAX_BLOCKS, description="block indices to recompute"
+    # Named as the controls keep them (``ControlsRow``, the ``job_controls`` table); the names of a plan's
+    # fields that the body took before are still accepted.
+    pin_every: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_BLOCKS,
+        validation_alias=AliasChoices("pin_every", "checkpoint_every"),
+        description="k for every k-th block; 0 for none (also accepted as checkpoint_every)",
     )
-    modes: list[ModeName] | None = Field(
-        None, max_length=MAX_BLOCKS, description="one mode per block, at every sequence length"
+    pin_blocks: list[Annotated[int, Field(ge=0, le=MAX_BLOCKS)]] | None = Field(
+        None,
+        max_length=MAX_BLOCKS,
+        validation_alias=AliasChoices("pin_blocks", "blocks"),
+        description="block indices to recompute (also accepted as blocks)",
+    )
+    pin_modes: list[ModeName] | None = Field(
+        None,
+        max_length=MAX_BLOCKS,
+        validation_alias=AliasChoices("pin_modes", "modes"),
+        description="one mode per block, at every sequence length (also accepted as modes)",
     )
 
     @model_validator(mode="after")
     def _one(self) -> PinBody:
-        if sum(x is not None for x in (self.checkpoint_every, self.blocks, self.modes)) != 1:
-            raise ValueError("give exactly one of checkpoint_every, blocks or modes")
+        if sum(x is not None for x in (self.pin_every, self.pin_blocks, self.pin_modes)) != 1:
+            raise ValueError("give exactly one of pin_every, pin_blocks or pin_modes")
         return self
 
 
@@ -171,8 +186,8 @@ class TuneBody(BaseModel):
         return self
 
 
-_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: {"description": "missing or wrong bearer token"}}
-_WRITES: dict[int | str, dict[str, Any]] = {**_UNAUTHORIZED, 403: {"description": "sent from another site"}}
+_UNAUTHORIZED: dict[int | str, dict[str, object]] = {401: {"description": "missing or wrong bearer token"}}
+_WRITES: dict[int | str, dict[str, object]] = {**_UNAUTHORIZED, 403: {"description": "sent from another site"}}
 
 
 def create_app(
@@ -310,7 +325,7 @@ def _job_reads(core: AdvisorCore) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = JOBS_PAGE,
         cursor: Cursor = None,
     ) -> Response:
-        def read() -> dict[str, Any]:
+        def read() -> dict[str, object]:
             page = core.jobs_page(state, limit=limit, cursor=cursor)
             return {"jobs": page.rows, "next_cursor": page.next_cursor}
 
@@ -322,7 +337,7 @@ def _job_reads(core: AdvisorCore) -> APIRouter:
 
     @router.get("/{job}/plans", response_model=JobPlans)
     def plans(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
-        def read() -> dict[str, Any]:
+        def read() -> dict[str, object]:
             page = core.plans_page(job, limit=limit, cursor=cursor)
             return {"job": job, "plans": page.rows, "next_cursor": page.next_cursor}
 
@@ -342,7 +357,7 @@ def _job_reads(core: AdvisorCore) -> APIRouter:
 
     @router.get("/{job}/ooms", response_model=JobOoms)
     def ooms(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
-        def read() -> dict[str, Any]:
+        def read() -> dict[str, object]:
             page = core.ooms_page(job, limit=limit, cursor=cursor)
             return {"job": job, "ooms": page.rows, "next_cursor": page.next_cursor}
 
@@ -358,8 +373,7 @@ def _job_controls(core: AdvisorCore) -> APIRouter:
     @router.post("/{job}/pin", response_model=ControlsRow)
     def pin(job: str, body: PinBody) -> Response:
         """Pin the job's plan: its ranks are sent this plan from their next step until it is unpinned."""
-        modes = list(body.modes) if body.modes is not None else None
-        return _json(core.pin(job, checkpoint_every=body.checkpoint_every, blocks=body.blocks, modes=modes))
+        return _json(core.pin(job, pin_every=body.pin_every, pin_blocks=body.pin_blocks, pin_modes=body.pin_modes))
 
     @router.delete("/{job}/pin", response_model=ControlsRow)
     def unpin(job: str) -> Response:

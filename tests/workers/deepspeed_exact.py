@@ -19,10 +19,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed
 import torch
 
+from bench.collectives import counting
 from rematd import client
 from rematd.client.parallel.zero import Zero3
 from rematd.planner import Mode
-from tests.collectives import counting
 from tests.model_matrix import Rematerialised
 from tests.workers.deepspeed_models import VOCAB, build, ds_config
 from tests.workers.rank import finish, settings

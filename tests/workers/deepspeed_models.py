@@ -5,21 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.zero3 import LIVE, RELEASED
 from tests.workers.fsdp_exact import VOCAB, build
 
 __all__ = ["VOCAB", "build", "ds_config"]
-
-RELEASED = {
-    "stage3_param_persistence_threshold": 0,
-    "stage3_max_live_parameters": 0,
-    "stage3_max_reuse_distance": 0,
-    "stage3_prefetch_bucket_size": 0,
-}
-"""ZeRO-3 releasing every parameter after each use: every use is a gather, so the gathers count uses."""
-
-LIVE = {"stage3_param_persistence_threshold": 0}
-"""ZeRO-3 as configured by default (prefetching along its trace, parameters reused while in reach) except that
-no parameter is persistent: a tiny model's would all be, and nothing would be gathered at all."""
 
 
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:

@@ -18,9 +18,9 @@ import transformers
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from bench.collectives import counting
 from rematd import client
 from rematd.planner import Mode
-from tests.collectives import counting
 from tests.model_matrix import Rematerialised
 from tests.workers.rank import finish, settings, start
 

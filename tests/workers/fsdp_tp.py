@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from bench.collectives import counting
 from rematd import client
 from rematd.planner import Mode
-from tests.collectives import counting
 from tests.workers.fsdp_exact import VOCAB, build, full, schedule
 from tests.workers.rank import finish, settings, start
 

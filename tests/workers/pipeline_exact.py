@@ -22,10 +22,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor.parallel import parallelize_module
 
+from bench.collectives import counting
 from bench.pipeline_models import gpt2, hand_stage, llama, loss_fn, titan_stage
 from rematd import client
 from rematd.planner import Mode
-from tests.collectives import counting
 from tests.model_matrix import Rematerialised
 from tests.workers.fsdp_exact import full
 from tests.workers.fsdp_tp import TP_PLAN

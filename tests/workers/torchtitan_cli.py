@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from tests.torchtitan_cpu import stub_triton_kernels
+from bench.torchtitan_cpu import stub_triton_kernels
 
 stub_triton_kernels()
 

@@ -14,7 +14,8 @@ torchtitan targets NVIDIA GPUs and a torch nightly. On the CPU build of a releas
 - pipeline schedules that take micro-batches (a nightly's ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``):
   they go to the schedule's ``_step_microbatches``, which a release has.
 
-``python tests/torchtitan_cpu.py MODULE ARGS...`` (under torchrun) installs them and runs ``python -m MODULE
+``python -m bench.torchtitan_cpu MODULE ARGS...`` (under ``torchrun -m``, from the repository's root; as a script,
+``bench/`` would shadow the torchtitan and deepspeed packages) installs them and runs ``python -m MODULE
 ARGS...``: ``torchtitan.train`` or ``rematd.integrations.torchtitan``, with torchtitan's own arguments. With
 ``REMATD_TITAN_RECORD=dir`` each rank writes ``dir/rank<N>.pt``: every step's loss, rematd's statistics per
 step (when attached), each step's seconds and the parameters at the end, gathered whole; with
