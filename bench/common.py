@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 
 MiB = 2**20
 

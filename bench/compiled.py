@@ -47,8 +47,8 @@ from bench.common import MiB, median, table, write_json
 from bench.compiled_budget import at_report
 from bench.compiled_setup import ADAPTIVE_LENGTHS, Meter, Setup, batch_of, build_model, setup_of, size_arguments, step
 from rematd import client
-from rematd.client.models import TinyGPT
-from rematd.client.selective import compiled_selective_context
+from rematd.client.blocks.selective import compiled_selective_context
+from rematd.client.demo.tiny_gpt import TinyGPT
 from rematd.planner import letters
 
 WHOLE_RATIOS = (1.0, 0.5, 0.2)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from rematd import client
-from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 
 
 def _steps(fallback: bool, *, device: torch.device, cfg: GPTConfig, batch: int, seq: int, steps: int) -> list[float]:

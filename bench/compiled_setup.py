@@ -18,8 +18,8 @@ from torch import nn
 
 from bench.common import gpt, tokens
 from rematd import client
-from rematd.client.accounting import SavedTensorAccounting
-from rematd.client.models import TinyGPT, lm_loss
+from rematd.client.demo.tiny_gpt import TinyGPT, lm_loss
+from rematd.client.memory.accounting import SavedTensorAccounting
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -30,7 +30,7 @@ from torch import nn
 
 from bench.common import freed_memory_kept, gpt, malloc_argument, table, write_json
 from rematd import client
-from rematd.client.models import lm_loss
+from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.planner import Mode
 
 VOCAB = 256

@@ -256,7 +256,7 @@ def _cpu_self() -> float:
 async def _client_main(target: str, conn: Any, index: int, interval: float, fold: bool, deadline: float) -> None:
     import grpc
 
-    from rematd.client.connection import CHANNEL_OPTIONS
+    from rematd.client.service.stream_config import CHANNEL_OPTIONS
     from rematd.v1 import advisor_pb2 as pb
 
     gen = _Gen(interval=interval, fold=fold, reports=_Reports())

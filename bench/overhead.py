@@ -22,7 +22,7 @@ import torch
 
 from bench.served import served
 from rematd import client
-from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 
 
 def make(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -37,7 +37,7 @@ import torch
 from bench.common import MiB, freed_memory_kept, gpt, malloc_argument, median, table, timed_step, tokens, write_json
 from bench.strategies import Runner
 from rematd import client
-from rematd.client.accounting import SavedTensorAccounting
+from rematd.client.memory.accounting import SavedTensorAccounting
 from rematd.planner import Mode, Profile, Shape, letters
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.plan import entry_for

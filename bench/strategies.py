@@ -27,8 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.common import MiB, freed_memory_kept, gpt, malloc_argument, median, table, timed_step, tokens, write_json
 from rematd import client
-from rematd.client.accounting import tensors_in
-from rematd.client.models import TinyGPT
+from rematd.client.demo.tiny_gpt import TinyGPT
+from rematd.client.memory.accounting import tensors_in
 from rematd.planner import Mode, Shape, letters, solve
 
 

@@ -5,13 +5,13 @@ h = client.attach(model, optimizer=opt)   # or h.step() after opt.step()
 """
 
 from rematd.client.attach import attach
-from rematd.client.compiled import CompileStats
-from rematd.client.compress import CompressConfig
-from rematd.client.connection import StreamConfig
-from rematd.client.discovery import BlockDiscoveryError, find_blocks
+from rematd.client.blocks.compiled import CompileStats
+from rematd.client.blocks.compress import CompressConfig
+from rematd.client.blocks.discovery import BlockDiscoveryError, find_blocks
 from rematd.client.errors import OutOfMemory, UnsupportedModel
-from rematd.client.guard import Guard
 from rematd.client.handle import Handle
+from rematd.client.service.stream_config import StreamConfig
+from rematd.client.steps.oom import Guard
 from rematd.planner import Plan
 
 __all__ = [

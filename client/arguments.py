@@ -165,7 +165,7 @@ def check_compile(value: object) -> str | None:
     if value is None or value is False:
         return None
     if value is True or (isinstance(value, str) and value):
-        from rematd.client.compiled import check_torch_version
+        from rematd.client.blocks.compiled import check_torch_version
 
         check_torch_version(torch.__version__)
     if value is True:

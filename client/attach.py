@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from rematd.client.arguments import check_flag, check_server
-from rematd.client.compress import CompressConfig
-from rematd.client.connection import StreamConfig
+from rematd.client.blocks.compress import CompressConfig
 from rematd.client.handle import Handle
+from rematd.client.service.stream_config import StreamConfig
 from rematd.planner import Mode
 
 
@@ -40,12 +40,12 @@ def attach(
     ``ValueError`` naming it, before the model is touched.
 
     Args:
-        model: the model being trained, or the DeepSpeed engine that trains it (its
-            ``step()`` then ends each of the handle's steps; see ``docs/deepspeed.md``),
-            or a ``torch.distributed.pipelining`` schedule: rematd attaches to the
-            modules of its stages on this rank, its ``step()`` starts each of the
-            handle's steps, and each stage's plan counts the microbatches the
-            schedule keeps alive on it (``docs/sharded.md``, "Pipeline parallel").
+        model: the model being trained, or the engine of a sharded backend that
+            trains it (its ``step()`` then ends each of the handle's steps), or
+            a schedule of stages: rematd attaches to the modules of its stages on
+            this rank, its ``step()`` starts each of the handle's steps, and each
+            stage's plan counts the microbatches the schedule keeps alive on it
+            (``docs/sharded.md`` names the set-ups and how to attach to each).
         server: ``"host:port"`` (or ``"[v6addr]:port"``, or a gRPC target
             such as ``"dns:///host:port"``) of a rematd service; ``None``
             plans in-process.
@@ -93,9 +93,9 @@ def attach(
         same_plan: whether the ranks that share the model's parameters run one
             plan, per block the leanest any of them chose, agreed at each step's
             start (one all-reduce of a byte per block over their group: the
-            parameters' device mesh, ZeRO-3's data-parallel group; never across
-            pipeline stages). Default (``None``): where the set-up needs it
-            (FSDP2, tensor parallel, ZeRO-3: ranks that replay collectives or
+            parameters' device mesh, or the sharded engine's data-parallel group;
+            never across stages). Default (``None``): where the set-up needs it
+            (sharded parameters, tensor parallel: ranks that replay collectives or
             share one memory shape); ``True`` also makes plain or DDP ranks agree
             (over DDP's process group, else every rank); ``False`` under tensor
             parallel risks a hang.

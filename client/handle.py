@@ -22,22 +22,20 @@ from rematd.client.arguments import (
     parse_modes,
     pin_sequence,
 )
-from rematd.client.backends import Backend, EmbeddedBackend
-from rematd.client.compiled import CompileStats
-from rematd.client.compress import CompressConfig, check_compress
-from rematd.client.connection import StreamConfig
-from rematd.client.describe import dist_rank, model_fingerprint
-from rematd.client.discovery import find_stage_blocks
+from rematd.client.assembly import build_parts
+from rematd.client.attached_hooks import AttachedHook
+from rematd.client.blocks.compiled import CompileStats
+from rematd.client.blocks.compress import CompressConfig, check_compress
+from rematd.client.blocks.discovery import find_stage_blocks, model_fingerprint
 from rematd.client.errors import UnsupportedModel
-from rematd.client.guard import Guard
-from rematd.client.hooks import AttachedHook
-from rematd.client.memory import MemorySample, SavedTensorMemory
-from rematd.client.oom_policy import OomPolicy
-from rematd.client.parallel.pick import StepStart, check_blocks, check_engine, follow_engine, resolve
-from rematd.client.parallel.pipeline import read_schedule
-from rematd.client.parts import build_parts
-from rematd.client.step_cycle import StepCycle
-from rematd.client.stream import StreamBackend
+from rematd.client.memory.sources import MemorySample, SavedTensorMemory
+from rematd.client.parallel.pick import StepStart, check_blocks, check_engine, follow_engine, read_schedule, resolve
+from rematd.client.parallel.ranks import dist_rank
+from rematd.client.plans.sources import Backend, EmbeddedBackend
+from rematd.client.service.stream import StreamBackend
+from rematd.client.service.stream_config import StreamConfig
+from rematd.client.steps.boundaries import StepCycle
+from rematd.client.steps.oom import Guard, OomPolicy
 from rematd.messages import StepStats
 from rematd.planner import Mode, Plan, Shape
 
@@ -114,8 +112,8 @@ class Handle:
         self._hooks: list[RemovableHandle | StepStart] = []
         for root in target.roots:
             self._hooks += [
-                # Before ZeRO-3's own pre-hooks (attached to an engine, after them otherwise): a plan switch must
-                # restart its fetch trace before the step's first fetch.
+                # Before a sharded engine's own pre-hooks (after them otherwise): a plan switch must restart its
+                # parameter-fetch trace before the step's first fetch.
                 root.register_forward_pre_hook(
                     AttachedHook(self._pre_forward), with_kwargs=True, prepend=engine is not None
                 ),
@@ -148,8 +146,8 @@ class Handle:
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer after whose ``step()`` the handle's :meth:`step` runs by itself.
 
-        Set it when the optimizer is made after ``attach`` (FSDP2: attach, shard, then make the optimizer
-        over the sharded parameters); ``None`` stops following it (then call :meth:`step` yourself).
+        Set it when the optimizer is made after ``attach`` (sharded parameters: attach, shard, then make the
+        optimizer over the shards); ``None`` stops following it (then call :meth:`step` yourself).
         """
         return self._cycle.optimizer
 
@@ -165,9 +163,9 @@ class Handle:
 
     @property
     def engine(self) -> nn.Module | None:
-        """The DeepSpeed engine after whose ``step()`` (at each accumulation boundary) the handle's :meth:`step`
-        runs by itself: the one ``attach`` was given, or set here after ``deepspeed.initialize`` when rematd was
-        attached to the model before it; ``None`` stops following it."""
+        """The sharded backend's engine after whose ``step()`` (at each accumulation boundary) the handle's
+        :meth:`step` runs by itself: the one ``attach`` was given, or set here once the engine is made when rematd
+        was attached to the model before it; ``None`` stops following it (``docs/sharded.md``)."""
         return self._cycle.engine
 
     @engine.setter
@@ -182,9 +180,8 @@ class Handle:
 
     @property
     def pipeline(self) -> object | None:
-        """The ``torch.distributed.pipelining`` schedule whose ``step()`` starts each of the handle's steps: the one
-        ``attach`` was given, or set here before the first step when rematd was attached to the stage's module
-        (docs/sharded.md, "Pipeline parallel")."""
+        """The schedule of stages whose ``step()`` starts each of the handle's steps: the one ``attach`` was given,
+        or set here before the first step when rematd was attached to the stage's module (``docs/sharded.md``)."""
         return self._cycle.schedule.schedule if self._cycle.schedule is not None else None
 
     @pipeline.setter
@@ -325,6 +322,12 @@ class Handle:
             log.exception("rematd: step bookkeeping failed; training goes on with the plan in force")
 
     @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run (itself, or an integration's at the end of training): the blocks run
+        their own forward and no step is followed any more."""
+        return self._life.closed
+
+    @property
     def safe_mode(self) -> bool:
         """True while every block recomputes after an out-of-memory error, until the planner's next plan."""
         return self._life.safe
@@ -414,7 +417,7 @@ class Handle:
             log.exception("rematd: pre-forward bookkeeping failed")
 
     def _schedule_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A pipeline schedule's ``step()`` starts: so does a step, before any microbatch's forward."""
+        """The schedule's ``step()`` starts: so does a step, before any microbatch's forward."""
         if self._life.closed or self._life.in_step or not torch.is_grad_enabled():
             return
         try:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from rematd.client import Handle, attach, find_blocks
-from rematd.client.hooks import AttachedHook
+from rematd.client.attached_hooks import AttachedHook
 from rematd.integrations.controls import HandleControls, PinArgument
 from rematd.integrations.options import attach_options
 

@@ -77,7 +77,7 @@ from rematd.client.arguments import (  # noqa: E402
     parse_modes,
     pin_sequence,
 )
-from rematd.client.compress import check_compress  # noqa: E402
+from rematd.client.blocks.compress import check_compress  # noqa: E402
 from rematd.planner import Mode  # noqa: E402
 
 log = logging.getLogger("rematd.torchtitan")

@@ -6,22 +6,8 @@ any tool can run the same planner anywhere.
 
 from rematd.planner.controller import Controller, ControllerConfig
 from rematd.planner.cost import peak_of, predict_overhead_ratio, predict_peak_bytes
-from rematd.planner.model import (
-    AllocatorFigures,
-    BlockCost,
-    Mode,
-    ModeCost,
-    ModeSeconds,
-    Option,
-    Plan,
-    Profile,
-    Shape,
-    ShapePlan,
-    Size,
-    StepObservation,
-    Term,
-    blocks_of,
-)
+from rematd.planner.model import BlockCost, ModeCost, Option, Profile, Size, Term
+from rematd.planner.plan import Plan, ShapePlan, blocks_of
 from rematd.planner.risk import oom_risk
 from rematd.planner.session import PlannerSession
 from rematd.planner.solvers import (
@@ -31,7 +17,8 @@ from rematd.planner.solvers import (
     solve,
     solve_min_recompute,
 )
-from rematd.planner.units import MODE_LETTERS, MODES_BY_LABEL, letters
+from rematd.planner.steps import AllocatorFigures, ModeSeconds, StepObservation
+from rematd.planner.units import MODE_LETTERS, MODES_BY_LABEL, Mode, Shape, letters
 
 __all__ = [
     "MODES_BY_LABEL",

@@ -17,12 +17,14 @@ from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import overhead_ratio
 from rematd.planner.decision import Decision, Moves
 from rematd.planner.explore import Explorer, trial_over_reason, trial_reason
-from rematd.planner.model import Mode, Profile, Shape, ShapePlan, StepObservation
-from rematd.planner.plan import entry_for
+from rematd.planner.model import Profile
+from rematd.planner.plan import ShapePlan, entry_for
 from rematd.planner.reasons import changed, human_bytes, initial_reason, recomputes_less, what_changed
 from rematd.planner.risk import usable_bytes
 from rematd.planner.shapes import at_shape
 from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanning
+from rematd.planner.steps import StepObservation
+from rematd.planner.units import Mode, Shape
 
 __all__ = ["LOOSEN_SLACK", "Controller", "ControllerConfig", "Decision", "human_bytes"]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from rematd.planner.model import Mode, Option, Profile, Shape
+from rematd.planner.model import Option, Profile
+from rematd.planner.units import Mode, Shape
 
 # Backward costs about twice the forward, so a step is about three forwards.
 STEP_FORWARDS = 3.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rematd.planner.model import Mode, ShapePlan
+from rematd.planner.plan import ShapePlan
+from rematd.planner.units import Mode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rematd.planner.config import ControllerConfig
-from rematd.planner.model import Mode, StepObservation
 from rematd.planner.reasons import human_bytes
+from rematd.planner.steps import StepObservation
 from rematd.planner.timing import MIN_BLOCKS
-from rematd.planner.units import letters
+from rematd.planner.units import Mode, letters
 
 EXPLORED = (Mode.SELECTIVE, Mode.OFFLOAD)
 """Modes priced pessimistically until measured: the ones worth a trial."""

@@ -34,9 +34,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from rematd.planner.model import Mode, Option
+from rematd.planner.model import Option
 from rematd.planner.runs import RUN, Runs
 from rematd.planner.spread import place
+from rematd.planner.units import Mode
 
 INF = math.inf
 # Up to this many feasible caps, every one is a candidate.

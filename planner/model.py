@@ -1,20 +1,12 @@
 """The planner's vocabulary: small immutable records, validated on creation. The cost model's records
-(sizes, per-block costs, profiles) live here; modes, shapes, plans and step observations in their own
-modules, and are importable from here too."""
+(sizes, per-block costs, profiles); modes and shapes are in ``units``, plans in ``plan``, step observations in
+``steps``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rematd.planner.plan import Plan as Plan
-from rematd.planner.plan import ShapePlan as ShapePlan
-from rematd.planner.plan import blocks_of as blocks_of
-from rematd.planner.steps import AllocatorFigures as AllocatorFigures
-from rematd.planner.steps import ModeSeconds as ModeSeconds
-from rematd.planner.steps import StepObservation as StepObservation
-from rematd.planner.units import Mode as Mode
-from rematd.planner.units import Shape as Shape
-from rematd.planner.units import check_bytes, check_seconds
+from rematd.planner.units import Mode, Shape, check_bytes, check_seconds
 
 # The exponents a term may have: activations grow at most with batch^2 and seq^3.
 MAX_BATCH_EXP = 2

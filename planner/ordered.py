@@ -13,7 +13,8 @@ partial plans it gives up and the caller falls back on the knapsack's bound.
 from __future__ import annotations
 
 from rematd.planner.cost import NO_MOMENT
-from rematd.planner.model import Mode, Option
+from rematd.planner.model import Option
+from rematd.planner.units import Mode
 
 MAX_STATES = 20_000
 """Partial plans kept at once before the programme gives up (blocks of many unlike sizes)."""

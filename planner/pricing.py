@@ -10,12 +10,13 @@ from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import overhead_ratio
 from rematd.planner.decision import Decision
 from rematd.planner.learned import Learned
-from rematd.planner.model import Mode, Profile, Shape, ShapePlan
-from rematd.planner.plan import entry_for
+from rematd.planner.model import Profile
+from rematd.planner.plan import ShapePlan, entry_for
 from rematd.planner.shapes import AtShape, Offsets, Scales, at_shape
 from rematd.planner.solvers import Choice, solve_prepared
 from rematd.planner.stepfit import PRIOR_SPREAD, Posterior, Prior, group_of, params
 from rematd.planner.timing import BucketTimes
+from rematd.planner.units import Mode, Shape
 
 CACHED_CHOICES = 128
 """Solved plans kept before the cache starts over: each length's, under the correction and the scales in

@@ -7,12 +7,14 @@ from collections import OrderedDict
 
 from rematd.planner.controller import Controller, ControllerConfig, Decision
 from rematd.planner.cost import overhead_ratio
-from rematd.planner.model import Mode, Plan, Profile, Shape, ShapePlan, StepObservation, blocks_of
+from rematd.planner.model import Profile
+from rematd.planner.plan import Plan, ShapePlan, blocks_of
 from rematd.planner.reasons import lossy_note
 from rematd.planner.risk import oom_risk, usable_bytes
 from rematd.planner.shapes import at_shape
 from rematd.planner.solvers import frequency_of
-from rematd.planner.units import letters
+from rematd.planner.steps import StepObservation
+from rematd.planner.units import Mode, Shape, letters
 
 
 class PlannerSession:

@@ -8,8 +8,9 @@ from collections import OrderedDict
 
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.knapsack import Knapsack
-from rematd.planner.model import Mode, Option, Profile, Shape
+from rematd.planner.model import Option, Profile
 from rematd.planner.solvers import pool_seconds
+from rematd.planner.units import Mode, Shape
 
 Scales = tuple[tuple[Mode, float], ...]
 """(mode, measured / profiled seconds) for the modes whose measurements differ from the profile."""

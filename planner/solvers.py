@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.knapsack import Knapsack
-from rematd.planner.model import Mode, Option, Profile, Shape
+from rematd.planner.model import Option, Profile
 from rematd.planner.ordered import TooManyStates, exact_ordered
 from rematd.planner.spread import spread
+from rematd.planner.units import Mode, Shape
 
 # Up to this many blocks the exact frontier programme is cheap.
 EXACT_BLOCKS = 12

@@ -10,7 +10,8 @@ import math
 from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import overhead_ratio
 from rematd.planner.decision import Decision
-from rematd.planner.model import Mode, Profile, Shape, ShapePlan, StepObservation
+from rematd.planner.model import Profile
+from rematd.planner.plan import ShapePlan
 from rematd.planner.plan_trials import (
     MAX_LOSS,
     MIN_GAIN,
@@ -26,7 +27,8 @@ from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import Offsets
 from rematd.planner.solvers import Choice
 from rematd.planner.stepfit import INFLATION, Posterior, group_of, params
-from rematd.planner.units import letters
+from rematd.planner.steps import StepObservation
+from rematd.planner.units import Mode, Shape, letters
 
 LOOSEN_SLACK = 0.97
 """A looser plan, or one on trial, must fit this fraction of the target under the worst recent correction."""

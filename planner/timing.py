@@ -30,8 +30,9 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from rematd.planner.model import Mode, ModeSeconds
 from rematd.planner.shapes import Scales
+from rematd.planner.steps import ModeSeconds
+from rematd.planner.units import Mode
 
 _T = TypeVar("_T")
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from bench.served import served
-from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 
 
 def tiny_model(n_layer: int = 4, d_model: int = 32, dropout: float = 0.0, seed: int = 0) -> TinyGPT:

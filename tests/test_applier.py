@@ -6,9 +6,9 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
-from rematd.client.applier import NO_PLAN, PlanApplier
+from rematd.client.plans.applier import NO_PLAN, PlanApplier
 from rematd.planner import Mode, Shape
-from rematd.planner.model import ShapePlan
+from rematd.planner.plan import ShapePlan
 
 S, R, K = Mode.STORE, Mode.RECOMPUTE, Mode.SELECTIVE
 

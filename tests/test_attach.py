@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.optim.swa_utils import AveragedModel
 
 from rematd import client
-from rematd.client.models import lm_loss
+from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.planner import Mode
 
 from .helpers import batch, tiny_model, train_step

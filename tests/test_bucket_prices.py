@@ -10,22 +10,20 @@ import math
 import pytest
 
 from rematd.planner import (
-    BlockCost,
     Controller,
     ControllerConfig,
     Mode,
-    ModeCost,
     ModeSeconds,
     PlannerSession,
     Profile,
     Shape,
-    Size,
     StepObservation,
-    Term,
 )
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.learned import Learned
 from rematd.planner.timing import MAX_BUCKETS, MIN_BLOCKS, BucketTimes
+
+from .alike_blocks import alike_blocks
 
 S, K, R = Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE
 N = 8
@@ -35,25 +33,10 @@ FORWARD = 0.01
 BUDGET = 6000
 
 
-def fixed(n: int) -> Size:
-    """``n`` bytes at every shape: the budget binds alike at every length, only the prices differ."""
-    return Size((Term(n, 0, 0),))
-
-
 def profile() -> Profile:
-    """Eight alike blocks: storing keeps 1000 bytes, selective 400 (600 rematerialised), recomputing 100;
-    selective is profiled at 4 ms, and so priced as recomputing (10 ms) until measured."""
-    block = BlockCost(
-        saved_bytes=1000,
-        input_bytes=100,
-        forward_seconds=FORWARD,
-        modes=(
-            ModeCost(mode=S, kept=fixed(1000)),
-            ModeCost(mode=K, kept=fixed(400), transient=fixed(600), extra_seconds=0.004),
-            ModeCost(mode=R, kept=fixed(100), transient=fixed(1000), extra_seconds=FORWARD),
-        ),
-    )
-    return Profile(blocks=(block,) * N, shape=REF)
+    """Eight alike blocks of fixed sizes; selective is profiled at 4 ms, and so priced as recomputing (10 ms)
+    until measured."""
+    return alike_blocks(scaled=False)
 
 
 def shape(seq: int) -> Shape:

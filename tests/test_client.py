@@ -6,8 +6,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematd import client
-from rematd.client.accounting import SavedTensorAccounting
-from rematd.client.models import lm_loss
+from rematd.client.demo.tiny_gpt import lm_loss
+from rematd.client.memory.accounting import SavedTensorAccounting
+from rematd.planner import Mode
 
 from .helpers import batch, tiny_model, train_step
 
@@ -93,13 +94,14 @@ def test_gradients_equal_with_and_without_checkpointing() -> None:
     ref = tiny_model(dropout=0.1, seed=1)
     model = tiny_model(dropout=0.1, seed=1)
     h = client.attach(model, budget_bytes=10**12)
-    for b in h._blocks:
-        b.checkpointed = b.index % 2 == 0
-    h._life.profiled()  # skip profiling: this test pins the plan by hand
-    h._life.begin_step()
+    lm_loss(model, batch(48)).backward()  # the profiling step: every block stores
+    h.step()
+    model.zero_grad(set_to_none=True)
+    h.pin_modes(["recompute" if i % 2 == 0 else "store" for i in range(len(h.blocks))])
     for m in (ref, model):
         torch.manual_seed(7)
         lm_loss(m, batch(48)).backward()
+    assert h.modes[:2] == (Mode.RECOMPUTE, Mode.STORE), "the pinned step recomputed every other block"
     for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert torch.equal(p.grad, q.grad), name

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rematd import client
-from rematd.client.lifecycle import TRANSITIONS, Event, IllegalTransition, Lifecycle, Phase
-from rematd.client.models import lm_loss
+from rematd.client.demo.tiny_gpt import lm_loss
+from rematd.client.steps.phases import TRANSITIONS, Event, IllegalTransition, Lifecycle, Phase
 
 from .helpers import batch, tiny_model
 
@@ -104,15 +104,22 @@ def test_step_boundaries_and_the_profile_are_checked() -> None:
 
 @pytest.mark.allow_client_errors(reason="the test forces an illegal transition, which the handle logs")
 def test_an_illegal_transition_inside_the_handle_is_logged_and_training_goes_on(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = tiny_model(n_layer=2, d_model=32, seed=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     h = client.attach(model, optimizer=opt, budget_bytes=10**12)
     lm_loss(model, batch(16)).backward()
     opt.step()
-    assert h._life.phase is Phase.PLANNED and h.step_count == 1
-    h._life.has_profile = False  # a state no event leads to: the next step's end profiles again, from planned
+    assert h.step_count == 1
+    ended = Lifecycle.end_step
+
+    def end_then_fail(life: Lifecycle) -> None:
+        # A fault no event leads to: the step ends, then the lifecycle refuses a transition.
+        ended(life)
+        raise IllegalTransition("rematd lifecycle: a transition refused after the step ended")
+
+    monkeypatch.setattr(Lifecycle, "end_step", end_then_fail)
     before = [p.detach().clone() for p in model.parameters()]
     with caplog.at_level(logging.ERROR, logger="rematd.client"):
         for seed in (1, 2):
@@ -123,5 +130,5 @@ def test_an_illegal_transition_inside_the_handle_is_logged_and_training_goes_on(
     assert len(errors) == 2 and all("step bookkeeping failed" in r.getMessage() for r in errors)
     assert all(isinstance(r.exc_info[1], IllegalTransition) for r in errors if r.exc_info)
     assert any(not torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True)), "training went on"
-    assert not h._life.in_step, "each step still ended"
+    assert h.step_count == 3, "each step still ended"
     h.close()

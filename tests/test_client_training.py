@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from rematd import client
-from rematd.client.models import lm_loss
+from rematd.client.demo.tiny_gpt import lm_loss
+from rematd.planner import Mode
 
 from .helpers import batch, tiny_model
 
@@ -28,18 +27,17 @@ def test_plans_never_switch_between_micro_batches_of_one_step() -> None:
     n = len(h.blocks)
     for step in range(6):
         for micro in range(4):
-            # A plan arrives in the middle of the step, as one from the service can.
+            # New modes come in the middle of the step, as a plan from the service can: they wait for the next.
             if step >= 1 and micro == 1:
-                blocks = tuple(range(0, n, 1 + step % 2))
-                plan = dataclasses.replace(h.plan, version=h.plan.version + 1, blocks=blocks, modes=(), shape_plans=())
-                h._applier.receive(plan)
+                blocks = range(0, n, 1 + step % 2)
+                h.pin_modes([Mode.RECOMPUTE if i in blocks else Mode.STORE for i in range(n)])
             lm_loss(model, batch(16, seed=micro)).backward()
         opt.step()  # the hook ends the step
         opt.zero_grad()
     for s in range(6):
         per_step = {m for (st, _, m) in modes if st == s}
         assert len(per_step) == 1, f"step {s} switched between micro-batches: {per_step}"
-    # Each plan received mid-step was applied at the first forward of the next step.
+    # The modes given mid-step were applied at the first forward of the next step.
     for s in range(2, 6):
         (m,) = {m for (st, _, m) in modes if st == s}
         assert m == tuple(i in range(0, n, 1 + (s - 1) % 2) for i in range(n)), (s, m)

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from rematd import client, wire
-from rematd.client import compiled as compiled_module
-from rematd.client.folding import fold
-from rematd.client.guard import UnsupportedModel
-from rematd.client.models import TinyGPT, lm_loss
+from rematd.client.blocks import compiled as compiled_module
+from rematd.client.demo.tiny_gpt import TinyGPT, lm_loss
+from rematd.client.errors import UnsupportedModel
+from rematd.client.service.folding import fold
 from rematd.messages import BlockProfile, Hello, InvalidMessage, StepStats
 from rematd.planner import Mode, Shape
 from rematd.server import ServeConfig, ServiceThread

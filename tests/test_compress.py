@@ -13,10 +13,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from rematd import client, wire
-from rematd.client import quantize as quantize_module
-from rematd.client.compress import CompressConfig, Compressor, pack_tensor
-from rematd.client.models import lm_loss
-from rematd.client.quantize import RESTORE, Kernel, dequantize, quantize
+from rematd.client.blocks import quantize as quantize_module
+from rematd.client.blocks.compress import CompressConfig, Compressor, pack_tensor
+from rematd.client.blocks.quantize import RESTORE, Kernel, dequantize, quantize
+from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.messages import BlockProfile, Hello, StepStats
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, PlannerSession, Profile, Shape, ShapePlan, Size
 from rematd.planner.config import ControllerConfig

@@ -4,15 +4,12 @@ error recovered from. Skipped without CUDA; the CPU paths have their own tests."
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from rematd import client
-from rematd.client.applier import NO_PLAN
-from rematd.client.memory import CudaMemory
-from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
+from rematd.client.memory.sources import CudaMemory
 from rematd.planner import Mode, Shape, predict_peak_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -62,9 +59,7 @@ def test_every_mode_computes_what_plain_training_computes(mode: Mode) -> None:
     lm_loss(model, data(128)).backward()  # the profiling step
     h.step()
     model.zero_grad()
-    h._applier._pending = None
-    h._applier.plan = dataclasses.replace(NO_PLAN, version=10**6, modes=(mode,) * 4)
-    h._applier.invalidate()
+    h.pin_modes(mode)
     for seed in (1, 2):
         torch.manual_seed(seed)
         ref_loss = lm_loss(ref, data(128, seed=seed))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rematd import client
-from rematd.client.compress import CompressConfig
+from rematd.client.blocks.compress import CompressConfig
 
 from .dashboard_helpers import ARTIFACTS, CHROMIUM, browser_session, new_page
 from .helpers import LiveServer, live_server, tiny_model, train_step

@@ -25,7 +25,7 @@ WORKER = textwrap.dedent(
     sys.path.insert(0, os.environ["REMATD_TESTS_ROOT"])
     from tests.helpers import tiny_model, batch
     from rematd import client
-    from rematd.client.models import lm_loss
+    from rematd.client.demo.tiny_gpt import lm_loss
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

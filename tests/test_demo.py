@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rematd.client import demo
+from rematd import demo
 
 from .helpers import live_server
 

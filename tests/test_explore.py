@@ -15,21 +15,20 @@ from dataclasses import dataclass, field
 import pytest
 
 from rematd.planner import (
-    BlockCost,
     ControllerConfig,
     Mode,
-    ModeCost,
     ModeSeconds,
     PlannerSession,
     Profile,
     Shape,
-    Size,
     StepObservation,
 )
 from rematd.planner.controller import LOOSEN_SLACK
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.model import Option
 from rematd.planner.solvers import solve
+
+from .alike_blocks import alike_blocks
 
 S, K, R = Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE
 N = 8
@@ -40,17 +39,7 @@ FORWARD = 0.01
 
 def profile(selective_profiled: float = 0.004) -> Profile:
     """Eight alike blocks: storing keeps 1000 bytes, selective 400 (600 rematerialised), recomputing 100."""
-    block = BlockCost(
-        saved_bytes=1000,
-        input_bytes=100,
-        forward_seconds=FORWARD,
-        modes=(
-            ModeCost(mode=S, kept=Size.linear(1000)),
-            ModeCost(mode=K, kept=Size.linear(400), transient=Size.linear(600), extra_seconds=selective_profiled),
-            ModeCost(mode=R, kept=Size.linear(100), transient=Size.linear(1000), extra_seconds=FORWARD),
-        ),
-    )
-    return Profile(blocks=(block,) * N, shape=REF)
+    return alike_blocks(selective=selective_profiled)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from bench.served import Served, launch, stop
-from rematd.client.connection import CHANNEL_OPTIONS
+from rematd.client.service.stream_config import CHANNEL_OPTIONS
 from rematd.server.config import StoreConfig
 
 from .fleet_helpers import RawRank, job_view, metric

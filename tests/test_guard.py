@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rematd import client
-from rematd.client.models import lm_loss
+from rematd.client.demo.tiny_gpt import lm_loss
 
 from .helpers import batch, live_server, tiny_model
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rematd import client, wire
-from rematd.client.credential import JOB_TOKEN_ENV
+from rematd.client.service.credential import JOB_TOKEN_ENV
 from rematd.messages import Hello, OomReport
 from rematd.planner import Shape
 from rematd.server import ServeConfig, ServiceThread
@@ -165,7 +165,7 @@ def test_a_job_with_an_operator_token_opens_only_with_it(tmp_path: Path, monkeyp
         assert err is None
         # The client presents the token its environment gives.
         monkeypatch.setenv(JOB_TOKEN_ENV, "team-a-token-0123456789")
-        from rematd.client.credential import job_credential
+        from rematd.client.service.credential import job_credential
 
         assert job_credential() == "team-a-token-0123456789"
     finally:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rematd import client, wire
-from rematd.client.stream import StreamBackend
+from rematd.client.service.stream import StreamBackend
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.app import Bound
 from rematd.v1 import advisor_pb2 as pb

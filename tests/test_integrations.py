@@ -70,7 +70,7 @@ def test_the_hugging_face_trainer_trains_through_the_callback(tmp_path: Any) -> 
     result = trainer.train()
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
     h = rematd.handle
-    assert h is not None and h._life.closed, "closed when training ends"
+    assert h is not None and h.closed, "closed when training ends"
     # The rematd callback runs first: each optimizer step (two micro-batches) is one rematd step.
     assert [count for count, _ in seen] == [1, 2, 3]
     assert seen[0][1] == (Mode.STORE, Mode.STORE), "the profiling step"
@@ -132,7 +132,7 @@ def test_lightning_trains_through_the_callback() -> None:
     trainer.fit(module, loader)
     assert trainer.global_step == 3
     h = rematd.handle
-    assert h is not None and h._life.closed
+    assert h is not None and h.closed
     assert h.blocks == ["transformer.h.0", "transformer.h.1"], "attached to the network training_step calls"
     # Six micro-batches, two per optimizer step: a rematd step ends with each optimizer step only.
     assert [count for count, _ in seen] == [0, 1, 1, 2, 2, 3]
@@ -184,7 +184,7 @@ def test_a_failed_hugging_face_training_closes_the_handle(tmp_path: Any) -> None
         trainer.train()
     h = rematd.handle
     assert h is not None and h.step_count == 1, "it failed in the second step"
-    assert h._life.closed, "closed when training failed"
+    assert h.closed, "closed when training failed"
     assert "forward" not in model.model.layers[0].__dict__, "the blocks' own forward is back"
     assert not model._forward_pre_hooks and not model._forward_hooks, "no hook left on the model"
     assert "training_step" not in trainer.__dict__, "the trainer is as it was"

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematd import client
-from rematd.client.applier import NO_PLAN
-from rematd.client.models import lm_loss
+from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.planner import Mode, Shape
 from rematd.planner.cost import choose, peak_of
 
 from .helpers import batch, tiny_model
 
 ALL = [Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD]
-
-
-def pin(h: client.Handle, modes: tuple[Mode, ...]) -> None:
-    """Force the modes of every following step (what a plan from the planner would do)."""
-    h._applier._pending = None
-    h._applier.plan = dataclasses.replace(NO_PLAN, version=10**6, modes=modes)
-    h._applier.invalidate()
 
 
 def step(model: torch.nn.Module, h: client.Handle, seq: int, seed: int) -> float:
@@ -41,7 +31,7 @@ def test_gradients_bitwise_equal_under_every_mode(mode: Mode) -> None:
     h = client.attach(model, budget_bytes=10**12)
     step(model, h, 24, 0)  # the profiling step
     model.zero_grad()
-    pin(h, (mode,) * 4)
+    h.pin_modes(mode)
     for seed in (1, 2):
         torch.manual_seed(seed)
         ref_loss = lm_loss(ref, batch(24, seed=seed))
@@ -64,7 +54,7 @@ def test_measured_saved_bytes_match_the_prediction(mode: Mode, seq: int) -> None
     h = client.attach(model, budget_bytes=10**12)
     step(model, h, 32, 0)  # profile at seq 32; seq 80 is predicted from the shape terms
     profile = h._backend._hello.profile()  # type: ignore[attr-defined]
-    pin(h, (mode,) * 4)
+    h.pin_modes(mode)
     step(model, h, seq, 1)
     measured = h.last_stats.saved_peak_bytes if h.last_stats else 0
     shape = Shape(batch=2, seq_len=seq, tokens=2 * seq)
@@ -95,7 +85,7 @@ def test_recompute_reruns_every_matmul_and_selective_only_the_attention_core() -
     step(model, h, 32, 0)
     flops = {}
     for mode in (Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE):
-        pin(h, (mode,) * 4)
+        h.pin_modes(mode)
         step(model, h, 32, 1)  # apply the modes at the step boundary
         flops[mode] = _flops(model, h)
     assert flops[Mode.RECOMPUTE]["linear"] > flops[Mode.STORE]["linear"], "full recomputation reruns linear layers"

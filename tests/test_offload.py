@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rematd import client
-from rematd.client import offload
+from rematd.client.blocks import offload
 from rematd.planner import Mode
 
 from .helpers import batch, lm_loss, tiny_model

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rematd import client
-from rematd.client.models import lm_loss
-from rematd.client.oom_policy import OomPolicy, is_oom, oom_message
+from rematd.client.demo.tiny_gpt import lm_loss
+from rematd.client.steps.oom import OomPolicy, is_oom, oom_message
 
 from .helpers import batch, tiny_model
 

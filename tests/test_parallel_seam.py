@@ -1,75 +1,98 @@
-"""One seam for parallelism in the client: outside the modules that implement a backend (``client/parallel``'s
-``fsdp``, ``tensor``, ``zero``, ``pipeline``) and the one that picks among them (``pick``), no client module's code
-names FSDP, ZeRO, DeepSpeed, DTensor or pipelining: its imports, names and strings (docstrings and comments may
-say what a set-up does, for the reader)."""
+"""One seam for parallelism in the client: outside ``client/parallel`` (the modules that implement a backend,
+``fsdp``, ``tensor``, ``zero``, ``pipeline``, the seam itself, ``base``, and the one that picks among them,
+``pick``), no client module names FSDP, ZeRO, DeepSpeed, DTensor or pipelining: not in its imports, names and
+strings, and not in its docstrings and comments either (they say "a sharded set-up", "stages", "the engine"). The
+rest of the client asks the seam (:class:`rematd.client.parallel.base.SetUp`) and the picker, so a new backend is
+a module in ``parallel/`` and a line in ``pick``."""
 
 from __future__ import annotations
 
-import ast
+import re
 from pathlib import Path
 
 CLIENT = Path(__file__).resolve().parent.parent / "client"
-BACKENDS = {"parallel/fsdp.py", "parallel/tensor.py", "parallel/zero.py", "parallel/pipeline.py", "parallel/pick.py"}
-WORDS = ("fsdp", "fully_shard", "deepspeed", "distributed.tensor", "pipelining", "zero3", "zero-3", "zero_param")
-CASED = ("ZeRO", "DTensor")
-"""Matched as they are spelt: ``SavedTensor`` names no DTensor."""
+SEAM = "parallel"
+"""The folder where backends are implemented and picked: the only one that may name them."""
+BACKEND = re.compile(
+    r"(?i:fsdp|fully_shard|deepspeed|pipelin|distributed\.tensor|(?<![a-z])dtensor|\bzero[-_]?(?:[123]|stage|param|optim|init))"
+    r"|\bZeRO\b"
+)
+"""A backend's name in a word: ``SavedTensor`` names no DTensor, ``zero_grad`` and ``zeros`` no ZeRO."""
+WORD = re.compile(r"\w+(?:[.-]\w+)*")
+PUBLIC = {"handle.py": frozenset({"pipeline"})}
+"""Words a module may use because the public API spells them so: ``h.pipeline`` (the README's and docs'),
+which its setter's errors name as the setting to change."""
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    ids = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                ids.add(id(body[0].value))
-        # An attribute's docstring: a string statement right after an assignment.
-        for field in ("body", "orelse"):
-            stmts = getattr(node, field, None)
-            if isinstance(stmts, list):
-                ids.update(id(s.value) for s in stmts if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-    return ids
-
-
-def named(path: Path) -> list[str]:
-    """The backend words ``path``'s code names, with their lines."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    docs = _docstrings(tree)
+def named(path: Path, root: Path = CLIENT) -> list[str]:
+    """Where ``path`` names a backend, code, docstring or comment alike: ``file:line: word``."""
+    rel = path.relative_to(root)
+    allowed = PUBLIC.get(str(rel), frozenset())
+    # ``pipeline.setter`` and ``h.pipeline`` spell the public attribute too; ``pipelines`` does not.
+    public = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(allowed))) + r")\b") if allowed else None
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            text = node.id
-        elif isinstance(node, ast.Attribute):
-            text = node.attr
-        elif isinstance(node, ast.alias):
-            text = node.name
-        elif isinstance(node, ast.ImportFrom):
-            text = node.module or ""
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
-            text = node.value
-        else:
-            continue
-        if any(w in text.lower() for w in WORDS) or any(w in text for w in CASED):
-            found.append(f"{path.relative_to(CLIENT)}:{getattr(node, 'lineno', '?')}: {text[:60]!r}")
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        for word in WORD.findall(line):
+            if BACKEND.search(public.sub("", word) if public else word):
+                found.append(f"{rel}:{number}: {word!r}")
     return found
 
 
-def test_only_the_backends_and_the_picker_name_a_parallel_backend() -> None:
-    modules = sorted(p for p in CLIENT.rglob("*.py") if "__pycache__" not in p.parts)
-    assert any(p.name == "pick.py" for p in modules)
-    found = [hit for p in modules if str(p.relative_to(CLIENT)) not in BACKENDS for hit in named(p)]
+def outside_the_seam(root: Path = CLIENT) -> list[Path]:
+    """Every client module but those of ``parallel/``."""
+    return sorted(
+        p for p in root.rglob("*.py") if "__pycache__" not in p.parts and p.relative_to(root).parts[0] != SEAM
+    )
+
+
+def test_no_client_module_outside_the_seam_names_a_parallel_backend() -> None:
+    modules = outside_the_seam()
+    rels = {str(p.relative_to(CLIENT)) for p in modules}
+    # The walk reaches the client's folders, and leaves the seam out.
+    assert {"handle.py", "steps/boundaries.py", "blocks/switchable.py"} <= rels, sorted(rels)
+    assert not any(r.startswith(f"{SEAM}/") for r in rels)
+    assert (CLIENT / SEAM / "pick.py").exists()
+    found = [hit for p in modules for hit in named(p)]
     assert not found, "\n".join(found)
 
 
-def test_the_check_finds_a_backend_named_in_code_and_not_in_a_docstring(tmp_path: Path) -> None:
+def test_the_check_finds_a_backend_in_code_docstrings_and_comments(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text('"""About FSDP."""\nfrom torch.distributed.fsdp import FSDPModule\nx = "ZeRO-3"\n')
-    assert [h.split(": ", 1)[1] for h in named_in(module)] == ["'torch.distributed.fsdp'", "'FSDPModule'", "'ZeRO-3'"]
+    module.write_text(
+        '"""About FSDP2."""\n'
+        "from torch.distributed.fsdp import FSDPModule\n"
+        'x = "ZeRO-3"  # as DeepSpeed does\n'
+        "import torch.distributed.pipelining\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "def f(m):\n    return has_dtensors(m)\n"
+    )
+    words = [h.split(": ", 1)[1] for h in named(module, tmp_path)]
+    assert words == [
+        "'FSDP2'",
+        "'torch.distributed.fsdp'",
+        "'FSDPModule'",
+        "'ZeRO-3'",
+        "'DeepSpeed'",
+        "'torch.distributed.pipelining'",
+        "'torch.distributed.tensor'",
+        "'DTensor'",
+        "'has_dtensors'",
+    ]
 
 
-def named_in(path: Path) -> list[str]:
-    global CLIENT
-    saved, CLIENT = CLIENT, path.parent
-    try:
-        return named(path)
-    finally:
-        CLIENT = saved
+def test_the_check_leaves_look_alike_words_and_the_public_attribute(tmp_path: Path) -> None:
+    module = tmp_path / "handle.py"
+    module.write_text(
+        "class SavedTensorAccounting: ...\n"
+        "opt.zero_grad(set_to_none=True)\n"
+        "x = torch.zeros(3)\n"
+        "def pipeline(self): ...\n"
+        "@pipeline.setter\n"
+        'raise ValueError("set h.pipeline first")\n'
+    )
+    assert named(module, tmp_path) == []
+    module.write_text("pipelines = 2\n")
+    assert named(module, tmp_path) == ["handle.py:1: 'pipelines'"]
+    other = tmp_path / "other.py"
+    other.write_text("def pipeline(self): ...\n")
+    assert named(other, tmp_path) == ["other.py:1: 'pipeline'"]

@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from rematd import client
-from rematd.client.models import GPTConfig, TinyGPT, lm_loss
+from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 from rematd.planner import Mode, Shape
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.reasons import letters
 
 from .helpers import batch
-from .test_modes import pin
 
 N = 6
 PLANS = 14
@@ -51,7 +50,7 @@ def test_predicted_peaks_are_within_5_percent_of_the_accounting(seq: int) -> Non
     other = profile.other_at(shape)
     misses = []
     for k, modes in enumerate(plans()):
-        pin(h, modes)
+        h.pin_modes(modes)
         step(model, h, seq, 2 * k + 1)  # the plan applies at this step's boundary
         measured = step(model, h, seq, 2 * k + 2)
         chosen = choose(options, modes)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rematd import client, wire
-from rematd.client.folding import Folder, fold, steady
+from rematd.client.service.folding import Folder, fold, steady
 from rematd.planner import Mode
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.config import CoreConfig

@@ -21,18 +21,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from rematd.planner import (
-    BlockCost,
     Controller,
     ControllerConfig,
     Mode,
-    ModeCost,
     ModeSeconds,
     PlannerSession,
     Profile,
     Shape,
-    Size,
     StepObservation,
-    Term,
     letters,
 )
 from rematd.planner.controller import LOOSEN_SLACK
@@ -41,6 +37,8 @@ from rematd.planner.model import Option
 from rematd.planner.plan_trials import FREE_TRIALS
 from rematd.planner.solvers import solve
 from rematd.planner.stepfit import MIN_PAIRS, Prior, StepFit, StepPrices, counts
+
+from .alike_blocks import alike_blocks
 
 S, R = Mode.STORE, Mode.RECOMPUTE
 N = 8
@@ -53,24 +51,10 @@ STEPS_TO_CONVERGE = 150
 """Steps of a new length within which the plan in force is the oracle's best, and stays it."""
 
 
-def fixed(n: int) -> Size:
-    """``n`` bytes at every length: the budget binds alike at both lengths, only the truth differs."""
-    return Size((Term(n, 0, 0),))
-
-
 def profile() -> Profile:
-    """Eight alike blocks: storing keeps 1000 bytes, recomputing 100 (and brings 1000 back in backward)
-    and adds one forward, 10 ms: storing is free by the per-block prices."""
-    block = BlockCost(
-        saved_bytes=1000,
-        input_bytes=100,
-        forward_seconds=FORWARD,
-        modes=(
-            ModeCost(mode=S, kept=fixed(1000)),
-            ModeCost(mode=R, kept=fixed(100), transient=fixed(1000), extra_seconds=FORWARD),
-        ),
-    )
-    return Profile(blocks=(block,) * N, shape=REF)
+    """Eight alike blocks of fixed sizes, without selective: storing keeps 1000 bytes, recomputing 100 (and
+    brings 1000 back in backward) and adds one forward, 10 ms: storing is free by the per-block prices."""
+    return alike_blocks(selective=None, scaled=False)
 
 
 def store_cost(block: int, seq: int) -> float:

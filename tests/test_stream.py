@@ -16,7 +16,7 @@ import torch
 
 from bench.served import stop
 from rematd import client
-from rematd.client.stream import StreamBackend, StreamConfig
+from rematd.client.service.stream import StreamBackend, StreamConfig
 from rematd.messages import StepStats
 
 from .helpers import tiny_model, train_step

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rematd import client
-from rematd.client.stream import FALLBACK_MAX_FAILURES, StreamBackend
+from rematd.client.service.stream import FALLBACK_MAX_FAILURES, StreamBackend
 from rematd.planner import PlannerSession
 from rematd.v1 import advisor_pb2 as pb
 

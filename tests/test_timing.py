@@ -11,20 +11,18 @@ import torch
 from rematd import client, wire
 from rematd.messages import InvalidMessage, StepStats
 from rematd.planner import (
-    BlockCost,
     Controller,
     ControllerConfig,
     Mode,
-    ModeCost,
     ModeSeconds,
     PlannerSession,
     Profile,
     Shape,
-    Size,
     StepObservation,
 )
 from rematd.planner.timing import MIN_BLOCKS, TimeScales
 
+from .alike_blocks import alike_blocks
 from .helpers import tiny_model, train_step
 
 REF = Shape(batch=2, seq_len=64, tokens=128)
@@ -78,17 +76,7 @@ def test_forward_costs_count_against_the_stored_blocks_forward() -> None:
 
 def _profile() -> Profile:
     # Selective: cheaper by the profile (5 ms for 600 of 1000 bytes freed, against 10 ms for 900).
-    block = BlockCost(
-        saved_bytes=1000,
-        input_bytes=100,
-        forward_seconds=0.01,
-        modes=(
-            ModeCost(mode=Mode.STORE, kept=Size.linear(1000)),
-            ModeCost(mode=Mode.SELECTIVE, kept=Size.linear(400), transient=Size.linear(600), extra_seconds=0.005),
-            ModeCost(mode=Mode.RECOMPUTE, kept=Size.linear(100), transient=Size.linear(1000), extra_seconds=0.01),
-        ),
-    )
-    return Profile(blocks=(block,) * 8, shape=REF)
+    return alike_blocks(selective=0.005)
 
 
 def _run(session: PlannerSession, steps: int, selective_s: float, first: int = 0) -> list[int]:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rematd.client.accounting import local_part, storage_id
 from rematd.client.errors import UnsupportedModel
+from rematd.client.memory.accounting import local_part, storage_id
 from rematd.client.parallel.base import SetUp
 from rematd.client.parallel.tensor import mesh_agreement
 

@@ -25,20 +25,32 @@ from typing import Any
 
 from torch import nn
 
-from rematd.client.describe import dist_rank
+from rematd.client.checks.model import check_module
 from rematd.client.parallel.agreement import Agreement
 from rematd.client.parallel.base import SetUp
 from rematd.client.parallel.fsdp import Fsdp, check_units, is_sharded, refuse_fsdp1
 from rematd.client.parallel.fsdp import block_class as fsdp_block_class
 from rematd.client.parallel.pipeline import Pipeline, Schedule, StepStart, is_schedule, read_schedule
+from rematd.client.parallel.ranks import dist_rank
 from rematd.client.parallel.tensor import TensorParallel, has_dtensors
 from rematd.client.parallel.zero import Zero3, follow, is_engine, is_zero3, refuse_unsupported
 from rematd.client.parallel.zero import check_engine as check_zero_engine
-from rematd.client.unwrap import check_module
 
 log = logging.getLogger("rematd.client")
 
-__all__ = ["StepStart", "Target", "block_class", "check_blocks", "check_engine", "follow", "pick", "resolve"]
+# What the rest of the client asks of the parallel set-ups: it names no backend module itself.
+__all__ = [
+    "Schedule",
+    "StepStart",
+    "Target",
+    "block_class",
+    "check_blocks",
+    "check_engine",
+    "follow",
+    "pick",
+    "read_schedule",
+    "resolve",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -68,6 +68,10 @@ class Schedule:
         stages = ", ".join(f"stage {s.index}: {s.in_flight} in flight" for s in self.stages)
         return f"{self.kind}, {self.n_microbatches} microbatches over {self.num_stages} stages ({stages})"
 
+    def microbatch_shape(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape | None:
+        """The shape of one microbatch of the whole batch ``step()`` was given, or None on a stage not given it."""
+        return microbatch_shape(args, kwargs, self.n_microbatches)
+
 
 def alive_at_peak(actions: Sequence[Any], stages: Sequence[int]) -> dict[int, int]:
     """Per stage of ``stages``, the microbatches alive (forward run, backward not yet) at the first moment the
@@ -143,7 +147,7 @@ def _inner(module: nn.Module) -> nn.Module:
 def microbatch_shape(args: tuple[Any, ...], kwargs: dict[str, Any], n_microbatches: int) -> Shape | None:
     """The shape of one microbatch of the whole batch ``step()`` was given (split along its first dimension, the
     schedules' default), or None when this stage is not given the batch (it receives activations)."""
-    from rematd.client.describe import shape_of
+    from rematd.client.call_shape import shape_of
 
     whole = shape_of(args, kwargs)
     if not whole.batch:

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rematd.client.attached_hooks import AttachedHook
 from rematd.client.errors import UnsupportedModel
-from rematd.client.hooks import AttachedHook
 from rematd.client.parallel.agreement import Agreement
 from rematd.client.parallel.base import SetUp
 

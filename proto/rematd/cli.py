@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(rest)
     if command == "demo":
         try:
-            from rematd.client.demo import main as demo_main
+            from rematd.demo import main as demo_main
         except ImportError as err:
             print(f"rematd demo needs the client extra (torch): {err}", file=sys.stderr)
             return 1

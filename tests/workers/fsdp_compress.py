@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rematd import client
-from rematd.client.compress import CompressConfig
+from rematd.client.blocks.compress import CompressConfig
 from tests.workers.fsdp_exact import VOCAB, build, full, shard
 from tests.workers.rank import finish, start
 

@@ -21,7 +21,7 @@ import gc
 import traceback
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -118,3 +118,27 @@ class OomPolicy:
         if not isinstance(exc, Exception) or not is_oom(exc) or self._closed():
             return False
         return self.failed(exc)
+
+
+class Guarded(Protocol):
+    """What a guard needs of a handle: its out-of-memory policy."""
+
+    @property
+    def oom_policy(self) -> OomPolicy: ...
+
+
+class Guard:
+    """The context manager :meth:`Handle.guard <rematd.client.Handle.guard>` returns."""
+
+    def __init__(self, handle: Guarded) -> None:
+        self._policy = handle.oom_policy
+        self.oom = False
+        """True when the guarded block ran out of memory and rematd recovered."""
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        suppressed = self._policy.after_guarded(exc)
+        self.oom = self.oom or suppressed
+        return suppressed

@@ -18,7 +18,7 @@ from rematd.client.errors import OutOfMemory
 
 
 def storage_id(t: torch.Tensor) -> int | None:
-    """A storage's identity that outlives FSDP's resizing it to nothing and back (unlike its address)."""
+    """A storage's identity that outlives a sharded set-up's resizing it to nothing and back (unlike its address)."""
     try:
         return int(local_part(t).untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError, AttributeError):

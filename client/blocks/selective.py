@@ -139,7 +139,7 @@ class _Replay(TorchDispatchMode):
     runs again.
 
     Unlike ``torch.utils.checkpoint``'s own selective modes, an op the recomputation runs that the forward did
-    not (ZeRO-3 gathering a parameter its forward found prefetched, FSDP prefetching in backward) simply runs:
+    not (a sharded set-up gathering a parameter its forward found prefetched, or prefetching in backward) simply runs:
     what happens around a block's forward is not required to repeat itself op for op. A kept output that is
     missing or was changed in place since is computed again, which gives the same value.
     """

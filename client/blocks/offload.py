@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rematd.client.accounting import tensors_in
-from rematd.client.recompute_timing import RecomputeTimer
+from rematd.client.blocks.mode_timing import RecomputeTimer
+from rematd.client.memory.accounting import tensors_in
 from rematd.planner import Mode
 
 # Tensors smaller than this stay on the device: a copy's fixed cost outweighs what it frees.

@@ -1,7 +1,7 @@
 """One training step as rematd sees it: what happens at its start and end, and after an out-of-memory error.
 
 What a step's start does depends on the lifecycle's phase
-(:mod:`rematd.client.lifecycle`); the step's end measures it, opens the
+(:mod:`rematd.client.steps.phases`); the step's end measures it, opens the
 planner once the profile is complete, and reports the step's statistics.
 """
 
@@ -12,14 +12,19 @@ import logging
 import time
 import uuid
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from rematd.client.backends import Backend
-from rematd.client.describe import dist_rank, shape_of
-from rematd.client.hello import (
+from rematd.client.call_shape import shape_of
+from rematd.client.memory.sources import CudaMemory, MemorySample
+from rematd.client.parallel.agreement import CODES, MODES
+from rematd.client.parallel.base import PLAIN, SetUp
+from rematd.client.parallel.pick import Schedule, pick
+from rematd.client.parallel.ranks import dist_rank
+from rematd.client.plans.sources import Backend
+from rematd.client.steps.hello import (
     Identity,
     Memory,
     build_hello,
@@ -28,16 +33,13 @@ from rematd.client.hello import (
     memory_source,
     offer_modes,
 )
-from rematd.client.lifecycle import Lifecycle, Phase
-from rematd.client.memory import CudaMemory, MemorySample
-from rematd.client.oom_policy import free_after_oom, oom_message
-from rematd.client.parallel.agreement import CODES, MODES
-from rematd.client.parallel.base import PLAIN, SetUp
-from rematd.client.parallel.pick import pick
-from rematd.client.parallel.pipeline import Schedule, microbatch_shape
-from rematd.client.parts import BlockParts
+from rematd.client.steps.oom import free_after_oom, oom_message
+from rematd.client.steps.phases import Lifecycle, Phase
 from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Shape
+
+if TYPE_CHECKING:
+    from rematd.client.assembly import BlockParts
 
 log = logging.getLogger("rematd.client")
 
@@ -99,11 +101,11 @@ class StepCycle:
         self.setup: SetUp = PLAIN
         """The parallel set-up, picked at the first step (a model may be sharded after ``attach``)."""
         self.schedule: Schedule | None = None
-        """The pipeline schedule whose ``step()`` starts a step, when attached to one."""
+        """The schedule of stages whose ``step()`` starts a step, when attached to one."""
         self.engine: nn.Module | None = None
         """The engine whose step ends a step, when known: its optimizer's partitions are static memory."""
         self._shape_seen = False
-        """Whether the step's first forward has shown its shape (a pipeline step starts before any forward)."""
+        """Whether the step's first forward has shown its shape (a schedule's step starts before any forward)."""
         self.ran: tuple[Mode, ...] = ()
         """The modes the step runs, when they are not its plan's (a pin, or the plan the ranks agreed on)."""
 
@@ -120,7 +122,7 @@ class StepCycle:
 
     def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any], shape: Shape | None = None) -> None:
         """A step begins: at its first grad-enabled forward after a step boundary, with that forward's arguments,
-        or at a pipeline schedule's ``step()``, with the whole batch (``shape``: a microbatch's, when known)."""
+        or at a schedule's ``step()``, with the whole batch (``shape``: a microbatch's, when known)."""
         runs_in = self.life.begin_step()
         if self.memory is None:
             self._first_step()
@@ -160,10 +162,10 @@ class StepCycle:
         self.started = time.perf_counter()
 
     def begin_schedule_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A pipeline schedule's ``step()`` starts, with the whole batch on the first stage (nothing on the others,
+        """The schedule's ``step()`` starts, with the whole batch on the first stage (nothing on the others,
         which run the last step's shape until their first forward shows this one's)."""
         assert self.schedule is not None
-        shape = microbatch_shape(args, kwargs, self.schedule.n_microbatches)
+        shape = self.schedule.microbatch_shape(args, kwargs)
         self.begin(args, kwargs, shape if shape is not None else self.shape)
 
     def _step_shape(self) -> None:
@@ -190,7 +192,7 @@ class StepCycle:
         return max(0, grown - self.fresh_grads if self._on_cuda() else grown)
 
     def forward_seen(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A forward inside a step that began before any (a pipeline's ``step()``): the first shows the
+        """A forward inside a step that began before any (a schedule's ``step()``): the first shows the
         microbatches' shape, where the step's start could not (a stage that receives activations)."""
         if self._shape_seen:
             return

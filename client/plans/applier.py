@@ -6,9 +6,9 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from rematd.client.backends import Pricer
+from rematd.client.blocks.switchable import SwitchableBlock
 from rematd.client.parallel.agreement import leanest
-from rematd.client.switch import SwitchableBlock
+from rematd.client.plans.sources import Pricer
 from rematd.planner import Mode, Plan, Shape, blocks_of, letters
 from rematd.planner.plan import entry_for
 from rematd.planner.reasons import lossy_note

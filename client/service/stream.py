@@ -24,17 +24,16 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 from rematd import wire
-from rematd.client.backends import PlanCallback
-from rematd.client.connection import CHANNEL_OPTIONS, StreamConfig
-from rematd.client.folding import Folder
-from rematd.client.local_planner import FALLBACK_MAX_FAILURES, LocalPlanner
-from rematd.client.throttle import Throttled
+from rematd.client.service.fallback import FALLBACK_MAX_FAILURES, LocalPlanner
+from rematd.client.service.folding import Folder
+from rematd.client.service.stream_config import CHANNEL_OPTIONS, StreamConfig
+from rematd.client.service.throttle import Throttled
 from rematd.messages import Hello, OomReport, StepStats, open_planner
 from rematd.planner import Mode, Plan, PlannerSession
 from rematd.v1 import advisor_pb2 as pb
@@ -72,7 +71,7 @@ _STOP = object()
 class StreamBackend:
     """Streams a rank's hello, stats and OOM events to a service; delivers plans."""
 
-    def __init__(self, target: str, on_plan: PlanCallback, config: StreamConfig | None = None) -> None:
+    def __init__(self, target: str, on_plan: Callable[[Plan], None], config: StreamConfig | None = None) -> None:
         if not isinstance(target, str) or not target.strip():
             raise ValueError(f"server must be 'host:port', got {target!r}")
         self.target = target

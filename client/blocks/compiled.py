@@ -46,9 +46,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematd.client.accounting import tensors_in
-from rematd.client.selective import compiled_selective_context
-from rematd.client.switch import SwitchableBlock
+from rematd.client.blocks.selective import compiled_selective_context
+from rematd.client.blocks.switchable import SwitchableBlock
+from rematd.client.memory.accounting import tensors_in
 from rematd.planner import Mode
 
 log = logging.getLogger("rematd.client")

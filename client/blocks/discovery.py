@@ -28,6 +28,7 @@ with ``blocks=``.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -248,7 +249,7 @@ def find_blocks(
 
     With ``blocks`` given (modules, or an ``nn.ModuleDict`` whose values are the blocks), each must be a
     distinct submodule of ``model``, none inside another. Otherwise the largest group of same-class block
-    lists (see the module's docstring); ``lone``: a list of one block will do (a pipeline stage may hold one
+    lists (see the module's docstring); ``lone``: a list of one block will do (a stage may hold one
     layer).
     """
     names = _names(model)
@@ -285,9 +286,19 @@ def find_stage_blocks(
     *,
     stages: bool = False,
 ) -> list[tuple[str, nn.Module]]:
-    """The blocks of ``model``; with ``stages``, of the pipeline stages a rank runs one after another (``roots``,
+    """The blocks of ``model``; with ``stages``, of the stages a rank runs one after another (``roots``,
     held by ``model``), each found on its own (one block may do), named as in ``model``."""
     if blocks is not None or not stages:
         return find_blocks(model, blocks)
     names = _names(model)
     return [(names[id(m)], m) for root in roots for _, m in find_blocks(root, lone=True)]
+
+
+def model_fingerprint(blocks: Sequence[tuple[str, nn.Module]]) -> str:
+    """A short hash of the blocks' names, classes and parameter shapes: the same model gets the same one."""
+    h = hashlib.sha256()
+    for name, module in blocks:
+        h.update(f"{name}:{type(module).__qualname__}".encode())
+        for pname, p in module.named_parameters():
+            h.update(f"{pname}{tuple(p.shape)}{p.dtype}".encode())
+    return h.hexdigest()[:16]

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rematd.client.throttle import Throttled
+from rematd.client.service.throttle import Throttled
 from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
 from rematd.planner import Mode, Plan, PlannerSession
 

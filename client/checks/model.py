@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from rematd.client.checks.own_checkpointing import refuse_own_checkpointing
 from rematd.client.errors import UnsupportedModel
-from rematd.client.refusals import refuse_own_checkpointing
 
 
 def _compiled(m: nn.Module) -> bool:

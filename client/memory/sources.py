@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rematd.client.accounting import SavedTensorAccounting
+from rematd.client.memory.accounting import SavedTensorAccounting
 from rematd.messages import MEMORY_CUDA, MEMORY_SAVED
 from rematd.planner import AllocatorFigures, Size, Term
 

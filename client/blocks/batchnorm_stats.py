@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
-from rematd.client.hooks import AttachedHook
+from rematd.client.attached_hooks import AttachedHook
 
 
 def _in_backward() -> bool:

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from rematd.client.accounting import SavedTensorAccounting, storage_id, storage_key
-from rematd.client.quantize import dequantize, quantize
-from rematd.client.recompute_timing import RecomputeTimer
+from rematd.client.blocks.mode_timing import RecomputeTimer
+from rematd.client.blocks.quantize import dequantize, quantize
+from rematd.client.memory.accounting import SavedTensorAccounting, storage_id, storage_key
 from rematd.planner import Mode
 
 log = logging.getLogger("rematd.client")
@@ -64,7 +64,7 @@ class CompressConfig:
     """Tensors smaller than this are kept as they are: their few bytes are not worth the kernels."""
     compiled_kernels: bool = True
     """Quantize and restore large tensors with kernels compiled by ``torch.compile`` (one fused pass
-    each way, compiled once per process; see ``rematd.client.quantize``). False: plain tensor operations
+    each way, compiled once per process; see ``rematd.client.blocks.quantize``). False: plain tensor operations
     only, several passes each (no compiler needed, no compiling time)."""
 
     def __post_init__(self) -> None:
@@ -210,7 +210,7 @@ class Compressor:
     @contextmanager
     def block(self, constants: frozenset[int] = frozenset(), weights: frozenset[int] = frozenset()) -> Iterator[None]:
         """Around one block's forward. ``constants``: storages of its inputs that need no gradient;
-        ``weights``: storages of its parameters as it runs them (FSDP's gathered ones)."""
+        ``weights``: storages of its parameters as it runs them (those a sharded set-up gathered)."""
         # Runs compressed in this forward, by region(): while the first view lives, the run is the same memory.
         seen: dict[tuple[object, ...], tuple[weakref.ref[torch.Tensor], Packed]] = {}
         acct = self.accounting if self.accounting is not None and self.accounting.active else None

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from rematd.client.hooks import AttachedHook
+from rematd.client.attached_hooks import AttachedHook
 
 log = logging.getLogger("rematd.client")
 

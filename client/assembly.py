@@ -9,15 +9,15 @@ from dataclasses import dataclass
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from rematd.client.accounting import SavedTensorAccounting
-from rematd.client.applier import PlanApplier
-from rematd.client.buffers import protect_running_stats
-from rematd.client.caches import train_without_cache
-from rematd.client.compiled import CompiledBlocks
-from rematd.client.compress import CompressConfig, Compressor
-from rematd.client.offload import Offloader
-from rematd.client.recompute_timing import RecomputeTimer
-from rematd.client.switch import SwitchableBlock
+from rematd.client.blocks.batchnorm_stats import protect_running_stats
+from rematd.client.blocks.compiled import CompiledBlocks
+from rematd.client.blocks.compress import CompressConfig, Compressor
+from rematd.client.blocks.kv_caches import train_without_cache
+from rematd.client.blocks.mode_timing import RecomputeTimer
+from rematd.client.blocks.offload import Offloader
+from rematd.client.blocks.switchable import SwitchableBlock
+from rematd.client.memory.accounting import SavedTensorAccounting
+from rematd.client.plans.applier import PlanApplier
 
 log = logging.getLogger("rematd.client")
 

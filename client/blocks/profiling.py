@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rematd.client.accounting import storage_bytes, storage_id, storage_key
-from rematd.client.compress import CompressProbe
-from rematd.client.selective import SAVE_OPS, outputs_of
+from rematd.client.blocks.compress import CompressProbe
+from rematd.client.blocks.selective import SAVE_OPS, outputs_of
+from rematd.client.memory.accounting import storage_bytes, storage_id, storage_key
 from rematd.planner import Mode, ModeCost, Shape, Size, Term
 
 Key = tuple[str, int]
@@ -113,7 +113,7 @@ class Profiler:
         """Prices the compress mode on what the block saved (None: the mode is not offered)."""
         self.excluded = excluded
         self.gathered = gathered
-        """Storages of the parameters as the block runs (FSDP's gathered ones): weights, not activations."""
+        """Storages of the parameters as the block runs (those a sharded set-up gathered): weights, not activations."""
         self.cuda = cuda
         self.saved: dict[Key, tuple[int, int, int]] = {}
         self.timer = _Timed(cuda)

@@ -18,21 +18,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematd.client.accounting import SavedTensorAccounting, tensors_in
-from rematd.client.caches import holds_cache
-from rematd.client.compress import Compressor, CompressProbe, constant_storages
-from rematd.client.offload import Offloader
+from rematd.client.blocks.compress import Compressor, CompressProbe, constant_storages
+from rematd.client.blocks.kv_caches import holds_cache
+from rematd.client.blocks.mode_timing import RecomputeTimer
+from rematd.client.blocks.offload import Offloader
+from rematd.client.blocks.profiling import BlockMeasure, Profiler
+from rematd.client.blocks.selective import selective_context
+from rematd.client.memory.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.parallel.base import PLAIN, SetUp
-from rematd.client.profiling import BlockMeasure, Profiler
-from rematd.client.recompute_timing import RecomputeTimer
-from rematd.client.selective import selective_context
 from rematd.planner import Mode, Shape
 
 log = logging.getLogger("rematd.client")
 
 
 class CompiledVariants(Protocol):
-    """What a block needs of its compiled variants (:class:`rematd.client.compiled.CompiledBlocks`)."""
+    """What a block needs of its compiled variants (:class:`rematd.client.blocks.compiled.CompiledBlocks`)."""
 
     def covers(self, mode: Mode) -> bool: ...
     def run(self, block: SwitchableBlock, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...

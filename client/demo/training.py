@@ -1,17 +1,9 @@
-"""``rematd demo``: a small GPT trains on the CPU while its sequence length changes.
-
-The client streams to a rematd service (in-process unless ``--server`` names
-one) and a line per step shows the plan tighten as sequences grow and loosen
-when they shrink.
-"""
+"""The demo's training: a small GPT trains on the CPU while its sequence length changes, a line per step
+showing the plan tighten as sequences grow and loosen when they shrink (``rematd demo`` runs it against a
+service)."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,8 +12,8 @@ from pathlib import Path
 import torch
 
 from rematd.client.attach import attach
+from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 from rematd.client.handle import Handle
-from rematd.client.models import GPTConfig, TinyGPT, lm_loss
 from rematd.planner import Mode, blocks_of, frequency_of, letters
 
 MiB = 2**20
@@ -56,9 +48,9 @@ class DemoConfig:
 
 
 def corpus() -> torch.Tensor:
-    """Bytes of this package's own source: real text to learn, shipped with rematd."""
-    here = Path(__file__).resolve().parent
-    text = b"".join(p.read_bytes() for p in sorted(here.glob("*.py")))
+    """Bytes of the client's own source: real text to learn, shipped with rematd."""
+    client = Path(__file__).resolve().parents[1]
+    text = b"".join(p.read_bytes() for p in sorted(client.rglob("*.py")))
     return torch.tensor(list(text), dtype=torch.long)
 
 
@@ -132,76 +124,3 @@ def train(
     finally:
         h.close()
     return h
-
-
-def _parser() -> argparse.ArgumentParser:
-    # The module's docstring without its reStructuredText markup: --help is read in a terminal.
-    parser = argparse.ArgumentParser(prog="rematd demo", description=(__doc__ or "").replace("``", ""))
-    parser.add_argument("--server", help="host:port of a running rematd service (default: start one in-process)")
-    parser.add_argument("--no-serve", action="store_true", help="exit when training ends instead of serving")
-    workload = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
-    parser.add_argument("--steps", type=int, default=workload["steps"], help="training steps (%(default)s)")
-    parser.add_argument(
-        "--budget-mib", type=float, default=workload["budget_mib"], help="activation budget, MiB (%(default)s)"
-    )
-    parser.add_argument(
-        "--http-port", type=int, help="dashboard port of the in-process service (default: rematd serve's)"
-    )
-    parser.add_argument("--db", help="SQLite file of the in-process service (default: a temporary one)")
-    parser.add_argument(
-        "--job",
-        default="demo",
-        help="the job's name on the service and its dashboard (%(default)s); a name used before continues its "
-        "plan history",
-    )
-    parser.add_argument(
-        "--sync", action="store_true", help="wait for the service's answer after each step (repeatable runs)"
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.steps < 3:
-        parser.error("--steps must be at least 3")
-    if args.budget_mib <= 0:
-        parser.error("--budget-mib must be positive")
-    cfg = DemoConfig(steps=args.steps, budget_mib=args.budget_mib)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    if args.server:
-        train(cfg, server=args.server, job=args.job, sync=args.sync)
-    else:
-        _with_service(cfg, args)
-    return 0
-
-
-def _with_service(cfg: DemoConfig, args: argparse.Namespace) -> None:
-    """Train against a service started in this process, then serve its dashboard until Ctrl-C."""
-    from rematd.server.app import ServeConfig, ServiceThread
-
-    tmp = tempfile.TemporaryDirectory(prefix="rematd-demo-")
-    db = args.db or str(Path(tmp.name) / "rematd.db")
-    try:
-        port = {} if args.http_port is None else {"http_port": args.http_port}
-        service = ServiceThread(ServeConfig(grpc_port=0, db=db, **port))
-        bound = service.start()
-    except OSError:  # the default dashboard port is taken: any free one
-        service = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=db))
-        bound = service.start()
-    print(f"rematd service: gRPC {bound.grpc}, dashboard {bound.dashboard}, store {bound.db}")
-    try:
-        train(cfg, server=bound.grpc, job=args.job, sync=args.sync)
-        print(f"\ndashboard: {bound.dashboard}   plans: http://{bound.http}/api/v1/jobs/{args.job}/plans")
-        if not args.no_serve:
-            print("serving until Ctrl-C")
-            with contextlib.suppress(KeyboardInterrupt):
-                while True:
-                    time.sleep(3600)
-    finally:
-        service.stop()
-        tmp.cleanup()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,13 +12,12 @@ from typing import Any
 from torch import nn
 
 from rematd import __version__
-from rematd.client.accounting import SavedTensorAccounting, local_part, tensors_in
-from rematd.client.credential import job_credential
-from rematd.client.describe import block_records
-from rematd.client.memory import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
-from rematd.client.profiling import host_bandwidth
-from rematd.client.switch import SwitchableBlock
-from rematd.messages import Hello
+from rematd.client.blocks.profiling import host_bandwidth
+from rematd.client.blocks.switchable import SwitchableBlock
+from rematd.client.memory.accounting import SavedTensorAccounting, local_part, tensors_in
+from rematd.client.memory.sources import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
+from rematd.client.service.credential import job_credential
+from rematd.messages import BlockProfile, Hello
 from rematd.planner import Mode, Shape, Size, Term
 
 log = logging.getLogger("rematd.client")
@@ -96,7 +95,7 @@ def other_activations(
     beyond that: logits, the loss's upcast, gradients as they accumulate, optimizer temporaries,
     allocator rounding. Gradients of parameters that had none at the step's start do not grow with
     the input; what the step created and kept (optimizer state) is later steps' static memory; the
-    rest is taken to grow with tokens (:func:`rematd.client.memory.outside_blocks`).
+    rest is taken to grow with tokens (:func:`rematd.client.memory.sources.outside_blocks`).
 
     ``gathered``: on CUDA, the parameters the parallel set-up holds gathered at the peak, a constant of the
     model's sharding, kept out of what grows with tokens. (On the CPU a sharded model's static bytes hold them.)"""
@@ -141,10 +140,10 @@ def build_hello(
 ) -> Hello:
     """The hello that opens the planner, from the profiling step; the blocks stop profiling.
 
-    ``in_flight``: per block, the microbatches whose activations of it are alive at once at the peak (a pipeline
+    ``in_flight``: per block, the microbatches whose activations of it are alive at once at the peak (a
     stage's; default one each); ``other_in_flight``: likewise for the memory outside the blocks, which the
     profiling step's peak holds for each of them, and the hello gives per microbatch; ``stages``: per block,
-    which of the rank's pipeline stages it runs in."""
+    which of the rank's stages it runs in."""
     flights = tuple(in_flight) or (1,) * len(blocks)
     where = tuple(stages) or (0,) * len(blocks)
     records = tuple(
@@ -195,3 +194,21 @@ def _per_microbatch(other: Size, in_flight: int) -> Size:
     # The planner multiplies it all by in_flight: a constant part stands as its share of one microbatch.
     terms = [*growing, *([Term(constant // in_flight, 0, 0)] if constant else [])]
     return Size(tuple(t for t in terms if t.bytes))
+
+
+def block_records(blocks: Sequence[SwitchableBlock]) -> tuple[BlockProfile, ...]:
+    """Each block's profile as measured (zeros for a block without one)."""
+    records = []
+    for b in blocks:
+        m = b.measure
+        records.append(
+            BlockProfile(
+                index=b.index,
+                name=b.name,
+                saved_bytes=m.saved_bytes if m else 0,
+                input_bytes=m.input_bytes if m else 0,
+                forward_seconds=m.forward_seconds if m else 0.0,
+                modes=m.modes if m else (),
+            )
+        )
+    return tuple(records)
