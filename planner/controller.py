@@ -26,6 +26,10 @@ from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanning
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape
 
+REPLAN_GAIN = 0.02
+"""A cheaper plan replaces one that fits only where it saves more than this fraction of that plan's extra
+seconds: less is the wobble of prices measured anew every step."""
+
 __all__ = ["LOOSEN_SLACK", "Controller", "ControllerConfig", "Decision", "human_bytes"]
 
 
@@ -72,8 +76,13 @@ class Controller(StepPlanning):
         mode_trial = self._explorer.note(obs, bucket, entry_seq, measured_modes)
         self.trial_step = self._plans.note(entry_seq, measured_modes) or mode_trial
         moves = self._moves(target, obs.static_bytes)
+        # While a plan is on trial its steps move the fit after every pair: a looser or re-balanced plan
+        # waits for the trial's verdict, which looks once, at its end (tightening never waits).
+        on_trial = self._plans.trial is not None
         change = (
-            self._tighten(moves, obs, target) or self._loosen(moves, obs, target) or self._extend(moves, obs, target)
+            self._tighten(moves, obs, target)
+            or (None if on_trial else self._loosen(moves, obs, target))
+            or self._extend(moves, obs, target)
         )
         if change is not None:
             # A new table (made from the table in force, without the trial) overtakes a trial in force.
@@ -189,9 +198,11 @@ class Controller(StepPlanning):
                 moves.tighter.append(seq)
                 continue
             leaner = self._at(old_shape).cost(entry.modes)[0] <= self._at(old_shape).cost(old.modes)[0]
+            goal = target
             # Loosen only to what fits under the worst recent measurement, with slack: a plan whose own
             # measurements would undo it is never adopted. Short of that, the best plan that does fit.
             if not leaner and not self._fits(entry.modes, old_shape, slack, static, pessimistic=True):
+                goal = slack
                 entry = self._entry(seq, self._choose(old_shape, slack, static), static)
                 per_block = not self._by_steps(entry.modes, seq, slack, static)
                 if entry.modes == old.modes or self._extra(entry.modes, seq, per_block=per_block) >= self._extra(
@@ -202,12 +213,24 @@ class Controller(StepPlanning):
                     continue
                 moves.desired[seq] = entry
             # A plan the steps chose stays while they show it surely faster; one they choose waits until
-            # they show it surely faster than the plan in force.
-            if self._held(old.modes, entry.modes, seq, target, static):
+            # they show it surely faster than the plan in force. Both against what the per-block prices
+            # choose for the target the entry was chosen for: else a plan chosen under the slack is
+            # weighed against the per-block choice of another target, and plans go back and forth.
+            if self._held(old.modes, entry.modes, seq, goal, static):
                 continue
-            # Else as lean or leaner, and cheaper (measured seconds moved): no memory risk, only the dwell.
+            # Else cheaper, where the plan in force fits: worth a new plan only for a saving above the
+            # prices' wobble (measured seconds move a little with every step, and a plan must not follow
+            # them back and forth between two plans that cost about the same).
+            if not self._saves_enough(old.modes, entry.modes, seq, per_block):
+                continue
             moves.looser.append(seq)
         return moves
+
+    def _saves_enough(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int, per_block: bool) -> bool:
+        """Whether ``new`` costs less than ``old`` at ``seq`` by more than ``REPLAN_GAIN`` of ``old``'s extra
+        seconds, priced as ``new`` was chosen."""
+        before = self._extra(old, seq, per_block=per_block)
+        return self._extra(new, seq, per_block=per_block) < before - REPLAN_GAIN * abs(before)
 
     def _tighten(self, moves: Moves, obs: StepObservation, target: int) -> Decision | None:
         if not moves.tighter:

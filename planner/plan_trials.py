@@ -6,8 +6,9 @@ otherwise) may be faster, and the fit cannot say so until it has run. So, where 
 another plan that fits to be faster than the one in force, the controller tries it: the plan tried for a
 step, then the plan in force for a step, ``plan_trial_steps`` times over, so that the machine's drift
 falls on both alike and each switch is measured in both directions. A trial stops early once the fit
-says which of the two is faster or knows their difference within ``TIGHT`` of a step; the plan tried is
-kept only where the fit then finds it faster, surely (``SURE`` standard deviations).
+finds the plan tried surely slower or knows their difference within ``TIGHT`` of a step, never on looking
+surely faster (a look after each pair would take noise for a gain too often); the plan tried is kept
+only where the fit, at the end, finds it faster, surely (``SURE`` standard deviations).
 
 What trials cost is bounded: at each table entry, steps running a plan on trial stay within
 ``(FREE_TRIALS + 1) x plan_trial_steps + plan_explore_share x steps`` there (a new length has new

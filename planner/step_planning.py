@@ -25,9 +25,10 @@ from rematd.planner.plan_trials import (
 from rematd.planner.pricing import TablePricing
 from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import Offsets
-from rematd.planner.solvers import Choice
+from rematd.planner.solvers import Choice, front_loaded
 from rematd.planner.stepfit import INFLATION, Posterior, group_of, params
 from rematd.planner.steps import StepObservation
+from rematd.planner.timing import MAX_BUCKETS
 from rematd.planner.units import Mode, Shape, letters
 
 LOOSEN_SLACK = 0.97
@@ -40,6 +41,8 @@ to stay in force (it took ``SURE`` to be chosen)."""
 INFORMED = 0.5
 """A plan is tried only where its trial's differences would carry this much of what the fit already knows
 of it (their precision over the fit's): its uncertainty then shrinks by a fifth or more."""
+MAX_RAN = 256
+"""Plans remembered as run per length bucket; past that, no new plan is taken as run there."""
 RECHECK_STEPS = 8
 """Steps at one table entry between two looks for a plan worth a trial there (each look solves a few times)."""
 
@@ -52,6 +55,9 @@ class StepPlanning(TablePricing):
         self._plans = PlanTrials(self.config)
         self._looked: dict[int, int] = {}
         """Per table entry, the step it was last looked at for a plan trial."""
+        self._ran: dict[int, set[tuple[int, ...]]] = {}
+        """Per length bucket, the plans (as the fit sees them: modes per position group) whose steps were
+        timed there since this planner started."""
 
     @property
     def plan_trials(self) -> PlanTrials:
@@ -68,6 +74,15 @@ class StepPlanning(TablePricing):
             return
         top = self.bucket_of(seq)
         self._learned.steps.observe(top, obs.step, obs.step_seconds / self._from_top(seq), modes, self._prior(top))
+        ran = self._ran.setdefault(top, set())
+        if len(ran) < MAX_RAN:
+            ran.add(self._learned.steps.features(modes))
+        while len(self._ran) > MAX_BUCKETS:
+            del self._ran[next(iter(self._ran))]
+
+    def _has_run(self, modes: tuple[Mode, ...], seq: int) -> bool:
+        """Whether steps of ``modes`` (or of a plan the fit prices alike) were timed in the bucket of ``seq``."""
+        return self._learned.steps.features(modes) in self._ran.get(self.bucket_of(seq), ())
 
     def _level(self, seq: int) -> float:
         """A step's time at ``seq`` by the fit of its bucket (0 where never timed)."""
@@ -84,7 +99,26 @@ class StepPlanning(TablePricing):
         if not self._offsets(shape.seq_len):
             return fitted
         per_block = self._solve_at(shape, target, static, per_block=True)
-        return fitted if self._surely_faster(per_block.modes, fitted.modes, shape.seq_len) else per_block
+        # Only a plan whose own steps were timed here: the fit's prices extrapolated to a plan never run
+        # rest on its model of a step, not on the steps. Plans not yet run get there by a trial.
+        seq = shape.seq_len
+        if not self._surely_faster(per_block.modes, fitted.modes, seq) or not self._has_run(fitted.modes, seq):
+            return per_block
+        return self._front_loaded(fitted, shape)
+
+    def _front_loaded(self, choice: Choice, shape: Shape) -> Choice:
+        """A plan the steps chose, its recomputing blocks first within each position group where that
+        brings its predicted peak no higher: the fit prices it the same, and the steps chose it because
+        a mode costs the step what the per-block timings do not show, which on a CPU is storing's, more
+        for the first blocks (their activations wait longest)."""
+        at = self._at(shape)
+        loaded = tuple(front_loaded(at.options, choice.modes))
+        before, after = at.cost(choice.modes)[0], at.cost(loaded)[0]
+        if loaded == choice.modes or after > before:
+            return choice
+        return dataclasses.replace(
+            choice, modes=loaded, predicted_peak_bytes=choice.predicted_peak_bytes - before + after
+        )
 
     def _surely_faster(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int, sure: float = SURE) -> bool:
         """Whether the steps show ``new`` faster than ``old`` at ``seq`` by ``sure`` standard deviations."""
@@ -201,7 +235,10 @@ class StepPlanning(TablePricing):
         if plans.between or plans.ran_out:
             saving, sd = self._contrast(trial.home.modes, trial.modes, trial.seq)
             level = self._level(trial.seq) or 1.0
-            if plans.ran_out or sd < TIGHT * level or abs(saving) > SURE * sd:
+            # A trial ends early where the plan tried is surely slower, never where it looks surely faster:
+            # a look after every pair would find noise surely faster more often than the 2 standard
+            # deviations say, and a plan kept stays.
+            if plans.ran_out or sd < TIGHT * level or saving < -SURE * sd:
                 plans.stop()
                 kept = saving > SURE * sd and self._fits(trial.modes, self._shape(trial.seq), target, static)
                 if kept:
@@ -232,21 +269,40 @@ class StepPlanning(TablePricing):
         at = self._at(shape)
         # The variance of one difference of steps, as the fit takes it, at this length.
         noise = INFLATION * fit.noise_var() * self._from_top(seq) ** 2
-        best: tuple[tuple[int, float], tuple[Mode, ...], float, float] | None = None
+        best: tuple[tuple[bool, int, float], tuple[Mode, ...], float, float] | None = None
+        # Plans the fit prices alike (the same modes per position group) are one candidate: the first
+        # of them, front-loaded.
+        seen = {self._learned.steps.features(entry.modes)}
+        in_force = at.cost(entry.modes)[0]
         for modes in self._candidates(entry.modes, shape, slack, static, *found, level):
-            below = ceiling is None or at.cost(modes)[0] < ceiling
-            if modes == entry.modes or not below or not self._fits(modes, shape, slack, static, pessimistic=True):
+            kept = at.cost(modes)[0]
+            below = ceiling is None or kept < ceiling
+            # A plan predicted to keep no more than the plan in force risks nothing it does not: it need
+            # only fit as that plan does (a placement of the same modes, when the plan in force was
+            # loosened up to the target).
+            fits = self._fits(modes, shape, slack, static, pessimistic=True) or (
+                kept <= in_force and self._fits(modes, shape, target, static)
+            )
+            if modes == entry.modes or not below or not fits:
                 continue
+            features = self._learned.steps.features(modes)
+            if features in seen:
+                continue
+            seen.add(features)
             saving, sd = self._contrast(entry.modes, modes, seq)
-            if sd < TIGHT * level or saving + SURE * sd < MIN_GAIN * level or saving < -MAX_LOSS * level:
-                continue
-            # Worth it only where a trial's steps would tell much: on steps too noisy, they cannot.
-            if 2 * self.config.plan_trial_steps * sd * sd < INFORMED * noise:
-                continue
-            # The plans tried least here first (each trial tells of its own difference more than of the
-            # others'), then the most promising by one standard deviation of optimism: likelier to be
-            # faster, and cheaper to try.
-            rank = (-self._plans.times_tried(seq, modes), saving + sd)
+            # A plan the fit finds surely faster but whose own steps never ran here is tried whatever
+            # else the fit knows: only its steps may put it in force.
+            confirm = saving > SURE * sd and saving >= MIN_GAIN * level and not self._has_run(modes, seq)
+            if not confirm:
+                if sd < TIGHT * level or saving + SURE * sd < MIN_GAIN * level or saving < -MAX_LOSS * level:
+                    continue
+                # Worth it only where a trial's steps would tell much: on steps too noisy, they cannot.
+                if 2 * self.config.plan_trial_steps * sd * sd < INFORMED * noise:
+                    continue
+            # Plans to confirm first, then the plans tried least here (each trial tells of its own
+            # difference more than of the others'), then the most promising by one standard deviation
+            # of optimism: likelier to be faster, and cheaper to try.
+            rank = (confirm, -self._plans.times_tried(seq, modes), saving + sd)
             if best is None or rank > best[0]:
                 best = (rank, modes, saving / level, sd / level)
         return best[1:] if best is not None else None
@@ -264,10 +320,10 @@ class StepPlanning(TablePricing):
         """Plans to weigh against ``current``: per position group, ``current`` with one more block
         recomputed (the first stored one there: a small step towards leaner plans, whose trial says
         whether storing costs what the per-block prices say); the best that fits ``target`` by the fit's
-        prices; and the best were one mode's fitted prices lower on every group at once, or one of them
+        prices; the best were one mode's fitted prices lower on every group at once, or one of them
         lower or higher, by one and by ``SURE`` standard deviations, where that room is wider than
-        ``TIGHT`` of a step."""
-        out = [*self._one_more(current), self._solve_at(shape, target, static).modes]
+        ``TIGHT`` of a step; and ``current`` and each of those front-loaded (placement), those first."""
+        found = [*self._one_more(current), self._solve_at(shape, target, static).modes]
         prior = self._prior(self.bucket_of(shape.seq_len))
         base = [c - p for c, p in zip(post.mean, prior.mean, strict=True)]
         usable = self._usable_modes()
@@ -284,9 +340,18 @@ class StepPlanning(TablePricing):
                 moves.extend({k: sign * far * sd[k]} for k in mine for sign in (-1.0, 1.0))
         for move in moves:
             moved = [d + move.get(k, 0.0) for k, d in enumerate(base)]
-            modes = self._solve_at(shape, target, static, offsets=self._as_offsets(moved, ratio)).modes
-            if modes not in out:
-                out.append(modes)
+            found.append(self._solve_at(shape, target, static, offsets=self._as_offsets(moved, ratio)).modes)
+        # Each of them front-loaded too, first: the recomputing blocks first among blocks alike, across
+        # the position groups, then within each. The per-block prices cannot tell placements apart, and
+        # the fit cannot within a group, where the front-loaded plan goes first on a tie: on a CPU the
+        # first blocks' stored activations wait longest and come back from memory, not from cache.
+        flat = self._at(shape, per_block=True).options
+        grouped = self._at(shape).options
+        out: list[tuple[Mode, ...]] = []
+        for modes in [current, *found]:
+            for variant in (tuple(front_loaded(flat, modes)), tuple(front_loaded(grouped, modes)), modes):
+                if variant not in out:
+                    out.append(variant)
         return out
 
     def _one_more(self, current: tuple[Mode, ...]) -> list[tuple[Mode, ...]]:

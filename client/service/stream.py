@@ -65,6 +65,8 @@ HELD_BY = "is held by"
 
 # The longest report interval taken from a service; anything else is taken as 0 (report every step).
 MAX_INTERVAL_S = 3600.0
+CLOSE_SLICE_S = 0.05
+"""How often ``close`` looks again whether the service it waits on is still reachable."""
 _STOP = object()
 
 
@@ -186,9 +188,13 @@ class StreamBackend:
             thread = self._thread
         if thread is None:
             return
-        reachable = self.connected or self._local.active or (self.reconnects == 0 and self.last_error is None)
-        if reachable and not self._stopping.is_set():
-            self.flush(timeout)
+        # Waited in slices: a first connection still being tried when close began may fail meanwhile,
+        # and then nothing is owed to a service known to be away.
+        deadline = time.monotonic() + timeout
+        while self._reachable() and not self._stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.flush(min(CLOSE_SLICE_S, left)):
+                break
         self._put(_STOP)
         self._closing.set()
         thread.join(timeout)
@@ -197,6 +203,11 @@ class StreamBackend:
         if call is not None:
             call.cancel()
         thread.join(timeout)
+
+    def _reachable(self) -> bool:
+        """Whether the service may still answer: connected, planned for by the fallback, or its first
+        connection not yet failed."""
+        return self.connected or self._local.active or (self.reconnects == 0 and self.last_error is None)
 
     # -- stream thread ------------------------------------------------------
 
