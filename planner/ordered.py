@@ -65,6 +65,8 @@ def _pareto(states: list[_State]) -> list[_State]:
     """``states`` less those another keeps no more than, peaks no higher than (in this stage and the ones
     before), costs no more than and whose other microbatches keep no more than."""
     states.sort(key=lambda s: (s[0], s[1], s[2], s[4], s[5]))
+    if len({(s[4], s[5]) for s in states}) == 1:
+        return _pareto_2d(states)
     front: list[tuple[int, float, int, int]] = []
     out: list[_State] = []
     for state in states:
@@ -75,4 +77,32 @@ def _pareto(states: list[_State]) -> list[_State]:
             continue
         front.append((worst, secs, others, before))
         out.append(state)
+    return out
+
+
+def _pareto_2d(states: list[_State]) -> list[_State]:
+    """:func:`_pareto` where every state's other microbatches keep alike and the stages before peaked alike
+    (no pipeline stage before this one): sorted by bytes kept, a state is dominated where one before it
+    peaks and costs no more. The least seconds among the states before, per worst moment, in a Fenwick
+    tree over the worst moments: n log n where the pairwise test is quadratic (a look for a plan trial
+    solves a few dozen times)."""
+    worsts = sorted({s[1] for s in states})
+    rank = {w: i + 1 for i, w in enumerate(worsts)}
+    size = len(worsts)
+    tree = [float("inf")] * (size + 1)
+    out: list[_State] = []
+    for state in states:
+        i = rank[state[1]]
+        # The least seconds of the states kept so far whose worst moment is no higher.
+        least, j = float("inf"), i
+        while j > 0:
+            least = min(least, tree[j])
+            j -= j & -j
+        if least <= state[2] + 1e-15:
+            continue
+        out.append(state)
+        while i <= size:
+            if state[2] < tree[i]:
+                tree[i] = state[2]
+            i += i & -i
     return out
