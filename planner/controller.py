@@ -205,23 +205,21 @@ class Controller(StepPlanning):
                 goal = slack
                 entry = self._entry(seq, self._choose(old_shape, slack, static), static)
                 per_block = not self._by_steps(entry.modes, seq, slack, static)
-                if entry.modes == old.modes or self._extra(entry.modes, seq, per_block=per_block) >= self._extra(
-                    old.modes, seq, per_block=per_block
-                ):
+                if entry.modes == old.modes:
                     continue
                 if not self._fits(entry.modes, old_shape, slack, static, pessimistic=True):
                     continue
                 moves.desired[seq] = entry
+            # Cheaper, where the plan in force fits: worth a new plan only for a saving above the prices'
+            # wobble (measured seconds move a little with every step, and a plan must not follow them
+            # back and forth between two plans that cost about the same).
+            if not self._saves_enough(old.modes, entry.modes, seq, per_block):
+                continue
             # A plan the steps chose stays while they show it surely faster; one they choose waits until
             # they show it surely faster than the plan in force. Both against what the per-block prices
             # choose for the target the entry was chosen for: else a plan chosen under the slack is
             # weighed against the per-block choice of another target, and plans go back and forth.
             if self._held(old.modes, entry.modes, seq, goal, static):
-                continue
-            # Else cheaper, where the plan in force fits: worth a new plan only for a saving above the
-            # prices' wobble (measured seconds move a little with every step, and a plan must not follow
-            # them back and forth between two plans that cost about the same).
-            if not self._saves_enough(old.modes, entry.modes, seq, per_block):
                 continue
             moves.looser.append(seq)
         return moves

@@ -65,8 +65,6 @@ HELD_BY = "is held by"
 
 # The longest report interval taken from a service; anything else is taken as 0 (report every step).
 MAX_INTERVAL_S = 3600.0
-CLOSE_SLICE_S = 0.05
-"""How often ``close`` looks again whether the service it waits on is still reachable."""
 _STOP = object()
 
 
@@ -163,10 +161,17 @@ class StreamBackend:
         False when one is still unanswered after ``timeout``, or never will be: the
         service refused the stream, or it was closed.
         """
+        return self._wait_acked(timeout, lambda: False)
+
+    def _wait_acked(self, timeout: float, give_up: Callable[[], bool]) -> bool:
+        """Wait until every step sent was answered, the stream stopped, or ``give_up()`` (looked at again
+        whenever an answer comes or a connection ends); whether every step was answered."""
         self._flush_now.set()  # steps folded into a later report go out now
         try:
             with self._acked:
-                self._acked.wait_for(lambda: self.acked_step >= self.sent_step or self._stopping.is_set(), timeout)
+                self._acked.wait_for(
+                    lambda: self.acked_step >= self.sent_step or self._stopping.is_set() or give_up(), timeout
+                )
                 return self.acked_step >= self.sent_step
         finally:
             self._flush_now.clear()
@@ -188,13 +193,10 @@ class StreamBackend:
             thread = self._thread
         if thread is None:
             return
-        # Waited in slices: a first connection still being tried when close began may fail meanwhile,
-        # and then nothing is owed to a service known to be away.
-        deadline = time.monotonic() + timeout
-        while self._reachable() and not self._stopping.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or self.flush(min(CLOSE_SLICE_S, left)):
-                break
+        # A first connection still being tried when close began may fail meanwhile: then nothing more is
+        # owed to a service known to be away.
+        if self._reachable() and not self._stopping.is_set():
+            self._wait_acked(timeout, lambda: not self._reachable())
         self._put(_STOP)
         self._closing.set()
         thread.join(timeout)
@@ -342,11 +344,17 @@ class StreamBackend:
                 log.warning("rematd stream to %s lost (%s); retrying in %.1fs", self.target, self.last_error, delay)
         finally:
             done.set()
-            if self.connected:
-                self._lost_at = time.monotonic()
-            self.connected = False
-            self._call = None
+            self._ended()
         return answered and self._lost_at - (self.connected_at or self._lost_at) >= self.config.backoff_max_s
+
+    def _ended(self) -> None:
+        """A stream to the service is over, answered or not."""
+        if self.connected:
+            self._lost_at = time.monotonic()
+        self.connected = False
+        self._call = None
+        with self._acked:
+            self._acked.notify_all()  # a close waiting on this service looks again whether it is away
 
     def _on_connected(self) -> None:
         self.connected = True
