@@ -15,7 +15,12 @@ blocks spread evenly). A static plan counts as fitting when its measured peak
 (saved-tensor accounting) is within the budget. Reported per budget and length:
 rematd's step time over no checkpointing's and over the fastest static plan
 that fits (medians over the phase's last rounds of each round's ratio, with
-their quartiles), whether that is within 1.03 with no step over the budget,
+their quartiles), that plan picked two ways: the fastest in the warm-up rounds
+(then compared on the measured rounds, which did not pick it), and the fastest
+in the measured rounds themselves (the luckiest of a dozen noisy medians, so
+biased fast); whether rematd is within 1.03 of the first with no step over the
+budget; how far apart two contenders running the same plan under two names
+measured (the noise alone);
 the same over the whole phase (the sum of rematd's step times, warm-up and
 trials included, over the fastest static plan's in the same rounds),
 and over its own plan pinned from the first measured round (what adapting
@@ -186,8 +191,53 @@ def pin_same(runner: Runner, ours: Ours, data: torch.Tensor) -> tuple[Runner, tu
     return runner, modes
 
 
-Measured = dict[str, tuple[float, int, str, list[float]]]
-"""Per static plan: its ratio to no checkpointing, its largest peak, its modes, its measured step times."""
+@dataclass(frozen=True, slots=True)
+class Static:
+    """A static plan over one phase."""
+
+    ratio: float
+    """Its step over no checkpointing's: the median of the measured rounds' ratios."""
+    peak: int
+    """Its largest peak (bytes saved for backward)."""
+    modes: str
+    times: list[float]
+    """Its step times, the phase's last rounds last."""
+    warm_ratio: float
+    """The same median over the warm-up rounds (from ``SETTLE`` on): what picks the fastest static plan
+    without the rounds it is then compared on."""
+
+
+Measured = dict[str, Static]
+
+SETTLE = 8
+"""Warm-up rounds after a length change left out of the warm-up ratios (allocator and caches settling)."""
+
+
+def warm_ratio(times: list[float], base: list[float], setup: Setup) -> float:
+    """The median of each warm-up round's step time over ``base``'s, from round ``SETTLE`` of the phase on."""
+    rounds, settle = setup.warmup + setup.steps, min(SETTLE, setup.warmup - 1)
+    return median(
+        [
+            t / b
+            for t, b in zip(times[-rounds + settle : -setup.steps], base[-rounds + settle : -setup.steps], strict=True)
+        ]
+    )
+
+
+def twin_gap(statics: Measured, steps: int) -> float | None:
+    """The largest difference between two static contenders running the same modes (the same plan under two
+    names), as the median of their rounds' ratios less 1: what the noise alone makes of one plan; None where
+    no plan runs under two names."""
+    by_modes: dict[str, list[Static]] = {}
+    for v in statics.values():
+        by_modes.setdefault(v.modes, []).append(v)
+    gaps = [
+        abs(median(per_round(a.times, b.times, steps)) - 1.0)
+        for twins in by_modes.values()
+        for i, a in enumerate(twins)
+        for b in twins[i + 1 :]
+    ]
+    return max(gaps) if gaps else None
 
 
 def phase_row(
@@ -204,13 +254,18 @@ def phase_row(
     r, budget, steps = ours.runner, ours.budget, setup.steps
     rounds = setup.warmup + steps
     mine = per_round(r.times, base, steps)
-    fitting = {k: v for k, v in statics.items() if v[1] <= budget}
-    best = min(fitting.items(), key=lambda kv: kv[1][0]) if fitting else None
+    fitting = {k: v for k, v in statics.items() if v.peak <= budget}
+    # The fastest in the measured rounds is the luckiest of a dozen noisy medians there: compared on the same
+    # rounds, it is biased fast. The one the warm-up rounds find fastest is compared on rounds it was not
+    # picked by.
+    best = min(fitting.items(), key=lambda kv: kv[1].ratio) if fitting else None
+    chosen = min(fitting.items(), key=lambda kv: kv[1].warm_ratio) if fitting else None
     measured = r.peaks[-1]
     predicted = ours.predicted(Shape(batch=setup.batch, seq_len=seq, tokens=setup.batch * seq))
     controller = ours.session.controller
     # rematd over the fastest static plan that fits, round by round (both stepped in every round).
-    vs_best = per_round(r.times, best[1][3], steps) if best else []
+    vs_best = per_round(r.times, best[1].times, steps) if best else []
+    vs_chosen = per_round(r.times, chosen[1].times, steps) if chosen else []
     row: dict[str, Any] = {
         "budget_ratio": ratio,
         "budget_mib": budget / MiB,
@@ -225,15 +280,25 @@ def phase_row(
         "mode_trial_steps": controller.explorer.trial_steps - ours.trials_before[0],
         "plan_trial_steps": controller.plan_trials.trial_steps - ours.trials_before[1],
         "best_static": best[0] if best else "none fits",
-        "best_static_modes": best[1][2] if best else "",
-        "best_static_ratio": best[1][0] if best else None,
-        "best_static_spread": spread_of(per_round(best[1][3], base, steps)) if best else "",
+        "best_static_modes": best[1].modes if best else "",
+        "best_static_ratio": best[1].ratio if best else None,
+        "best_static_spread": spread_of(per_round(best[1].times, base, steps)) if best else "",
         "vs_best_static": median(vs_best) if best else None,
         "vs_best_spread": spread_of(vs_best),
+        "chosen_static": chosen[0] if chosen else "none fits",
+        "chosen_static_modes": chosen[1].modes if chosen else "",
+        "chosen_static_ratio": chosen[1].ratio if chosen else None,
+        "vs_chosen_static": median(vs_chosen) if chosen else None,
+        "vs_chosen_spread": spread_of(vs_chosen),
+        "twin_gap": twin_gap(statics, steps),
         # The whole phase, warm-up, trials and plan changes included: what adapting cost in all.
-        "vs_best_phase": sum(r.times[-rounds:]) / sum(best[1][3][-rounds:]) if best else None,
-        "met": bool(best) and median(vs_best) <= TARGET and ours.over == 0,
-        "static": {k: {"ratio": v[0], "peak_mib": v[1] / MiB, "modes": v[2]} for k, v in statics.items()},
+        "vs_best_phase": sum(r.times[-rounds:]) / sum(best[1].times[-rounds:]) if best else None,
+        "met": bool(chosen) and median(vs_chosen) <= TARGET and ours.over == 0,
+        "met_vs_luckiest": bool(best) and median(vs_best) <= TARGET and ours.over == 0,
+        "static": {
+            k: {"ratio": v.ratio, "warm_ratio": v.warm_ratio, "peak_mib": v.peak / MiB, "modes": v.modes}
+            for k, v in statics.items()
+        },
     }
     row["trial_steps"] = row["mode_trial_steps"] + row["plan_trial_steps"]
     if same is not None:
@@ -283,12 +348,18 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
             for o in ours.values():
                 o.over += o.runner.handle.last_stats.saved_peak_bytes > o.budget  # type: ignore[union-attr]
         measured: Measured = {
-            k: (ratio_to(r, none.times, setup.steps), max(r.peaks), letters(plans[k]), r.times)
+            k: Static(
+                ratio_to(r, none.times, setup.steps),
+                max(r.peaks),
+                letters(plans[k]),
+                r.times,
+                warm_ratio(r.times, none.times, setup),
+            )
             for k, r in ((k, statics[k]) for k in plans)
         }
         # Storing every block is a static plan too.
         rounds = setup.warmup + setup.steps
-        measured["no checkpointing"] = (1.0, max(none.peaks[-rounds:]), letters((S,) * n), none.times)
+        measured["no checkpointing"] = Static(1.0, max(none.peaks[-rounds:]), letters((S,) * n), none.times, 1.0)
         for ratio, o in ours.items():
             rows.append(phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio), same.get(ratio)))
     # What rematd decided, plan by plan, and why.
@@ -360,7 +431,12 @@ def main() -> None:
         ("best_static_spread", "(quartiles)", ""),
         ("vs_best_static", "rematd / it", ".3f"),
         ("vs_best_spread", "(quartiles)", ""),
+        ("chosen_static", "fastest static by the warm-up", ""),
+        ("chosen_static_modes", "", ""),
+        ("vs_chosen_static", "rematd / it", ".3f"),
+        ("vs_chosen_spread", "(quartiles)", ""),
         ("met", f"<= {TARGET}, 0 over", ""),
+        ("twin_gap", "one plan, two names", ".1%"),
         ("vs_best_phase", "whole phase / it", ".3f"),
         ("same_plan_modes", "its plan pinned", ""),
         ("vs_same_plan", "rematd / it", ".3f"),
@@ -373,7 +449,11 @@ def main() -> None:
         ]
     print(table(report["rows"], cols))
     met = sum(bool(r["met"]) for r in report["rows"])
-    print(f"\nrematd within {TARGET}x the fastest static plan that fits, 0 steps over: {met} of {len(report['rows'])}")
+    luckiest = sum(bool(r["met_vs_luckiest"]) for r in report["rows"])
+    print(
+        f"\nrematd within {TARGET}x the fastest static plan that fits (by the warm-up rounds), 0 steps over: "
+        f"{met} of {len(report['rows'])}; within {TARGET}x the fastest in the measured rounds: {luckiest}"
+    )
     write_json(args.out, report)
     print(f"\nwrote {args.out}")
 

@@ -22,6 +22,7 @@ from rematd.planner.plan import ShapePlan, entry_for
 from rematd.planner.reasons import changed, human_bytes, initial_reason, recomputes_less, what_changed
 from rematd.planner.risk import usable_bytes
 from rematd.planner.shapes import at_shape
+from rematd.planner.solvers import Choice
 from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanning
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape
@@ -178,8 +179,16 @@ class Controller(StepPlanning):
 
     def _moves(self, target: int, static: int) -> Moves:
         """Per length, whether the plan the model now prefers is tighter or looser than the one in force."""
+        moves = self._weigh(self._desired(target, static), target, static)
+        if (moves.tighter or moves.looser) and self._repriced_later:
+            # The table changes anyway: the lengths never timed take their fresh prices in the same change,
+            # not in one of their own a few steps on.
+            moves = self._weigh(self._desired(target, static, fresh=True), target, static)
+        return moves
+
+    def _weigh(self, desired: list[tuple[ShapePlan, Choice]], target: int, static: int) -> Moves:
+        """:meth:`_moves` for the entries ``desired``."""
         current = {e.max_seq_len: e for e in self.table}
-        desired = self._desired(target, static)
         moves = Moves(current=current, desired={e.max_seq_len: e for e, _ in desired})
         moves.new = [seq for seq in moves.desired if seq not in current]
         for entry, _choice in desired:

@@ -12,6 +12,8 @@ partial plans it gives up and the caller falls back on the knapsack's bound.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from rematd.planner.cost import NO_MOMENT
 from rematd.planner.model import Option
 from rematd.planner.units import Mode
@@ -23,6 +25,10 @@ MAX_STATES = 20_000
 # modes, bytes the other microbatches alive at once keep so far: held at every moment, so added to each, and the
 # worst moment of the stages before, less what was kept when it ended: every byte kept after it adds to it).
 _State = tuple[int, int, float, tuple[Mode, ...], int, int]
+
+
+_ORDER = itemgetter(0, 1, 2, 4, 5)
+"""States sorted by bytes kept, then worst moment, seconds, other microbatches' bytes and the stages before."""
 
 
 class TooManyStates(Exception):
@@ -42,30 +48,39 @@ def exact_ordered(options: list[list[Option]], kept_budget: int, moment_budget: 
             # A new pipeline stage of the rank: the moments of the one before now hold what comes after it.
             stage = opts[0].stage
             states = [(k, 0, t, m, e, max(d, w - k) if w else d) for k, w, t, m, e, d in states]
+        # Plain tuples and comparisons, not attribute reads and max(): this loop is most of a solve.
+        plain = [(o.kept, o.others, o.transient, o.seconds, o.mode) for o in opts]
         grown: list[_State] = []
         for kept, worst, secs, modes, others, done in states:
-            for o in opts:
-                k, e = kept + o.kept, others + o.others
+            for o_kept, o_others, transient, seconds, mode in plain:
+                k, e = kept + o_kept, others + o_others
                 if k + e > kept_budget:
                     continue
-                w = max(worst, k + o.transient) if o.transient else worst
-                if max(w, k + done) + e > moment_budget:
+                w = worst
+                if transient and k + transient > w:
+                    w = k + transient
+                top = k + done if k + done > w else w
+                if top + e > moment_budget:
                     continue
-                grown.append((k, w, secs + o.seconds, (*modes, o.mode), e, done))
+                grown.append((k, w, secs + seconds, (*modes, mode), e, done))
         if not grown:
             return None
         states = _pareto(grown)
         if len(states) > MAX_STATES:
             raise TooManyStates(f"more than {MAX_STATES} partial plans")
-    best = min(states, key=lambda s: (round(s[2], 12), sum(m != Mode.STORE for m in s[3]), s[4] + max(s[0], s[1])))
+    # The least seconds; among those, the fewest blocks not stored, then the lowest peak.
+    least = min(round(s[2], 12) for s in states)
+    tied = [s for s in states if round(s[2], 12) == least]
+    best = min(tied, key=lambda s: (sum(m != Mode.STORE for m in s[3]), s[4] + max(s[0], s[1])))
     return list(best[3])
 
 
 def _pareto(states: list[_State]) -> list[_State]:
     """``states`` less those another keeps no more than, peaks no higher than (in this stage and the ones
     before), costs no more than and whose other microbatches keep no more than."""
-    states.sort(key=lambda s: (s[0], s[1], s[2], s[4], s[5]))
-    if len({(s[4], s[5]) for s in states}) == 1:
+    states.sort(key=_ORDER)
+    first = states[0]
+    if all(s[4] == first[4] and s[5] == first[5] for s in states):
         return _pareto_2d(states)
     front: list[tuple[int, float, int, int]] = []
     out: list[_State] = []
@@ -96,7 +111,8 @@ def _pareto_2d(states: list[_State]) -> list[_State]:
         # The least seconds of the states kept so far whose worst moment is no higher.
         least, j = float("inf"), i
         while j > 0:
-            least = min(least, tree[j])
+            if tree[j] < least:
+                least = tree[j]
             j -= j & -j
         if least <= state[2] + 1e-15:
             continue

@@ -18,6 +18,8 @@ from rematd.planner.stepfit import PRIOR_SPREAD, Posterior, Prior, group_of, par
 from rematd.planner.timing import BucketTimes
 from rematd.planner.units import Mode, Shape
 
+REPRICE_LOOKS = 16
+"""Looks at the table (about one a step) between two re-pricings of a length whose steps were never timed."""
 CACHED_CHOICES = 128
 """Solved plans kept before the cache starts over: each length's, under the correction and the scales in
 force there (each bucket's scales move on their own, so several per length stay in use)."""
@@ -42,6 +44,13 @@ class TablePricing:
         self._priors: dict[tuple[int, int, Scales], Prior] = {}
         self._offset_cache: dict[tuple[int, int, int, Scales], Offsets] = {}
         self._ratios: dict[tuple[int, int], float] = {}
+        self._looks = 0
+        """Looks at the whole table so far (:meth:`_desired`)."""
+        self._unmeasured: dict[tuple[int, int, int, int, int, int | None], tuple[int, Choice, Scales]] = {}
+        """The choices at lengths never timed: by what decides their fit, the look they were priced at and the
+        scales they were priced by."""
+        self._repriced_later = False
+        """Whether the last look kept a choice at a length never timed whose scales have moved since."""
 
     @property
     def timing(self) -> BucketTimes:
@@ -265,12 +274,48 @@ class TablePricing:
         """The plan an entry at ``shape`` should run for ``target``: the cheapest that fits."""
         return self._solve_at(shape, target, static)
 
-    def _desired(self, target: int, static: int) -> list[tuple[ShapePlan, Choice]]:
+    def _desired(self, target: int, static: int, *, fresh: bool = False) -> list[tuple[ShapePlan, Choice]]:
+        """Per rung of the length ladder, the entry the table should hold and the choice behind it (``fresh``:
+        at the lengths never timed too, re-priced now, in the same look)."""
+        if not fresh:
+            self._looks += 1
+        self._repriced_later = False
+        timed = set(self._learned.timing.buckets)
         out = []
         for seq in self._learned.ladder():
-            choice = self._choose(self._shape(seq), target, static)
+            shape = self._shape(seq)
+            if self.bucket_of(seq) in timed:
+                choice = self._choose(shape, target, static)
+            else:
+                choice = self._unmeasured_choice(shape, target, static, fresh=fresh)
             out.append((self._entry(seq, choice, static), choice))
         return out
+
+    def _unmeasured_choice(self, shape: Shape, target: int, static: int, *, fresh: bool = False) -> Choice:
+        """:meth:`_choose` at a length none of whose steps were timed, re-priced every ``REPRICE_LOOKS`` looks
+        only (``fresh``: now), or with the rest of the table where another entry changes: it is priced by the
+        scales pooled over every length, which move with each length's steps, and its plan serves no step
+        until its length comes (its fit to the budget is re-checked every look)."""
+        seq = shape.seq_len
+        key = (
+            shape.batch,
+            seq,
+            self._target_at(target, seq),
+            round(self._learned.correction(seq) * 100) if seq else 100,
+            static,
+            self._learned.ceiling(seq),
+        )
+        held = self._unmeasured.get(key)
+        scales = self._scales(seq)
+        if held is not None and not fresh and self._looks - held[0] < REPRICE_LOOKS:
+            if held[2] != scales:
+                self._repriced_later = True
+            return held[1]
+        choice = self._choose(shape, target, static)
+        if len(self._unmeasured) > CACHED_CHOICES:
+            self._unmeasured.clear()
+        self._unmeasured[key] = (self._looks, choice, scales)
+        return choice
 
     def _extra(self, modes: tuple[Mode, ...], seq: int, *, per_block: bool = False) -> float:
         """The extra seconds of ``modes`` at ``seq`` as the solvers weigh them (seconds pooled over blocks

@@ -224,7 +224,15 @@ def pool_seconds(options: list[list[Option]]) -> list[list[Option]]:
             continue
         first = options[idx[0]]
         pooled = [
-            dataclasses.replace(o, seconds=sum(options[i][j].seconds for i in idx) / len(idx))
+            Option(
+                o.mode,
+                o.kept,
+                o.transient,
+                sum(options[i][j].seconds for i in idx) / len(idx),
+                o.others,
+                o.stage,
+                o.group,
+            )
             for j, o in enumerate(first)
         ]
         for i in idx:

@@ -44,7 +44,11 @@ of it (their precision over the fit's): its uncertainty then shrinks by a fifth 
 MAX_RAN = 256
 """Plans remembered as run per length bucket; past that, no new plan is taken as run there."""
 RECHECK_STEPS = 8
-"""Steps at one table entry between two looks for a plan worth a trial there (each look solves a few times)."""
+"""Steps at one table entry between two looks for a plan worth a trial there (each look solves a few dozen
+times, tens of milliseconds on the training thread of an in-process planner)."""
+MAX_IDLE_LOOKS = 3
+"""Each look at an entry that finds nothing worth a trial doubles the wait before the next, up to this many
+times (``RECHECK_STEPS`` << 3: 64 steps); a look that finds one, or another plan in force there, resets it."""
 
 
 class StepPlanning(TablePricing):
@@ -53,8 +57,9 @@ class StepPlanning(TablePricing):
     def __init__(self, profile: Profile, config: ControllerConfig | None = None) -> None:
         super().__init__(profile, config)
         self._plans = PlanTrials(self.config)
-        self._looked: dict[int, int] = {}
-        """Per table entry, the step it was last looked at for a plan trial."""
+        self._looked: dict[int, tuple[int, tuple[Mode, ...], int]] = {}
+        """Per table entry, the step it was last looked at for a plan trial, the plan in force there then, and
+        how many looks in a row found nothing worth a trial with that plan in force."""
         self._ran: dict[int, set[tuple[int, ...]]] = {}
         """Per length bucket, the plans (as the fit sees them: modes per position group) whose steps were
         timed there since this planner started."""
@@ -95,16 +100,35 @@ class StepPlanning(TablePricing):
         """The plan an entry at ``shape`` should run for ``target``: the cheapest by the step-level prices
         where the steps show it faster than the per-block prices' choice by ``SURE`` standard deviations
         of their difference, else the per-block prices' choice (noise never moves a plan)."""
-        fitted = self._solve_at(shape, target, static)
-        if not self._offsets(shape.seq_len):
-            return fitted
+        seq = shape.seq_len
+        if not self._offsets(seq):
+            return self._solve_at(shape, target, static)
         per_block = self._solve_at(shape, target, static, per_block=True)
         # Only a plan whose own steps were timed here: the fit's prices extrapolated to a plan never run
-        # rest on its model of a step, not on the steps. Plans not yet run get there by a trial.
-        seq = shape.seq_len
+        # rest on its model of a step, not on the steps. Plans not yet run get there by a trial. Where no plan
+        # that ran is surely faster than the per-block choice, the fitted one cannot be (nor need be solved:
+        # the fit moves every step, and this runs every step).
+        if not self._some_run_surely_faster(per_block.modes, seq):
+            return per_block
+        fitted = self._solve_at(shape, target, static)
         if not self._surely_faster(per_block.modes, fitted.modes, seq) or not self._has_run(fitted.modes, seq):
             return per_block
         return self._front_loaded(fitted, shape)
+
+    def _some_run_surely_faster(self, modes: tuple[Mode, ...], seq: int) -> bool:
+        """Whether the steps show some plan that ran at ``seq``'s bucket faster than ``modes`` by ``SURE``
+        standard deviations (as :meth:`_surely_faster`, over the plans as the fit sees them)."""
+        found = self._posterior(seq)
+        if found is None:
+            return False
+        post, _ratio = found
+        mine = self._learned.steps.features(modes)
+        for other in self._ran.get(self.bucket_of(seq), ()):
+            if other != mine:
+                saving, sd = post.contrast([a - b for a, b in zip(mine, other, strict=True)])
+                if saving > SURE * sd:
+                    return True
+        return False
 
     def _front_loaded(self, choice: Choice, shape: Shape) -> Choice:
         """A plan the steps chose, its recomputing blocks first within each position group where that
@@ -210,10 +234,15 @@ class StepPlanning(TablePricing):
         seq = entry.max_seq_len if entry is not None else 0
         if entry is None or not peaks_measured or self._learned.headroom_steps or not plans.may_start(seq):
             return None
-        if obs.step - self._looked.get(seq, -RECHECK_STEPS) < RECHECK_STEPS:
+        if not self._fit_ready(seq):
             return None
-        self._looked[seq] = obs.step
+        last, modes, idle = self._looked.get(seq, (-RECHECK_STEPS, entry.modes, 0))
+        if modes != entry.modes:
+            idle = 0
+        if obs.step - last < RECHECK_STEPS << min(idle, MAX_IDLE_LOOKS):
+            return None
         found = self._best_candidate(entry, target, obs.static_bytes)
+        self._looked[seq] = (obs.step, entry.modes, 0 if found is not None else idle + 1)
         if found is None:
             return None
         modes, saving, sd = found
@@ -249,6 +278,11 @@ class StepPlanning(TablePricing):
         table = [turn if e is trial.home and turn is not None else e for e in self.table]
         return self._decision(table, obs.shape, target, static, trial_reason(trial, "in turn"))
 
+    def _fit_ready(self, seq: int) -> bool:
+        """Whether the fit at ``seq``'s bucket has seen enough steps to weigh a plan trial there."""
+        fit = self._learned.steps.fit(self.bucket_of(seq))
+        return fit is not None and fit.noise_pairs >= TRIAL_NOISE_PAIRS and self._level(seq) > 0
+
     def _best_candidate(
         self, entry: ShapePlan, target: int, static: int
     ) -> tuple[tuple[Mode, ...], float, float] | None:
@@ -261,7 +295,7 @@ class StepPlanning(TablePricing):
         fit = self._learned.steps.fit(self.bucket_of(seq))
         found = self._posterior(seq)
         level = self._level(seq)
-        if fit is None or found is None or fit.noise_pairs < TRIAL_NOISE_PAIRS or level <= 0:
+        if fit is None or found is None or not self._fit_ready(seq):
             return None
         shape = self._shape(seq)
         slack = int(target * LOOSEN_SLACK)

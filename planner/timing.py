@@ -38,6 +38,10 @@ _T = TypeVar("_T")
 
 STEP = 1.1
 """Scales are powers of this."""
+HOLD = 0.75
+"""A scale moves to another power of ``STEP`` only once its ratio is this many powers away from the one in
+force (0.5: plain rounding). A ratio that wobbles on the edge between two powers would otherwise change the
+prices, and re-solve every entry of the plan table, step after step."""
 MIN_BLOCKS = 4
 """Timed blocks of a mode before its scale departs from 1."""
 DECAY = 0.9
@@ -68,10 +72,11 @@ def forward_baseline(measured: Iterable[ModeSeconds]) -> tuple[float, int] | Non
     return None
 
 
-def scales_of(ratios: dict[Mode, float]) -> Scales:
+def scales_of(ratios: dict[Mode, float], levels: dict[Mode, int] | None = None) -> Scales:
     """The scales that measured ``ratios`` (measured / profiled, per mode) give: each quantised to a power
     of ``STEP``; the modes with no ratio never get a discount and are as far over the profile as the worst
-    measured mode; modes at 1 left out."""
+    measured mode; modes at 1 left out. ``levels``: the powers in force, per mode priced before, each kept
+    while its ratio stays within ``HOLD`` powers of it; updated in place."""
     priced = dict(ratios)
     if priced:
         worst = max(1.0, *priced.values())
@@ -79,9 +84,19 @@ def scales_of(ratios: dict[Mode, float]) -> Scales:
             priced.setdefault(mode, worst)
     scales = []
     for mode, ratio in sorted(priced.items()):
-        quantised = STEP ** round(math.log(ratio, STEP))
+        exact = math.log(ratio, STEP)
+        level = round(exact)
+        if levels is not None:
+            held = levels.get(mode)
+            if held is not None and abs(exact - held) <= HOLD:
+                level = held
+            levels[mode] = level
+        quantised = STEP**level
         if abs(quantised - 1.0) > 1e-9:
             scales.append((mode, round(quantised, 6)))
+    if levels is not None:
+        for mode in set(levels) - set(priced):
+            del levels[mode]
     return tuple(scales)
 
 
@@ -106,6 +121,8 @@ class TimeScales:
         """Decayed sums of a plain block forward, measured and as profiled."""
         self._ratios: dict[Mode, float] = {}
         self._scales: Scales = ()
+        self._levels: dict[Mode, int] = {}
+        """The power of ``STEP`` in force per mode priced (:func:`scales_of`)."""
 
     def export_state(self) -> dict[str, Any]:
         """The decayed sums, as plain JSON-able data (mode names as keys); :meth:`restore_state` takes it back."""
@@ -144,6 +161,7 @@ class TimeScales:
             raise ValueError(f"state: {where}.last_step names a mode never timed")
         self._remat, self._forward, self._forward_profiled = remat, forward, profiled
         self._predicted, self._blocks, self._base, self._last = predicted, blocks, base_sums, last
+        self._levels = {}
         self.observe((), {})
 
     def observe(
@@ -186,7 +204,7 @@ class TimeScales:
             assert whole is not None
             ratios[mode] = min(LIMITS[1], max(LIMITS[0], whole / self._predicted[mode]))
         self._ratios = ratios
-        self._scales = scales_of(ratios)
+        self._scales = scales_of(ratios, self._levels)
 
     def _whole(self, mode: Mode) -> float | None:
         """The mode's decayed seconds, its forward beyond a plain forward included; None while no plain
@@ -244,6 +262,8 @@ class BucketTimes:
         self._buckets: dict[int, TimeScales] = {}
         """By bucket top, the least recently timed first."""
         self._scales: dict[int, Scales] = {}
+        self._levels: dict[int, dict[Mode, int]] = {}
+        """Per bucket top, the powers of ``STEP`` in force (:func:`scales_of`)."""
 
     def observe(
         self,
@@ -268,7 +288,8 @@ class BucketTimes:
 
     def _rescale(self) -> None:
         pooled = self.pooled.ratios
-        self._scales = {top: scales_of({**pooled, **b.ratios}) for top, b in self._buckets.items()}
+        self._levels = {top: self._levels.get(top, {}) for top in self._buckets}
+        self._scales = {top: scales_of({**pooled, **b.ratios}, self._levels[top]) for top, b in self._buckets.items()}
 
     def scales_at(self, seq: int) -> Scales:
         """The scales that price a step of length ``seq`` (0: the pooled ones)."""
@@ -329,6 +350,7 @@ class BucketTimes:
         pooled.restore_state(state)
         buckets = _restored_buckets(state.get("buckets", []))
         self.pooled, self._buckets = pooled, buckets
+        self._levels = {}
         self._rescale()
 
 

@@ -21,6 +21,7 @@ from rematd.planner import (
 )
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.learned import Learned
+from rematd.planner.solvers import Choice
 from rematd.planner.timing import MAX_BUCKETS, MIN_BLOCKS, BucketTimes
 
 from .alike_blocks import alike_blocks
@@ -236,3 +237,51 @@ def test_how_sure_each_price_is_per_length_bucket() -> None:
     assert isinstance(long["timed_blocks"], int) and long["timed_blocks"] >= MIN_BLOCKS
     assert isinstance(short["last_step"], int) and isinstance(long["last_step"], int)
     assert long["last_step"] < short["last_step"], "selective has not run on long steps since it measured dear"
+
+
+def test_a_length_never_timed_is_repriced_now_and_then_and_refit_to_a_new_budget_at_once() -> None:
+    """The table holds plans for lengths the job has not run yet, priced by the scales pooled over every
+    length: those move with each step's timings, and re-solving every such length on every move cost the
+    training thread milliseconds a step. They are re-priced every ``REPRICE_LOOKS`` looks; what decides
+    whether they fit (budget, measured peaks) is re-checked at every look."""
+    session = PlannerSession(profile(), budget_bytes=BUDGET, config=ControllerConfig())
+    controller = session.controller
+    untimed = max(controller._learned.ladder())
+    priced: list[int] = []
+    choose_at = controller._choose
+
+    def counted(at: Shape, target: int, static: int) -> Choice:
+        if at.seq_len == untimed:
+            priced.append(len(priced))
+        return choose_at(at, target, static)
+
+    controller._choose = counted  # type: ignore[method-assign]
+    budget = BUDGET
+    for step in range(64):
+        if step == 48:
+            budget = BUDGET // 2
+            before, priced[:] = session.plan.modes_for(shape(untimed), N), []
+        modes = session.plan.modes_for(shape(SHORT), N)
+        # Recomputing measured at one then three times its profiled seconds, turn about: the pooled scales
+        # move by whole powers every step.
+        scale = 1.0 if step % 2 else 3.0
+        timed = (ModeSeconds(R, modes.count(R), modes.count(R) * FORWARD * scale),) if R in modes else ()
+        session.observe(
+            StepObservation(
+                step=step,
+                peak_bytes=peak_of(choose(session.profile.options_at(shape(SHORT)), modes)),
+                budget_bytes=budget,
+                shape=shape(SHORT),
+                plan_version=session.plan.version,
+                mode_seconds=timed,
+            )
+        )
+        if step == 47:
+            assert untimed not in controller.timing.buckets
+            # Once per 16 looks, and where a measured peak moved the correction (the first steps).
+            assert len(priced) <= 8, f"re-priced {len(priced)} times in 48 steps"
+    after = session.plan.modes_for(shape(untimed), N)
+    assert priced, "a new budget re-solves the lengths never timed at once"
+    assert after.count(S) < before.count(S), (before, after)
+    target = controller.config.target_bytes(budget)
+    assert peak_of(choose(session.profile.options_at(shape(untimed)), after)) <= target

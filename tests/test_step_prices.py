@@ -35,6 +35,7 @@ from rematd.planner import (
 from rematd.planner.controller import LOOSEN_SLACK
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.model import Option
+from rematd.planner.plan import ShapePlan
 from rematd.planner.plan_trials import FREE_TRIALS
 from rematd.planner.solvers import solve
 from rematd.planner.stepfit import MIN_PAIRS, Prior, StepFit, StepPrices, counts
@@ -468,3 +469,25 @@ def test_the_fit_needs_pairs_of_differing_plans_before_it_moves_a_price() -> Non
     restored = StepFit.restored(json.loads(json.dumps(fit.export())), 8, "x")
     assert restored.export() == fit.export()
     assert dataclasses.asdict(restored.posterior(prior)) == dataclasses.asdict(fit.posterior(prior))
+
+
+def test_looks_that_find_no_plan_worth_a_trial_come_ever_more_rarely() -> None:
+    # 20% a step: no trial could tell plans apart, so each look finds nothing; a look solves a few dozen
+    # plans on the training thread, and the wait before the next one doubles, up to 64 steps.
+    job = new_job(seed=5, noise=0.2)
+    controller = job.session.controller
+    looked: list[tuple[int, bool]] = []
+    find = controller._best_candidate
+
+    def counted(entry: ShapePlan, target: int, static: int) -> tuple[tuple[Mode, ...], float, float] | None:
+        found = find(entry, target, static)
+        looked.append((job.step, found is not None))
+        return found
+
+    controller._best_candidate = counted  # type: ignore[method-assign]
+    job.run(300, STORING_SLOW)
+    empty = [step for step, found in looked if not found]
+    gaps = [b - a for a, b in itertools.pairwise(empty)]
+    assert len(empty) >= 3 and gaps[:3] == [16, 32, 64], looked
+    assert all(g == 64 for g in gaps[3:]), looked
+    assert len(looked) <= 8, f"{len(looked)} looks in 300 steps: {looked}"

@@ -20,7 +20,7 @@ from rematd.planner import (
     Shape,
     StepObservation,
 )
-from rematd.planner.timing import MIN_BLOCKS, TimeScales
+from rematd.planner.timing import HOLD, MIN_BLOCKS, STEP, TimeScales, scales_of
 
 from .alike_blocks import alike_blocks
 from .helpers import tiny_model, train_step
@@ -226,3 +226,41 @@ def test_a_bucket_with_a_number_out_of_range_is_refused(value: object) -> None:
     fresh = Controller(profile, ControllerConfig())
     with pytest.raises(ValueError, match="boost"):
         fresh.restore_state({**state, "buckets": [[128, [1.0], value, 1.0, 0, None]]})
+
+
+def test_a_scale_holds_its_power_until_the_ratio_is_well_past_the_edge() -> None:
+    levels: dict[Mode, int] = {}
+    at = scales_of({Mode.RECOMPUTE: STEP**2.4}, levels)
+    assert dict(at)[Mode.RECOMPUTE] == pytest.approx(STEP**2)
+    # Past the rounding edge (2.5) but within HOLD of the power in force: the price stays.
+    wobble = scales_of({Mode.RECOMPUTE: STEP ** (2 + HOLD - 0.05)}, levels)
+    assert wobble == at
+    assert scales_of({Mode.RECOMPUTE: STEP ** (2 + HOLD - 0.05)}) != at, "plain rounding moves it"
+    moved = scales_of({Mode.RECOMPUTE: STEP ** (2 + HOLD + 0.05)}, levels)
+    assert dict(moved)[Mode.RECOMPUTE] == pytest.approx(STEP**3)
+    assert scales_of({Mode.RECOMPUTE: STEP**2.4}, levels) == moved, "and holds the new power the same way"
+
+
+def test_wobbling_measurements_move_the_prices_only_when_they_move_far() -> None:
+    """A ratio that wobbles around the edge between two powers flipped every price, and re-solved every plan,
+    each time it crossed; held, it changes the scales only where it moves a whole power or more."""
+    t = TimeScales()
+    changes = 0
+    before = t.scales
+    for i in range(60):
+        # Measured/profiled alternates around 1.1**2.5, the edge between two powers.
+        ratio = STEP ** (2.5 + (0.2 if i % 2 else -0.2))
+        t.observe([ModeSeconds(Mode.RECOMPUTE, 8, 8 * 0.01 * ratio)], {Mode.RECOMPUTE: 0.01})
+        changes += t.scales != before
+        before = t.scales
+    assert changes <= 2, f"the scales changed {changes} times on a wobble"
+
+
+def test_restored_scales_are_the_plain_rounding_of_the_restored_sums() -> None:
+    t = TimeScales()
+    for ratio in (STEP**2.3, *(STEP**2.7,) * 3):
+        t.observe([ModeSeconds(Mode.RECOMPUTE, 8, 8 * 0.01 * ratio)], {Mode.RECOMPUTE: 0.01})
+    again = TimeScales()
+    again.restore_state(json.loads(json.dumps(t.export_state())))
+    assert again.ratios == pytest.approx(t.ratios)
+    assert again.scales == scales_of(t.ratios)
