@@ -215,13 +215,8 @@ SETTLE = 8
 
 def warm_ratio(times: list[float], base: list[float], setup: Setup) -> float:
     """The median of each warm-up round's step time over ``base``'s, from round ``SETTLE`` of the phase on."""
-    rounds, settle = setup.warmup + setup.steps, min(SETTLE, setup.warmup - 1)
-    return median(
-        [
-            t / b
-            for t, b in zip(times[-rounds + settle : -setup.steps], base[-rounds + settle : -setup.steps], strict=True)
-        ]
-    )
+    settle = min(SETTLE, setup.warmup - 1)
+    return median(per_round(times[: -setup.steps], base[: -setup.steps], setup.warmup - settle))
 
 
 def twin_gap(statics: Measured, steps: int) -> float | None:

@@ -171,6 +171,19 @@ class Option:
     """The block's position group where step-level prices tell groups apart (0 elsewhere): the solvers
     pool seconds and spread modes only among blocks alike in bytes and in group."""
 
+    def repriced(self, seconds: float, group: int | None = None) -> Option:
+        """This option at ``seconds`` (and in ``group``, where given). The constructor, not
+        ``dataclasses.replace``: several times faster, and prices are rebuilt for every new set of them."""
+        return Option(
+            self.mode,
+            self.kept,
+            self.transient,
+            seconds,
+            self.others,
+            self.stage,
+            self.group if group is None else group,
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:

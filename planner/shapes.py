@@ -60,17 +60,10 @@ class AtShape:
                 key = (id(opts), g if tagged else 0)
                 hit = rescaled.get(key)
                 if hit is None:
-                    # The constructor, not dataclasses.replace: several times faster, and this runs for every
-                    # new set of prices.
                     hit = [
-                        Option(
-                            o.mode,
-                            o.kept,
-                            o.transient,
+                        o.repriced(
                             o.seconds * by_mode.get(o.mode, 1.0) + (added[o.mode][g] if o.mode in added else 0),
-                            o.others,
-                            o.stage,
-                            key[1] if tagged else o.group,
+                            key[1] if tagged else None,
                         )
                         for o in opts
                     ]

@@ -223,18 +223,7 @@ def pool_seconds(options: list[list[Option]]) -> list[list[Option]]:
         if len(idx) < 2:
             continue
         first = options[idx[0]]
-        pooled = [
-            Option(
-                o.mode,
-                o.kept,
-                o.transient,
-                sum(options[i][j].seconds for i in idx) / len(idx),
-                o.others,
-                o.stage,
-                o.group,
-            )
-            for j, o in enumerate(first)
-        ]
+        pooled = [o.repriced(sum(options[i][j].seconds for i in idx) / len(idx)) for j, o in enumerate(first)]
         for i in idx:
             out[i] = pooled
     return out
