@@ -73,6 +73,9 @@ def main() -> None:
             engine.step()  # the last micro-batch's steps the optimizer, and the handle with it
         say(h, rank, step, seq, budget, loss)
     h.close()
+    # As the other examples do: a process group left to interpreter exit can abort a rank while its
+    # threads are torn down ("terminate called without an active exception"), after every step ran.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
