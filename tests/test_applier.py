@@ -72,3 +72,23 @@ def test_same_plan_same_shape_sets_nothing_and_every_change_lands() -> None:
     applier.receive(newer)
     assert applier.apply_pending(shape(32)) == newer
     assert modes(blocks) == (R, R)
+
+
+def test_a_step_past_the_table_runs_every_block_at_its_leanest_until_the_table_covers_it() -> None:
+    # The largest entry was fitted to fewer activations than such a step saves.
+    blocks = [CountingBlock(mode=S, offer=(S, K)), CountingBlock(mode=S, offer=(S, K, R))]
+    applier = PlanApplier(blocks)  # type: ignore[arg-type]
+    applier.receive(table_plan(1))
+    applier.apply_pending(shape(2048))
+    assert modes(blocks) == (K, R), "longer than any entry: each block keeps the least its offer allows"
+    applier.apply_pending(Shape(batch=4, seq_len=200, tokens=800))
+    assert modes(blocks) == (K, R), "more tokens than any entry covers"
+    applier.apply_pending(shape(200))
+    assert modes(blocks) == (R, K)
+    applier.apply_pending(shape(32))
+    assert modes(blocks) == (S, S)
+    longer = ShapePlan(max_seq_len=4096, max_tokens=8192, modes=(K, S), predicted_peak_bytes=3,
+                       predicted_overhead_ratio=0)  # fmt: skip
+    applier.receive(dataclasses.replace(table_plan(2), shape_plans=(*table_plan(2).shape_plans, longer)))
+    applier.apply_pending(shape(2048))
+    assert modes(blocks) == (K, S), "once the table covers the length, its entry runs"

@@ -9,7 +9,7 @@ from rematd import client
 from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.planner import Mode
 
-from .helpers import batch, tiny_model
+from .helpers import batch, tiny_model, train_step
 
 
 def test_plans_never_switch_between_micro_batches_of_one_step() -> None:
@@ -93,3 +93,37 @@ def test_compiled_models_are_refused_with_what_to_do_instead() -> None:
         client.attach(compiled)
     with pytest.raises(TypeError, match=r"nn\.Module"):
         client.attach("model")  # type: ignore[arg-type]
+
+
+def test_the_first_step_far_past_the_lengths_seen_keeps_to_the_budget() -> None:
+    """Trained at 16 tokens (the table reaches 4 times that), then a step of 256: it runs every block
+    recomputed and keeps to a budget that storing every block at 256 would cross; the plan after it is
+    the planner's own for that length."""
+    probe = tiny_model()
+    opt = torch.optim.SGD(probe.parameters(), lr=0.01)
+    h = client.attach(probe, budget_bytes=2**40, optimizer=opt)
+    saved = {}
+    for mode in (Mode.STORE, Mode.RECOMPUTE):
+        h.pin_modes(mode)
+        for seed in range(2):
+            train_step(probe, opt, 256, seed)
+        assert h.last_memory is not None
+        saved[mode] = h.last_memory.saved_peak_bytes
+    h.close()
+    budget = saved[Mode.RECOMPUTE] + 3 * (saved[Mode.STORE] - saved[Mode.RECOMPUTE]) // 4
+
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    h = client.attach(model, budget_bytes=budget, optimizer=opt)
+    for seed in range(6):
+        train_step(model, opt, 16, seed)
+    assert h.plan.shape_plans and max(e.max_seq_len for e in h.plan.shape_plans) < 256
+    train_step(model, opt, 256, 6)
+    assert h.modes == (Mode.RECOMPUTE,) * 4
+    assert h.last_memory is not None and h.last_memory.saved_peak_bytes <= budget
+    for seed in (7, 8):
+        train_step(model, opt, 256, seed)
+        assert h.last_memory.saved_peak_bytes <= budget
+    assert any(e.max_seq_len >= 256 for e in h.plan.shape_plans), "the planner extended its table past the step"
+    assert h.modes != (Mode.RECOMPUTE,) * 4, "then the planner's own plan for that length runs"
+    h.close()

@@ -123,13 +123,21 @@ class PlanApplier:
         self._applied = key
         if self.pinned is not None:
             modes = self.pinned
-        elif self.lean_after is not None:
+        elif self.lean_after is not None or self._beyond(shape):
             modes = tuple(leanest(b.offer) for b in self.blocks)
         else:
             modes = self.plan.modes_for(shape, n)
         for b, mode in zip(self.blocks, modes, strict=False):
             b.mode = mode
         return plan
+
+    def _beyond(self, shape: Shape) -> bool:
+        """Whether a step of ``shape`` is longer, or holds more tokens, than any entry of the plan's table covers.
+        The largest entry was fitted to fewer activations than such a step saves (a step 8 times as long as the
+        longest seen, a larger batch): it runs every block at its leanest, and the planner extends the table
+        after it."""
+        table = self.plan.shape_plans
+        return bool(table) and bool(shape.seq_len) and not any(e.covers(shape) for e in table)
 
     def hold_lean(self, shape: Shape, target_bytes: int) -> bool:
         """A budget cut the planner has not answered yet (a service plans from the next step's statistics):
