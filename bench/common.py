@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
+from rematd.planner.controller import Controller
 
 MiB = 2**20
 
@@ -78,6 +79,30 @@ def freed_memory_kept(args: argparse.Namespace) -> bool:
     kept = not args.system_malloc and keep_freed_memory()
     print(f"freed memory kept for reuse: {'yes' if kept else 'no (glibc defaults)'}", flush=True)
     return kept
+
+
+class Timed:
+    """The controller's ``observe``, timed (wall clock, the training thread's)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._observe = Controller.observe
+
+    def __enter__(self) -> Timed:
+        timed = self
+
+        def observe(controller: Controller, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return timed._observe(controller, *args, **kwargs)
+            finally:
+                timed.seconds.append(time.perf_counter() - start)
+
+        Controller.observe = observe  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Controller.observe = self._observe  # type: ignore[method-assign]
 
 
 def median(xs: list[float]) -> float:

@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adaptive-steps", type=int, default=0)
     parser.add_argument("--no-adaptive", action="store_true")
     parser.add_argument("--plugin", action="append", default=[], help="a module that registers more strategies")
+    parser.add_argument(
+        "--strategies", default="", help="comma-separated static strategies (default: all; no checkpointing always)"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a worker process may take")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -79,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args.worker)
         return
+    strategies = [s for s in args.strategies.split(",") if s]
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        raise SystemExit(f"--strategies: {unknown} not among {sorted(STRATEGIES)}")
     cuda = torch.cuda.is_available() and not args.quick
     models: tuple[ModelSpec, ...] = QUICK_MODELS[:1] if args.quick else FULL_MODELS
     if args.models:
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {"device": device, "torch": torch.__version__, "quick": args.quick, "models": []}
     for spec in models:
         print(f"{spec.name} ...", flush=True)
-        report["models"].append(budgets_table(spec, fracs, run, base, cuda))
+        report["models"].append(budgets_table(spec, fracs, run, base, cuda, strategies))
     if not args.no_adaptive:
         spec = models[0]
         steps = args.adaptive_steps or (6 if args.quick else 85)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bench.common import median
+from bench.common import Timed, median
 from bench.gpu_models import Job, ModelSpec, build
 from bench.gpu_strategies import STRATEGIES, Context
 from rematd.planner import letters
@@ -64,40 +64,48 @@ def run_job(job: Job, device: torch.device) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     static = int(torch.cuda.memory_allocated(device)) if cuda else 0
     started = time.perf_counter()
-    for i, seq in enumerate(seqs):
-        x = data(seq)
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            static = int(torch.cuda.memory_allocated(device))
-        began = time.perf_counter()
-        ok = True
-        try:
-            if h is not None:
-                h.run_step(_step, ctx, x, device)
-            else:
-                _step(ctx, x, device)
+    with Timed() as timed:
+        for i, seq in enumerate(seqs):
+            x = data(seq)
             if cuda:
                 torch.cuda.synchronize(device)
-        except Exception as err:
-            if not _is_oom(err):
-                raise
-            ok = False
-            opt.zero_grad(set_to_none=True)
+                torch.cuda.reset_peak_memory_stats(device)
+                static = int(torch.cuda.memory_allocated(device))
+            planned = len(timed.seconds)
+            began = time.perf_counter()
+            ok = True
+            try:
+                if h is not None:
+                    h.run_step(_step, ctx, x, device)
+                else:
+                    _step(ctx, x, device)
+                if cuda:
+                    torch.cuda.synchronize(device)
+            except Exception as err:
+                if not _is_oom(err):
+                    raise
+                ok = False
+                opt.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.empty_cache()
+            seconds = time.perf_counter() - began
             if cuda:
-                torch.cuda.empty_cache()
-        seconds = time.perf_counter() - began
-        if cuda:
-            peak = int(torch.cuda.max_memory_allocated(device))
-        else:
-            peak = h.last_stats.saved_peak_bytes if h is not None and h.last_stats else 0
-        row: dict[str, Any] = {"seq": seq, "s": seconds, "peak": peak, "static": static, "ok": ok}
-        if h is not None:
-            row["modes"] = letters(h.modes)
-            row["predicted_peak"] = h.plan.predicted_peak_bytes
-            row["predicted_overhead"] = h.plan.predicted_overhead_ratio
-        if job.seqs or i >= job.warmup:
-            rows.append(row)
+                peak = int(torch.cuda.max_memory_allocated(device))
+                if h is not None and h.last_stats is not None:
+                    # rematd reads and resets the allocator's peak at the step's end, before this read.
+                    peak = max(peak, h.last_stats.peak_allocated_bytes)
+            else:
+                peak = h.last_stats.saved_peak_bytes if h is not None and h.last_stats else 0
+            row: dict[str, Any] = {"seq": seq, "s": seconds, "peak": peak, "static": static, "ok": ok}
+            if h is not None:
+                # The planner's time on the training thread: host time, which a GPU step hides only while the
+                # device is behind.
+                row["planner_ms"] = 1000 * sum(timed.seconds[planned:])
+                row["modes"] = letters(h.modes)
+                row["predicted_peak"] = h.plan.predicted_peak_bytes
+                row["predicted_overhead"] = h.plan.predicted_overhead_ratio
+            if job.seqs or i >= job.warmup:
+                rows.append(row)
     wall = time.perf_counter() - started
     good = [r for r in rows if r["ok"]]
     budget = h.budget_bytes if h is not None else job.budget_bytes

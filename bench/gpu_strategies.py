@@ -83,4 +83,13 @@ def _rematd(ctx: Context) -> None:
     )
 
 
+@register("rematd-recompute")
+def _rematd_recompute(ctx: Context) -> None:
+    """rematd's wrappers with every block pinned to recompute, no budget: beside ``hf-full`` (the same
+    recomputation), what rematd's own machinery costs a step."""
+    _rematd(ctx)
+    assert ctx.handle is not None
+    ctx.handle.pin_modes("recompute")
+
+
 STATIC_STRATEGIES = ("none", "hf-full", "every-2nd", "every-3rd")

@@ -16,34 +16,9 @@ from typing import Any
 
 import torch
 
-from bench.common import freed_memory_kept, malloc_argument, table, timed_step, tokens, write_json
+from bench.common import Timed, freed_memory_kept, malloc_argument, table, timed_step, tokens, write_json
 from bench.phases import Setup, attach
 from rematd.planner import Mode
-from rematd.planner.controller import Controller
-
-
-class Timed:
-    """The controller's ``observe``, timed (wall clock, the training thread's)."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._observe = Controller.observe
-
-    def __enter__(self) -> Timed:
-        timed = self
-
-        def observe(controller: Controller, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return timed._observe(controller, *args, **kwargs)
-            finally:
-                timed.seconds.append(time.perf_counter() - start)
-
-        Controller.observe = observe  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        Controller.observe = self._observe  # type: ignore[method-assign]
 
 
 def run(setup: Setup, ratio: float) -> list[dict[str, Any]]:

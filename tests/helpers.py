@@ -26,7 +26,8 @@ def batch(seq: int, *, size: int = 2, seed: int = 0) -> torch.Tensor:
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seq: int, seed: int = 0) -> float:
-    loss = lm_loss(model, batch(seq, seed=seed))
+    device = next(model.parameters()).device
+    loss = lm_loss(model, batch(seq, seed=seed).to(device))
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
