@@ -306,7 +306,8 @@ class Controller(StepPlanning):
         if seq:
             learned.seqs.add(seq)
         current = {e.max_seq_len: e for e in self.table}
-        # The entry the step ran with: the one covering its length, the longest one past the table.
+        # The entry the step ran with: the one covering its length; past the table the longest one (the client
+        # runs its blocks at their leanest instead until a newer plan, so the cap below is conservative).
         before = entry_for(self.table, shape) if seq and shape.seq_len else None
         bucket.boost = min(cfg.max_correction, bucket.boost * cfg.oom_correction_step)
         if before is not None:

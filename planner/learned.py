@@ -130,9 +130,12 @@ class Learned:
         lo, hi = self.bucket_of(min(self.seqs)), self.bucket_of(4 * max(self.seqs))
         rungs = [lo]
         held = [q for q in self.held if q != self.bucket_of(q)]
-        while rungs[-1] < hi and len(rungs) + len(held) < self.config.max_entries:
+        while rungs[-1] < hi:
             rungs.append(self.bucket_of(rungs[-1] + 1))
-        return sorted({*rungs, *held})
+        # Past the table a step has no plan of its own; below its shortest rung a step runs that rung's plan,
+        # made for more activations than it saves. Where the rungs are too many, the shortest go.
+        room = max(1, self.config.max_entries - len(held))
+        return sorted({*rungs[-room:], *held})
 
     def correction(self, seq: int, *, pessimistic: bool = False) -> float:
         """Measured/predicted for a bucket: its second-largest recent ratio (the largest when

@@ -92,3 +92,20 @@ def test_a_step_past_the_table_runs_every_block_at_its_leanest_until_the_table_c
     applier.receive(dataclasses.replace(table_plan(2), shape_plans=(*table_plan(2).shape_plans, longer)))
     applier.apply_pending(shape(2048))
     assert modes(blocks) == (K, S), "once the table covers the length, its entry runs"
+
+
+def test_past_a_table_that_a_newer_plan_still_does_not_reach_the_longest_entry_runs_again() -> None:
+    # The planner answered a step past its table with a plan that does not cover it either (its ladder
+    # capped, say): no longer lean for steps no larger than that one, lean again for a larger one.
+    blocks = [CountingBlock(mode=S, offer=(S, K)), CountingBlock(mode=S, offer=(S, K, R))]
+    applier = PlanApplier(blocks)  # type: ignore[arg-type]
+    applier.receive(table_plan(1))
+    applier.apply_pending(shape(1024))
+    assert modes(blocks) == (K, R)
+    applier.receive(table_plan(2))
+    applier.apply_pending(shape(1024))
+    assert modes(blocks) == (R, K), "the same step under a newer plan: its longest entry"
+    applier.apply_pending(shape(512))
+    assert modes(blocks) == (R, K)
+    applier.apply_pending(shape(2048))
+    assert modes(blocks) == (K, R), "longer than any step seen past the table: lean again"

@@ -285,3 +285,13 @@ def test_a_length_never_timed_is_repriced_now_and_then_and_refit_to_a_new_budget
     assert after.count(S) < before.count(S), (before, after)
     target = controller.config.target_bytes(budget)
     assert peak_of(choose(session.profile.options_at(shape(untimed)), after)) <= target
+
+
+def test_a_capped_ladder_drops_its_shortest_rungs_and_still_reaches_past_the_longest_length_seen() -> None:
+    learned = Learned(config=ControllerConfig(), batch=2, seqs={8, 2048})
+    ladder = learned.ladder()
+    assert len(ladder) == ControllerConfig().max_entries
+    assert max(ladder) >= 4 * 2048, "a step 4 times the longest seen is planned for"
+    assert min(ladder) > 8, "the shortest lengths run the shortest rung's plan, made for more activations"
+    learned.seqs = {16, 256}
+    assert min(learned.ladder()) == 16 and max(learned.ladder()) >= 1024, "uncapped: from the shortest up"

@@ -39,6 +39,8 @@ class PlanApplier:
         """Modes fixed by hand (benchmarks, experiments); they win over any plan."""
         self.lean_after: int | None = None
         """While set, a budget cut waits for a plan newer than this version: every block keeps the least it can."""
+        self._lean_past: tuple[int, int, int] | None = None
+        """The largest length and tokens a step past the table ran at its leanest, and the plan version then."""
         self._applied: tuple[object, ...] | None = None
         """What the blocks' modes were last set from: the same again needs no work."""
         self.price: Pricer = lambda modes, version, reason: None
@@ -132,12 +134,20 @@ class PlanApplier:
         return plan
 
     def _beyond(self, shape: Shape) -> bool:
-        """Whether a step of ``shape`` is longer, or holds more tokens, than any entry of the plan's table covers.
-        The largest entry was fitted to fewer activations than such a step saves (a step 8 times as long as the
-        longest seen, a larger batch): it runs every block at its leanest, and the planner extends the table
-        after it."""
+        """Whether a step of ``shape`` runs every block at its leanest: it is longer, or holds more tokens,
+        than any entry of the plan's table covers, and so more than the longest entry was fitted to (a step
+        8 times as long as the longest seen, a larger batch). The planner extends the table after it. Where
+        a newer plan still does not cover such a step (its ladder capped, entries planned for a smaller
+        batch), steps no larger than one it has seen run the longest entry again, as before."""
         table = self.plan.shape_plans
-        return bool(table) and bool(shape.seq_len) and not any(e.covers(shape) for e in table)
+        if not table or not shape.seq_len or any(e.covers(shape) for e in table):
+            return False
+        seen = self._lean_past
+        if seen is not None and shape.seq_len <= seen[0] and shape.tokens <= seen[1] and self.plan.version != seen[2]:
+            return False
+        longest, most = (seen[0], seen[1]) if seen is not None else (0, 0)
+        self._lean_past = (max(shape.seq_len, longest), max(shape.tokens, most), self.plan.version)
+        return True
 
     def hold_lean(self, shape: Shape, target_bytes: int) -> bool:
         """A budget cut the planner has not answered yet (a service plans from the next step's statistics):
