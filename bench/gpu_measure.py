@@ -72,6 +72,7 @@ def run_job(job: Job, device: torch.device) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats(device)
                 static = int(torch.cuda.memory_allocated(device))
             planned = len(timed.seconds)
+            reported = h.last_stats if h is not None else None
             began = time.perf_counter()
             ok = True
             try:
@@ -91,8 +92,9 @@ def run_job(job: Job, device: torch.device) -> dict[str, Any]:
             seconds = time.perf_counter() - began
             if cuda:
                 peak = int(torch.cuda.max_memory_allocated(device))
-                if h is not None and h.last_stats is not None:
-                    # rematd reads and resets the allocator's peak at the step's end, before this read.
+                if h is not None and h.last_stats is not None and h.last_stats is not reported:
+                    # rematd reads and resets the allocator's peak at the step's end, before this read (a step
+                    # that ran out of memory reports nothing: the last report is an earlier step's).
                     peak = max(peak, h.last_stats.peak_allocated_bytes)
             else:
                 peak = h.last_stats.saved_peak_bytes if h is not None and h.last_stats else 0

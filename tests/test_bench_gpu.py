@@ -58,4 +58,4 @@ def test_on_cuda_a_run_reads_the_allocator_and_rematd_keeps_to_its_budget() -> N
     budget = none["static_bytes"] + 6 * (none["max_peak"] - none["static_bytes"]) // 10
     ours = run_job(Job(model=spec, strategy="rematd", steps=3, warmup=6, budget_bytes=budget, margin=0.05), device)
     assert ours["steps_over_budget"] == 0 and ours["predicted_peak"] > ours["static_bytes"]
-    assert "R" in ours["modes"], ours["modes"]
+    assert set(ours["modes"]) != {"."}, f"the budget is under storing every block: {ours['modes']}"
