@@ -110,16 +110,26 @@ def send_refused(target: str, msg: pb.ClientMessage, n: int) -> None:
                 raise RuntimeError("the hello was accepted")
 
 
+def settled_rss(pid: int, seconds: float = 2.0) -> int:
+    """The least RSS of ``pid`` over ``seconds`` after a burst of streams: the service collects their garbage
+    soon after they end, not at once, and later on a busy machine. What stays is what the streams kept."""
+    least = rss_bytes(pid)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        least = min(least, rss_bytes(pid))
+    return least
+
+
 def measure(target: str, pid: int, streams: int, warmup: int = 10) -> dict[str, float]:
     msg = refused_hello()
     start = rss_bytes(pid)
     send_refused(target, msg, warmup)
-    warm = rss_bytes(pid)
+    warm = settled_rss(pid)
     began = time.perf_counter()
     send_refused(target, msg, streams)
     seconds = time.perf_counter() - began
-    time.sleep(0.5)  # the service collects soon after streams end, not at once
-    end = rss_bytes(pid)
+    end = settled_rss(pid)
     return {
         "streams": streams,
         "message_bytes": msg.ByteSize(),
