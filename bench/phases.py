@@ -12,15 +12,19 @@ recomputed, and for each budget the fewest leading blocks recomputed,
 selective, or recomputed with the rest selective, that fit by the profile,
 every larger count of leading blocks recomputed, and the fewest recomputed
 blocks spread evenly). A static plan counts as fitting when its measured peak
-(saved-tensor accounting) is within the budget. Reported per budget and length:
+(saved-tensor accounting) is within the budget. Static plans over every
+budget stop after the phase's first round; after the warm-up rounds, only the
+``--finalists`` fastest that fit each budget (by the warm-up) go on stepping in
+the measured rounds, so that a round is short and many fit in the time.
+Reported per budget and length:
 rematd's step time over no checkpointing's and over the fastest static plan
 that fits (medians over the phase's last rounds of each round's ratio, with
 their quartiles), that plan picked two ways: the fastest in the warm-up rounds
 (then compared on the measured rounds, which did not pick it), and the fastest
-in the measured rounds themselves (the luckiest of a dozen noisy medians, so
-biased fast); whether rematd is within 1.03 of the first with no step over the
-budget; how far apart two contenders running the same plan under two names
-measured (the noise alone);
+of the finalists in the measured rounds themselves (the luckiest of a few
+noisy medians, so biased fast); whether rematd is within 1.03 of the first
+with no step over the budget; how far apart two finalists running the same
+plan under two names measured (the noise alone);
 the same over the whole phase (the sum of rematd's step times, warm-up and
 trials included, over the fastest static plan's in the same rounds),
 and over its own plan pinned from the first measured round (what adapting
@@ -36,7 +40,7 @@ import argparse
 import os
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +74,9 @@ class Setup:
     """Rounds at the start of a phase before measuring: rematd's plan converges in them."""
     steps: int
     """Measured rounds per phase."""
+    finalists: int = 3
+    """Static plans per budget that go on from the warm-up rounds to the measured ones: the fastest that fit,
+    by the warm-up (0: every static plan steps in every round). Plans over every budget stop after a step."""
 
 
 def families(n: int, profile: Profile, shape: Shape, budget: int) -> dict[str, tuple[Mode, ...]]:
@@ -308,6 +315,47 @@ def phase_row(
     return row
 
 
+@dataclass(slots=True)
+class Race:
+    """A phase's contenders still stepping in its rounds, and the static plans that stopped, with why."""
+
+    everyone: list[Runner]
+    statics: dict[str, Runner]
+    plans: dict[str, tuple[Mode, ...]]
+    racing: set[str]
+    """The static plans still stepping."""
+    dropped: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per static plan that stopped: its row of the report's ``static`` table (no measured ratio)."""
+
+    def drop(self, name: str, why: str, warm: float | None) -> None:
+        runner = self.statics[name]
+        self.racing.discard(name)
+        self.everyone[:] = [r for r in self.everyone if r is not runner]
+        self.dropped[name] = {
+            "ratio": None,
+            "warm_ratio": warm,
+            "peak_mib": max(runner.peaks) / MiB,
+            "modes": letters(self.plans[name]),
+            "dropped": why,
+        }
+
+
+def warm_so_far(r: Runner, base: list[float], setup: Setup) -> float:
+    """At the end of a phase's warm-up rounds, :func:`warm_ratio` of ``r`` (pinned at the phase's start)."""
+    settle = min(SETTLE, setup.warmup - 1)
+    mine, theirs = r.times[settle : setup.warmup], base[-setup.warmup :][settle:]
+    return median([t / b for t, b in zip(mine, theirs, strict=True)])
+
+
+def finalists(warm: dict[str, float], peaks: dict[str, int], budgets: list[int], n: int) -> set[str]:
+    """Per budget, the ``n`` static plans that fit it and were fastest in the warm-up rounds."""
+    keep: set[str] = set()
+    for budget in budgets:
+        fitting = sorted((w, k) for k, w in warm.items() if peaks[k] <= budget)
+        keep.update(k for _, k in fitting[:n])
+    return keep
+
+
 def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[str, Any]:
     n, longest = setup.n_layer, max(setup.lengths)
     none = attach(setup, 2**50)
@@ -331,10 +379,25 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
         for c in compiled.values():
             c.times, c.peaks = [], []
         everyone = [none, *(o.runner for o in ours.values()), *compiled.values(), *(statics[k] for k in plans)]
+        budgets = [o.budget for o in ours.values()]
+        race = Race(everyone, statics, plans, set(plans))
         same: dict[float, tuple[Runner, tuple[Mode, ...]]] = {}
         for i in range(setup.warmup + setup.steps):
             data = tokens(setup.batch, seq, 1000 * phase + i + 1)
+            if i == 1 and setup.finalists:
+                # A static plan over every budget is no contender: what it saves is known after one step.
+                for name in sorted(race.racing):
+                    if max(statics[name].peaks) > max(budgets):
+                        race.drop(name, "over every budget", None)
             if i == setup.warmup:
+                if setup.finalists:
+                    # Only the warm-up's fastest few per budget go on to the measured rounds: with fewer contenders
+                    # a round is shorter, so that more rounds, and tighter medians, fit in the same time.
+                    warm = {k: warm_so_far(statics[k], none.times, setup) for k in race.racing}
+                    peaks = {k: max(statics[k].peaks) for k in race.racing}
+                    keep = finalists(warm, peaks, budgets, setup.finalists)
+                    for name in sorted(race.racing - keep):
+                        race.drop(name, "not among the warm-up's fastest", warm[name])
                 same = {ratio: pin_same(same_runners[ratio], o, data) for ratio, o in ours.items()}
                 everyone += [r for r, _ in same.values()]
             # Rounds in turn, each in its own order, so that the machine's drift falls on every contender alike.
@@ -350,13 +413,15 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
                 r.times,
                 warm_ratio(r.times, none.times, setup),
             )
-            for k, r in ((k, statics[k]) for k in plans)
+            for k, r in ((k, statics[k]) for k in plans if k in race.racing)
         }
         # Storing every block is a static plan too.
         rounds = setup.warmup + setup.steps
         measured["no checkpointing"] = Static(1.0, max(none.peaks[-rounds:]), letters((S,) * n), none.times, 1.0)
         for ratio, o in ours.items():
-            rows.append(phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio), same.get(ratio)))
+            row = phase_row(o, ratio, seq, none.times, setup, measured, compiled.get(ratio), same.get(ratio))
+            row["static"].update(race.dropped)
+            rows.append(row)
     # What rematd decided, plan by plan, and why.
     decided = {
         f"{ratio:.0%}": [[p.version, letters(p.modes), p.reason] for p in o.runner.handle.history]  # type: ignore[union-attr]
@@ -379,6 +444,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30, help="rounds per phase before measuring (30)")
     parser.add_argument("--steps", type=int, default=10, help="measured rounds per phase (10)")
     parser.add_argument(
+        "--finalists", type=int, default=3, help="static plans per budget in the measured rounds (3; 0: all)"
+    )
+    parser.add_argument(
         "--budgets", default="0.45,0.7", help="budgets, as fractions of no checkpointing's peak at the longest length"
     )
     parser.add_argument(
@@ -386,16 +454,20 @@ def main() -> None:
     )
     malloc_argument(parser)
     args = parser.parse_args()
+    if args.warmup < 2:
+        parser.error(f"--warmup must be at least 2 (the warm-up picks the fastest static plan), got {args.warmup}")
     malloc_kept = freed_memory_kept(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
-        setup = Setup(n_layer=4, d_model=32, n_head=2, batch=2, lengths=(64, 40), warmup=12, steps=3)
+        setup = Setup(
+            n_layer=4, d_model=32, n_head=2, batch=2, lengths=(64, 40), warmup=12, steps=3, finalists=args.finalists
+        )
     else:
         lengths = tuple(int(x) for x in args.lengths.split(","))
         setup = Setup(
             n_layer=12, d_model=args.d_model, n_head=4, batch=args.batch, lengths=lengths, warmup=args.warmup,
-            steps=args.steps,
+            steps=args.steps, finalists=args.finalists,
         )  # fmt: skip
     load_before = os.getloadavg()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
