@@ -220,10 +220,14 @@ SETTLE = 8
 """Warm-up rounds after a length change left out of the warm-up ratios (allocator and caches settling)."""
 
 
+def warm_rounds(setup: Setup) -> int:
+    """The warm-up rounds the warm-up ratios are taken over: from round ``SETTLE`` of the phase on."""
+    return setup.warmup - min(SETTLE, setup.warmup - 1)
+
+
 def warm_ratio(times: list[float], base: list[float], setup: Setup) -> float:
     """The median of each warm-up round's step time over ``base``'s, from round ``SETTLE`` of the phase on."""
-    settle = min(SETTLE, setup.warmup - 1)
-    return median(per_round(times[: -setup.steps], base[: -setup.steps], setup.warmup - settle))
+    return median(per_round(times[: -setup.steps], base[: -setup.steps], warm_rounds(setup)))
 
 
 def twin_gap(statics: Measured, steps: int) -> float | None:
@@ -257,7 +261,7 @@ def phase_row(
     rounds = setup.warmup + steps
     mine = per_round(r.times, base, steps)
     fitting = {k: v for k, v in statics.items() if v.peak <= budget}
-    # The fastest in the measured rounds is the luckiest of a dozen noisy medians there: compared on the same
+    # The fastest in the measured rounds is the luckiest of several noisy medians there: compared on the same
     # rounds, it is biased fast. The one the warm-up rounds find fastest is compared on rounds it was not
     # picked by.
     best = min(fitting.items(), key=lambda kv: kv[1].ratio) if fitting else None
@@ -341,10 +345,8 @@ class Race:
 
 
 def warm_so_far(r: Runner, base: list[float], setup: Setup) -> float:
-    """At the end of a phase's warm-up rounds, :func:`warm_ratio` of ``r`` (pinned at the phase's start)."""
-    settle = min(SETTLE, setup.warmup - 1)
-    mine, theirs = r.times[settle : setup.warmup], base[-setup.warmup :][settle:]
-    return median([t / b for t, b in zip(mine, theirs, strict=True)])
+    """At the end of a phase's warm-up rounds, :func:`warm_ratio` of ``r`` (its last rounds are the warm-up's)."""
+    return median(per_round(r.times, base, warm_rounds(setup)))
 
 
 def finalists(warm: dict[str, float], peaks: dict[str, int], budgets: list[int], n: int) -> set[str]:
