@@ -64,6 +64,10 @@ def run_ranks(
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
+    failed = [
+        (rank, p.returncode, out) for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)) if p.returncode
+    ]
+    # A rank that crashes takes its peers down with "Connection closed by peer": show the one that crashed first.
+    failed.sort(key=lambda f: "Connection closed by peer" in f[2])
+    assert not failed, "\n\n".join(f"rank {rank} exited {code}:\n{out[-4000:]}" for rank, code, out in failed[:2])
     return [json.loads((tmp / f"{worker}-rank{r}.json").read_text()) for r in range(world)]

@@ -10,6 +10,7 @@ which blocks ran again in backward.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -74,6 +75,16 @@ def full(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def all_equal(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | None]]) -> bool:
+    """Whether each pair of (possibly sharded) tensors is bitwise equal in full. Every pair is gathered before
+    any is compared: a rank that stopped gathering at its first difference would issue fewer collectives than
+    its peers, and the job would fail on the mismatch instead of reporting it."""
+    gathered = [(full(a), full(b)) for a, b in pairs]
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)) for a, b in gathered
+    )
 
 
 def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from bench.collectives import counting
 from rematd import client
 from rematd.planner import Mode
-from tests.workers.fsdp_exact import VOCAB, build, full, schedule
+from tests.workers.fsdp_exact import VOCAB, all_equal, build, schedule
 from tests.workers.rank import finish, settings, start
 
 TP_PLAN = {
@@ -78,18 +78,12 @@ def main() -> None:
                 loss.backward()
             comms.append(dict(counts))
             losses.append(loss.detach())
-        grads_equal = all(
-            torch.equal(full(p.grad), full(q.grad))  # type: ignore[arg-type]
-            for p, q in zip(ref.parameters(), model.parameters(), strict=True)
-        )
+        grads_equal = all_equal((p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters(), strict=True))
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
-        params_equal = all(
-            torch.equal(full(p), full(q))  # type: ignore[arg-type]
-            for p, q in zip(ref.parameters(), model.parameters(), strict=True)
-        )
+        params_equal = all_equal((p, q) for p, q in zip(ref.parameters(), model.parameters(), strict=True))
         steps.append(
             {
                 "modes": [m.name for m in h.modes],

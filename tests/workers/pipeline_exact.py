@@ -27,7 +27,7 @@ from bench.pipeline_models import gpt2, hand_stage, llama, loss_fn, titan_stage
 from rematd import client
 from rematd.planner import Mode
 from tests.model_matrix import Rematerialised
-from tests.workers.fsdp_exact import full
+from tests.workers.fsdp_exact import all_equal
 from tests.workers.fsdp_tp import TP_PLAN
 from tests.workers.rank import run_cases
 
@@ -127,8 +127,8 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
             with counting() as counts:
                 losses.append(run_step(sched, sts, batch, 100 + step))
             comms.append(dict(counts))
-        grads_equal = all(
-            torch.equal(full(p.grad), full(q.grad))  # type: ignore[arg-type]
+        grads_equal = all_equal(
+            (p.grad, q.grad)
             for a, b in zip(ref_modules, modules, strict=True)
             for p, q in zip(a.parameters(), b.parameters(), strict=True)
         )
@@ -136,8 +136,8 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
         opt.step()
         ref_opt.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
-        params_equal = all(
-            torch.equal(full(p), full(q))  # type: ignore[arg-type]
+        params_equal = all_equal(
+            (p, q)
             for a, b in zip(ref_modules, modules, strict=True)
             for p, q in zip(a.parameters(), b.parameters(), strict=True)
         )
