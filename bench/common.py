@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -107,6 +108,25 @@ class Timed:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def median_interval(xs: list[float], level: float = 0.9) -> tuple[float, float] | None:
+    """A confidence interval of the median of ``xs`` at ``level``, from their order statistics alone (no
+    assumption on their distribution): the k-th smallest and k-th largest, for the largest k that the
+    binomial distribution of how many fall below the median covers at ``level``; None for too few values."""
+    n = len(xs)
+    tail = (1.0 - level) / 2
+    below, k = 0.0, 0
+    # P(fewer than k+1 of n values fall below the median) = sum of C(n, i) / 2^n for i <= k.
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n  # exact integers: no overflow however many values
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(xs)
+    return ordered[k - 1], ordered[n - k]
 
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:

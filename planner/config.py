@@ -55,9 +55,10 @@ class ControllerConfig:
     """Steps one trial of a plan runs it, each followed by a step of the plan in force (so that the
     machine's drift falls on both alike)."""
     plan_explore_share: float = 0.1
-    """Most of the steps spent running plans on trial: they stay within ``plan_trial_steps +
-    plan_explore_share x steps`` (0: never try a plan; the step-level prices still learn from the plans
-    that run)."""
+    """Most of a table entry's steps spent running plans on trial, over its first 64 steps; beyond, of the
+    square root of 64 times its steps, so that a long job's trials grow ever rarer (see
+    :func:`rematd.planner.plan_trials.allowance`; 0: never try a plan; the step-level prices still learn
+    from the plans that run)."""
 
     def __post_init__(self) -> None:
         self._check_margins()

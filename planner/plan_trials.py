@@ -11,15 +11,19 @@ surely faster (a look after each pair would take noise for a gain too often); th
 only where the fit, at the end, finds it faster, surely (``SURE`` standard deviations).
 
 What trials cost is bounded: at each table entry, steps running a plan on trial stay within
-``(FREE_TRIALS + 1) x plan_trial_steps + plan_explore_share x steps`` there (a new length has new
-prices to learn, then a share of its steps); a trial starts only from a settled plan, once the entry has
-run ``SETTLE_STEPS`` steps (its peaks measured, the noise of its steps known), and only with a plan whose
-predicted peak under the worst recent correction fits the target with the loosening slack. Trials end
-where nothing could be faster by ``MIN_GAIN`` of a step, or every candidate is known within ``TIGHT``.
+``allowance(steps) + plan_trial_steps`` (:func:`allowance`; a new length has new prices to learn, then a
+share of its first ``SHARE_HORIZON`` steps, then a share growing as the square root of its steps: each trial
+at an entry that has tried its plans' neighbours tells less than the last, and a long job should not pay a
+fixed share of every step for ever on steps too noisy to settle); a trial starts only from a settled plan,
+once the entry has run ``SETTLE_STEPS`` steps (its peaks measured, the noise of its steps known), and only
+with a plan whose predicted peak under the worst recent correction fits the target with the loosening slack.
+Trials end where nothing could be faster by ``MIN_GAIN`` of a step, or every candidate is known within
+``TIGHT``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rematd.planner.config import ControllerConfig
@@ -41,6 +45,20 @@ FREE_TRIALS = 2
 """Trials each table entry may run before its share of its steps counts: a new length has new prices."""
 SETTLE_STEPS = 16
 """Steps a table entry runs before its first plan trial: its peaks settle, the noise of its steps shows."""
+SHARE_HORIZON = 64
+"""Steps of a table entry over which trials may take ``plan_explore_share`` of them; beyond, the share's
+steps grow as the square root of the entry's steps."""
+
+
+def allowance(steps: int, config: ControllerConfig) -> float:
+    """Steps that plans on trial may have run at a table entry that has run ``steps``, before another trial
+    may start there: ``FREE_TRIALS x plan_trial_steps``, plus ``plan_explore_share`` of its steps up to
+    ``SHARE_HORIZON``, and of ``sqrt(SHARE_HORIZON x steps)`` beyond (0 with the share 0: no trial)."""
+    share = config.plan_explore_share
+    if share <= 0:
+        return 0.0
+    counted = steps if steps <= SHARE_HORIZON else math.sqrt(SHARE_HORIZON * steps)
+    return FREE_TRIALS * config.plan_trial_steps + share * counted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,12 +156,12 @@ class PlanTrials:
 
     def may_start(self, entry: int) -> bool:
         """Whether a new trial at the table entry up to length ``entry`` keeps the steps running plans on
-        trial there within ``(FREE_TRIALS + 1) x plan_trial_steps + plan_explore_share x steps`` there."""
+        trial there within ``allowance(steps) + plan_trial_steps`` of its steps there."""
         cfg = self.config
         if cfg.plan_explore_share <= 0 or self.trial is not None:
             return False
         steps, tried = self._per_entry.get(entry, (0, 0))
-        return steps >= SETTLE_STEPS and tried <= FREE_TRIALS * cfg.plan_trial_steps + cfg.plan_explore_share * steps
+        return steps >= SETTLE_STEPS and tried <= allowance(steps, cfg)
 
     def start(self, trial: PlanTrial) -> None:
         self.trial, self._tried, self._last_tried = trial, 0, False

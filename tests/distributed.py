@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def run_ranks(
     failed = [
         (rank, p.returncode, out) for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)) if p.returncode
     ]
-    # A rank that crashes takes its peers down with "Connection closed by peer": show the one that crashed first.
-    failed.sort(key=lambda f: "Connection closed by peer" in f[2])
+    # A crashed rank takes its peers down ("Connection closed/reset by peer"): show it first.
+    failed.sort(key=lambda f: re.search(r"Connection (closed|reset) by peer", f[2]) is not None)
     assert not failed, "\n\n".join(f"rank {rank} exited {code}:\n{out[-4000:]}" for rank, code, out in failed[:2])
     return [json.loads((tmp / f"{worker}-rank{r}.json").read_text()) for r in range(world)]

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rematd import client
 from rematd.planner import ControllerConfig
-from rematd.planner.plan_trials import FREE_TRIALS
+from rematd.planner.plan_trials import allowance
 from rematd.planner.reasons import letters
 
 from .dashboard_helpers import CHROMIUM, rank_prices
@@ -69,7 +69,7 @@ def test_a_trial_runs_on_real_steps_within_the_budget_and_is_reported(tmp_path: 
     # Each trial of a mode runs explore_steps (2) steps; the counter saw them, and no more than their share
     # allows, with what trials of plans may have run besides (their own bound, at the one table entry).
     config = ControllerConfig()
-    plan_trials = (FREE_TRIALS + 1) * config.plan_trial_steps + config.plan_explore_share * STEPS
+    plan_trials = allowance(STEPS, config) + config.plan_trial_steps
     assert 2 <= counted["explore"] <= 2 + 0.05 * STEPS + 2 + plan_trials, counted
     # How sure each price is: selective was timed by the trial, recomputing by every step.
     by_mode = {p["mode"]: p for p in prices}

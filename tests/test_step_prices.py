@@ -36,7 +36,14 @@ from rematd.planner.controller import LOOSEN_SLACK
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.model import Option
 from rematd.planner.plan import ShapePlan
-from rematd.planner.plan_trials import FREE_TRIALS
+from rematd.planner.plan_trials import (
+    FREE_TRIALS,
+    SETTLE_STEPS,
+    SHARE_HORIZON,
+    PlanTrial,
+    PlanTrials,
+    allowance,
+)
 from rematd.planner.solvers import solve
 from rematd.planner.stepfit import MIN_PAIRS, Prior, StepFit, StepPrices, counts
 from rematd.planner.units import MODE_LETTERS
@@ -175,7 +182,7 @@ def test_the_planner_converges_to_the_oracles_best_plan_at_each_length(seed: int
     assert max(job.peaks) <= BUDGET, "no step, trials included, crossed the budget"
     trials = job.session.controller.plan_trials
     cfg = job.session.controller.config
-    bound = len(phases) * (FREE_TRIALS + 1) * cfg.plan_trial_steps + cfg.plan_explore_share * job.step
+    bound = sum(allowance(steps, cfg) + cfg.plan_trial_steps for _seq, steps in phases)
     assert 0 < trials.trial_steps <= bound
     assert any("step times overrule the per-block prices" in r or "kept: measured" in r for r in job.reasons)
 
@@ -443,7 +450,8 @@ def test_the_plan_trial_bound_holds_when_plans_keep_looking_worth_a_trial() -> N
         job.run(60, (STORING_SLOW, PLACED)[k % 2])
     trials = job.session.controller.plan_trials
     assert trials.trials >= 4
-    assert trials.trial_steps <= 2 * (FREE_TRIALS + 1) * cfg.plan_trial_steps + cfg.plan_explore_share * job.step
+    # Two table entries, 180 steps each.
+    assert trials.trial_steps <= 2 * (allowance(180, cfg) + cfg.plan_trial_steps)
     assert max(job.peaks) <= BUDGET
 
 
@@ -491,3 +499,34 @@ def test_looks_that_find_no_plan_worth_a_trial_come_ever_more_rarely() -> None:
     assert len(empty) >= 3 and gaps[:3] == [16, 32, 64], looked
     assert all(g == 64 for g in gaps[3:]), looked
     assert len(looked) <= 8, f"{len(looked)} looks in 300 steps: {looked}"
+
+
+def test_trials_take_a_share_of_an_entrys_first_steps_then_ever_less() -> None:
+    # Trials start whenever they may, at one table entry, and each runs its steps in turn with the plan in
+    # force: the steps they take stay within the allowance at every step, which is the share of the first
+    # steps and grows as the square root of the entry's steps after.
+    cfg = ControllerConfig(plan_explore_share=0.1)
+    home = ShapePlan(
+        max_seq_len=64, max_tokens=128, modes=(S,) * N, predicted_peak_bytes=0, predicted_overhead_ratio=0.0
+    )
+    tried = dataclasses.replace(home, modes=(R,) + (S,) * (N - 1))
+    trials = PlanTrials(cfg)
+    taken: list[int] = []
+    for step in range(4000):
+        trial = trials.trial
+        ran = (trial.modes if trials.turn is trial.tried else home.modes) if trial is not None else home.modes
+        trials.note(64, ran)
+        if trials.ran_out:
+            trials.stop()
+        if trials.trial is None and trials.may_start(64):
+            trials.start(PlanTrial(home=home, tried=tried, started=trials.steps, saving=0.01, sd=0.01))
+        taken.append(trials.trial_steps)
+        assert trials.trial_steps <= allowance(step + 1, cfg) + cfg.plan_trial_steps
+    assert taken[SETTLE_STEPS - 1] == 0, "no trial before the entry settles"
+    # Up to the horizon, the share of the steps is there to take: it is taken.
+    assert taken[SHARE_HORIZON - 1] >= allowance(SHARE_HORIZON, cfg) - cfg.plan_trial_steps
+    # Beyond, ever less of each step: at 4000 steps a tenth would be 400; the square root's share is 51.
+    assert allowance(4000, cfg) == pytest.approx(FREE_TRIALS * cfg.plan_trial_steps + 0.1 * math.sqrt(64 * 4000))
+    assert 40 <= taken[-1] <= allowance(4000, cfg) + cfg.plan_trial_steps < 0.02 * 4000
+    assert taken[-1] - taken[1999] < taken[1999] - taken[SHARE_HORIZON]
+    assert allowance(4000, ControllerConfig(plan_explore_share=0.0)) == 0.0
