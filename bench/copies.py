@@ -32,11 +32,10 @@ from bench.common import (
     median,
     median_interval,
     table,
-    timed_step,
     tokens,
     write_json,
 )
-from bench.phases import Setup, attach, families, interval_text, per_round, pin_statics, spread_of
+from bench.phases import Setup, attach, baseline, families, interval_text, per_round, pin_statics, spread_of
 from rematd.planner import Mode, Shape, letters
 
 S, R = Mode.STORE, Mode.RECOMPUTE
@@ -51,11 +50,7 @@ def parse_plan(text: str, n: int) -> tuple[Mode, ...]:
 
 def run(setup: Setup, budgets: list[float], plans: list[tuple[Mode, ...]], copies: int) -> dict[str, Any]:
     n, seq = setup.n_layer, setup.lengths[0]
-    none = attach(setup, 2**50)
-    none.handle.pin_modes((S,) * n)  # type: ignore[union-attr]
-    timed_step(none.model, none.opt, tokens(setup.batch, seq, 0), none.handle.step)  # type: ignore[union-attr]
-    none_peak = none.handle.last_stats.saved_peak_bytes  # type: ignore[union-attr]
-    profile = none.handle._backend._hello.profile()  # type: ignore[union-attr]
+    none, none_peak, profile = baseline(setup, seq)
     ours = {f"rematd {b:.0%}": attach(setup, int(none_peak * b)) for b in budgets}
     shape = Shape(batch=setup.batch, seq_len=seq, tokens=setup.batch * seq)
     named: dict[str, tuple[Mode, ...]] = {}

@@ -377,13 +377,19 @@ def finalists(warm: dict[str, float], peaks: dict[str, int], budgets: list[int],
     return keep
 
 
-def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[str, Any]:
-    n, longest = setup.n_layer, max(setup.lengths)
+def baseline(setup: Setup, seq: int) -> tuple[Runner, int, Profile]:
+    """No checkpointing, pinned to store every block and stepped once at length ``seq``: the runner, the bytes
+    it saved for backward (what budgets are fractions of), and the profile its handle measured."""
     none = attach(setup, 2**50)
-    none.handle.pin_modes((S,) * n)  # type: ignore[union-attr]
-    timed_step(none.model, none.opt, tokens(setup.batch, longest, 0), none.handle.step)  # type: ignore[union-attr]
+    none.handle.pin_modes((S,) * setup.n_layer)  # type: ignore[union-attr]
+    timed_step(none.model, none.opt, tokens(setup.batch, seq, 0), none.handle.step)  # type: ignore[union-attr]
     none_peak = none.handle.last_stats.saved_peak_bytes  # type: ignore[union-attr]
-    profile = none.handle._backend._hello.profile()  # type: ignore[union-attr]
+    return none, none_peak, none.handle._backend._hello.profile()  # type: ignore[union-attr]
+
+
+def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[str, Any]:
+    n = setup.n_layer
+    none, none_peak, profile = baseline(setup, max(setup.lengths))
     ours = {ratio: Ours(attach(setup, int(none_peak * ratio)), int(none_peak * ratio)) for ratio in ratios}
     compiled = {ratio: CompiledRunner(setup, ratio) for ratio in ratios} if with_compile else {}
     statics: dict[str, Runner] = {}
