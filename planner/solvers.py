@@ -12,8 +12,8 @@ The peak itself follows the order of backward (:func:`rematd.planner.cost.peak_o
 a block rematerialises after the blocks behind it have released what they kept,
 so the bound overstates it by up to one rematerialisation. The solve therefore
 widens the knapsack's budget by as much of that as the real peak leaves
-(bisected), and within each class of identical blocks puts the modes that bring
-most back first, where fewer kept bytes are held, when the even spread does not fit.
+(bisected). Within each class of identical blocks the modes that bring most back
+go first, where fewer kept bytes are held (:mod:`rematd.planner.spread`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from rematd.planner.cost import choose, peak_of
 from rematd.planner.knapsack import Knapsack
 from rematd.planner.model import Option, Profile
 from rematd.planner.ordered import TooManyStates, exact_ordered
-from rematd.planner.spread import spread
 from rematd.planner.units import Mode, Shape
 
 # Up to this many blocks the exact frontier programme is cheap.
@@ -153,9 +152,8 @@ def _ordered(
         else:
             if modes is None:
                 return None
-            # Evenly spread when that fits too (the same seconds: the blocks are alike).
-            spread_out = _finish(pooled, _respread(pooled, modes), target, static, outside)
-            return spread_out if spread_out.fits else _finish(pooled, modes, target, static, outside)
+            # Placed front-loaded (the same seconds: the blocks are alike; a peak no higher).
+            return _finish(pooled, front_loaded(pooled, modes), target, static, outside)
     best = None
     found = _solve_fitting(knapsack, options, target, static, exact)
     if found is not None:
@@ -226,27 +224,6 @@ def pool_seconds(options: list[list[Option]]) -> list[list[Option]]:
         pooled = [o.repriced(sum(options[i][j].seconds for i in idx) / len(idx)) for j, o in enumerate(first)]
         for i in idx:
             out[i] = pooled
-    return out
-
-
-def _respread(options: list[list[Option]], modes: list[Mode]) -> list[Mode]:
-    """The same count of each mode within each class of identical blocks, placed evenly
-    (as "every k-th" where a k gives that count) rather than wherever the search put them."""
-    out = list(modes)
-    for idx in _byte_classes(options):
-        if len(idx) < 2:
-            continue
-        counts: dict[Mode, int] = {}
-        for i in idx:
-            counts[modes[i]] = counts.get(modes[i], 0) + 1
-        remaining = list(idx)
-        # Modes that keep least go first: recompute before selective before store.
-        for mode in sorted(counts, key=lambda m: min(o.kept for o in options[idx[0]] if o.mode == m)):
-            picked = spread(remaining, counts[mode]) if mode != Mode.STORE else list(remaining)
-            for i in picked:
-                out[i] = mode
-            taken = set(picked)
-            remaining = [i for i in remaining if i not in taken]
     return out
 
 
@@ -333,11 +310,11 @@ def _solve_fitting(
     budget = target - static_bytes
     if exact:
         # Blocks alike in bytes are alike in time too, but for the noise of measuring them: with their
-        # seconds pooled, which of them recompute is a free choice, made evenly spread.
+        # seconds pooled, which of them recompute is a free choice, made front-loaded.
         pooled = pool_seconds(options)
         modes = _exact_over_caps(knapsack, pooled, budget)
         if modes is not None:
-            return _finish(pooled, _respread(pooled, modes), target, static_bytes)
+            return _finish(pooled, front_loaded(pooled, modes), target, static_bytes)
     else:
         found = knapsack.solve(budget)
         if found is not None:

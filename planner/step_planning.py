@@ -60,9 +60,9 @@ class StepPlanning(TablePricing):
         self._looked: dict[int, tuple[int, tuple[Mode, ...], int]] = {}
         """Per table entry, the step it was last looked at for a plan trial, the plan in force there then, and
         how many looks in a row found nothing worth a trial with that plan in force."""
-        self._ran: dict[int, set[tuple[int, ...]]] = {}
+        self._ran: dict[int, dict[tuple[int, ...], tuple[Mode, ...]]] = {}
         """Per length bucket, the plans (as the fit sees them: modes per position group) whose steps were
-        timed there since this planner started."""
+        timed there since this planner started, each with the last plan of them that ran."""
 
     @property
     def plan_trials(self) -> PlanTrials:
@@ -79,9 +79,10 @@ class StepPlanning(TablePricing):
             return
         top = self.bucket_of(seq)
         self._learned.steps.observe(top, obs.step, obs.step_seconds / self._from_top(seq), modes, self._prior(top))
-        ran = self._ran.setdefault(top, set())
-        if len(ran) < MAX_RAN:
-            ran.add(self._learned.steps.features(modes))
+        ran = self._ran.setdefault(top, {})
+        features = self._learned.steps.features(modes)
+        if features in ran or len(ran) < MAX_RAN:
+            ran[features] = modes
         while len(self._ran) > MAX_BUCKETS:
             del self._ran[next(iter(self._ran))]
 
@@ -111,9 +112,35 @@ class StepPlanning(TablePricing):
         if not self._some_run_surely_faster(per_block.modes, seq):
             return per_block
         fitted = self._solve_at(shape, target, static)
-        if not self._surely_faster(per_block.modes, fitted.modes, seq) or not self._has_run(fitted.modes, seq):
+        if not self._has_run(fitted.modes, seq):
+            # Never run here (a new target: a loosening, a cut): of the plans that did, the fastest that
+            # fits, rather than forget what the steps showed until a trial runs the fitted one.
+            return self._fastest_ran(shape, target, static, per_block)
+        if not self._surely_faster(per_block.modes, fitted.modes, seq):
             return per_block
         return self._front_loaded(fitted, shape)
+
+    def _fastest_ran(self, shape: Shape, target: int, static: int, per_block: Choice) -> Choice:
+        """Of the plans that ran at ``shape``'s bucket and fit ``target`` there (under the ceiling the
+        peaks learned), the one the steps show fastest, where surely faster than ``per_block``; else it."""
+        seq = shape.seq_len
+        at = self._at(shape)
+        ceiling = self._learned.ceiling(seq)
+        best: tuple[float, tuple[Mode, ...]] | None = None
+        for modes in self._ran.get(self.bucket_of(seq), {}).values():
+            kept = at.cost(modes)[0]
+            if (ceiling is not None and kept >= ceiling) or not self._fits(modes, shape, target, static):
+                continue
+            saving, sd = self._contrast(per_block.modes, modes, seq)
+            if saving > SURE * sd and (best is None or saving > best[0]):
+                best = (saving, modes)
+        if best is None:
+            return per_block
+        kept, extra = at.cost(best[1])
+        found = Choice(
+            modes=best[1], predicted_peak_bytes=static + at.other_bytes + kept, extra_seconds=extra, fits=True
+        )
+        return self._front_loaded(found, shape)
 
     def _some_run_surely_faster(self, modes: tuple[Mode, ...], seq: int) -> bool:
         """Whether the steps show some plan that ran at ``seq``'s bucket faster than ``modes`` by ``SURE``
@@ -123,7 +150,7 @@ class StepPlanning(TablePricing):
             return False
         post, _ratio = found
         mine = self._learned.steps.features(modes)
-        for other in self._ran.get(self.bucket_of(seq), ()):
+        for other in self._ran.get(self.bucket_of(seq), {}):
             if other != mine:
                 saving, sd = post.contrast([a - b for a, b in zip(mine, other, strict=True)])
                 if saving > SURE * sd:

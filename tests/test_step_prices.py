@@ -2,10 +2,13 @@
 it where the per-block timings miss it, with a synthetic step-time oracle and a fake clock.
 
 The oracle's truth differs from what the per-block timings show: at one length storing a block costs
-the step more than recomputing it (stored activations come back from memory), at another what storing
-costs depends on the block's position (the first blocks' activations wait longest), so placement
-matters. Each step's time is the truth times a slow drift and per-step noise; the blocks' own timings
-see only the recomputation. Nothing here sleeps or reads a clock.
+the step more than recomputing it (stored activations come back from memory); at another what storing
+costs depends on the block's position (the first blocks' activations wait longest), which the solver's
+front-loaded placement already suits; at a third, recomputing the last blocks costs less than the
+first (their backward runs first, where communication would hide it), so the placement the per-block
+prices choose is the wrong one and only the steps can tell. Each step's time is the truth times a slow
+drift and per-step noise; the blocks' own timings see only the recomputation. Nothing here sleeps or
+reads a clock.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ S, R = Mode.STORE, Mode.RECOMPUTE
 N = 8
 FORWARD = 0.01
 REF = Shape(batch=2, seq_len=64, tokens=128)
-PLACED, STORING_SLOW = 64, 128
-"""The length where placement matters, and the one where storing costs more than recomputing."""
+PLACED, HIDDEN, STORING_SLOW = 64, 90, 128
+"""The length where storing the first blocks costs most, the one where recomputing the last ones costs
+least, and the one where storing costs more than recomputing."""
 BUDGET = 6000
 STEPS_TO_CONVERGE = 150
 """Steps of a new length within which the plan in force is the oracle's best, and stays it."""
@@ -69,15 +73,29 @@ def profile() -> Profile:
 
 def store_cost(block: int, seq: int) -> float:
     """What storing a block truly costs the step: 1.5 forwards everywhere where storing is slow; where
-    placement matters, up to 0.6 of a forward, the more the earlier the block."""
+    the first blocks' activations wait longest, up to 0.6 of a forward, the more the earlier the block;
+    elsewhere nothing, as the per-block prices say."""
     if seq == STORING_SLOW:
         return 1.5 * FORWARD
-    return 0.6 * FORWARD * (N - 1 - block) / (N - 1)
+    if seq == PLACED:
+        return 0.6 * FORWARD * (N - 1 - block) / (N - 1)
+    return 0.0
 
 
-def true_seconds(modes: tuple[Mode, ...], seq: int, storing: Callable[[int, int], float] = store_cost) -> float:
+def recompute_cost(block: int, seq: int) -> float:
+    """What recomputing a block truly costs the step: one forward, but where it is partly hidden, 0.4 of
+    one on the last half of the blocks."""
+    return 0.4 * FORWARD if seq == HIDDEN and block >= N // 2 else FORWARD
+
+
+def true_seconds(
+    modes: tuple[Mode, ...],
+    seq: int,
+    storing: Callable[[int, int], float] = store_cost,
+    recomputing: Callable[[int, int], float] = recompute_cost,
+) -> float:
     """The oracle: a step of three forwards per block, plus what each block's mode truly costs."""
-    return 3 * N * FORWARD + sum(FORWARD if m == R else storing(i, seq) for i, m in enumerate(modes))
+    return 3 * N * FORWARD + sum(recomputing(i, seq) if m == R else storing(i, seq) for i, m in enumerate(modes))
 
 
 def predicted(modes: tuple[Mode, ...], seq: int) -> int:
@@ -85,9 +103,15 @@ def predicted(modes: tuple[Mode, ...], seq: int) -> int:
 
 
 def oracle_best(seq: int, limit: int) -> tuple[Mode, ...]:
-    """The truly fastest plan whose peak is within ``limit``: every plan of store and recompute tried."""
+    """The truly fastest plan whose peak is within ``limit``: every plan of store and recompute tried
+    (the first in ``itertools.product`` order of those as fast)."""
     plans = [p for p in itertools.product((S, R), repeat=N) if predicted(p, seq) <= limit]
     return min(plans, key=lambda p: true_seconds(p, seq))
+
+
+def as_fast(modes: tuple[Mode, ...], best: tuple[Mode, ...], seq: int) -> bool:
+    """Whether ``modes`` is truly as fast as ``best`` (plans that place blocks alike are)."""
+    return math.isclose(true_seconds(modes, seq), true_seconds(best, seq), rel_tol=1e-12)
 
 
 @dataclass
@@ -102,6 +126,8 @@ class Job:
     seed: int = 0
     storing: Callable[[int, int], float] = store_cost
     """What storing block ``i`` truly costs a step of length ``seq``."""
+    recomputing: Callable[[int, int], float] = recompute_cost
+    """What recomputing it does."""
     budget: int = BUDGET
     step: int = 0
     peaks: list[int] = field(default_factory=list)
@@ -117,7 +143,9 @@ class Job:
             shape = Shape(batch=2, seq_len=seq, tokens=2 * seq)
             modes = self.session.plan.modes_for(shape, N)
             peak = predicted(modes, seq)
-            seconds = true_seconds(modes, seq, self.storing) * (1 + self.drift * math.sin(self.step / 30))
+            seconds = true_seconds(modes, seq, self.storing, self.recomputing) * (
+                1 + self.drift * math.sin(self.step / 30)
+            )
             seconds *= 1 + rng.gauss(0.0, self.noise)
             rec = modes.count(R)
             plan = self.session.observe(
@@ -166,19 +194,26 @@ def loosening_limit(budget: int = BUDGET) -> int:
 def test_the_planner_converges_to_the_oracles_best_plan_at_each_length(seed: int) -> None:
     job = new_job(seed)
     limit = loosening_limit()
-    per_block = job.session.plan.modes_for(Shape(batch=2, seq_len=STORING_SLOW, tokens=2 * STORING_SLOW), N)
-    phases = [(STORING_SLOW, 150), (PLACED, 200)]
+    per_block = {
+        seq: job.session.plan.modes_for(Shape(batch=2, seq_len=seq, tokens=2 * seq), N)
+        for seq in (STORING_SLOW, HIDDEN)
+    }
+    phases = [(STORING_SLOW, 150), (PLACED, 100), (HIDDEN, 200)]
     for seq, steps in phases:
         start = job.step
         job.run(steps, seq)
         best = oracle_best(seq, limit)
         modes, since = job.in_force_since(seq)
-        assert modes == best, f"at {seq}: {letters(modes)}, the oracle's best is {letters(best)}"
+        assert as_fast(modes, best, seq), f"at {seq}: {letters(modes)}, the oracle's best is {letters(best)}"
         assert since - start <= STEPS_TO_CONVERGE, f"at {seq} converged only at step {since - start} of the length"
     # Where storing is slow the best plan recomputes every block, which the per-block prices never choose.
-    assert oracle_best(STORING_SLOW, limit) == (R,) * N != per_block
-    # Where placement matters it recomputes the first blocks, where the per-block prices spread them.
+    assert oracle_best(STORING_SLOW, limit) == (R,) * N != per_block[STORING_SLOW]
+    # Where storing the first blocks costs most the best plan recomputes them: the solver's own placement.
     assert oracle_best(PLACED, limit) == (R, R, R, S, S, S, S, S)
+    # Where recomputing is cheaper on the last blocks the best plan recomputes only those, where the
+    # per-block prices recompute the first.
+    assert as_fast((S, S, S, S, R, R, R, S), oracle_best(HIDDEN, limit), HIDDEN)
+    assert per_block[HIDDEN] == (R, R, R, S, S, S, S, S)
     assert max(job.peaks) <= BUDGET, "no step, trials included, crossed the budget"
     trials = job.session.controller.plan_trials
     cfg = job.session.controller.config
@@ -187,26 +222,48 @@ def test_the_planner_converges_to_the_oracles_best_plan_at_each_length(seed: int
     assert any("step times overrule the per-block prices" in r or "kept: measured" in r for r in job.reasons)
 
 
-def test_a_small_placement_gain_is_found_by_trying_the_front_loaded_plan() -> None:
-    # Two blocks of eight fit recomputed: the per-block prices spread them (R...R...), one per position
-    # group. Recomputing the first two instead saves under 1% of a step, which the fit cannot tell from
-    # any other pair in the first group: the front-loaded plan must be the one tried, and kept.
+def test_the_solver_places_recomputation_where_storing_costs_most_without_a_trial() -> None:
+    # Storing the first blocks costs the step most: the plan the per-block prices choose already
+    # recomputes those. Trials may try others, but every step that is not a trial's runs it.
+    best = oracle_best(PLACED, loosening_limit())
+    for seed in range(4):
+        job = new_job(seed=seed)
+        job.run(120, PLACED)
+        ran = [modes for _step, _seq, modes in job.history]
+        assert ran[0] == best, letters(ran[0])
+        assert not any(" kept: measured" in r or "step times overrule" in r for r in job.reasons), job.reasons
+        trials = job.session.controller.plan_trials
+        assert sum(m != best for m in ran) == trials.trial_steps
+
+
+def test_a_small_placement_gain_is_found_by_trying_plans_placed_otherwise() -> None:
+    # Two blocks of eight fit recomputed: the per-block prices put them first (RR......). Recomputing two
+    # of the last four instead saves under 1% of a step, about the noise of one: the fit must find the
+    # last blocks' recomputation cheaper, try a plan placed there, and keep it.
     budget, limit = 7000, loosening_limit(7000)
-    best = oracle_best(PLACED, limit)
-    spread_out = (R, S, S, S, R, S, S, S)
-    assert best == (R, R, S, S, S, S, S, S)
-    gain = 1 - true_seconds(best, PLACED) / true_seconds(spread_out, PLACED)
+
+    def slightly_hidden(block: int, seq: int) -> float:
+        return 0.88 * FORWARD if block >= N // 2 else FORWARD
+
+    def seconds(modes: tuple[Mode, ...]) -> float:
+        return true_seconds(modes, HIDDEN, recomputing=slightly_hidden)
+
+    plans = [p for p in itertools.product((S, R), repeat=N) if predicted(p, HIDDEN) <= limit]
+    fastest = min(seconds(p) for p in plans)
+    first = (R, R, S, S, S, S, S, S)
+    gain = 1 - fastest / seconds(first)
     assert 0.005 < gain < 0.01
     found = []
     for seed in range(8):
         job = new_job(seed, budget=budget)
-        assert job.session.plan.modes_for(Shape(batch=2, seq_len=PLACED, tokens=2 * PLACED), N) == spread_out
-        job.run(200, PLACED)
-        modes, since = job.in_force_since(PLACED)
+        job.recomputing = slightly_hidden
+        assert job.session.plan.modes_for(Shape(batch=2, seq_len=HIDDEN, tokens=2 * HIDDEN), N) == first
+        job.run(200, HIDDEN)
+        modes, since = job.in_force_since(HIDDEN)
         # Never a plan the oracle finds slower than the per-block prices' own, and none over the budget.
-        assert true_seconds(modes, PLACED) <= true_seconds(spread_out, PLACED), letters(modes)
+        assert seconds(modes) <= seconds(first), letters(modes)
         assert max(job.peaks) <= budget
-        found.append(modes == best and since <= STEPS_TO_CONVERGE)
+        found.append(math.isclose(seconds(modes), fastest) and since <= STEPS_TO_CONVERGE)
     # The gain is about the noise of a step (1%): of eight jobs, most find it within the steps allowed.
     assert sum(found) >= 6, found
 
@@ -420,7 +477,10 @@ def test_the_steps_put_in_force_only_a_plan_whose_own_steps_ran_at_that_length()
     for seed in range(4):
         job = new_job(seed, noise=0.02)
         job.run(150, STORING_SLOW)
-        job.run(200, PLACED)
+        job.run(200, HIDDEN)
+        # More room: the loosening re-plans every entry, where the step times may overrule the prices.
+        job.budget = 6400
+        job.run(60, HIDDEN)
         overruled += _check_overruled(job, by_letter)
     assert overruled
 
