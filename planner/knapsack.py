@@ -137,7 +137,7 @@ class Knapsack:
                 hulls: tuple[tuple[_Opt, ...], ...] = (tuple(hull(merged)),)
             else:
                 hulls = tuple(tuple(hull([o for o in merged if o[2] <= t])) for t in thresholds)
-            classes.append(_Class(tuple(idx), thresholds, hulls))
+            classes.append(_Class(_by_stage(idx, options), thresholds, hulls))
         self._classes = classes
         self._hulls: dict[int, list[tuple[_Opt, ...]]] = {}
         self.alike = tuple(c.blocks for c in classes if len(c.blocks) > 1)
@@ -402,3 +402,16 @@ class Knapsack:
                 kept += cnt[v] * h[v][0]
                 transient = max(transient, h[v][2])
         return Solution(modes=tuple(modes), seconds=secs, kept=kept, transient=transient)
+
+
+def _by_stage(idx: list[int], options: Sequence[Sequence[Option]]) -> tuple[int, ...]:
+    """A class's blocks in the order modes are placed on them (:func:`rematd.planner.spread.place`): the
+    first block of each pipeline stage, then the second of each, and so on; in block order on one stage.
+    Modes placed first then go to the start of every stage alike, where the fewest kept bytes are held."""
+    seen: dict[int, int] = {}
+    ranked = []
+    for i in idx:
+        stage = options[i][0].stage
+        ranked.append((seen.get(stage, 0), stage, i))
+        seen[stage] = seen.get(stage, 0) + 1
+    return tuple(i for _rank, _stage, i in sorted(ranked))

@@ -169,7 +169,7 @@ class Option:
     """The pipeline stage of the rank the block runs in (:attr:`BlockCost.stage`)."""
     group: int = 0
     """The block's position group where step-level prices tell groups apart (0 elsewhere): the solvers
-    pool seconds and spread modes only among blocks alike in bytes and in group."""
+    pool seconds and place modes only among blocks alike in bytes and in group."""
 
     def repriced(self, seconds: float, group: int | None = None) -> Option:
         """This option at ``seconds`` (and in ``group``, where given). The constructor, not

@@ -110,7 +110,9 @@ def front_loaded(
     out = list(modes)
     for idx in _byte_classes(options) if alike is None else alike:
         by_mode = {o.mode: o for o in options[idx[0]]}
-        ordered = sorted((modes[i] for i in idx), key=lambda m: (m == Mode.STORE, -by_mode[m].transient, m))
+        ordered = sorted(
+            (modes[i] for i in idx), key=lambda m: (m == Mode.STORE, -by_mode[m].transient, by_mode[m].kept, m)
+        )
         for i, mode in zip(idx, ordered, strict=True):
             out[i] = mode
     return out
@@ -152,8 +154,9 @@ def _ordered(
         else:
             if modes is None:
                 return None
-            # Placed front-loaded (the same seconds: the blocks are alike; a peak no higher).
-            return _finish(pooled, front_loaded(pooled, modes), target, static, outside)
+            # Placed front-loaded where that fits too (the same seconds: the blocks are alike).
+            loaded = _finish(pooled, front_loaded(pooled, modes), target, static, outside)
+            return loaded if loaded.fits else _finish(pooled, modes, target, static, outside)
     best = None
     found = _solve_fitting(knapsack, options, target, static, exact)
     if found is not None:
@@ -206,10 +209,11 @@ def _exact(options: list[list[Option]], cap: int, budget: int) -> tuple[float, l
 
 def _byte_classes(options: list[list[Option]]) -> list[list[int]]:
     """Blocks whose options are alike in everything but seconds (and in position group, where step-level
-    prices tell groups apart)."""
-    groups: dict[tuple[tuple[int, int, int, int, int], ...], list[int]] = {}
+    prices tell groups apart; and in pipeline stage, whose peaks are apart)."""
+    groups: dict[tuple[tuple[int, int, int, int, int, int], ...], list[int]] = {}
     for i, opts in enumerate(options):
-        groups.setdefault(tuple((int(o.mode), o.kept, o.transient, o.others, o.group) for o in opts), []).append(i)
+        key = tuple((int(o.mode), o.kept, o.transient, o.others, o.group, o.stage) for o in opts)
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 
@@ -314,7 +318,8 @@ def _solve_fitting(
         pooled = pool_seconds(options)
         modes = _exact_over_caps(knapsack, pooled, budget)
         if modes is not None:
-            return _finish(pooled, front_loaded(pooled, modes), target, static_bytes)
+            loaded = _finish(pooled, front_loaded(pooled, modes), target, static_bytes)
+            return loaded if loaded.fits else _finish(pooled, modes, target, static_bytes)
     else:
         found = knapsack.solve(budget)
         if found is not None:

@@ -100,7 +100,9 @@ class StepPlanning(TablePricing):
     def _choose(self, shape: Shape, target: int, static: int) -> Choice:
         """The plan an entry at ``shape`` should run for ``target``: the cheapest by the step-level prices
         where the steps show it faster than the per-block prices' choice by ``SURE`` standard deviations
-        of their difference, else the per-block prices' choice (noise never moves a plan)."""
+        of their difference and its own steps ran here; else the fastest plan whose steps ran here and
+        that fits, where they show it so (:meth:`_fastest_ran`); else the per-block prices' choice (noise
+        never moves a plan)."""
         seq = shape.seq_len
         if not self._offsets(seq):
             return self._solve_at(shape, target, static)
@@ -112,13 +114,11 @@ class StepPlanning(TablePricing):
         if not self._some_run_surely_faster(per_block.modes, seq):
             return per_block
         fitted = self._solve_at(shape, target, static)
-        if not self._has_run(fitted.modes, seq):
-            # Never run here (a new target: a loosening, a cut): of the plans that did, the fastest that
-            # fits, rather than forget what the steps showed until a trial runs the fitted one.
-            return self._fastest_ran(shape, target, static, per_block)
-        if not self._surely_faster(per_block.modes, fitted.modes, seq):
-            return per_block
-        return self._front_loaded(fitted, shape)
+        if self._has_run(fitted.modes, seq) and self._surely_faster(per_block.modes, fitted.modes, seq):
+            return self._front_loaded(fitted, shape)
+        # The fitted plan never ran here (a new target: a loosening, a cut), or is not surely faster: the
+        # fastest of the plans that did run, rather than forget what the steps showed of them.
+        return self._fastest_ran(shape, target, static, per_block)
 
     def _fastest_ran(self, shape: Shape, target: int, static: int, per_block: Choice) -> Choice:
         """Of the plans that ran at ``shape``'s bucket and fit ``target`` there (under the ceiling the
@@ -128,12 +128,13 @@ class StepPlanning(TablePricing):
         ceiling = self._learned.ceiling(seq)
         best: tuple[float, tuple[Mode, ...]] | None = None
         for modes in self._ran.get(self.bucket_of(seq), {}).values():
-            kept = at.cost(modes)[0]
-            if (ceiling is not None and kept >= ceiling) or not self._fits(modes, shape, target, static):
-                continue
+            # The contrast first: the cheapest test, and most plans that ran fail it.
             saving, sd = self._contrast(per_block.modes, modes, seq)
-            if saving > SURE * sd and (best is None or saving > best[0]):
-                best = (saving, modes)
+            if saving <= SURE * sd or (best is not None and saving <= best[0]):
+                continue
+            if (ceiling is not None and at.cost(modes)[0] >= ceiling) or not self._fits(modes, shape, target, static):
+                continue
+            best = (saving, modes)
         if best is None:
             return per_block
         kept, extra = at.cost(best[1])

@@ -481,6 +481,14 @@ def test_the_steps_put_in_force_only_a_plan_whose_own_steps_ran_at_that_length()
         # More room: the loosening re-plans every entry, where the step times may overrule the prices.
         job.budget = 6400
         job.run(60, HIDDEN)
+        assert max(job.peaks[-60:]) <= job.budget
+        # Then a cut under the plan in force: a plan the steps chose must fit it too. The step that meets
+        # the cut ran the plan chosen before it (a client runs that step at its leanest).
+        job.budget = 5000
+        job.run(60, HIDDEN)
+        assert max(job.peaks[-59:]) <= job.budget
+        modes, _since = job.in_force_since(HIDDEN)
+        assert true_seconds(modes, HIDDEN) < true_seconds((R, R, R, R, S, S, S, S), HIDDEN), letters(modes)
         overruled += _check_overruled(job, by_letter)
     assert overruled
 
