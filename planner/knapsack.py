@@ -412,6 +412,6 @@ def _by_stage(idx: list[int], options: Sequence[Sequence[Option]]) -> tuple[int,
     ranked = []
     for i in idx:
         stage = options[i][0].stage
-        ranked.append((seen.get(stage, 0), stage, i))
-        seen[stage] = seen.get(stage, 0) + 1
+        rank = seen[stage] = seen.get(stage, -1) + 1
+        ranked.append((rank, stage, i))
     return tuple(i for _rank, _stage, i in sorted(ranked))

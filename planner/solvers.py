@@ -27,6 +27,7 @@ from rematd.planner.cost import choose, peak_of
 from rematd.planner.knapsack import Knapsack
 from rematd.planner.model import Option, Profile
 from rematd.planner.ordered import TooManyStates, exact_ordered
+from rematd.planner.spread import placed_first
 from rematd.planner.units import Mode, Shape
 
 # Up to this many blocks the exact frontier programme is cheap.
@@ -111,7 +112,7 @@ def front_loaded(
     for idx in _byte_classes(options) if alike is None else alike:
         by_mode = {o.mode: o for o in options[idx[0]]}
         ordered = sorted(
-            (modes[i] for i in idx), key=lambda m: (m == Mode.STORE, -by_mode[m].transient, by_mode[m].kept, m)
+            (modes[i] for i in idx), key=lambda m: (*placed_first(m, by_mode[m].transient, by_mode[m].kept), m)
         )
         for i, mode in zip(idx, ordered, strict=True):
             out[i] = mode

@@ -17,13 +17,18 @@ from collections.abc import Sequence
 from rematd.planner.units import Mode
 
 
+def placed_first(mode: Mode, transient: int, kept: int) -> tuple[bool, int, int]:
+    """The order of a class's modes on its blocks, first to last: the one that brings most back in
+    backward first (the one keeping least on a tie), storing last."""
+    return mode == Mode.STORE, -transient, kept
+
+
 def place(
     blocks: Sequence[int], counts: list[int], h: Sequence[tuple[int, float, int, Mode]], modes: list[Mode]
 ) -> list[int]:
-    """Sets the modes of a class's ``blocks``, ``counts[v]`` of them at hull vertex ``v``: the vertex
-    that brings most back in backward on the first blocks (the one keeping least on a tie), storing on
-    the last. Returns the vertices used."""
-    used = sorted((v for v in range(len(h)) if counts[v]), key=lambda v: (h[v][3] == Mode.STORE, -h[v][2], h[v][0]))
+    """Sets the modes of a class's ``blocks``, ``counts[v]`` of them at hull vertex ``v``, in the order
+    of :func:`placed_first`. Returns the vertices used."""
+    used = sorted((v for v in range(len(h)) if counts[v]), key=lambda v: placed_first(h[v][3], h[v][2], h[v][0]))
     at = 0
     for v in used:
         for i in blocks[at : at + counts[v]]:

@@ -101,7 +101,7 @@ class StepPlanning(TablePricing):
         """The plan an entry at ``shape`` should run for ``target``: the cheapest by the step-level prices
         where the steps show it faster than the per-block prices' choice by ``SURE`` standard deviations
         of their difference and its own steps ran here; else the fastest plan whose steps ran here and
-        that fits, where they show it so (:meth:`_fastest_ran`); else the per-block prices' choice (noise
+        that fits, where they show it so (:meth:`_fastest_fitting`); else the per-block prices' choice (noise
         never moves a plan)."""
         seq = shape.seq_len
         if not self._offsets(seq):
@@ -111,44 +111,49 @@ class StepPlanning(TablePricing):
         # rest on its model of a step, not on the steps. Plans not yet run get there by a trial. Where no plan
         # that ran is surely faster than the per-block choice, the fitted one cannot be (nor need be solved:
         # the fit moves every step, and this runs every step).
-        if not self._some_run_surely_faster(per_block.modes, seq):
+        faster = self._faster_ran(per_block.modes, seq)
+        if not faster:
             return per_block
         fitted = self._solve_at(shape, target, static)
         if self._has_run(fitted.modes, seq) and self._surely_faster(per_block.modes, fitted.modes, seq):
             return self._front_loaded(fitted, shape)
         # The fitted plan never ran here (a new target: a loosening, a cut), or is not surely faster: the
         # fastest of the plans that did run, rather than forget what the steps showed of them.
-        return self._fastest_ran(shape, target, static, per_block)
+        return self._fastest_fitting(faster, shape, target, static, per_block)
 
-    def _fastest_ran(self, shape: Shape, target: int, static: int, per_block: Choice) -> Choice:
-        """Of the plans that ran at ``shape``'s bucket and fit ``target`` there (under the ceiling the
-        peaks learned), the one the steps show fastest, where surely faster than ``per_block``; else it."""
-        seq = shape.seq_len
+    def _fastest_fitting(
+        self, faster: list[tuple[Mode, ...]], shape: Shape, target: int, static: int, per_block: Choice
+    ) -> Choice:
+        """The first of ``faster`` (plans that ran, fastest first) that fits ``target`` at ``shape`` under
+        the ceiling the peaks learned, as a choice; ``per_block`` where none does."""
         at = self._at(shape)
-        ceiling = self._learned.ceiling(seq)
-        best: tuple[float, tuple[Mode, ...]] | None = None
-        for modes in self._ran.get(self.bucket_of(seq), {}).values():
-            # The contrast first: the cheapest test, and most plans that ran fail it.
-            saving, sd = self._contrast(per_block.modes, modes, seq)
-            if saving <= SURE * sd or (best is not None and saving <= best[0]):
-                continue
-            if (ceiling is not None and at.cost(modes)[0] >= ceiling) or not self._fits(modes, shape, target, static):
-                continue
-            best = (saving, modes)
-        if best is None:
-            return per_block
-        kept, extra = at.cost(best[1])
-        found = Choice(
-            modes=best[1], predicted_peak_bytes=static + at.other_bytes + kept, extra_seconds=extra, fits=True
-        )
-        return self._front_loaded(found, shape)
+        ceiling = self._learned.ceiling(shape.seq_len)
+        for modes in faster:
+            kept, extra = at.cost(modes)
+            if (ceiling is None or kept < ceiling) and self._fits(modes, shape, target, static):
+                found = Choice(
+                    modes=modes, predicted_peak_bytes=static + at.other_bytes + kept, extra_seconds=extra, fits=True
+                )
+                return self._front_loaded(found, shape)
+        return per_block
 
-    def _some_run_surely_faster(self, modes: tuple[Mode, ...], seq: int) -> bool:
-        """Whether the steps show some plan that ran at ``seq``'s bucket faster than ``modes`` by ``SURE``
-        standard deviations (as :meth:`_surely_faster`, over the plans as the fit sees them)."""
+    def _faster_ran(self, modes: tuple[Mode, ...], seq: int) -> list[tuple[Mode, ...]]:
+        """The plans that ran at ``seq``'s bucket (the last of each the fit prices alike) which the steps
+        show faster than ``modes`` by ``SURE`` standard deviations (as :meth:`_surely_faster`), fastest
+        first."""
         found = self._posterior(seq)
         if found is None:
-            return False
+            return []
+        post, _ratio = found
+        mine = self._learned.steps.features(modes)
+        faster = []
+        for features, ran in self._ran.get(self.bucket_of(seq), {}).items():
+            saving, sd = post.contrast([a - b for a, b in zip(mine, features, strict=True)])
+            if saving > SURE * sd:
+                faster.append((saving, ran))
+        # Stable: of plans measured alike, the one that ran first here.
+        faster.sort(key=lambda t: -t[0])
+        return [ran for _saving, ran in faster]
         post, _ratio = found
         mine = self._learned.steps.features(modes)
         for other in self._ran.get(self.bucket_of(seq), {}):
