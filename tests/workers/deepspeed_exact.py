@@ -141,7 +141,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     results = [(run_case if case.get("restart", True) else without_restarts)(case, rank) for case in settings()]
-    finish(results)
+    finish(results, exit_now=True)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def step(engine: Any, seed: int) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    finish(memory() if settings() == "memory" else refusals())
+    finish(memory() if settings() == "memory" else refusals(), exit_now=True)
 
 
 if __name__ == "__main__":

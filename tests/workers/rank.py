@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,9 +29,18 @@ def run_cases(run_case: Callable[[Any, int], Any]) -> None:
     finish([run_case(case, rank) for case in settings()])
 
 
-def finish(result: Any) -> None:
-    """Wait for every rank, leave the group, and write ``result`` where the test reads it."""
+def finish(result: Any, *, exit_now: bool = False) -> None:
+    """Wait for every rank, leave the group, and write ``result`` where the test reads it.
+
+    With ``exit_now`` (DeepSpeed's workers) the process then ends without finalising the interpreter:
+    DeepSpeed keeps its gloo groups, and their threads, alive past ``destroy_process_group``, and a thread
+    still releasing a collective's tensors when Python finalises aborts the rank after its result is written.
+    """
     dist.barrier()
     dist.destroy_process_group()
     with open(os.environ["REMATD_RESULT"], "w") as f:
         json.dump(result, f)
+    if exit_now:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

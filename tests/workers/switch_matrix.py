@@ -155,7 +155,7 @@ def main() -> None:
     else:
         rank = start()
         results = [fsdp_case(case, rank) for case in config["cases"]]
-    finish(results)
+    finish(results, exit_now=config["with"] == "deepspeed")
 
 
 if __name__ == "__main__":
