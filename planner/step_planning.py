@@ -154,14 +154,6 @@ class StepPlanning(TablePricing):
         # Stable: of plans measured alike, the one that ran first here.
         faster.sort(key=lambda t: -t[0])
         return [ran for _saving, ran in faster]
-        post, _ratio = found
-        mine = self._learned.steps.features(modes)
-        for other in self._ran.get(self.bucket_of(seq), {}):
-            if other != mine:
-                saving, sd = post.contrast([a - b for a, b in zip(mine, other, strict=True)])
-                if saving > SURE * sd:
-                    return True
-        return False
 
     def _front_loaded(self, choice: Choice, shape: Shape) -> Choice:
         """A plan the steps chose, its recomputing blocks first within each position group where that
