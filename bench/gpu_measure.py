@@ -57,7 +57,10 @@ def run_job(job: Job, device: torch.device) -> dict[str, Any]:
     STRATEGIES[job.strategy](ctx)
     h = ctx.handle
     if h is not None and not job.budget_bytes and job.budget_frac and not cuda:
-        _step(ctx, data(spec.seq), device)  # the profiling step: what a step saves, all blocks stored
+        # The profiling step recomputes every block; with no budget yet, the next one stores them all: what a
+        # step saves.
+        _step(ctx, data(spec.seq), device)
+        _step(ctx, data(spec.seq), device)
         saved = h.last_stats.saved_peak_bytes if h.last_stats else 0
         h.budget_bytes = max(1, int(job.budget_frac * saved))
     seqs = job.seqs or [spec.seq] * (job.warmup + job.steps)

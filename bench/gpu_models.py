@@ -125,8 +125,8 @@ class Job:
     budget_bytes: int = 0
     """rematd's budget (0: none)."""
     budget_frac: float = 0.0
-    """Where ``budget_bytes`` is 0 and this is not: on the CPU, this fraction of the bytes the profiling step
-    saved for backward."""
+    """Where ``budget_bytes`` is 0 and this is not: on the CPU, this fraction of the bytes a step storing every
+    block saves for backward."""
     margin: float = 0.1
     modes: list[str] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)

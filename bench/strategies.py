@@ -126,7 +126,7 @@ def runner(setup: Setup, name: str, budget: int, data: torch.Tensor) -> Runner:
         model.__class__ = SegmentedGPT
     h = client.attach(model, budget_bytes=budget, modes=["recompute", "selective"])
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    timed_step(model, opt, data, h.step)  # rematd's profiling step (no checkpointing yet)
+    timed_step(model, opt, data, h.step)  # rematd's profiling step (every block recomputed)
     if name != "rematd":
         h.pin_modes(static_modes(name, setup.n_layer))
     if isinstance(model, SegmentedGPT):

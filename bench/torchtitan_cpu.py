@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from rematd.planner import Mode
+
 RECORD = "REMATD_TITAN_RECORD"
 PROFILE_STEP = "REMATD_TITAN_PROFILE_STEP"
 
@@ -290,7 +292,10 @@ def _stats(handle: Any) -> dict[str, Any]:
     """What the step that just ended ran and measured, and the plan in force for it."""
     stats = handle.last_stats
     ran = next((p for p in handle.history if p.version == stats.plan_version), None)
+    # Every block stored, as the rank's planner prices it (the profiling step recomputes them all).
+    storing = handle._applier.price(tuple(Mode.STORE for _ in handle.modes), stats.plan_version, "")
     return {
+        "storing": storing.predicted_peak_bytes if storing is not None else 0,
         "step": stats.step,
         "plan_version": stats.plan_version,
         "modes": [m.label for m in handle.modes],

@@ -29,7 +29,15 @@ from rematd.client.blocks.compress import CompressConfig, check_compress
 from rematd.client.blocks.discovery import find_stage_blocks, model_fingerprint
 from rematd.client.errors import UnsupportedModel
 from rematd.client.memory.sources import MemorySample, SavedTensorMemory
-from rematd.client.parallel.pick import StepStart, check_blocks, check_engine, follow_engine, read_schedule, resolve
+from rematd.client.parallel.pick import (
+    StepStart,
+    check_blocks,
+    check_engine,
+    follow_engine,
+    read_schedule,
+    resolve,
+    running_schedule,
+)
 from rematd.client.parallel.ranks import dist_rank
 from rematd.client.plans.sources import Backend, EmbeddedBackend
 from rematd.client.service.stream import StreamBackend
@@ -191,6 +199,11 @@ class Handle:
             raise ValueError("pipeline: this handle follows a schedule already; attach a new handle for another")
         if self._cycle.memory is not None:
             raise ValueError("pipeline: set h.pipeline before the first step (the plan is made for its microbatches)")
+        self._check_stages(read)
+        self._follow_schedule(read)
+
+    def _check_stages(self, read: Any) -> None:
+        """ValueError unless ``read``'s stages on this rank are the modules rematd is attached to."""
         modules = [s.module for s in read.stages]
         if len(modules) != len(self._roots) or any(a is not b for a, b in zip(modules, self._roots, strict=False)):
             raise ValueError(
@@ -198,6 +211,27 @@ class Handle:
                 f"({', '.join(type(m).__name__ for m in modules)}), not the module rematd is attached to; attach to "
                 "the schedule instead: client.attach(schedule)"
             )
+
+    def _find_schedule(self) -> None:
+        """At the first step of a handle attached to a module without ``h.pipeline``: when a pipeline schedule's
+        ``step()`` runs the module, follow it as ``h.pipeline = schedule`` would, so that each stage is planned for
+        the microbatches it holds at once; a schedule rematd cannot follow stops the step with an error saying so."""
+        schedule = running_schedule()
+        if schedule is None:
+            return
+        try:
+            read = read_schedule(schedule)
+            self._check_stages(read)
+        except ValueError as err:
+            raise UnsupportedModel(
+                f"{err} (a pipeline schedule runs the module rematd is attached to: set h.pipeline = schedule before "
+                "the first step, or attach to the schedule)"
+            ) from err
+        log.info(
+            "rematd: a pipeline schedule runs this module (%s); each stage is planned for the microbatches it "
+            "holds at once (h.pipeline = schedule says so before the first step)",
+            read.describe(),
+        )
         self._follow_schedule(read)
 
     def _follow_schedule(self, schedule: Any) -> None:
@@ -405,6 +439,8 @@ class Handle:
             return
         try:
             if not self._life.in_step:
+                if self._cycle.memory is None and self._cycle.schedule is None:
+                    self._find_schedule()
                 self._cycle.begin(args, kwargs)
             else:
                 self._cycle.forward_seen(args, kwargs)

@@ -105,6 +105,10 @@ class ControllerConfig:
     def target_bytes(self, budget_bytes: int) -> int:
         return int(budget_bytes * (1.0 - self.margin_ratio))
 
+    def budget_of(self, target: int) -> int:
+        """The budget ``target`` keeps ``margin_ratio`` under (the inverse of :meth:`target_bytes`)."""
+        return int(target / (1.0 - self.margin_ratio))
+
     def settled_target(self, target: int) -> int:
         """``target`` (under ``margin_ratio``) moved to ``settled_margin_ratio``: same budget, smaller margin."""
         # Never a larger margin than the one asked for: margin_ratio=0 plans to the budget from the start.

@@ -292,6 +292,15 @@ class Controller(StepPlanning):
         reason = "; ".join([cause, what_changed(before, table), *(n for n in notes if n)])
         return self._decision(list(table), obs.shape, target, obs.static_bytes, reason)
 
+    def restated(self, shape: Shape, target: int, static_bytes: int, cause: str) -> Decision | None:
+        """The table in force, each entry's predictions made again for ``static_bytes`` (its modes kept); None
+        where that changes nothing."""
+        table = [self._replaced(e, e.modes, static_bytes) for e in self.table]
+        if tuple(table) == self.table:
+            return None
+        self.table = tuple(table)
+        return self._decision(table, shape, target, static_bytes, cause)
+
     def after_oom(self, *, shape: Shape, budget_bytes: int, static_bytes: int) -> Decision:
         """An out-of-memory event: distrust the model at that shape and tighten at once."""
         cfg = self.config

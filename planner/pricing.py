@@ -12,6 +12,7 @@ from rematd.planner.decision import Decision
 from rematd.planner.learned import Learned
 from rematd.planner.model import Profile
 from rematd.planner.plan import ShapePlan, entry_for
+from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import AtShape, Offsets, Scales, at_shape
 from rematd.planner.solvers import Choice, solve_prepared
 from rematd.planner.stepfit import PRIOR_SPREAD, Posterior, Prior, group_of, params
@@ -214,6 +215,8 @@ class TablePricing:
         """The cheapest plan that fits ``target`` at ``shape`` once corrected by the measured peaks, priced
         as measured (``per_block``: by the per-block prices alone; ``offsets``: with these step-level
         prices instead of the fitted ones)."""
+        # The budget the target keeps its margin under (before a settled length narrows the margin).
+        budget = self.config.budget_of(target)
         target = self._target_at(target, shape.seq_len)
         corr = self._learned.correction(shape.seq_len) if shape.seq_len else 1.0
         ceiling = self._learned.ceiling(shape.seq_len)
@@ -227,9 +230,12 @@ class TablePricing:
         at = self._at(shape, restricted=True, offsets=offsets)
         # The correction scales activations, not the static memory.
         other = at.other_bytes
-        effective = static + int(max(0, target - static) / corr) - other
-        if ceiling is not None:
-            effective = min(effective, static + ceiling - 1)
+
+        def corrected(limit: int) -> int:
+            room = static + int(max(0, limit - static) / corr) - other
+            return room if ceiling is None else min(room, static + ceiling - 1)
+
+        effective = corrected(target)
         choice = solve_prepared(
             at.knapsack,
             at.options,
@@ -237,6 +243,7 @@ class TablePricing:
             static_bytes=static,
             outside_bytes=other,
             outside_in_backward=self.profile.other_in_backward,
+            budget=corrected(budget),
         )
         if other:
             # Fits: under the target once corrected (a correction below 1 lets the prediction exceed it).
@@ -245,10 +252,28 @@ class TablePricing:
                 predicted_peak_bytes=choice.predicted_peak_bytes + other,
                 fits=choice.predicted_peak_bytes + other <= effective + other,
             )
+        if not choice.fits:
+            choice = dataclasses.replace(choice, note=self._missed(choice, target, budget, static, corr))
         if len(self._cache) > CACHED_CHOICES:
             self._cache.clear()
         self._cache[key] = choice
         return choice
+
+    @staticmethod
+    def _missed(choice: Choice, target: int, budget: int, static: int, corr: float) -> str:
+        """Why ``choice``, which does not fit ``target``: the limit it was chosen under, in the figures the
+        choice was weighed by (its prediction as the measured peaks correct it)."""
+        predicted = static + int((choice.predicted_peak_bytes - static) * corr)
+        as_measured = f" as the measured peaks correct it (x{corr:.3f})" if abs(corr - 1.0) > 0.005 else ""
+        if choice.under_budget:
+            return (
+                f"no plan fits the target of {human_bytes(target)}: the fastest under the budget of "
+                f"{human_bytes(budget)}, {human_bytes(predicted)} predicted{as_measured}"
+            )
+        return (
+            f"no plan fits the budget of {human_bytes(budget)}: the leanest, {human_bytes(predicted)} "
+            f"predicted{as_measured}, {human_bytes(predicted - budget)} over it"
+        )
 
     def _entry(self, seq: int, choice: Choice, static: int) -> ShapePlan:
         key = (choice, seq, self._learned.batch, static, self._scales(seq), self._offsets(seq))

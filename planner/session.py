@@ -9,12 +9,16 @@ from rematd.planner.controller import Controller, ControllerConfig, Decision
 from rematd.planner.cost import overhead_ratio
 from rematd.planner.model import Profile
 from rematd.planner.plan import Plan, ShapePlan, blocks_of
-from rematd.planner.reasons import lossy_note
+from rematd.planner.reasons import human_bytes, lossy_note
 from rematd.planner.risk import oom_risk, usable_bytes
 from rematd.planner.shapes import at_shape
 from rematd.planner.solvers import frequency_of
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape, letters
+
+RESTATE_STATIC = 1 / 256
+"""A plan is priced again, its modes kept, when the static memory steps start with moved by more than this
+fraction of the budget since it was priced (the step in which the target moves)."""
 
 
 class PlannerSession:
@@ -40,6 +44,8 @@ class PlannerSession:
         self.oom_risk = 0.0
         """The rank's out-of-memory risk after the last observation, 0-1."""
         self._last_peak = 0
+        self._priced_static = static_bytes
+        """The static memory the plan in force was priced for."""
         self._recent: OrderedDict[int, Plan] = OrderedDict()
         self._plan = self._make(
             self.controller.initial(budget_bytes=budget_bytes, static_bytes=static_bytes), first_version
@@ -184,6 +190,23 @@ class PlannerSession:
         self._plan = self._make(decision, self._plan.version + 1)
         return self._plan
 
+    def _restate(self, obs: StepObservation) -> Plan | None:
+        """The plan in force again, its predictions made for the static memory the steps now start with, where
+        that moved by more than :data:`RESTATE_STATIC` of the budget since the plan was priced (the first step
+        after the profile shows whether the gradients it made stayed): what a plan says it will peak at is
+        what its steps will (the modes stay)."""
+        priced = self._priced_static
+        # The profiling step ran no plan, and started before the optimizer made its state.
+        if not obs.plan_version or abs(obs.static_bytes - priced) <= RESTATE_STATIC * max(1, obs.budget_bytes):
+            return None
+        self._priced_static = obs.static_bytes
+        target = self.controller.config.target_bytes(self.capacity_bytes)
+        cause = (
+            f"re-priced: steps start with {human_bytes(obs.static_bytes)} of static memory, not the "
+            f"{human_bytes(priced)} the plan in force was priced for (modes unchanged)"
+        )
+        return self._adopt(self.controller.restated(obs.shape, target, obs.static_bytes, cause))
+
     def _priced(self, modes: tuple[Mode, ...]) -> bool:
         """Whether the profile prices each block's mode (a pin may run a mode the planner was not offered)."""
         for block, mode in zip(self.profile.blocks, modes, strict=True):
@@ -206,6 +229,10 @@ class PlannerSession:
             measured_modes = ran.modes_for(obs.shape, n)
         # Unknown (None): priced as storing every block, and no step time taken.
         plan = self._adopt(self.controller.observe(obs, measured_modes))
+        if plan is None:
+            plan = self._restate(obs)
+        else:
+            self._priced_static = obs.static_bytes
         # The correction learnt from measured peaks scales the activations, not the static memory.
         activations = max(0, self._plan.predicted_peak_bytes - obs.static_bytes)
         predicted_next = obs.static_bytes + int(activations * self.controller.correction(obs.shape.seq_len))

@@ -32,12 +32,10 @@ from rematd.planner.units import Mode, Shape
 
 # Up to this many blocks the exact frontier programme is cheap.
 EXACT_BLOCKS = 12
-LEAN_NEAR = 0.1
-"""Where nothing fits, a plan whose whole predicted peak is within this fraction of the least one is as
-good as the leanest: the cheapest of them is chosen (never offload everything at several times the step
-when recomputing every block needs only a little more)."""
-LEAN_SECONDS = 0.05
-"""...and of those as fast as the cheapest, to within this fraction of its extra seconds, the leanest."""
+LEAN_TIE = 0.01
+"""Where nothing is predicted under the budget, plans whose predicted peak is within this fraction of the
+least any plan reaches count as the leanest (their difference is within the prediction's error): the
+fastest of them is chosen."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +50,9 @@ class Choice:
     """Predicted extra step seconds."""
     fits: bool
     """Whether the predicted peak is within the target."""
+    under_budget: bool = True
+    """Whether the predicted peak is within the budget (the limit the target keeps a margin under): a choice
+    that does not fit the target is the fastest under the budget, where one is, else the leanest."""
     note: str = ""
     """Why this choice, where that is not simply "the cheapest that fits"."""
 
@@ -232,15 +233,22 @@ def pool_seconds(options: list[list[Option]]) -> list[list[Option]]:
     return out
 
 
-def solve(options: list[list[Option]], target: int, *, static_bytes: int = 0, exact: bool | None = None) -> Choice:
+def solve(
+    options: list[list[Option]],
+    target: int,
+    *,
+    static_bytes: int = 0,
+    exact: bool | None = None,
+    budget: int | None = None,
+) -> Choice:
     """The cheapest modes (least extra seconds) whose predicted peak fits ``target``.
 
     Exact up to ``EXACT_BLOCKS`` blocks (or with ``exact=True``) under the seconds of
     :func:`pool_seconds`; otherwise the rounded greedy of :mod:`rematd.planner.knapsack`. When
-    nothing fits, the cheapest choice within :data:`LEAN_NEAR` of the smallest predicted peak, marked
+    nothing fits, the cheapest choice under ``budget`` (default: ``target``), else the leanest, marked
     ``fits=False``, its ``note`` saying so.
     """
-    return solve_prepared(Knapsack(options), options, target, static_bytes=static_bytes, exact=exact)
+    return solve_prepared(Knapsack(options), options, target, static_bytes=static_bytes, exact=exact, budget=budget)
 
 
 def solve_prepared(
@@ -252,59 +260,53 @@ def solve_prepared(
     exact: bool | None = None,
     outside_bytes: int = 0,
     outside_in_backward: float = True,
+    budget: int | None = None,
 ) -> Choice:
     """:func:`solve` with the knapsack already prepared from ``options`` (many targets, one shape).
 
-    ``outside_bytes``: memory outside the blocks, which ``target`` already leaves out; held while the
-    blocks' backward runs when ``outside_in_backward``. When nothing fits: the cheapest plan whose
-    predicted peak, with ``outside_bytes``, is within :data:`LEAN_NEAR` of the least.
+    ``outside_bytes``: memory outside the blocks, which ``target`` and ``budget`` already leave out; held while
+    the blocks' backward runs when ``outside_in_backward``. When nothing fits ``target``: the cheapest plan
+    predicted under ``budget`` (the limit ``target`` keeps a margin under; default ``target``), and only when
+    nothing is, the leanest (of plans within :data:`LEAN_TIE` of the least peak, the fastest).
     """
     outside = Outside(outside_bytes, outside_in_backward)
     found = _ordered(knapsack, options, target, static_bytes, exact, outside)
     if found is not None:
         return found
+    limit = target if budget is None else max(target, budget)
+    if limit > target:
+        under = _ordered(knapsack, options, limit, static_bytes, exact, outside)
+        if under is not None:
+            peak = under.predicted_peak_bytes + outside_bytes
+            return dataclasses.replace(
+                _finish(options, under.modes, target, static_bytes, outside),
+                extra_seconds=under.extra_seconds,
+                note=f"no plan fits the target: the fastest under the budget, {_mib(peak)} predicted",
+            )
     j = knapsack.least_peak()[1]
     leanest = _finish(options, knapsack.leanest(j), target, static_bytes, outside)
     front = _finish(options, front_loaded(options, leanest.modes, knapsack.alike), target, static_bytes, outside)
     leanest = front if front.predicted_peak_bytes < leanest.predicted_peak_bytes else leanest
-    floor = leanest.predicted_peak_bytes - static_bytes
-    leanest = dataclasses.replace(
-        leanest, note=f"no plan fits: the leanest, {_mib(static_bytes + outside_bytes + floor)} predicted"
-    )
-    near = int(LEAN_NEAR * (static_bytes + outside_bytes + floor))
-    if near <= 0:
-        return leanest
-    close = _ordered(knapsack, options, static_bytes + floor + near, static_bytes, exact, outside)
-    if close is None or close.extra_seconds >= leanest.extra_seconds:
-        return leanest
-    # As lean again as that speed allows: the least budget whose plan costs within LEAN_SECONDS of it
-    # (step-level prices may make a plan's extra seconds negative: faster than storing every block).
-    limit = close.extra_seconds + abs(close.extra_seconds) * LEAN_SECONDS + 1e-12
-    lo, hi = floor, floor + near
-    while hi - lo > max(1, near // 256):
-        mid = (lo + hi) // 2
-        found = _ordered(knapsack, options, static_bytes + mid, static_bytes, exact, outside)
-        if found is not None and found.extra_seconds <= limit:
-            hi, close = mid, found
-        else:
-            lo = mid
-    close = dataclasses.replace(
-        _finish(options, close.modes, target, static_bytes, outside), extra_seconds=close.extra_seconds
-    )
-    peak = close.predicted_peak_bytes
+    floor = leanest.predicted_peak_bytes
+    tie = int(LEAN_TIE * (floor + outside_bytes))
+    close = _ordered(knapsack, options, floor + tie, static_bytes, exact, outside) if tie > 0 else None
+    if close is not None and close.extra_seconds < leanest.extra_seconds:
+        leanest = dataclasses.replace(
+            _finish(options, close.modes, target, static_bytes, outside), extra_seconds=close.extra_seconds
+        )
+    peak = leanest.predicted_peak_bytes
     return dataclasses.replace(
-        close,
-        fits=peak <= target,
+        leanest,
+        under_budget=peak <= limit,
         note=(
-            f"no plan fits: the cheapest within {LEAN_NEAR:.0%} of the leanest "
-            f"({_mib(peak + outside_bytes)} against {_mib(static_bytes + outside_bytes + floor)} predicted, "
-            f"{close.extra_seconds:.3g} s against {leanest.extra_seconds:.3g} s extra)"
+            f"no plan fits the budget: the leanest, {_mib(peak + outside_bytes)} predicted, "
+            f"{_mib(peak - limit)} over it"
         ),
     )
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB"
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _solve_fitting(

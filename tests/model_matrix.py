@@ -133,7 +133,8 @@ def train_side_by_side(
                     o.step()
             assert torch.isfinite(losses[0]), f"step {step}: the model does not train ({losses[0]})"
             assert torch.equal(losses[0], losses[1]), f"step {step} ({pinned}): loss {losses[0]} != {losses[1]}"
-            expected = pinned or [Mode.STORE] * len(blocks)
+            # The profiling step (nothing pinned yet) recomputes every block.
+            expected = pinned or [Mode.RECOMPUTE] * len(blocks)
             assert modes == expected, f"step {step}: modes {modes} in force, pinned {expected}"
             rerun = counter.take()
             for i, mode in enumerate(expected):

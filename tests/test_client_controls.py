@@ -62,11 +62,12 @@ def test_a_pin_before_the_first_step_applies_from_the_first_step_after_profiling
     assert h.step_count == 1 and not h.history, "the profiling step: no plan of the planner's applied yet"
     assert h.plan.modes == (Mode.RECOMPUTE,) * 4 and "pinned" in h.plan.reason, "the pin is the plan in force"
     profiled = h.last_stats
-    assert profiled is not None
+    assert profiled is not None and profiled.modes == (Mode.RECOMPUTE,) * 4, "profiling recomputes every block"
+    h.pin_modes("store")
     train_step(model, opt, 32, seed=1)
-    assert h.modes == (Mode.RECOMPUTE,) * 4
+    assert h.modes == (Mode.STORE,) * 4
     pinned = h.last_stats
-    assert pinned is not None and pinned.saved_peak_bytes < profiled.saved_peak_bytes / 2
+    assert pinned is not None and pinned.saved_peak_bytes > 2 * profiled.saved_peak_bytes
     h.close()
 
 
@@ -139,10 +140,11 @@ def test_planning_in_process_far_over_the_budget_says_so_in_the_log(caplog: pyte
         for seed in range(4):
             train_step(model, opt, 32, seed=seed)
     said = [r.getMessage() for r in caplog.records]
-    no_fit = [m for m in said if m.startswith("rematd: no plan fits the budget of 0.0 MiB")]
+    no_fit = [m for m in said if m.startswith("rematd: plan v1: ") and "no plan fits the budget of 9.8 KiB" in m]
     assert len(no_fit) == 1 and "no plan fits" in h.plan.reason, said  # once per plan, not once per step
-    over = [m for m in said if "% over the budget of" in m]
-    assert len(over) == 1 and over[0].startswith("rematd: step 0 peaked at"), said  # then at most every 30 s
+    over = [m for m in said if "over the budget of 0.0 MiB" in m]
+    # Every step over the budget, each once, naming the budget it crossed.
+    assert [m.split(" peaked")[0] for m in over] == [f"rematd: step {k}" for k in range(4)], said
     h.close()
     caplog.clear()
     model, opt, h = _attached()  # room for everything: nothing to say

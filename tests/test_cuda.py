@@ -4,6 +4,9 @@ error recovered from. Skipped without CUDA; the CPU paths have their own tests."
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +14,8 @@ from rematd import client
 from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 from rematd.client.memory.sources import CudaMemory
 from rematd.planner import Mode, Shape, predict_peak_bytes
+
+from .helpers import live_server
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -84,6 +89,7 @@ def test_plans_hold_the_allocators_peak_under_the_budget_as_lengths_change() -> 
     opt = torch.optim.AdamW(model.parameters())
     probe = client.attach(model, optimizer=opt, budget_bytes=2**40)
     peaks = {}
+    train_step(model, opt, 512)  # the profiling step recomputes every block
     for seq in (512, 2048):
         train_step(model, opt, seq)
         assert probe.last_memory is not None
@@ -132,3 +138,52 @@ def test_a_real_out_of_memory_error_is_recovered_from() -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         h.close()
+
+
+def _lean_and_stored(seq: int) -> tuple[int, int]:
+    """The allocator's peak of a step with every block recomputed (the profiling step's) and with every block
+    stored, after the optimizer made its state."""
+    model = gpt(n_layer=8, d_model=512)
+    opt = torch.optim.AdamW(model.parameters())
+    probe = client.attach(model, optimizer=opt, budget_bytes=2**40)
+    peaks = {}
+    train_step(model, opt, seq)  # the profiling step
+    for mode in ("recompute", "store"):
+        probe.pin_modes(mode)
+        train_step(model, opt, seq)
+        assert probe.last_memory is not None
+        peaks[mode] = probe.last_memory.peak_allocated_bytes
+    probe.close()
+    del model, opt
+    torch.cuda.empty_cache()
+    return peaks["recompute"], peaks["store"]
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["in-process", "served"])
+def test_a_model_that_fits_only_checkpointed_trains_in_a_plain_loop_from_its_first_step(
+    served: bool, tmp_path: Path
+) -> None:
+    lean, stored = _lean_and_stored(1024)
+    assert stored > 1.3 * lean, "storing every block must not fit"
+    budget = int(1.05 * lean)
+    # The device itself holds the budget (with room for the caching allocator's rounding): a step over it raises,
+    # and this plain loop (no run_step) would die with it.
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.set_per_process_memory_fraction(min(1.0, 1.1 * budget / total))
+    try:
+        with contextlib.ExitStack() as stack:
+            server = stack.enter_context(live_server(tmp_path)).grpc if served else None
+            model = gpt(n_layer=8, d_model=512)
+            opt = torch.optim.AdamW(model.parameters())
+            h = client.attach(model, optimizer=opt, budget_bytes=budget, server=server, job="cuda-tight")
+            for i in range(10):
+                train_step(model, opt, 1024, i)
+                if served:
+                    assert h.flush(20.0)
+                assert h.last_memory is not None
+                assert h.last_memory.peak_allocated_bytes <= budget, (i, h.last_memory.peak_allocated_bytes, budget)
+            assert h.oom_count == 0
+            assert all(p.predicted_peak_bytes <= budget for p in h.history), [p.reason for p in h.history]
+            h.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

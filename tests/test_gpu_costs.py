@@ -167,7 +167,11 @@ def test_plans_are_no_slower_than_the_best_static_strategy_that_fits(
             f"at {frac:.0%}: {ours / step_s() + 1:.3f}x against {name}'s {best / step_s() + 1:.3f}x ({decision.modes})"
         )
     elif not fits:
-        assert ours <= best + 1e-9, "nothing fits: no slower than full recomputation"
+        # Nothing fits the target: never over the budget where a plan is predicted under it.
+        under = [m for m in STATIC.values() if predicted_peak(m) <= budget(frac)]
+        if under:
+            assert predicted_peak(decision.modes) <= budget(frac), decision.reason
+            assert ours <= min(seconds_of(m) for m in under) + 1e-9
     else:
         # Only offload, opted in, reaches the target: it is what honours the budget.
         assert OFF in modes and OFF in decision.modes
@@ -176,24 +180,23 @@ def test_plans_are_no_slower_than_the_best_static_strategy_that_fits(
 
 @pytest.mark.parametrize("modes", [DEFAULT, frozenset(Mode)], ids=["default-modes", "offload-opted-in"])
 @pytest.mark.parametrize("frac", [0.1, 0.3])
-def test_where_nothing_fits_the_plan_is_lean_and_fast_and_says_so(frac: float, modes: frozenset[Mode]) -> None:
+def test_where_nothing_fits_the_plan_is_the_leanest_and_says_by_how_much(frac: float, modes: frozenset[Mode]) -> None:
     controller = Controller(profile(modes=modes), ControllerConfig(margin_ratio=0.1))
     decision = controller.initial(budget_bytes=budget(frac), static_bytes=static())
     if predicted_peak(decision.modes) <= decision.target_bytes:
         assert OFF in modes, "only offload, opted in, can reach this target"
         return
-    full = STATIC["full"]
-    # Not offload everywhere at 5x, nor a block stored for 1% of the step at 7% more memory: the plan
-    # recomputes all but the last blocks, whose stored activations are released before the others
-    # rematerialise: leaner than recomputing every block and no slower, and within 10% of the leanest
-    # with offload.
-    assert all(m == R for m in decision.modes[: N - 2]), decision.modes
-    assert predicted_peak(decision.modes) <= predicted_peak(full)
-    assert seconds_of(decision.modes) <= seconds_of(full) + 1e-9
-    assert predicted_peak(decision.modes) <= 1.1 * predicted_peak((OFF,) * N)
-    assert "no plan fits" in decision.reason, decision.reason
-    if OFF in modes:
-        assert "within 10% of the leanest" in decision.reason, decision.reason
+    candidates = [*STATIC.values(), (OFF,) * N, *(((R,) * (N - k) + (S,) * k) for k in range(1, 4))]
+    leanest = min(predicted_peak(m) for m in candidates if all(x in modes for x in m))
+    if leanest > budget(frac):
+        # Nothing is predicted under the budget: the leanest plan, whatever it costs in time (a plan within
+        # the prediction's error of it, the fastest of those), and the reason names the gap.
+        assert predicted_peak(decision.modes) <= 1.01 * leanest
+        assert "no plan fits the budget of" in decision.reason and "over it" in decision.reason, decision.reason
+    else:
+        assert predicted_peak(decision.modes) <= budget(frac)
+        assert "no plan fits the target of" in decision.reason, decision.reason
+        assert "the fastest under the budget" in decision.reason, decision.reason
 
 
 def _timed(modes: tuple[Mode, ...]) -> tuple[ModeSeconds, ...]:

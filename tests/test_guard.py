@@ -10,6 +10,7 @@ import torch
 
 from rematd import client
 from rematd.client.demo.tiny_gpt import lm_loss
+from rematd.planner import Mode
 
 from .helpers import batch, live_server, tiny_model
 
@@ -93,9 +94,21 @@ def test_guard_suppresses_the_first_error_and_raises_the_second() -> None:
 
 
 def test_an_error_in_the_profiling_step_still_leads_to_a_plan() -> None:
-    model, opt, h = make(budget_bytes=HUGE, hard_limit_bytes=200_000)
-    h.run_step(step_fn, model, opt, 16, 0)  # the profiling step (no checkpointing) does not fit
+    model, opt, h = make(budget_bytes=HUGE)
+    left = [1]
+
+    def out_of_memory(*_: object) -> None:
+        # The device runs out in the third block's first forward: two blocks were profiled, two were not.
+        if left[0]:
+            left[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    injected = model.h[2].register_forward_pre_hook(out_of_memory)
+    h.run_step(step_fn, model, opt, 16, 0)
+    injected.remove()
     assert h.oom_count == 1
+    # Safe mode: the blocks not profiled borrow the largest profile, and every block recomputes meanwhile.
+    assert h.modes == (Mode.RECOMPUTE,) * 4
     for i in range(1, 4):
         h.run_step(step_fn, model, opt, 16, i)
     assert h.plan.version >= 1 and h.plan.blocks, "the planner got a profile and the error, and checkpoints"

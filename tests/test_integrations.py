@@ -73,7 +73,7 @@ def test_the_hugging_face_trainer_trains_through_the_callback(tmp_path: Any) -> 
     assert h is not None and h.closed, "closed when training ends"
     # The rematd callback runs first: each optimizer step (two micro-batches) is one rematd step.
     assert [count for count, _ in seen] == [1, 2, 3]
-    assert seen[0][1] == (Mode.STORE, Mode.STORE), "the profiling step"
+    assert seen[0][1] == (Mode.RECOMPUTE, Mode.RECOMPUTE), "the profiling step recomputes every block"
     assert seen[2][1] == (Mode.SELECTIVE, Mode.SELECTIVE), "pinned modes took effect at the next step"
     assert "forward" not in model.model.layers[0].__dict__, "the blocks' own forward is back"
 

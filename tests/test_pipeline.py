@@ -117,6 +117,32 @@ def test_each_stage_plans_for_its_microbatches_in_flight_under_one_budget(tmp_pa
     assert any(p["correction"] < 1 for p in first["planned"] + first_i["planned"])
 
 
+def test_a_stage_module_attached_without_its_schedule_is_planned_for_its_microbatches(tmp_path: Path) -> None:
+    # rematd attached to each rank's stage module, h.pipeline never set: the schedule running the module is found
+    # at the first step. 20 planned steps: the loosening has had its time.
+    cases = [{"steps": 20, "attach": "module"}]
+    (first,), (last,) = run_ranks("pipeline_memory", tmp_path, world=2, config=cases, timeout=400)
+    assert first["found_schedule"] and last["found_schedule"]
+    assert first["in_flight"] == [2] * 4 and last["in_flight"] == [1] * 4
+    budget = first["budget"]
+    for stage in (first, last):
+        assert stage["errors"] == 0
+        planned = [p for p in stage["planned"] if p["own"]]
+        for p in planned:
+            assert p["peak"] <= budget, p
+            assert abs(p["predicted"] - p["peak"]) <= 0.1 * p["peak"], p
+        fewest = next(k for k, peak in enumerate(stage["static_peaks"]) if peak <= budget)
+        assert sum(m != "STORE" for m in planned[-1]["modes"]) <= fewest, (planned[-1], stage["static_peaks"])
+
+
+def test_a_stage_module_whose_rank_runs_other_stages_too_is_refused_at_its_first_step(tmp_path: Path) -> None:
+    # One rank, two stages of an interleaved schedule, rematd attached to the first stage's module only.
+    cases = [{"schedule": "interleaved", "counts": [2, 2], "attach": "module", "refused": True}]
+    ((said,),) = run_ranks("pipeline_memory", tmp_path, world=1, config=cases, timeout=200)
+    assert said["said"].startswith("UnsupportedModel: pipeline: the schedule runs 2 stage(s)"), said
+    assert "h.pipeline" in said["said"] and "client.attach(schedule)" in said["said"], said
+
+
 def test_the_agreement_costs_the_same_at_every_world_size(tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
     stdout = run_launcher("bench.agreement", ["--ranks", "2,4", "--blocks", "24", "--steps", "3", "--out", str(out)])

@@ -12,6 +12,7 @@ from rematd.planner import (
     Mode,
     ModeCost,
     Option,
+    Plan,
     PlannerSession,
     Profile,
     Shape,
@@ -309,3 +310,28 @@ def test_a_step_that_ran_other_modes_than_its_plan_is_judged_by_the_modes_it_ran
         )
         pinned.observe(obs)
     assert pinned.controller.correction(64) <= 1.0
+
+
+def test_a_plan_is_priced_again_when_the_static_memory_steps_start_with_moves() -> None:
+    # The profile counted 300 bytes of static memory the first plan must run with (gradients a loop may keep);
+    # the steps start with 100: the plan in force says what its steps will peak at, its modes kept.
+    session = PlannerSession(uniform(8), budget_bytes=2000, static_bytes=300)
+    first = session.plan
+
+    def step(k: int, static: int) -> object:
+        obs = StepObservation(
+            step=k,
+            peak_bytes=static + measured(session, 64),
+            budget_bytes=2000,
+            static_bytes=static,
+            shape=REF,
+            plan_version=session.plan.version,
+        )
+        return session.observe(obs)
+
+    plan = step(0, 100)
+    assert isinstance(plan, Plan) and plan.modes == first.modes
+    assert plan.predicted_peak_bytes == first.predicted_peak_bytes - 200
+    assert plan.reason.startswith("re-priced: steps start with 100 B of static memory, not the 300 B"), plan.reason
+    # A move within 1/256 of the budget changes nothing: no new version for the allocator's wobble.
+    assert step(1, 107) is None and step(2, 100) is None

@@ -45,15 +45,16 @@ def train(
     module: str,
     checkpointing: list[str],
     parallelism: tuple[str, ...] = (),
+    steps: int = STEPS,
 ) -> list[Any]:
-    """Train the debug model ``STEPS`` steps; what each rank recorded (losses, rematd's steps, parameters)."""
+    """Train the debug model ``steps`` steps; what each rank recorded (losses, rematd's steps, parameters)."""
     record = tmp / f"record-{len(list(tmp.iterdir()))}"
     record.mkdir()
     tokenizer, data = assets
     titan_args = [
         *("--module", "llama3", "--config", "llama3_debugmodel"),
         *("--hf-assets-path", str(tokenizer), "--dataloader.dataset-path", str(data)),
-        *("--dump-folder", str(record / "out"), "--training.steps", str(STEPS)),
+        *("--dump-folder", str(record / "out"), "--training.steps", str(steps)),
         *("--training.seq-len", "128", "--training.local-batch-size", "2", "--debug.seed", "0"),
         # torch releases shard torchtitan's default spmd_types parameters only from a nightly on.
         *("--parallelism.spmd-backend", "partial_dtensor"),
@@ -99,13 +100,13 @@ def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
     )  # fmt: skip
     assert_bitwise(reference, pinned, "pinned plan")
     profiled, *later = pinned[0]["steps"]
-    assert [s[0]["modes"] for s in pinned[0]["steps"]] == [["store"] * 6] + [PIN] * (STEPS - 1)
-    # What a later step would peak at with every block stored: the profiling step's activations on top of
-    # the static memory later steps start with (its own, plus the gradients and optimizer state it made).
-    storing = profiled[0]["measured"] - profiled[0]["static"] + later[0][0]["static"]
+    # The profiling step recomputes every block: no more memory than the leanest plan.
+    assert [s[0]["modes"] for s in pinned[0]["steps"]] == [["recompute"] * 6] + [PIN] * (STEPS - 1)
     assert later[0][0]["static"] > profiled[0]["static"], "gradients and optimizer state persist from step 2 on"
+    # What a later step would peak at with every block stored, as the planner prices it.
+    storing = later[0][0]["storing"]
     mixed = max(s[0]["measured"] for s in later)
-    assert mixed < storing
+    assert profiled[0]["measured"] - profiled[0]["static"] < mixed - later[0][0]["static"] < storing
     budget = (mixed + storing) // 2
 
     planned = train(
@@ -115,13 +116,32 @@ def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
     assert_bitwise(reference, planned, "planned")
     for rank, record in enumerate(planned):
         steps = [s[0] for s in record["steps"]]
-        assert steps[0]["modes"] == ["store"] * 6, "the first step profiles"
+        assert steps[0]["modes"] == ["recompute"] * 6, "the first step profiles, every block recomputed"
         first = steps[1]
         assert first["plan_version"] >= 1 and first["modes"] != ["store"] * 6, first
         # The first plan counted what persists from the profiling step: measured within 2% of its prediction.
         assert abs(first["measured"] - first["predicted"]) <= 0.02 * first["measured"], first
-        over = [(s["step"], s["measured"] / MIB) for s in steps[1:] if s["measured"] > budget]
+        over = [(s["step"], s["measured"] / MIB) for s in steps if s["measured"] > budget]
         assert not over, f"rank {rank}: steps over the budget of {budget / MIB:.1f} MiB: {over}"
+
+
+def test_rematd_mode_holds_a_budget_just_above_the_leanest_plan(tmp_path: Path, assets: tuple[Path, Path]) -> None:
+    lean = train(
+        tmp_path, assets, ranks=1, module="rematd.integrations.torchtitan",
+        checkpointing=["activation-checkpoint:rematd", "--activation-checkpoint.pin", ",".join(["recompute"] * 6)],
+    )  # fmt: skip
+    leanest = max(s[0]["measured"] for s in lean[0]["steps"][1:])
+    for factor in (1.02, 1.08):
+        budget = int(factor * leanest)
+        run = train(
+            tmp_path, assets, ranks=1, module="rematd.integrations.torchtitan", steps=8,
+            checkpointing=["activation-checkpoint:rematd", "--activation-checkpoint.budget-bytes", str(budget)],
+        )  # fmt: skip
+        steps = [s[0] for s in run[0]["steps"]]
+        over = [(s["step"], s["measured"] / MIB) for s in steps if s["measured"] > budget]
+        assert not over, f"x{factor}: steps over the budget of {budget / MIB:.2f} MiB: {over}"
+        predicted_over = [(s["step"], s["predicted"] / MIB) for s in steps[1:] if s["predicted"] > budget]
+        assert not predicted_over, f"x{factor}: plans predicted over the budget: {predicted_over}"
 
 
 def test_command_line_shows_and_refuses(tmp_path: Path) -> None:

@@ -81,6 +81,8 @@ class SwitchableBlock:
         self.compressor: Compressor | None = None
         """Where compressed activations are packed (set by the handle; without one a compressing block stores)."""
         self._in_forward = False
+        self._recording: Callable[..., Any] | None = None
+        """While a lean profile runs: the block's forward as the checkpoint's first pass runs it, measured."""
         self._cache_logged = False
         self.compiled: CompiledVariants | None = None
         """The compiled variants this block runs (``attach(..., compile=...)``); None: eager."""
@@ -112,6 +114,17 @@ class SwitchableBlock:
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._original(*args, **kwargs)
+        acct = self._accounting
+        if acct is None:
+            return self._switched(args, kwargs)
+        # What is saved while a block runs is the block's; the rest is saved outside the blocks.
+        acct.block_depth += 1
+        try:
+            return self._switched(args, kwargs)
+        finally:
+            acct.block_depth -= 1
+
+    def _switched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.profiling:
             return self._profiled(*args, **kwargs)
         mode = self._mode_to_run(args, kwargs)
@@ -163,12 +176,20 @@ class SwitchableBlock:
                 output = checkpoint(functools.partial(self._run, mode), *args, use_reentrant=False, **kwargs)
         finally:
             self._in_forward = False
-        if acct is not None:
-            # What the checkpoint keeps lives outside autograd's saved variables: count it by hand.
-            inputs = tensors_in([args, kwargs])
-            acct.hold([*inputs, *(kept or [])], until_grad_of=inputs)
-            acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), inputs)
+        self._count_checkpoint(mode, args, kwargs, output, kept or [])
         return output
+
+    def _count_checkpoint(
+        self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, kept: list[torch.Tensor]
+    ) -> None:
+        """On the CPU's accounting: what a checkpoint keeps lives outside autograd's saved variables, and what
+        it brings back in backward is made under hooks of its own: both counted by hand."""
+        acct = self._counting()
+        if acct is None:
+            return
+        inputs = tensors_in([args, kwargs])
+        acct.hold([*inputs, *kept], until_grad_of=inputs)
+        acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), inputs)
 
     def _offloaded(self, *args: Any, **kwargs: Any) -> Any:
         offloader = self.offloader
@@ -208,6 +229,9 @@ class SwitchableBlock:
         """The block's own forward, as the checkpoint calls it: in forward, and again in backward to
         rematerialise what it did not keep, which is timed for the planner."""
         if self._in_forward:
+            recording = self._recording
+            if recording is not None:
+                return recording(*args, **kwargs)
             return self._original(*args, **kwargs)
         with self.setup.recomputing(self.module):
             if self.timer is None:
@@ -222,6 +246,9 @@ class SwitchableBlock:
         return cost.transient.at(self.profile_shape, self.step_shape) if cost is not None else 0
 
     def _profiled(self, *args: Any, **kwargs: Any) -> Any:
+        """The block's forward, measured for the profile. Leanly where it can (:meth:`_profiled_lean`): as
+        recomputing keeps it, so that the profiling step needs no more memory than recomputing every block;
+        else storing, every saved tensor seen by hooks of its own."""
         acct = self._accounting
         excluded = acct.excluded if acct is not None else frozenset()
         inputs = tensors_in([args, kwargs])
@@ -236,21 +263,15 @@ class SwitchableBlock:
         counting = self._counting()
         if counting is not None and gathered:
             counting.gathered |= gathered
-
-        is_weight = self.setup.is_weight
-
-        def pack(t: torch.Tensor) -> Any:
-            if is_weight is not None and is_weight(t):
-                return t  # a weight the set-up gathered for this forward
-            profiler.record(t)
-            return counting.pack(t) if counting is not None else t
-
+        lean = self.mode == Mode.RECOMPUTE and not self._keeps_for_cache(args, kwargs)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, SavedTensorAccounting.unpack), profiler.timer:
-                output = self._original(*args, **kwargs)
+            if lean:
+                output = self._profiled_lean(profiler, args, kwargs)
+            else:
+                output = self._profiled_storing(profiler, counting, args, kwargs)
         except BaseException:
             # The outputs it collected hold the failed step's graph: let it go with the error.
             profiler.timer.kept.clear()
@@ -259,4 +280,75 @@ class SwitchableBlock:
             torch.cuda.synchronize()
         self.measure = profiler.result(inputs, time.perf_counter() - start, self.offer, self.host_bandwidth)
         self.profiling = False
+        if lean:
+            self._count_checkpoint(Mode.RECOMPUTE, args, kwargs, output, [])
         return output
+
+    def _profiled_storing(
+        self,
+        profiler: Profiler,
+        counting: SavedTensorAccounting | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The block's forward storing everything, each saved tensor measured as autograd keeps it."""
+        is_weight = self.setup.is_weight
+
+        def pack(t: torch.Tensor) -> Any:
+            if is_weight is not None and is_weight(t):
+                return t  # a weight the set-up gathered for this forward
+            profiler.record(t)
+            return counting.pack(t) if counting is not None else t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, SavedTensorAccounting.unpack), profiler.timer:
+            return self._original(*args, **kwargs)
+
+    def _profiled_lean(self, profiler: Profiler, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The block's forward as recomputing runs it (a checkpoint that keeps its input only), each tensor the
+        checkpoint's first pass would save measured on its way to the checkpoint, which keeps none of them:
+        the profile a storing forward gives, at the memory of recomputing. Backward rematerialises the block,
+        exactly as the recompute mode does."""
+        is_weight = self.setup.is_weight
+
+        def recording(*a: Any, **kw: Any) -> Any:
+            hooks = top_saved_tensors_hooks()
+            if hooks is None:
+                raise RuntimeError("rematd: a checkpoint's first pass runs without its saved-tensor hooks")
+            keep, give_back = hooks
+
+            def pack(t: torch.Tensor) -> Any:
+                if is_weight is None or not is_weight(t):
+                    profiler.record(t)
+                    # Held until the block's forward ends, as its rematerialisation holds them in backward: a
+                    # storage freed at once would be reused, and counted once for two (keys are addresses).
+                    alive.append(t)
+                return keep(t)
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, give_back), profiler.timer:
+                return self._original(*a, **kw)
+
+        alive: list[torch.Tensor] = []
+        self._recording = recording
+        self._in_forward = True
+        try:
+            return checkpoint(functools.partial(self._run, Mode.RECOMPUTE), *args, use_reentrant=False, **kwargs)
+        finally:
+            self._in_forward = False
+            self._recording = None
+            alive.clear()
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The saved-tensor hooks in force (a checkpoint's, inside its region), or None; None as well where this
+    torch cannot tell (the profile then stores: :func:`lean_profiling`)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    found = top(False)
+    return None if found is None else (found[0], found[1])
+
+
+def lean_profiling() -> bool:
+    """Whether this torch lets a profile measure what a checkpoint's first pass saves (it reads the hooks in
+    force, which torch exposes since 2.5): without, the profiling step stores every block."""
+    return hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")

@@ -105,6 +105,13 @@ class SavedTensorAccounting:
         """The set-up's test for saved tensors that are parameters it gathered anew for this use (weights)."""
         self.hard_limit_bytes: int | None = None
         """Live bytes a pack may not take the total above: it raises ``OutOfMemory`` instead."""
+        self.block_depth = 0
+        """Blocks whose forward is running (on the training thread): a storage first saved while none is, is
+        saved outside the blocks."""
+        self.outside_live = 0
+        self.outside_peak = 0
+        """Live bytes saved outside the blocks (the embeddings, the head, the loss), and their peak since
+        :meth:`take_outside_peak`: measured apart, whatever the blocks keep."""
 
     def exclude_module_state(self, module: torch.nn.Module) -> None:
         state = (*module.parameters(), *module.buffers())
@@ -138,10 +145,15 @@ class SavedTensorAccounting:
                         f"rematd hard limit: saving {size} more bytes for backward would hold "
                         f"{self.live_bytes + size} bytes, over hard_limit_bytes={limit}"
                     )
-                self._refs[key] = [1, size]
+                outside = self.block_depth == 0
+                self._refs[key] = [1, size, outside]
                 self.live_bytes += size
                 if self.live_bytes > self.peak_bytes:
                     self.peak_bytes = self.live_bytes
+                if outside:
+                    self.outside_live += size
+                    if self.outside_live > self.outside_peak:
+                        self.outside_peak = self.outside_live
             else:
                 ref[0] += 1
         return _Held(self, key, t)
@@ -159,6 +171,8 @@ class SavedTensorAccounting:
             if ref[0] == 0:
                 del self._refs[key]
                 self.live_bytes -= ref[1]
+                if ref[2]:
+                    self.outside_live -= ref[1]
 
     def hold(self, tensors: Iterable[torch.Tensor], until_grad_of: Iterable[torch.Tensor] = ()) -> None:
         """Count tensors that a checkpoint keeps outside autograd's saved variables, until
@@ -217,6 +231,7 @@ class SavedTensorAccounting:
         with self._lock:
             self._refs.clear()
             self.live_bytes = self.peak_bytes = 0
+            self.outside_live = self.outside_peak = 0
             self._transient, self._transient_owner = 0, None
 
     def release_held(self) -> None:
@@ -235,6 +250,14 @@ class SavedTensorAccounting:
             peak = self.peak_bytes
             self.peak_bytes = self.live_bytes
             return peak
+
+    def take_outside_peak(self) -> int:
+        """The peak of the bytes saved outside the blocks since the last call, less those still held (a graph
+        nobody ran backward through: the next step's static memory); the next period starts from the live
+        total."""
+        with self._lock:
+            peak, self.outside_peak = self.outside_peak, self.outside_live
+            return max(0, peak - self.outside_live)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

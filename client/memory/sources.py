@@ -21,6 +21,9 @@ class MemorySample(AllocatorFigures):
     held_bytes: int = 0
     """On the CPU, bytes saved for backward still held once the step is over (a graph nobody ran backward
     through): there at the next step's start, which counts them as static memory."""
+    outside_bytes: int = 0
+    """On the CPU, the peak of the bytes saved outside the blocks (embeddings, head, loss), less those still
+    held once the step is over."""
 
 
 def outside_blocks(*, peak: int, static: int, blocks: int, allocated_after: int, fresh_grads: int) -> Size:
@@ -102,5 +105,6 @@ class SavedTensorMemory:
         return MemorySample(
             saved_peak_bytes=self.accounting.take_peak(),
             held_bytes=self.accounting.live_bytes,
+            outside_bytes=self.accounting.take_outside_peak(),
             total_bytes=self.total_bytes,
         )

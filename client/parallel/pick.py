@@ -30,7 +30,14 @@ from rematd.client.parallel.agreement import Agreement
 from rematd.client.parallel.base import SetUp
 from rematd.client.parallel.fsdp import Fsdp, check_units, is_sharded, refuse_fsdp1
 from rematd.client.parallel.fsdp import block_class as fsdp_block_class
-from rematd.client.parallel.pipeline import Pipeline, Schedule, StepStart, is_schedule, read_schedule
+from rematd.client.parallel.pipeline import (
+    Pipeline,
+    Schedule,
+    StepStart,
+    is_schedule,
+    read_schedule,
+    running_schedule,
+)
 from rematd.client.parallel.ranks import dist_rank
 from rematd.client.parallel.tensor import TensorParallel, has_dtensors
 from rematd.client.parallel.zero import Zero3, follow, is_engine, is_zero3, refuse_unsupported
@@ -50,6 +57,7 @@ __all__ = [
     "pick",
     "read_schedule",
     "resolve",
+    "running_schedule",
 ]
 
 

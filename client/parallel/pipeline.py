@@ -18,6 +18,8 @@ hold activations between the two: refused, naming those that are supported.
 from __future__ import annotations
 
 import math
+import sys
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +144,22 @@ def _inner(module: nn.Module) -> nn.Module:
     inner = module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
     assert isinstance(inner, nn.Module)
     return inner
+
+
+def running_schedule(depth: int = 64) -> Any | None:
+    """The ``torch.distributed.pipelining`` schedule whose ``step()`` is running on this thread's stack (a stage
+    module's forward called by it), or None. Read once, at a handle's first step: a module attached without
+    ``h.pipeline`` learns so that a schedule runs it."""
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if "pipelining" in frame.f_code.co_filename:
+            found = frame.f_locals.get("self")
+            if is_schedule(found):
+                return found
+        frame = frame.f_back
+    return None
 
 
 def microbatch_shape(args: tuple[Any, ...], kwargs: dict[str, Any], n_microbatches: int) -> Shape | None:

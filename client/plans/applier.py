@@ -22,7 +22,7 @@ NO_PLAN = Plan(
     predicted_peak_bytes=0,
     predicted_overhead_ratio=0.0,
     target_bytes=0,
-    reason="profiling: the first step runs without checkpointing",
+    reason="profiling: every block recomputes until the planner's first plan",
 )
 
 
@@ -125,7 +125,9 @@ class PlanApplier:
         self._applied = key
         if self.pinned is not None:
             modes = self.pinned
-        elif self.lean_after is not None or self._beyond(shape):
+        elif self.lean_after is not None or not self.plan.version or self._beyond(shape):
+            # No plan yet (a service answers the profile a step or more later), a budget cut not yet
+            # answered, or a step past the table: every block keeps the least it can.
             modes = tuple(leanest(b.offer) for b in self.blocks)
         else:
             modes = self.plan.modes_for(shape, n)

@@ -7,14 +7,10 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rematd.client.service.throttle import Throttled
 from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
 from rematd.planner import Mode, Plan, PlannerSession
 
 log = logging.getLogger("rematd.client")
-
-FAR_OVER = 1.10
-"""A step peaking over this multiple of its budget is logged (at most every 30 s) when planning in-process."""
 
 PlanCallback = Callable[[Plan], None]
 Pricer = Callable[[tuple[Mode, ...], int, str], Plan | None]
@@ -41,9 +37,6 @@ class EmbeddedBackend:
         self._hello: Hello | None = None
         self._session: PlannerSession | None = None
         self._last: StepStats | None = None
-        self._over = Throttled()
-        self._said_no_fit = 0
-        """The last plan version whose "no plan fits" was logged."""
 
     def open(self, hello: Hello) -> None:
         self._hello = hello
@@ -54,26 +47,29 @@ class EmbeddedBackend:
         if self._hello is None:
             return
         self._hello = dataclasses.replace(self._hello, **fields)
-        budget = fields.get("budget_bytes")
-        if (
-            budget is not None
-            and self._session is not None
-            and self._last is not None
-            and budget != self._last.budget_bytes
-        ):
-            self._replan(budget, self._last)
+        last = self._last
+        if self._session is None or last is None:
+            return
+        budget = fields.get("budget_bytes", last.budget_bytes)
+        static = fields.get("static_bytes", last.static_bytes)
+        if (budget, static) != (last.budget_bytes, last.static_bytes):
+            self._replan(last, budget, static)
 
-    def _replan(self, budget: int, last: StepStats) -> None:
-        """Plan for a new budget now, so that the very next step runs under it.
+    def _replan(self, last: StepStats, budget: int, static: int) -> None:
+        """Plan for a new budget, or static memory other than the last step's, now, so that the very next step
+        runs under it.
 
-        The last step is offered again with the new budget and none of its measurements (no peak,
-        timings, retries or fragmentation; the device's room stays): the planner learns nothing
-        twice and only re-decides against the new target.
+        The last step is offered again with the new figures, as a step of the plan in force, and none of
+        its measurements (no peak, timings, retries or fragmentation; the device's room stays): the planner
+        learns nothing twice and only re-decides against the new target.
         """
         assert self._session is not None and self._hello is not None
         again = dataclasses.replace(
             last,
             budget_bytes=budget,
+            static_bytes=static,
+            plan_version=self._session.plan.version,
+            step_seconds=0.0,
             peak_allocated_bytes=0,
             saved_peak_bytes=0,
             mode_seconds=(),
@@ -92,27 +88,6 @@ class EmbeddedBackend:
         plan = self._session.observe(observation(self._hello, stats))
         if plan is not None:
             self._on_plan(plan)
-        self._watch(stats, self._session.plan)
-
-    def _watch(self, stats: StepStats, plan: Plan) -> None:
-        """Say in the training job's log when it runs far over its budget, or no plan fits it: nobody watches a
-        dashboard of an in-process planner."""
-        assert self._hello is not None
-        peak = stats.peak_bytes(self._hello.memory_source)
-        if peak > FAR_OVER * stats.budget_bytes:
-            self._over.log(
-                logging.WARNING,
-                "rematd: step %d peaked at %.1f MiB, %.0f%% over the budget of %.1f MiB (plan v%d: %s)",
-                stats.step,
-                peak / 2**20,
-                100 * (peak / stats.budget_bytes - 1),
-                stats.budget_bytes / 2**20,
-                plan.version,
-                plan.reason,
-            )
-        if "no plan fits" in plan.reason and plan.version > self._said_no_fit:
-            self._said_no_fit = plan.version
-            log.warning("rematd: no plan fits the budget of %.1f MiB: %s", stats.budget_bytes / 2**20, plan.reason)
 
     def send_oom(self, oom: OomReport) -> None:
         if self._session is not None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from rematd.client.blocks.switchable import lean_profiling
 from rematd.client.call_shape import shape_of
 from rematd.client.memory.sources import CudaMemory, MemorySample
 from rematd.client.parallel.agreement import CODES, MODES
@@ -35,6 +36,7 @@ from rematd.client.steps.hello import (
 )
 from rematd.client.steps.oom import free_after_oom, oom_message
 from rematd.client.steps.phases import Lifecycle, Phase
+from rematd.client.steps.watch import BudgetWatch
 from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Shape
 
@@ -65,9 +67,7 @@ class StepCycle:
         same_plan: bool | None = None,
         group: object | None = None,
     ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.backend = backend
+        self.model, self.optimizer, self.backend = model, optimizer, backend
         self._use(parts)
         self.who = Identity(
             job=job or f"job-{uuid.uuid4().hex[:8]}", fingerprint=fingerprint, margin_ratio=margin_ratio
@@ -94,10 +94,9 @@ class StepCycle:
         self.errors = 0
         """Failures of rematd's bookkeeping caught on the training thread; training went on after each."""
         self._counting: torch.autograd.graph.saved_tensors_hooks | None = None
-        self.same_plan = same_plan
-        """Whether the ranks agree on one plan each step (None: as the set-up says)."""
-        self.group = group
-        """The process group plain ranks agree over with ``same_plan=True`` (DDP's; None: the default group)."""
+        self._agreeing = (same_plan, group)
+        """Whether the ranks agree on one plan each step (None: as the set-up says), and the process group plain
+        ranks agree over with ``same_plan=True`` (DDP's; None: the default group)."""
         self.setup: SetUp = PLAIN
         """The parallel set-up, picked at the first step (a model may be sharded after ``attach``)."""
         self.schedule: Schedule | None = None
@@ -106,6 +105,10 @@ class StepCycle:
         """The engine whose step ends a step, when known: its optimizer's partitions are static memory."""
         self._shape_seen = False
         """Whether the step's first forward has shown its shape (a schedule's step starts before any forward)."""
+        self._hello_static: int | None = None
+        """The static memory the hello gave the first plan, until the first step after it has checked it."""
+        self.watch = BudgetWatch()
+        """What the log says of the steps' memory."""
         self.ran: tuple[Mode, ...] = ()
         """The modes the step runs, when they are not its plan's (a pin, or the plan the ranks agreed on)."""
 
@@ -132,11 +135,16 @@ class StepCycle:
         self._shape_seen = shape is None
         self.shape = shape_of(args, kwargs) if shape is None else shape
         if runs_in is Phase.PROFILING:
+            lean = lean_profiling()
             for b in self.blocks:
                 b.profiling = True
                 b.profile_shape = self.shape
+                # Profiled as recomputing keeps it: the first step needs no more memory than the leanest plan.
+                b.mode = Mode.RECOMPUTE if lean and Mode.RECOMPUTE in b.offer else Mode.STORE
             self.fresh_grads = fresh_grad_bytes(self.model)
         elif runs_in is Phase.PLANNED:
+            if self._hello_static is not None:
+                self._first_planned_step()
             self.applier.apply_pending(self.shape)
         elif (
             runs_in is Phase.SAFE
@@ -151,7 +159,7 @@ class StepCycle:
         if self.setup.agreement is not None and runs_in is not Phase.RETRY:
             self._agree()
         self.ran = self._modes_run(runs_in)
-        self.setup.step_begins(tuple(b.mode in RERUN and not b.profiling for b in self.blocks))
+        self.setup.step_begins(tuple(b.mode in RERUN for b in self.blocks))
         self._step_shape()
         self.static = self._static_now()
         # On the CPU, what the accounting still holds from before the step is there throughout it.
@@ -167,6 +175,16 @@ class StepCycle:
         assert self.schedule is not None
         shape = self.schedule.microbatch_shape(args, kwargs)
         self.begin(args, kwargs, shape if shape is not None else self.shape)
+
+    def _first_planned_step(self) -> None:
+        """The hello counted what the profiling step left behind (optimizer state, and gradients, which a loop may
+        keep or free) as the first plan's static memory. The first step after it shows what stayed: where less
+        did, the planner plans again for it (in-process before this step runs; a service from its report)."""
+        assert self._hello_static is not None
+        now = self._static_now() + (0 if self._on_cuda() else self.accounting.live_bytes)
+        if now < self._hello_static:
+            self.backend.update_hello(static_bytes=now)
+        self._hello_static = None
 
     def _step_shape(self) -> None:
         if self.blocks[0].step_shape != self.shape:
@@ -219,7 +237,8 @@ class StepCycle:
     def _first_step(self) -> None:
         """What can only be seen at the first step: the parallel set-up (a model may be sharded after attach)."""
         found = [(b.name, b.module) for b in self.blocks]
-        self.setup = pick(self.model, found, same_plan=self.same_plan, schedule=self.schedule, group=self.group)
+        same_plan, group = self._agreeing
+        self.setup = pick(self.model, found, same_plan=same_plan, schedule=self.schedule, group=group)
         self.accounting.is_weight = self.setup.is_weight
         for b in self.blocks:
             b.setup = self.setup
@@ -228,22 +247,22 @@ class StepCycle:
     def _agree(self) -> None:
         """Run the modes the ranks of the set-up's group agree on (per block the leanest any put forward)."""
         assert self.setup.agreement is not None
-        own = [CODES[Mode.STORE] if b.profiling else CODES[b.mode] for b in self.blocks]
+        own = [CODES[b.mode] for b in self.blocks]
         chosen = self.setup.agreement.agree(own)
         if chosen == own:
             return
         for b, code in zip(self.blocks, chosen, strict=True):
             mode = MODES[code]
-            if mode is not Mode.STORE or not b.profiling:
-                b.profiling = False  # profiled at a later step, when every rank stores it
+            if mode is not b.mode:
+                b.profiling = False  # profiled at a later step, when every rank runs it as it profiles
                 b.mode = mode
         # The blocks' modes are not the plan's any more: the next step sets them from the plan again.
         self.applier.invalidate()
 
     def _modes_run(self, runs_in: Phase) -> tuple[Mode, ...]:
-        if runs_in is Phase.PROFILING or any(b.profiling for b in self.blocks):
-            return ()
         modes = tuple(b.mode for b in self.blocks)
+        if runs_in is Phase.PROFILING or any(b.profiling for b in self.blocks):
+            return modes  # no plan's: the profile's modes
         return () if modes == self.applier.plan.modes_for(self.shape, len(self.blocks)) else modes
 
     def end(self) -> None:
@@ -266,10 +285,12 @@ class StepCycle:
         elapsed = time.perf_counter() - self.started if self.started else 0.0
         recompiles, compile_seconds = self.compiled.take() if self.compiled is not None else (0, 0.0)
         self.offloader.end_step()
-        if recompiles:
-            # The forwards that compiled were timed with their compile: seconds, not what the mode costs.
+        profiling = not self.life.has_profile
+        if recompiles or profiling:
+            # The forwards that compiled were timed with their compile: seconds, not what the mode costs. The
+            # profiling step's are cold (first allocations, caches filled): the profile holds its prices.
             self.timer.forget()
-        if not self.life.has_profile and complete_profile(self.blocks):
+        if profiling and complete_profile(self.blocks):
             self.life.profiled()
             self.backend.open(self._hello(sample))
             if self.unsent_oom is not None:
@@ -292,6 +313,7 @@ class StepCycle:
         )
         self.last_stats = stats
         self.step += 1
+        self.watch.step_ended(stats, stats.peak_bytes(self.memory.kind), self.applier.in_force())
         self.backend.send_stats(stats)
 
     def _hello(self, sample: MemorySample) -> Hello:
@@ -323,9 +345,12 @@ class StepCycle:
             in_flight=self.setup.in_flight(len(self.blocks)),
             other_in_flight=self.setup.other_in_flight,
             stages=self.setup.stages(len(self.blocks)),
+            ran=self.ran or tuple(b.mode for b in self.blocks),
         )
         # The first plan is made for the steps after profiling, which start with what profiling left behind.
-        return dataclasses.replace(hello, static_bytes=hello.static_bytes + self._persisted())
+        static = hello.static_bytes + self._persisted()
+        self._hello_static = static
+        return dataclasses.replace(hello, static_bytes=static)
 
     # -- saved-tensor accounting around the model's forward -------------------
 

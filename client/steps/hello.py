@@ -18,7 +18,7 @@ from rematd.client.memory.accounting import SavedTensorAccounting, local_part, t
 from rematd.client.memory.sources import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
 from rematd.client.service.credential import job_credential
 from rematd.messages import BlockProfile, Hello
-from rematd.planner import Mode, Shape, Size, Term
+from rematd.planner import Mode, Option, Shape, Size, Term, peak_of
 
 log = logging.getLogger("rematd.client")
 
@@ -87,22 +87,33 @@ def complete_profile(blocks: Sequence[SwitchableBlock]) -> bool:
     return True
 
 
+def blocks_at_peak(records: Sequence[BlockProfile], modes: Sequence[Mode]) -> int:
+    """What the blocks held at the profiling step's peak, by the planner's own model of a peak in backward
+    order, the memory outside the blocks held throughout (as on CUDA), for the ``modes`` the step ran
+    (recomputing every block, or storing every one where the profile could not run leanly)."""
+    chosen = []
+    for r, mode in zip(records, modes, strict=True):
+        cost = next((c for c in r.modes if c.mode == mode), None)
+        kept, transient = (cost.kept.bytes, cost.transient.bytes) if cost is not None else (r.saved_bytes, 0)
+        chosen.append(Option(mode, kept, transient, 0.0, (r.in_flight - 1) * kept, r.stage))
+    return peak_of(chosen) if chosen else 0
+
+
 def other_activations(
     memory: Memory, sample: MemorySample, *, blocks_bytes: int, static: int, fresh_grads: int, gathered: int = 0
 ) -> Size:
-    """Memory at the peak outside static memory and the blocks, from the profiling step (every block
-    stored). On the CPU, bytes the rest of the model saves. On CUDA, what the allocator's peak holds
-    beyond that: logits, the loss's upcast, gradients as they accumulate, optimizer temporaries,
-    allocator rounding. Gradients of parameters that had none at the step's start do not grow with
-    the input; what the step created and kept (optimizer state) is later steps' static memory; the
-    rest is taken to grow with tokens (:func:`rematd.client.memory.sources.outside_blocks`).
+    """Memory at the peak outside static memory and the blocks, from the profiling step. On the CPU, bytes the
+    rest of the model saves, counted apart as they are saved (:attr:`MemorySample.outside_bytes`). On CUDA,
+    what the allocator's peak holds beyond ``blocks_bytes``, what the blocks held then (:func:`blocks_at_peak`):
+    logits, the loss's upcast, gradients as they accumulate, optimizer temporaries, allocator rounding.
+    Gradients of parameters that had none at the step's start do not grow with the input; what the step
+    created and kept (optimizer state) is later steps' static memory; the rest is taken to grow with tokens
+    (:func:`rematd.client.memory.sources.outside_blocks`).
 
     ``gathered``: on CUDA, the parameters the parallel set-up holds gathered at the peak, a constant of the
     model's sharding, kept out of what grows with tokens. (On the CPU a sharded model's static bytes hold them.)"""
     if not isinstance(memory, CudaMemory):
-        # What the step saved and still held after it (a graph nobody ran backward through) is static memory
-        # from the next step on, not what a step saves outside the blocks.
-        return Size.linear(max(0, sample.saved_peak_bytes - static - blocks_bytes - sample.held_bytes))
+        return Size.linear(sample.outside_bytes)
     outside = outside_blocks(
         peak=sample.peak_allocated_bytes,
         static=static,
@@ -137,13 +148,14 @@ def build_hello(
     in_flight: Sequence[int] = (),
     other_in_flight: int = 1,
     stages: Sequence[int] = (),
+    ran: Sequence[Mode] = (),
 ) -> Hello:
     """The hello that opens the planner, from the profiling step; the blocks stop profiling.
 
     ``in_flight``: per block, the microbatches whose activations of it are alive at once at the peak (a
     stage's; default one each); ``other_in_flight``: likewise for the memory outside the blocks, which the
     profiling step's peak holds for each of them, and the hello gives per microbatch; ``stages``: per block,
-    which of the rank's stages it runs in."""
+    which of the rank's stages it runs in; ``ran``: the modes the profiling step ran (default: storing)."""
     flights = tuple(in_flight) or (1,) * len(blocks)
     where = tuple(stages) or (0,) * len(blocks)
     records = tuple(
@@ -173,7 +185,7 @@ def build_hello(
             other_activations(
                 memory,
                 sample,
-                blocks_bytes=sum(r.saved_bytes * r.in_flight for r in records),
+                blocks_bytes=blocks_at_peak(records, tuple(ran) or (Mode.STORE,) * len(records)),
                 static=static,
                 fresh_grads=fresh_grads,
                 gathered=gathered,

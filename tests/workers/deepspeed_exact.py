@@ -34,7 +34,9 @@ def schedule(n: int, case: dict[str, Any]) -> list[list[Mode] | None]:
     """A new pin every step, or (``hold``) each pin held three steps: what a switch costs shows after it."""
     mixed = [(Mode.SELECTIVE, Mode.RECOMPUTE, Mode.STORE)[i % 3] for i in range(n)]
     if case.get("hold"):
-        return [None, *[[Mode.RECOMPUTE] * n] * 3, *[[Mode.SELECTIVE] * n] * 3, *[mixed] * 3]
+        # The profiling step recomputes every block: selective reruns them in the same order, storing is a switch
+        # (to fewer gathers), the mix a switch to more.
+        return [None, *[[Mode.SELECTIVE] * n] * 3, *[[Mode.STORE] * n] * 3, *[mixed] * 3]
     plan = [None, [Mode.SELECTIVE] * n, [Mode.RECOMPUTE] * n, mixed, [Mode.STORE] * n, [Mode.RECOMPUTE] * n]
     return plan[: case.get("steps", 6)]
 

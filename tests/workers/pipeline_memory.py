@@ -37,7 +37,10 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
     else:
         schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stages[0], n_micro, loss_fn=loss_fn)
     opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=1e-3)
-    h = client.attach(schedule, optimizer=opt, modes=["recompute"], job="pipeline-memory")
+    # Attached to the schedule, or to the rank's (first) stage module with nothing said of the schedule: rematd
+    # finds the schedule running it at the first step.
+    attached = modules[0] if config.get("attach") == "module" else schedule
+    h = client.attach(attached, optimizer=opt, modes=["recompute"], job="pipeline-memory")
     n = len(h.blocks)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, 64, (4 * config.get("microbatch", 2), config.get("seq", 64)), generator=gen)
@@ -50,7 +53,18 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    if config.get("refused"):
+        # The rank runs several stages and rematd is attached to one: the first step stops, saying what to set.
+        try:
+            step()
+        except ValueError as err:
+            said = f"{type(err).__name__}: {err}"
+        else:
+            said = ""
+        h.close()
+        return {"case": config, "rank": rank, "said": said}
     step()  # profiling
+    found = h.pipeline is schedule
     static_peaks = []
     for k in range(n + 1):
         h.pin_modes([Mode.RECOMPUTE] * k + [Mode.STORE] * (n - k))
@@ -59,10 +73,10 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
         static_peaks.append(h.last_stats.saved_peak_bytes)
     peaks: list[list[int]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(peaks, static_peaks)
-    # One budget whose target the first stage fits by recomputing half its blocks: the last stage, which holds
+    # One budget whose target the first stage fits by recomputing half its blocks and the last stage, which holds
     # one microbatch, fits storing them all.
     h.pin_modes(None)
-    h.budget_bytes = int(peaks[0][n // 2] * 1.01 / (1 - h.margin_ratio))
+    h.budget_bytes = int(max(peaks[0][n // 2], peaks[-1][0]) * 1.01 / (1 - h.margin_ratio))
     planned = []
     for _ in range(config.get("steps", 8)):
         step()
@@ -84,6 +98,7 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
         "rank": rank,
         "blocks": n,
         "in_flight": list(h._cycle.setup.in_flight(n)),
+        "found_schedule": found,
         "static_peaks": static_peaks,
         "budget": h.budget_bytes,
         "planned": planned,
