@@ -113,7 +113,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from rematd import client
-    from rematd.planner import Mode
+    from rematd.planner import Mode, letters
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -160,7 +160,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 c.seconds.append(c.step(ids))
                 if c.name == "rematd":
                     rematd_peaks.append(peak())
-    plan = "".join({Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "o"}[m] for m in h.modes)
+    plan = letters(h.modes)
     result = {
         "rank": rank,
         "device": torch.cuda.get_device_name() if cuda else "cpu",

@@ -7,9 +7,12 @@ One budget per job (a fraction of what no checkpointing saves for backward at
 the longest length, ``--budgets``), held while the length changes phase by
 phase, as in ``rematd demo``. The contenders step in turn, round after round:
 no checkpointing, rematd at each budget, and at each length the static plans a
-user would write (all-selective, all-recompute, every 2nd, 3rd and 4th block
-recomputed, and for each budget the fewest leading blocks recomputed,
-selective, or recomputed with the rest selective, that fit by the profile,
+user would write (all-selective, all torchtitan's selective, the attention
+alone or the MLP alone recomputed in every block, all-recompute, every 2nd,
+3rd and 4th block recomputed, and for each budget the fewest leading blocks
+recomputed, selective, with their MLP or their attention recomputed, or
+recomputed with the rest selective or with the rest's MLP recomputed, that
+fit by the profile,
 every larger count of leading blocks recomputed, and the fewest recomputed
 blocks spread evenly). A static plan counts as fitting when its measured peak
 (saved-tensor accounting) is within the budget. Static plans over every
@@ -67,6 +70,7 @@ from rematd.planner.plan import entry_for
 from rematd.planner.spread import spread
 
 S, K, R = Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE
+T, A, M = Mode.TITAN, Mode.ATTENTION, Mode.MLP
 TARGET = 1.03
 """rematd's step over the fastest static plan that fits, at most (the median of the rounds' ratios)."""
 EVERY = ((2, "nd"), (3, "rd"), (4, "th"))
@@ -99,6 +103,9 @@ def families(n: int, profile: Profile, shape: Shape, budget: int) -> dict[str, t
     recomputation can be faster where storing costs time); and the fewest recomputed blocks spread evenly."""
     plans = {
         "all-selective": (K,) * n,
+        "all-titan": (T,) * n,
+        "all-attention": (A,) * n,
+        "all-mlp": (M,) * n,
         "all-recompute": (R,) * n,
         **{f"every-{k}{suffix}": tuple(R if i % k == 0 else S for i in range(n)) for k, suffix in EVERY},
     }
@@ -108,11 +115,19 @@ def families(n: int, profile: Profile, shape: Shape, budget: int) -> dict[str, t
     def fits(modes: tuple[Mode, ...]) -> bool:
         return peak_of(choose(options, modes), outside_bytes=other, outside_in_backward=False) <= budget
 
-    for name, head, tail in (("first-m R", R, S), ("first-m s", K, S), ("first-m R, rest s", R, K)):
+    families = (
+        ("first-m R", R, S),
+        ("first-m s", K, S),
+        ("first-m m", M, S),
+        ("first-m a", A, S),
+        ("first-m R, rest s", R, K),
+        ("first-m R, rest m", R, M),
+    )
+    for name, head, tail in families:
         fewest = next((m for m in range(1, n + 1) if fits((head,) * m + (tail,) * (n - m))), None)
         if fewest is None:
             continue  # none of them (m = 0) is storing every block, already a contender
-        plans[name.replace("m", str(fewest))] = (head,) * fewest + (tail,) * (n - fewest)
+        plans[name.replace("first-m", f"first-{fewest}")] = (head,) * fewest + (tail,) * (n - fewest)
         if head == R and tail == S:
             for m in range(fewest + 1, n):
                 plans[f"first-{m} R"] = (R,) * m + (S,) * (n - m)
@@ -173,7 +188,7 @@ class Ours:
 
 def attach(setup: Setup, budget: int) -> Runner:
     model = gpt(setup.n_layer, setup.d_model, setup.n_head)
-    h = client.attach(model, budget_bytes=budget, modes=["recompute", "selective"])
+    h = client.attach(model, budget_bytes=budget)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     timed_step(model, opt, tokens(setup.batch, setup.lengths[0], 0), h.step)  # the profiling step
     return Runner("", model, opt, h, [], [])

@@ -1,20 +1,23 @@
-"""rematd inside torchtitan's trainer against torchtitan's own checkpointing, on its debug Llama, at one budget.
+"""rematd inside torchtitan's trainer against torchtitan's own checkpointing, on its debug Llama: the front.
 
-    python -m bench.torchtitan                      # 1 CPU rank, sequence 512, batch 4, 8 steps per contender
+    python -m bench.torchtitan                      # 1 CPU rank, sequence 256, batch 4, 40 steps per contender
     python -m bench.torchtitan --ranks 2            # 2 CPU ranks, FSDP (gloo)
-    python -m bench.torchtitan --quick              # sequence 128, 5 steps: a smoke run
+    python -m bench.torchtitan --quick              # sequence 128, 6 steps: a smoke run
 
 Each contender is a training run of its own, started as a user would, with torchtitan's arguments (on the CPU
-through ``bench.torchtitan_cpu``, which adds the stand-ins torchtitan needs there): ``torchtitan.train``
-with ``activation-checkpoint:none``, ``full``, ``selective`` and ``memory-budget`` (``--compile.enable``, its
-``--activation-checkpoint.memory-budget``: the compiler's partitioner chooses what to keep), and
-``rematd.integrations.torchtitan`` with ``activation-checkpoint:rematd`` at a budget ``--between`` of the way
-from its own measure of every block recomputed (a pinned run, first) to every block stored.
+through ``bench.torchtitan_cpu``, which adds the stand-ins torchtitan needs there): ``torchtitan.train`` with
+``activation-checkpoint:none``, ``full`` and ``selective`` (and, with ``--memory-budget``, ``memory-budget``:
+``--compile.enable``, the compiler's partitioner chooses what to keep); then
+``rematd.integrations.torchtitan`` with ``activation-checkpoint:rematd``: pinned to ``recompute`` (what
+``full`` keeps) and to ``titan`` (torchtitan's selective policy, op for op), whose peaks in rematd's own
+measure are the budgets rematd then plans under, each as a run of its own ("rematd at full's peak", "at
+selective's"), and a budget halfway from selective's peak to every block stored.
 
-Reported per contender: the median step time after the first two steps (compiling, profiling), relative to
-``none``; the peak of CPU memory above the step's start during one late step (``--profile-step``), read from
-torch's memory profiler (every allocation, compiled code's included; that step is not timed); and for rematd
-its plan and its own measured peak against the budget. Prints a table; writes JSON (``--out``).
+Reported per contender: the median step time over the second half of the run (the planner has settled; the
+profiled step left out), relative to ``none``; one measure of peak for all, the CPU memory above the step's
+start during the last step (``--profile-step``), read from torch's memory profiler (every allocation,
+compiled code's included; that step is not timed); and for rematd its last plan, its own measured peak and
+its budget. Prints a table; writes JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from bench.common import table, write_json
 from bench.launch import run_launcher
 from bench.torchtitan_cpu import PROFILE_STEP, RECORD, make_assets
+from rematd.planner import MODES_BY_LABEL
 
 MiB = 2**20
 
@@ -37,17 +41,16 @@ MiB = 2**20
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=1, help="processes (default 1; 2 shards with FSDP)")
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4, help="per rank")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile-step", type=int, default=0, help="the step whose memory is profiled (default: last)")
-    p.add_argument("--between", type=float, default=0.5, help="rematd's budget, 0 (recompute all) to 1 (store all)")
-    p.add_argument("--memory-budget", type=float, default=0.5, help="torchtitan's memory-budget mode's setting")
-    p.add_argument("--quick", action="store_true", help="sequence 128, 5 steps")
+    p.add_argument("--memory-budget", type=float, default=0.0, help="run torchtitan's memory-budget mode at this")
+    p.add_argument("--quick", action="store_true", help="sequence 128, 6 steps")
     p.add_argument("--out", default="artifacts/torchtitan.json", help="where the JSON goes")
     args = p.parse_args(argv)
     if args.quick:
-        args.seq, args.steps = 128, 5
+        args.seq, args.steps = 128, 6
     args.profile_step = args.profile_step or args.steps
     return args
 
@@ -70,21 +73,31 @@ def run(args: argparse.Namespace, assets: tuple[Path, Path], where: Path, module
     return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(args.ranks)]
 
 
-def summary(name: str, records: list[Any], profile_step: int) -> dict[str, Any]:
-    timed = [s for i, s in enumerate(records[0]["seconds"]) if i >= 2 and i + 1 != profile_step]
+def summary(name: str, records: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A contender's row: its median step over the second half of the run (the profiled step left out), its
+    peak by torch's memory profiler, and for rematd its last plan, own peak and budget."""
+    seconds = records[0]["seconds"]
+    half = max(2, len(seconds) // 2)
+    timed = [s for i, s in enumerate(seconds) if i >= half and i + 1 != args.profile_step]
     row: dict[str, Any] = {
         "contender": name,
-        "step_s": statistics.median(timed),
+        "step_s": statistics.median(timed or seconds[1:]),
         "peak_mib": max(r["peaks"][0] for r in records) / MiB,
         "loss": float(records[0]["losses"][-1]),
     }
     steps = records[0]["steps"]
     if steps and steps[-1]:
         last = steps[-1][0]
-        row["plan"] = "".join({"store": ".", "selective": "s", "recompute": "R"}.get(m, "?") for m in last["modes"])
+        row["plan"] = "".join(MODES_BY_LABEL[m].letter for m in last["modes"])
         row["rematd_peak_mib"] = max(s[0]["measured"] for s in steps[1:]) / MiB
         row["budget_mib"] = last["budget"] / MiB
+        row["over"] = sum(s[0]["measured"] > s[0]["budget"] for s in steps)
     return row
+
+
+def rematd_peak(records: list[Any]) -> int:
+    """The largest peak in rematd's own measure over the ranks' steps after the profiling step."""
+    return max(s[0]["measured"] for r in records for s in r["steps"][1:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,32 +110,44 @@ def main(argv: list[str] | None = None) -> None:
         runs.mkdir()
         titan, rematd = "torchtitan.train", "rematd.integrations.torchtitan"
         for mode in ("none", "full", "selective"):
-            rows.append(summary(mode, run(args, assets, runs, titan, [f"activation-checkpoint:{mode}"]), args.steps))
-        compiled = ["--compile.enable", "activation-checkpoint:memory-budget"]
-        budget_ac = [*compiled, "--activation-checkpoint.memory-budget", str(args.memory_budget)]
-        rows.append(summary(f"memory-budget {args.memory_budget}", run(args, assets, runs, titan, budget_ac), 0))
-        ours = ["activation-checkpoint:rematd", "--activation-checkpoint.margin", "0.02"]
-        pinned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.pin", "recompute"])
-        profiled, *later = pinned[0]["steps"]
-        recomputing = max(s[0]["measured"] for s in later)
-        storing = profiled[0]["measured"] - profiled[0]["static"] + later[0][0]["static"]
-        budget = int(recomputing + args.between * (storing - recomputing))
-        planned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.budget-bytes", str(budget)])
-        rows.append(summary(f"rematd {args.between:.0%}", planned, args.steps))
+            rows.append(summary(mode, run(args, assets, runs, titan, [f"activation-checkpoint:{mode}"]), args))
+        if args.memory_budget:
+            compiled = ["--compile.enable", "activation-checkpoint:memory-budget"]
+            budget_ac = [*compiled, "--activation-checkpoint.memory-budget", str(args.memory_budget)]
+            rows.append(summary(f"memory-budget {args.memory_budget}", run(args, assets, runs, titan, budget_ac), args))
+        ours = ["activation-checkpoint:rematd"]
+        peaks = {}
+        for pin, like in (("recompute", "full"), ("titan", "selective"), ("store", "none")):
+            pinned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.pin", pin])
+            rows.append(summary(f"rematd pinned {pin}", pinned, args))
+            peaks[like] = rematd_peak(pinned)
+        budgets = {
+            "full's peak": peaks["full"],
+            "selective's peak": peaks["selective"],
+            "halfway to none": (peaks["selective"] + peaks["none"]) // 2,
+        }
+        for label, budget in budgets.items():
+            planned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.budget-bytes", str(budget)])
+            rows.append(summary(f"rematd at {label}", planned, args))
     base = rows[0]["step_s"]
+    by_name = {row["contender"]: row for row in rows}
     for row in rows:
         row["vs_none"] = row["step_s"] / base
+    for name, like in (("rematd at full's peak", "full"), ("rematd at selective's peak", "selective")):
+        by_name[name]["vs_mode"] = by_name[name]["step_s"] / by_name[like]["step_s"]
     print(
         table(
             rows,
             [
                 ("contender", "contender", "s"),
                 ("step_s", "step (s)", ".3f"),
-                ("vs_none", "/ none", ".2f"),
+                ("vs_none", "/ none", ".3f"),
+                ("vs_mode", "/ the mode at that peak", ".3f"),
                 ("peak_mib", "peak above step start (MiB)", ".1f"),
-                ("plan", "plan", "s"),
+                ("plan", "last plan", "s"),
                 ("rematd_peak_mib", "rematd's peak (MiB)", ".1f"),
                 ("budget_mib", "budget (MiB)", ".1f"),
+                ("over", "steps over", "d"),
             ],
         )
     )

@@ -148,9 +148,9 @@ def pin_sequence(values: object, blocks: int) -> list[Mode]:
     return mode_sequence("pin_modes", values)
 
 
-DEFAULT_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE})
+DEFAULT_MODES = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RECOMPUTE})
 """Offload is opt-in: measured on a GPU, it has not beaten recomputing the same blocks. Compress is
-opt-in: it is lossy."""
+opt-in: it is lossy. The attention and MLP modes are offered by the blocks whose parts are found."""
 
 
 def parse_modes(names: object) -> frozenset[Mode]:

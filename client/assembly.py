@@ -47,7 +47,9 @@ def build_parts(
     """Wrap each block found; ``compile_backend`` (a ``torch.compile`` backend) compiles their variants."""
     accounting = SavedTensorAccounting()
     accounting.hard_limit_bytes = hard_limit_bytes
-    blocks = [SwitchableBlock(i, name, m, accounting) for i, (name, m) in enumerate(found)]
+    # Compiled blocks recompute whole: their parts keep the forward the compiler traces.
+    parts = compile_backend is None
+    blocks = [SwitchableBlock(i, name, m, accounting, parts=parts) for i, (name, m) in enumerate(found)]
     timer = RecomputeTimer()
     offloader = Offloader(timer)
     compressor = Compressor(compress or CompressConfig(), accounting, timer)

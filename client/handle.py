@@ -309,7 +309,7 @@ class Handle:
         self._cycle.budget_bytes = budget
         # A reconnect re-sends the hello: it must carry this budget, not the first one.
         self._backend.update_hello(budget_bytes=budget)
-        if isinstance(self._backend, StreamBackend):
+        if self._backend.served:
             self._applier.hold_lean(self._cycle.shape, int(budget * (1 - self.margin_ratio)))
 
     @property

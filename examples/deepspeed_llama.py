@@ -1,11 +1,12 @@
 """A stock Llama trained with DeepSpeed ZeRO-3 under a byte budget, rematd choosing what each block recomputes.
 
-    DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 examples/deepspeed_llama.py                # CPU, gloo
-    deepspeed --num_gpus 8 examples/deepspeed_llama.py --budget-gib 40 --bf16                  # GPUs
+    DS_ACCELERATOR=cpu .venv/bin/torchrun --nproc-per-node 2 examples/deepspeed_llama.py                # CPU, gloo
+    .venv/bin/deepspeed --num_gpus 8 examples/deepspeed_llama.py --budget-gib 40 --bf16                  # GPUs
 
 rematd attaches to the engine ``deepspeed.initialize`` returns; its step follows ``engine.step()`` at each
 gradient accumulation boundary. The sequence length grows and shrinks over the run; each rank prints its plan
-per step (``.`` store, ``s`` selective, ``R`` recompute, ``O`` offload), the same on every rank.
+per step in rematd's letters (``.`` store, ``R`` recompute; the README's
+table of modes has the rest), the same on every rank.
 
 On the CPU the budget covers what a device would hold: the rank's ZeRO-3 partitions (parameters, gradients,
 fp32 master weights, optimizer state), the parameters ZeRO-3 holds gathered, and the activations saved for

@@ -1,12 +1,13 @@
 """A stock Llama trained with FSDP2 under a byte budget, rematd choosing what each block recomputes.
 
-    torchrun --nproc-per-node 2 examples/fsdp_llama.py                 # CPU, gloo
-    torchrun --nproc-per-node 8 examples/fsdp_llama.py --budget-gib 40  # GPUs, nccl
+    .venv/bin/torchrun --nproc-per-node 2 examples/fsdp_llama.py                 # CPU, gloo
+    .venv/bin/torchrun --nproc-per-node 8 examples/fsdp_llama.py --budget-gib 40  # GPUs, nccl
 
 torchtitan's order: rematd attaches to the unsharded model (checkpointing each block), then each block and
 the model are sharded with ``fully_shard``, then the optimizer is made over the sharded parameters and
 handed to the handle. The sequence length grows and shrinks over the run; each rank prints its plan per
-step (``.`` store, ``s`` selective, ``R`` recompute, ``O`` offload), the same on every rank.
+step in rematd's letters (``.`` store, ``R`` recompute; the README's
+table of modes has the rest), the same on every rank.
 
 On the CPU the budget covers what a device would hold: the rank's shards (parameters, gradients, optimizer
 state), the parameters FSDP gathers, and the activations saved for backward.
@@ -58,7 +59,7 @@ def say(h: client.Handle, rank: int, step: int, seq: int, budget: int, loss: tor
     """One line per step: the plan the rank ran, its peak against the budget."""
     memory = h.last_memory  # on CUDA the allocator's peak; on the CPU the accounting's
     peak = (memory.peak_allocated_bytes or memory.saved_peak_bytes) if memory is not None else 0
-    plan = letters(h.modes)  # rematd's own letters: . store, s selective, R recompute, O offload, C compress
+    plan = letters(h.modes)  # rematd's letters: README's table of modes
     print(
         f"rank {rank} step {step:3d} seq {seq:5d} plan {plan} v{h.plan.version} "
         f"peak {peak / 2**20:8.1f} MiB budget {budget / 2**20:8.1f} MiB loss {loss.item():.3f}",

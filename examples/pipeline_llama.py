@@ -1,7 +1,7 @@
 """A stock Llama trained pipeline-parallel, one stage a rank, rematd planning each stage for its own memory.
 
-    torchrun --nproc-per-node 2 examples/pipeline_llama.py                     # CPU, gloo
-    torchrun --nproc-per-node 4 examples/pipeline_llama.py --budget-gib 40     # GPUs, nccl
+    .venv/bin/torchrun --nproc-per-node 2 examples/pipeline_llama.py                     # CPU, gloo
+    .venv/bin/torchrun --nproc-per-node 4 examples/pipeline_llama.py --budget-gib 40     # GPUs, nccl
 
 The model is split torchtitan's way: every rank builds the whole model, keeps its stage's layers (a
 ``ModuleDict`` by layer id, the others deleted) and drops the embedding or the head it does not hold. The
@@ -24,9 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from rematd import client
-from rematd.planner import Mode
-
-LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "o"}
+from rematd.planner import letters
 
 
 def parse() -> argparse.Namespace:
@@ -121,7 +119,7 @@ def main() -> None:
         peak = (memory.peak_allocated_bytes or memory.saved_peak_bytes) if memory is not None else 0
         loss = f" loss {torch.stack(losses).mean().item():.3f}" if losses else ""
         print(
-            f"stage {rank} step {step:3d} plan {''.join(LETTERS[m] for m in h.modes)} v{h.plan.version} "
+            f"stage {rank} step {step:3d} plan {letters(h.modes)} v{h.plan.version} "
             f"peak {peak / 2**20:7.1f} MiB budget {budget / 2**20:7.1f} MiB{loss}",
             flush=True,
         )

@@ -128,8 +128,12 @@ class RematdCheckpointing(ActivationCheckpointing):  # type: ignore[misc]
         margin: float = 0.1
         """Fraction of the budget the planner keeps free, in [0, 1)."""
 
-        modes: list[str] = field(default_factory=lambda: ["store", "selective", "recompute"])
-        """Modes a plan may give a block: store, selective, recompute, offload (CUDA only), compress (lossy)."""
+        modes: list[str] = field(
+            default_factory=lambda: ["store", "selective", "titan", "attention", "mlp", "recompute"]
+        )
+        """Modes a plan may give a block: store, selective (Megatron's), titan (torchtitan's selective policy),
+        attention or mlp (that part of the block recomputed alone), recompute, offload (CUDA only), compress
+        (lossy)."""
 
         pin: list[str] = field(default_factory=list)
         """Fix the modes instead of planning them: one mode for every block, or one per layer of the model

@@ -191,7 +191,7 @@ class Controller(StepPlanning):
         current = {e.max_seq_len: e for e in self.table}
         moves = Moves(current=current, desired={e.max_seq_len: e for e, _ in desired})
         moves.new = [seq for seq in moves.desired if seq not in current]
-        for entry, _choice in desired:
+        for entry, choice in desired:
             seq = entry.max_seq_len
             # Where the peaks have settled, their spread is the slack: the pessimistic correction holds it.
             slack = target if self._learned.settled(seq) else int(target * LOOSEN_SLACK)
@@ -201,9 +201,14 @@ class Controller(StepPlanning):
             old_shape = Shape(batch=self._learned.batch, seq_len=seq, tokens=entry.max_tokens)
             # Priced as chosen: by the step-level prices where they chose the plan, else per block.
             per_block = not self._by_steps(entry.modes, seq, target, static)
-            if not self._fits(old.modes, old_shape, target, static) or self._extra(
-                entry.modes, seq, per_block=per_block
-            ) > self._extra(old.modes, seq, per_block=per_block):
+            # Where no plan fits the target, a plan in force under the budget holds: its steps cross the target
+            # as every plan's would, and swapping it for another under the budget at each step is flapping.
+            holds = self._fits(old.modes, old_shape, target, static) or (
+                not choice.fits and self._under_budget(old.modes, old_shape, target, static)
+            )
+            if not holds or self._extra(entry.modes, seq, per_block=per_block) > self._extra(
+                old.modes, seq, per_block=per_block
+            ):
                 moves.tighter.append(seq)
                 continue
             leaner = self._at(old_shape).cost(entry.modes)[0] <= self._at(old_shape).cost(old.modes)[0]
@@ -250,11 +255,25 @@ class Controller(StepPlanning):
         seq = obs.shape.seq_len
         here = self._target_at(target, seq)
         cause = (
-            f"a step of length {seq} peaked at {human_bytes(obs.peak_bytes)}, over the target of {human_bytes(here)}"
+            f"a step of length {seq} peaked at {human_bytes(obs.peak_bytes)}, over the target of "
+            f"{_target(here, target)}"
             if obs.peak_bytes > here
-            else f"steps of length {seq} are predicted to pass the target of {human_bytes(target)}"
+            else f"steps of {_lengths(moves.tighter)} are predicted to pass the target of {human_bytes(target)}"
         )
-        return self._change(moves.table(moves.tighter), obs, target, f"tighten: {cause}")
+        table = moves.table(moves.tighter)
+        # "tighten" only when no length's new modes are predicted to keep more than its old ones.
+        verb = "tighten" if not self._keeps_more(table) else "re-balance (the new modes are faster)"
+        return self._change(table, obs, target, f"{verb}: {cause}")
+
+    def _keeps_more(self, table: tuple[ShapePlan, ...]) -> bool:
+        """Whether some length of ``table`` is predicted to keep more than the plan in force keeps there."""
+        for seq, old, new in changed(self.table, table):
+            if old is None:
+                continue
+            at = self._at(Shape(batch=self._learned.batch, seq_len=seq, tokens=new.max_tokens))
+            if at.cost(new.modes)[0] > at.cost(old.modes)[0]:
+                return True
+        return False
 
     def _loosen(self, moves: Moves, obs: StepObservation, target: int) -> Decision | None:
         learned = self._learned
@@ -269,9 +288,17 @@ class Controller(StepPlanning):
         table = moves.table(moves.looser)
         # "loosen" only when it recomputes less; a move to other modes that cost no more memory
         # but were measured faster is said as what it is.
+        seq = obs.shape.seq_len
+        here = self._target_at(target, seq)
+        room = (
+            f"{learned.dwell} steps in a row had room under the target (the last, of length {seq}, peaked at "
+            f"{human_bytes(obs.peak_bytes)} of {_target(here, target)})"
+            if obs.peak_bytes <= here
+            else f"steps of {_lengths(moves.looser)} are predicted to fit the target of {human_bytes(target)} with "
+            "less recomputation"
+        )
         label = (
-            f"loosen: {learned.dwell} steps in a row had room under the target "
-            f"(last peak {human_bytes(obs.peak_bytes)} of {human_bytes(target)})"
+            f"loosen: {room}"
             if recomputes_less(self.table, table)
             else "re-balance: the measured step times make these modes cheaper, at no more memory"
         )
@@ -286,7 +313,9 @@ class Controller(StepPlanning):
 
     def _change(self, table: tuple[ShapePlan, ...], obs: StepObservation, target: int, cause: str) -> Decision:
         """Put ``table`` in force; the decision, its reason ``cause``, what changed and where the steps'
-        times overruled the per-block prices."""
+        times overruled the per-block prices. Every entry is priced for the static memory of this step, those
+        whose modes stay too: a plan's figures are all of one moment."""
+        table = tuple(self._replaced(e, e.modes, obs.static_bytes) for e in table)
         before, self.table = self.table, table
         notes = [self._step_note(new, target, obs.static_bytes) for _seq, _old, new in changed(before, table)]
         reason = "; ".join([cause, what_changed(before, table), *(n for n in notes if n)])
@@ -354,3 +383,18 @@ class Controller(StepPlanning):
         ValueError, leaving this controller as it was, for anything else."""
         self._learned = self._learned.restored(state)
         self._cache.clear()
+
+
+def _lengths(seqs: list[int]) -> str:
+    """Table lengths as a reason names them: "length 64", "lengths 128 and 256", "lengths 64 to 512"."""
+    ordered = sorted(seqs)
+    if len(ordered) == 1:
+        return f"length {ordered[0]}"
+    if len(ordered) == 2:
+        return f"lengths {ordered[0]} and {ordered[1]}"
+    return f"lengths {ordered[0]} to {ordered[-1]}"
+
+
+def _target(here: int, target: int) -> str:
+    """A length's target as a reason quotes it: the target, or the wider one its settled peaks earned."""
+    return human_bytes(here) if here == target else f"{human_bytes(here)} (its peaks settled: a smaller margin)"

@@ -1,8 +1,8 @@
 """Bounded, safe trials of modes whose seconds have not been measured at a length.
 
-Memory is predictable from the profile; time is not. A mode never run (selective
-recomputation, offload) is priced pessimistically, which alone would keep it
-untried for good. So, where the budget allows it, the controller runs a trial: the
+Memory is predictable from the profile; time is not always. A mode whose profile misses
+costs only a real step shows (offload's copies) is priced pessimistically, which alone
+would keep it untried for good. So, where the budget allows it, the controller runs a trial: the
 plan in force with a few blocks switched to the untried mode, for a few steps, and
 only when the trial's predicted peak, under the worst recent correction, fits the
 target with the loosening slack. What trials may cost is bounded: their steps stay
@@ -23,8 +23,9 @@ from rematd.planner.steps import StepObservation
 from rematd.planner.timing import MIN_BLOCKS
 from rematd.planner.units import Mode, letters
 
-EXPLORED = (Mode.SELECTIVE, Mode.OFFLOAD)
-"""Modes priced pessimistically until measured: the ones worth a trial."""
+EXPLORED = (Mode.OFFLOAD,)
+"""Modes priced pessimistically until measured (:data:`rematd.planner.model.PESSIMISTIC`): the ones worth a
+trial. The others are priced from the profile from the start, and the plans that run them measure them."""
 GIVE_UP_FACTOR = 4
 """A trial whose length does not come back for this many times its steps is abandoned."""
 

@@ -18,7 +18,7 @@ from rematd.planner.model import Profile
 from rematd.planner.shapes import at_shape
 from rematd.planner.stepfit import StepPrices
 from rematd.planner.steps import StepObservation
-from rematd.planner.timing import BucketTimes, whole_number
+from rematd.planner.timing import PRICED, BucketTimes, whole_number
 from rematd.planner.units import Mode, Shape
 
 # Steps over which the memory of a target crossing fades by half.
@@ -73,10 +73,12 @@ class Learned:
     entry of its own, planned at that length rather than at the top of its bucket."""
     run: tuple[int, int] = (0, 0)
     """The length of the last steps and how many steps in a row had it."""
+    fitted: tuple[Mode, ...] = PRICED
+    """The modes whose step-level prices are fitted: those of :data:`PRICED` the profile offers."""
 
     def __post_init__(self) -> None:
         self.timing = BucketTimes(self.bucket_of)
-        self.steps = StepPrices(self.config.price_groups)
+        self.steps = StepPrices(self.config.price_groups, self.fitted)
 
     def note_shape(self, shape: Shape) -> None:
         if shape.batch:
@@ -232,6 +234,7 @@ class Learned:
             last_loosen_step=whole_number(state.get("last_loosen_step", NEVER), "last_loosen_step", lo=NEVER),
             seqs=self.seqs | {whole_number(q, "seq", lo=1) for q in seqs},
             batch=whole_number(state.get("batch", self.batch), "batch", lo=1),
+            fitted=self.fitted,
         )
         if "timing" in state:
             restored.timing.restore_state(state["timing"])

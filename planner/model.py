@@ -88,14 +88,19 @@ class ModeCost:
     """Extra device bytes while the block's backward runs (rematerialised activations)."""
     extra_seconds: float = 0.0
     """Step seconds the mode adds over storing, at the profile's shape."""
+    released: Size = field(default_factory=Size)
+    """Of ``kept``, the bytes the block's backward has freed by the time it rematerialises (a part recomputed
+    alone comes back after the parts that ran after it in forward let their activations go): while it
+    rematerialises the block holds ``kept - released + transient``."""
 
     def __post_init__(self) -> None:
         check_seconds(f"{self.mode.name.lower()}.extra_seconds", self.extra_seconds)
 
 
-PESSIMISTIC = (Mode.SELECTIVE, Mode.OFFLOAD)
-"""Modes whose profiled seconds miss costs only a real step shows (the selective policy's dispatch in
-forward and in recompute; copies that stall the device): until measured they cost at least recomputing."""
+PESSIMISTIC = (Mode.OFFLOAD,)
+"""Modes whose profiled seconds miss costs only a real step shows (copies that stall the device): until
+measured they cost at least recomputing. Every other mode is priced from the profile, which times its work
+op by op (an op policy's dispatch included), and the steps refine that price."""
 
 
 def _priced(cost: ModeCost, recompute_seconds: float) -> float:
@@ -260,7 +265,14 @@ class Profile:
             floor = next((m.extra_seconds for m in costs if m.mode == Mode.RECOMPUTE), 0.0)
             others = b.in_flight - 1
             opts = [
-                Option(m.mode, kept, m.transient.scaled(sizes), _priced(m, floor) * scale, others * kept, b.stage)
+                Option(
+                    m.mode,
+                    kept,
+                    max(0, m.transient.scaled(sizes) - m.released.scaled(sizes)),
+                    _priced(m, floor) * scale,
+                    others * kept,
+                    b.stage,
+                )
                 for m in costs
                 if allowed is None or m.mode in allowed or m.mode == Mode.STORE
                 for kept in (m.kept.scaled(sizes),)

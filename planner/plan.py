@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,32 @@ class Plan:
             return self.modes
         chosen = set(self.blocks)
         return tuple(Mode.RECOMPUTE if i in chosen else Mode.STORE for i in range(num_blocks))
+
+    def at(self, shape: Shape) -> Plan:
+        """The plan as a step of ``shape`` runs it: its table's entry for that length in the plan's own fields
+        (modes, blocks, frequency, prediction); version, target, reason and table as they were."""
+        entry = entry_for(self.shape_plans, shape) if shape.seq_len else None
+        if entry is None or (entry.modes == self.modes and entry.predicted_peak_bytes == self.predicted_peak_bytes):
+            return self
+        return self.running(
+            entry.modes, predicted_peak_bytes=entry.predicted_peak_bytes, overhead=entry.predicted_overhead_ratio
+        )
+
+    def running(self, modes: tuple[Mode, ...], *, predicted_peak_bytes: int, overhead: float, why: str = "") -> Plan:
+        """This plan with ``modes`` in force instead of its own (and ``why`` after its reason)."""
+        from rematd.planner.solvers import frequency_of  # the solvers import plans
+
+        blocks = blocks_of(modes)
+        uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in modes)
+        return dataclasses.replace(
+            self,
+            blocks=blocks,
+            checkpoint_every=frequency_of(len(modes), blocks) if uniform else 0,
+            predicted_peak_bytes=predicted_peak_bytes,
+            predicted_overhead_ratio=overhead,
+            modes=modes,
+            reason=f"{self.reason}; {why}" if why else self.reason,
+        )
 
     def modes_for(self, shape: Shape, num_blocks: int) -> tuple[Mode, ...]:
         """The modes a step of ``shape`` runs with: the first table entry that

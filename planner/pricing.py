@@ -15,8 +15,8 @@ from rematd.planner.plan import ShapePlan, entry_for
 from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import AtShape, Offsets, Scales, at_shape
 from rematd.planner.solvers import Choice, solve_prepared
-from rematd.planner.stepfit import PRIOR_SPREAD, Posterior, Prior, group_of, params
-from rematd.planner.timing import BucketTimes
+from rematd.planner.stepfit import PRIOR_SPREAD, Posterior, Prior, group_of
+from rematd.planner.timing import PRICED, BucketTimes
 from rematd.planner.units import Mode, Shape
 
 REPRICE_LOOKS = 16
@@ -33,11 +33,14 @@ class TablePricing:
         self.profile = profile
         self.config = config or ControllerConfig()
         ref = profile.shape
+        offered = {o.mode for b in profile.blocks for o in b.mode_costs()}
+        allowed = self.config.allowed_modes
         self._learned = Learned(
             config=self.config,
             batch=ref.batch or 1,
             seqs={ref.seq_len} if ref.seq_len else set(),
             dwell=self.config.loosen_after_steps,
+            fitted=tuple(m for m in PRICED if m in offered and (allowed is None or m in allowed)),
         )
         self._cache: dict[tuple[int, int, int, int, int, int | None, Scales, Offsets], Choice] = {}
         self.table: tuple[ShapePlan, ...] = ()
@@ -116,7 +119,7 @@ class TablePricing:
         for i in range(n):
             members[group_of(i, n, groups)].append(i)
         mean, spread = [], []
-        for mode, g in params(groups):
+        for mode, g in self._learned.steps.params:
             prices, recompute = [], []
             for i in members[g] or range(n):
                 by_mode = {o.mode: o.seconds for o in options[i]}
@@ -125,7 +128,7 @@ class TablePricing:
                 recompute.append(rec)
             mean.append(sum(prices) / len(prices))
             spread.append(max(1e-9, PRIOR_SPREAD * sum(recompute) / len(recompute)))
-        prior = Prior(tuple(mean), tuple(spread), groups)
+        prior = Prior(tuple(mean), tuple(spread), groups, self._learned.steps.modes)
         if len(self._priors) > CACHED_CHOICES:
             self._priors.clear()
         self._priors[key] = prior
@@ -175,7 +178,7 @@ class TablePricing:
         if added is not None:
             ratio = self._from_top(seq)
             by_mode: dict[Mode, list[float]] = {}
-            for (mode, _g), d in zip(params(self.config.price_groups), added, strict=True):
+            for (mode, _g), d in zip(self._learned.steps.params, added, strict=True):
                 by_mode.setdefault(mode, []).append(round(d * ratio, 12))
             out = tuple((m, tuple(v)) for m, v in by_mode.items() if any(v))
         if len(self._offset_cache) > CACHED_CHOICES:
@@ -231,11 +234,14 @@ class TablePricing:
         # The correction scales activations, not the static memory.
         other = at.other_bytes
 
-        def corrected(limit: int) -> int:
-            room = static + int(max(0, limit - static) / corr) - other
+        def corrected(limit: int, ratio: float) -> int:
+            room = static + int(max(0, limit - static) / ratio) - other
             return room if ceiling is None else min(room, static + ceiling - 1)
 
-        effective = corrected(target)
+        # Peaks measured below the model let a plan use that room under the target, but never past the budget
+        # by the model's own figure: a plan is never predicted over the budget, corrected or not.
+        hard = corrected(budget, max(1.0, corr))
+        effective = min(corrected(target, corr), hard)
         choice = solve_prepared(
             at.knapsack,
             at.options,
@@ -243,7 +249,7 @@ class TablePricing:
             static_bytes=static,
             outside_bytes=other,
             outside_in_backward=self.profile.other_in_backward,
-            budget=corrected(budget),
+            budget=hard,
         )
         if other:
             # Fits: under the target once corrected (a correction below 1 lets the prediction exceed it).
@@ -364,6 +370,14 @@ class TablePricing:
             target_bytes=target,
             reason=reason,
         )
+
+    def _under_budget(self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int) -> bool:
+        """Whether ``modes`` at ``shape`` are predicted under the budget ``target`` keeps its margin under, by the
+        model and as the measured peaks correct it (a correction below 1 grants no room past the budget)."""
+        at = self._at(shape)
+        correction = max(1.0, self._learned.correction(shape.seq_len))
+        activations = (at.other_bytes + at.cost(modes)[0]) * correction
+        return static + activations <= self.config.budget_of(target)
 
     def _fits(
         self, modes: tuple[Mode, ...], shape: Shape, target: int, static: int, *, pessimistic: bool = False

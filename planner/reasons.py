@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rematd.planner.plan import ShapePlan
 from rematd.planner.solvers import Choice
 from rematd.planner.units import Mode, letters
@@ -15,10 +17,27 @@ def human_bytes(n: float) -> str:
 
 
 # How much of a block's forward runs again in backward: what "recomputes less" counts.
-_RECOMPUTED = {Mode.STORE: 0, Mode.OFFLOAD: 0, Mode.COMPRESS: 0, Mode.SELECTIVE: 1, Mode.RECOMPUTE: 2}
+_RECOMPUTED = {
+    Mode.STORE: 0,
+    Mode.OFFLOAD: 0,
+    Mode.COMPRESS: 0,
+    Mode.ATTENTION: 1,
+    Mode.MLP: 1,
+    Mode.SELECTIVE: 1,
+    Mode.TITAN: 1,
+    Mode.RECOMPUTE: 2,
+}
+_KEYED = (Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD)
+"""The modes the key always names (readers match it); the others are named once some plan shown runs them."""
 LEGEND = "(. store, s selective, R recompute, O offload)"
-LEGEND_COMPRESS = "(. store, s selective, R recompute, O offload, C compress)"
-"""The key once some plan shown compresses; without, the key as it always was (readers match it)."""
+
+
+def legend(shown: Iterable[Mode]) -> str:
+    """The key to the letters of the modes ``shown``: the usual key, and the letter of each other mode shown."""
+    extra = sorted(set(shown) - set(_KEYED))
+    if not extra:
+        return LEGEND
+    return LEGEND[:-1] + "".join(f", {m.letter} {m.label}" for m in extra) + ")"
 
 
 def lossy_note(modes: tuple[Mode, ...], table: tuple[ShapePlan, ...]) -> str:
@@ -54,7 +73,7 @@ def what_changed(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...], mo
     """The lengths whose modes changed, in the demo's letters, e.g. "length <= 160: RRRsRRRs -> RRRRRRRR"."""
     parts = []
     shown = [m for _seq, old, new in changed(before, after) for m in (*(old.modes if old else ()), *new.modes)]
-    legend = LEGEND_COMPRESS if Mode.COMPRESS in shown else LEGEND
+    key = legend(shown)
     for seq, old, new in changed(before, after):
         if old is not None and old.modes == new.modes:
             continue
@@ -64,9 +83,9 @@ def what_changed(before: tuple[ShapePlan, ...], after: tuple[ShapePlan, ...], mo
             else f"length <= {seq}: {letters(new.modes)} (new)"
         )
     if not parts:
-        return f"modes unchanged {legend}"
+        return f"modes unchanged {key}"
     listed = parts[:most] + ([f"and {len(parts) - most} more"] if len(parts) > most else [])
-    return ", ".join(listed) + f" {legend}"
+    return ", ".join(listed) + f" {key}"
 
 
 def initial_reason(choice: Choice, target: int) -> str:

@@ -26,7 +26,7 @@ from rematd.planner.pricing import TablePricing
 from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import Offsets
 from rematd.planner.solvers import Choice, front_loaded
-from rematd.planner.stepfit import INFLATION, Posterior, group_of, params
+from rematd.planner.stepfit import INFLATION, Posterior, group_of
 from rematd.planner.steps import StepObservation
 from rematd.planner.timing import MAX_BUCKETS
 from rematd.planner.units import Mode, Shape, letters
@@ -220,7 +220,7 @@ class StepPlanning(TablePricing):
         post, ratio = found
         prior = self._prior(self.bucket_of(seq))
         groups, n = self.config.price_groups, self.profile.num_blocks
-        fitted = zip(params(groups), post.mean, prior.mean, strict=True)
+        fitted = zip(self._learned.steps.params, post.mean, prior.mean, strict=True)
         moved = sorted(((abs(c - p), mode, g, c, p) for (mode, g), c, p in fitted), key=lambda t: -t[0])
         parts = []
         for _d, mode, g, c, p in moved[:2]:
@@ -242,7 +242,7 @@ class StepPlanning(TablePricing):
         post, ratio = found
         prior = self._prior(self.bucket_of(top))
         out: dict[Mode, tuple[list[float], list[float]]] = {}
-        for (mode, _g), c, p in zip(params(self.config.price_groups), post.mean, prior.mean, strict=True):
+        for (mode, _g), c, p in zip(self._learned.steps.params, post.mean, prior.mean, strict=True):
             step, block = out.setdefault(mode, ([], []))
             step.append(round(c * ratio / level, 6))
             block.append(round(p * ratio / level, 6))
@@ -386,7 +386,7 @@ class StepPlanning(TablePricing):
         prior = self._prior(self.bucket_of(shape.seq_len))
         base = [c - p for c, p in zip(post.mean, prior.mean, strict=True)]
         usable = self._usable_modes()
-        fitted = params(self.config.price_groups)
+        fitted = self._learned.steps.params
         sd = [math.sqrt(max(0.0, post.cov[k][k])) for k in range(len(fitted))]
         moves: list[dict[int, float]] = []
         for mode in usable:
@@ -433,7 +433,7 @@ class StepPlanning(TablePricing):
 
     def _as_offsets(self, added: list[float], ratio: float) -> Offsets:
         by_mode: dict[Mode, list[float]] = {}
-        for (mode, _g), d in zip(params(self.config.price_groups), added, strict=True):
+        for (mode, _g), d in zip(self._learned.steps.params, added, strict=True):
             by_mode.setdefault(mode, []).append(d * ratio)
         return tuple((m, tuple(v)) for m, v in by_mode.items() if any(v))
 

@@ -67,9 +67,9 @@ _VERSIONS = itertools.count(1)
 """Versions of every fit, never repeated: caches keyed by one outlive a restored state safely."""
 
 
-def params(groups: int) -> list[tuple[Mode, int]]:
-    """The fitted prices, in order: each priced mode on each group of blocks."""
-    return [(m, g) for m in PRICED for g in range(groups)]
+def params(groups: int, modes: Sequence[Mode] = PRICED) -> list[tuple[Mode, int]]:
+    """The fitted prices, in order: each of ``modes`` (the priced modes a profile offers) on each group."""
+    return [(m, g) for m in modes for g in range(groups)]
 
 
 def group_of(block: int, blocks: int, groups: int) -> int:
@@ -77,9 +77,10 @@ def group_of(block: int, blocks: int, groups: int) -> int:
     return min(groups - 1, block * groups // max(1, blocks))
 
 
-def counts(modes: Sequence[Mode], groups: int) -> tuple[int, ...]:
-    """The features of a plan: per fitted price, the blocks running that mode in that group."""
-    index = {p: k for k, p in enumerate(params(groups))}
+def counts(modes: Sequence[Mode], groups: int, fitted: Sequence[Mode] = PRICED) -> tuple[int, ...]:
+    """The features of a plan: per fitted price (of the modes ``fitted``), the blocks running that mode in that
+    group."""
+    index = {p: k for k, p in enumerate(params(groups, fitted))}
     out = [0] * len(index)
     for i, m in enumerate(modes):
         k = index.get((m, group_of(i, len(modes), groups)))
@@ -98,13 +99,15 @@ class Prior:
     mean: tuple[float, ...]
     spread: tuple[float, ...]
     groups: int = 2
+    modes: tuple[Mode, ...] = PRICED
+    """The modes whose prices are fitted, in order."""
     precision: tuple[tuple[float, ...], ...] = field(init=False, repr=False, compare=False)
     """The inverse of the prior's covariance."""
 
     def __post_init__(self) -> None:
-        fitted = params(self.groups)
+        fitted = params(self.groups, self.modes)
         if not len(self.mean) == len(self.spread) == len(fitted):
-            raise ValueError(f"a prior for {self.groups} groups has {len(fitted)} prices")
+            raise ValueError(f"a prior for {len(self.modes)} modes on {self.groups} groups has {len(fitted)} prices")
         own = 1.0 - SHARED - GROUPED
         spread = [max(s, 1e-12) for s in self.spread]
         cov = [
@@ -271,15 +274,19 @@ class StepPrices:
     per-block timings keep, the least recently observed dropped first), and their posteriors, kept while
     neither fit nor prior moves."""
 
-    def __init__(self, groups: int) -> None:
+    def __init__(self, groups: int, modes: Sequence[Mode] = PRICED) -> None:
         self.groups = groups
-        self.size = len(params(groups))
+        self.modes = tuple(modes)
+        """The modes whose prices are fitted (those of :data:`PRICED` the profile offers), in that order."""
+        self.params = params(groups, self.modes)
+        """The fitted prices, in order: (mode, group)."""
+        self.size = len(self.params)
         self._fits: dict[int, StepFit] = {}
         """By bucket top, the least recently observed first."""
         self._posteriors: dict[int, tuple[int, Prior, Posterior]] = {}
 
     def features(self, modes: Sequence[Mode]) -> tuple[int, ...]:
-        return counts(modes, self.groups)
+        return counts(modes, self.groups, self.modes)
 
     def fit(self, top: int) -> StepFit | None:
         return self._fits.get(top)
@@ -325,7 +332,11 @@ class StepPrices:
     # -- across restarts ------------------------------------------------------
 
     def export(self) -> dict[str, Any]:
-        return {"groups": self.groups, "buckets": [[top, f.export()] for top, f in self._fits.items()]}
+        return {
+            "groups": self.groups,
+            "modes": [m.label for m in self.modes],
+            "buckets": [[top, f.export()] for top, f in self._fits.items()],
+        }
 
     def restore(self, state: Any) -> None:
         """Continue from what :meth:`export` gave; ValueError naming the field, these left as they were,
@@ -336,6 +347,13 @@ class StepPrices:
             raise ValueError(
                 f"state: step_prices.groups is {state.get('groups')!r}, this planner fits {self.groups} "
                 "groups (set price_groups to match)"
+            )
+        # A state from before the fitted modes were saved fitted the four modes priced then.
+        labels = state.get("modes", ["selective", "recompute", "offload", "compress"])
+        if labels != [m.label for m in self.modes]:
+            raise ValueError(
+                f"state: step_prices.modes is {labels!r}, this planner fits {[m.label for m in self.modes]} "
+                "(its profile offers other modes)"
             )
         fits = restored_by_length(
             state.get("buckets", []), "step_prices.buckets", lambda fit, where: StepFit.restored(fit, self.size, where)

@@ -54,8 +54,19 @@ MAX_STEP = 2**53
 """Bound on a restored step count or length: beyond it a float loses whole numbers."""
 MAX_BUCKETS = 16
 """Length buckets whose timings are kept; the least recently timed is dropped first."""
-PRICED: tuple[Mode, ...] = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD, Mode.COMPRESS)
+PRICED: tuple[Mode, ...] = (
+    Mode.SELECTIVE,
+    Mode.RECOMPUTE,
+    Mode.OFFLOAD,
+    Mode.COMPRESS,
+    Mode.TITAN,
+    Mode.ATTENTION,
+    Mode.MLP,
+)
 """Modes with a price to learn (storing adds nothing)."""
+FORWARD_LIKE: tuple[Mode, ...] = (Mode.RECOMPUTE, Mode.ATTENTION, Mode.MLP)
+"""Modes whose extra seconds are a forward run again (the block's, or a part's): until measured, they are
+priced as the plain forwards every step times are (a stored block's), measured against the profile's."""
 
 
 def forward_baseline(measured: Iterable[ModeSeconds]) -> tuple[float, int] | None:
@@ -204,7 +215,16 @@ class TimeScales:
             assert whole is not None
             ratios[mode] = min(LIMITS[1], max(LIMITS[0], whole / self._predicted[mode]))
         self._ratios = ratios
-        self._scales = scales_of(ratios, self._levels)
+        self._scales = scales_of({**self.estimates, **ratios}, self._levels)
+
+    @property
+    def estimates(self) -> dict[Mode, float]:
+        """For the modes of :data:`FORWARD_LIKE` not measured themselves, the measured / profiled seconds of a
+        plain block forward, within ``LIMITS``; {} while no plain forward was timed."""
+        if self._base[1] <= 0 or self._base[0] <= 0:
+            return {}
+        ratio = min(LIMITS[1], max(LIMITS[0], self._base[0] / self._base[1]))
+        return {m: ratio for m in FORWARD_LIKE if m not in self._ratios}
 
     def _whole(self, mode: Mode) -> float | None:
         """The mode's decayed seconds, its forward beyond a plain forward included; None while no plain
@@ -289,7 +309,11 @@ class BucketTimes:
     def _rescale(self) -> None:
         pooled = self.pooled.ratios
         self._levels = {top: self._levels.get(top, {}) for top in self._buckets}
-        self._scales = {top: scales_of({**pooled, **b.ratios}, self._levels[top]) for top, b in self._buckets.items()}
+        estimated = self.pooled.estimates
+        self._scales = {
+            top: scales_of({**estimated, **b.estimates, **pooled, **b.ratios}, self._levels[top])
+            for top, b in self._buckets.items()
+        }
 
     def scales_at(self, seq: int) -> Scales:
         """The scales that price a step of length ``seq`` (0: the pooled ones)."""

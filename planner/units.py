@@ -30,6 +30,13 @@ class Mode(enum.IntEnum):
     """Copy the saved activations to host memory until backward."""
     COMPRESS = 5
     """Keep the saved activations quantized (8 bits, or bf16) until backward: lossy, and only where enabled."""
+    TITAN = 6
+    """torchtitan's selective policy: keep every other matmul's output, attention's and the collectives',
+    recompute the rest (an MoE router's gate always)."""
+    ATTENTION = 7
+    """Recompute the block's attention part in backward; keep the rest as storing does."""
+    MLP = 8
+    """Recompute the block's MLP (or experts) part in backward; keep the rest as storing does."""
 
     @property
     def label(self) -> str:
@@ -38,18 +45,28 @@ class Mode(enum.IntEnum):
 
     @property
     def letter(self) -> str:
-        """One character a block, as plans are printed and stored: ``".sROC"``."""
+        """One character a block, as plans are printed and stored: ``".stamROC"``."""
         return MODE_LETTERS[self]
 
 
-MODE_LETTERS = {Mode.STORE: ".", Mode.SELECTIVE: "s", Mode.RECOMPUTE: "R", Mode.OFFLOAD: "O", Mode.COMPRESS: "C"}
+MODE_LETTERS = {
+    Mode.STORE: ".",
+    Mode.SELECTIVE: "s",
+    Mode.RECOMPUTE: "R",
+    Mode.OFFLOAD: "O",
+    Mode.COMPRESS: "C",
+    Mode.TITAN: "t",
+    Mode.ATTENTION: "a",
+    Mode.MLP: "m",
+}
 """The mode vocabulary's letters, the one place they are defined."""
 MODES_BY_LABEL = {m.label: m for m in Mode}
 """Each mode by the name people read it by (``Mode.label``)."""
 
 
 def letters(modes: tuple[Mode, ...] | list[Mode]) -> str:
-    """Modes one letter a block, as the demo prints them: . store, s selective, R recompute, O offload, C compress."""
+    """Modes one letter a block, as the demo prints them: . store, s selective, t titan, a attention, m mlp,
+    R recompute, O offload, C compress."""
     return "".join(MODE_LETTERS[m] for m in modes)
 
 

@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import textwrap
 import typing
 from collections.abc import Iterable, Sequence
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, create_model
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
 from rematd.server.config import NO_FLAG
 
@@ -121,11 +123,31 @@ def parse(model: type[_O], argv: list[str]) -> _O:
     """The options from ``argv`` and the environment; BadOption naming the flag or variable of a bad value
     (argparse itself exits, status 2, for an unknown flag or a missing value)."""
     try:
-        return CliApp.run(model, cli_args=argv)
+        return CliApp.run(model, cli_args=argv, cli_settings_source=_HelpSource(model))
     except ValidationError as err:
         e = err.errors()[0]
         name = str(e["loc"][0]) if e["loc"] else ""
         raise BadOption(f"{source(name, argv)}: {e['msg'].lower()}, got {e['input']!r}") from None
+
+
+class _HelpSource(CliSettingsSource[BaseModel]):
+    """pydantic-settings' command line whose help adds no "(default: ...)" where it says nothing: an empty default,
+    or a help text that names its default itself."""
+
+    def _help_format(
+        self,
+        field_name: str,
+        field_info: FieldInfo,
+        model_default: typing.Any,
+        is_model_suppressed: bool,
+        env_var_names: tuple[str, ...] = (),
+    ) -> str:
+        text = super()._help_format(field_name, field_info, model_default, is_model_suppressed, env_var_names)
+        own = field_info.description or ""
+        if text.startswith(own) and ("(default" in own or field_info.default == ""):
+            tail = re.sub(r"^ ?\(default: [^)]*\)", "", text[len(own) :])
+            text = own + tail
+        return text
 
 
 def source(name: str, argv: Sequence[str]) -> str:

@@ -17,13 +17,21 @@ def fixed(n: int) -> Size:
     return Size((Term(n, 0, 0),))
 
 
-def alike_blocks(*, n: int = 8, selective: float | None = 0.004, scaled: bool = True, shape: Shape = REF) -> Profile:
-    """``n`` alike blocks. ``selective``: the seconds selective adds by the profile (None: not offered);
-    ``scaled``: sizes grow with tokens, else :func:`fixed`."""
+def alike_blocks(
+    *,
+    n: int = 8,
+    selective: float | None = 0.004,
+    scaled: bool = True,
+    shape: Shape = REF,
+    middle: Mode = Mode.SELECTIVE,
+) -> Profile:
+    """``n`` alike blocks. ``selective``: the seconds the mode between storing and recomputing (``middle``,
+    selective by default) adds by the profile (None: not offered); ``scaled``: sizes grow with tokens, else
+    :func:`fixed`."""
     size = Size.linear if scaled else fixed
     modes = [ModeCost(mode=Mode.STORE, kept=size(1000))]
     if selective is not None:
-        modes.append(ModeCost(mode=Mode.SELECTIVE, kept=size(400), transient=size(600), extra_seconds=selective))
+        modes.append(ModeCost(mode=middle, kept=size(400), transient=size(600), extra_seconds=selective))
     modes.append(ModeCost(mode=Mode.RECOMPUTE, kept=size(100), transient=size(1000), extra_seconds=FORWARD))
     block = BlockCost(saved_bytes=1000, input_bytes=100, forward_seconds=FORWARD, modes=tuple(modes))
     return Profile(blocks=(block,) * n, shape=shape)

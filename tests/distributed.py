@@ -31,6 +31,9 @@ def run_ranks(
     """Run ``python -m tests.workers.<worker>`` on ``world`` ranks; each rank's result, in rank order."""
     port = free_port()
     procs: list[subprocess.Popen[str]] = []
+    # Each rank writes to a file of its own: through pipes read one rank after another, a rank whose output
+    # filled its pipe (a library's warnings every step) would block there while its peers wait for it.
+    logs = [tmp / f"{worker}-rank{rank}.log" for rank in range(world)]
     for rank in range(world):
         rank_env = {
             **os.environ,
@@ -44,27 +47,33 @@ def run_ranks(
             "REMATD_CONFIG": json.dumps(config),
             "REMATD_RESULT": str(tmp / f"{worker}-rank{rank}.json"),
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", f"tests.workers.{worker}"],
-                cwd=ROOT,
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+        with open(logs[rank], "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", f"tests.workers.{worker}"],
+                    cwd=ROOT,
+                    env=rank_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
             )
-        )
-    outputs: list[str] = []
     deadline = time.monotonic() + timeout  # one for all ranks: a hung rank fails the test in ``timeout``
+    hung = False
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append(out)
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        hung = True
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.communicate()
+                p.wait()
+    outputs = [log.read_text(errors="replace") for log in logs]
+    assert not hung, f"the ranks of {worker} did not end in {timeout:.0f} s:\n" + "\n\n".join(
+        f"rank {rank}:\n{out[-2000:]}" for rank, out in enumerate(outputs)
+    )
     failed = [
         (rank, p.returncode, out) for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)) if p.returncode
     ]

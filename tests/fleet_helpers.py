@@ -94,7 +94,9 @@ class RawRank:
     def step(self, peak: int = 500) -> None:
         """One step's report, read until its ack (plans on the way are kept)."""
         assert self._replies is not None
-        self._out.put(pb.ClientMessage(stats=wire.stats_to_pb(stats(self.next_step, peak))))
+        # Ran with the newest plan it holds, as a client that applies plans at its step's start.
+        ran = dataclasses.replace(stats(self.next_step, peak), plan_version=self.plan_version)
+        self._out.put(pb.ClientMessage(stats=wire.stats_to_pb(ran)))
         for msg in self._replies:
             self._read_plan(msg)
             if msg.WhichOneof("kind") == "ack":

@@ -17,7 +17,7 @@ from rematd import client
 from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.planner import Mode
 
-from .helpers import batch, tiny_model, train_step
+from .helpers import batch, service_thread, tiny_model, train_step
 
 ACCEPTED_MODES = r"'store', 'selective', 'recompute', 'offload'"
 
@@ -179,27 +179,34 @@ def test_copies_of_an_attached_model_are_plain_unattached_models(tmp_path: Path)
 def test_rank_is_read_when_the_first_step_ends_so_attach_may_come_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = tiny_model(n_layer=2, d_model=16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    h = client.attach(model, optimizer=opt, budget_bytes=10**12)  # before the process group exists
-    named = tiny_model(n_layer=2, d_model=16)
-    named_opt = torch.optim.SGD(named.parameters(), lr=0.01)
-    h_named = client.attach(named, optimizer=named_opt, budget_bytes=10**12, job="shared-job")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        # A real group of one; the torch calls that read it answer as rank 1 of 2 would.
-        monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
-        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-        with caplog.at_level(logging.WARNING, logger="rematd.client"):
-            for step in range(3):
-                train_step(model, opt, 16, seed=step)
-                train_step(named, named_opt, 16, seed=step)
-        hello = h._backend._hello  # type: ignore[attr-defined]
-        assert (hello.rank, hello.world_size) == (1, 2) and (h.rank, h.world_size) == (1, 2)
-        warnings = [r.getMessage() for r in caplog.records if "separate job" in r.getMessage()]
-        assert len(warnings) == 1 and h.job in warnings[0], "warned once, for the handle without job="
-        assert h_named._backend._hello.rank == 1  # type: ignore[attr-defined]
-    finally:
-        h.close()
-        h_named.close()
-        dist.destroy_process_group()
+    with service_thread(tmp_path / "rematd.db") as bound:
+        handles = []
+        for job in (None, "shared-job"):  # streamed before the process group exists, with and without job=
+            model = tiny_model(n_layer=2, d_model=16)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            named = {} if job is None else {"job": job}
+            handles.append(
+                (client.attach(model, optimizer=opt, budget_bytes=10**12, server=bound.grpc, **named), model, opt)
+            )
+        # In-process, without job=: no service shows jobs, so nothing to warn about.
+        alone = tiny_model(n_layer=2, d_model=16)
+        alone_opt = torch.optim.SGD(alone.parameters(), lr=0.01)
+        handles.append((client.attach(alone, optimizer=alone_opt, budget_bytes=10**12), alone, alone_opt))
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+        try:
+            # A real group of one; the torch calls that read it answer as rank 1 of 2 would.
+            monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+            monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+            with caplog.at_level(logging.WARNING, logger="rematd.client"):
+                for step in range(3):
+                    for _, model, opt in handles:
+                        train_step(model, opt, 16, seed=step)
+            h = handles[0][0]
+            assert all((handle.rank, handle.world_size) == (1, 2) for handle, _, _ in handles)
+            assert h.stream is not None and handles[2][0].stream is None
+            warnings = [r.getMessage() for r in caplog.records if "separate job" in r.getMessage()]
+            assert len(warnings) == 1 and h.job in warnings[0], "warned once, for the streamed handle without job="
+        finally:
+            for handle, _, _ in handles:
+                handle.close()
+            dist.destroy_process_group()

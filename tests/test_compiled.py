@@ -24,6 +24,7 @@ from rematd.client.errors import UnsupportedModel
 from rematd.client.service.folding import fold
 from rematd.messages import BlockProfile, Hello, InvalidMessage, StepStats
 from rematd.planner import Mode, Shape
+from rematd.planner.timing import FORWARD_LIKE
 from rematd.server import ServeConfig, ServiceThread
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
@@ -212,7 +213,11 @@ def test_compiled_steps_report_no_compile_time_and_scales_stay_sane() -> None:
     assert any(m.mode == Mode.STORE for s in step_stats for m in s.mode_seconds), "stored forwards still timed"
     session = h._backend._session  # type: ignore[attr-defined]
     assert session is not None
-    assert session.controller.timing.scales == (), "no mode's price was learnt from compile time"
+    scales = dict(session.controller.timing.scales)
+    assert Mode.SELECTIVE not in scales, "no mode's price was learnt from compile time"
+    # Recomputing costs a forward, priced until measured as the stored blocks' measured forwards are against the
+    # profile's (compiled here, eager there): never from a step that compiled, nor past the profile's price.
+    assert all(m in FORWARD_LIKE and 0.1 <= v <= 1.0 for m, v in scales.items()), scales
     h.close()
 
 

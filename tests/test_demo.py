@@ -9,12 +9,14 @@ import httpx
 import pytest
 
 from rematd import demo
+from rematd.planner import MODE_LETTERS
 
 from .helpers import live_server
 
 # Two steps each at 64, 160, 256 and 64 tokens. 48 MiB holds the short steps' activations, not the long ones'.
 BRIEF = ("--steps", "8", "--budget-mib", "48", "--sync")
-LINE = re.compile(r"^\s*(\d+)\s+(\d+)\s+([.sRO]+)\s+v(\d+)\s+\S+\s+\S+\s+\S+\s+(\d+|-)\s")
+LETTERS = re.escape("".join(MODE_LETTERS.values()))
+LINE = re.compile(rf"^\s*(\d+)\s+(\d+)\s+([{LETTERS}]+)\s+v(\d+)\s+\S+\s+\S+\s+\S+\s+(\d+|-)\s")
 
 
 def run_demo(capsys: pytest.CaptureFixture[str], *args: str) -> list[tuple[int, int, str, str, int]]:

@@ -19,7 +19,9 @@ from rematd.planner.reasons import letters
 from .dashboard_helpers import CHROMIUM, rank_prices
 from .helpers import live_server, tiny_model, train_step
 
-STEPS = 24
+STEPS = 80
+"""At most: the run stops a few steps after its first trial (on a busy machine the times that call for one
+come later)."""
 SEQ = 128
 
 
@@ -36,53 +38,55 @@ def no_checkpoint_peak(seq: int) -> int:
 
 
 def test_a_trial_runs_on_real_steps_within_the_budget_and_is_reported(tmp_path: Path) -> None:
-    # About half of what storing every block saves: the plan recomputes, and selective is untried.
+    # About half of what storing every block saves: the plan recomputes. Every mode is priced from the profile
+    # (offload, the one tried before it is planned, is CUDA's): the step-level prices try plans.
     budget = int(no_checkpoint_peak(SEQ) * 0.55)
     with live_server(tmp_path) as srv:
         model = tiny_model(n_layer=4, d_model=32, seed=3)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        h = client.attach(
-            model, server=srv.grpc, job="explore", budget_bytes=budget, optimizer=opt, modes=["selective", "recompute"]
-        )
+        h = client.attach(model, server=srv.grpc, job="explore", budget_bytes=budget, optimizer=opt)
         ran, peaks = [], []
+        first_trial: int | None = None
         for step in range(STEPS):
             train_step(model, opt, SEQ, seed=step)
             assert h.flush(20.0), "the service did not answer in time"
             assert h.last_stats is not None
             ran.append(letters(tuple(h.modes)))
             peaks.append(h.last_stats.saved_peak_bytes)
+            if first_trial is None and h.plan.reason.startswith("trial of a plan:"):
+                first_trial = step
+            if first_trial is not None and step >= max(first_trial + 8, 39):
+                break
+        steps = len(ran)
         plans = httpx.get(f"{srv.url}/api/v1/jobs/explore/plans", timeout=10).json()["plans"]
         text = httpx.get(f"{srv.url}/metrics", timeout=10).text
         prices = httpx.get(f"{srv.url}/api/v1/jobs/explore", timeout=10).json()["ranks"][0]["prices"]
         shown = rank_prices(srv.url, "explore") if os.path.exists(CHROMIUM) else None
         h.close()
     reasons = [p["reason"] for p in plans]
-    trials = [r for r in reasons if r.startswith("trial: selective")]
+    trials = [r for r in reasons if r.startswith("trial of a plan:")]
     assert trials, reasons
-    assert any(r.startswith("trial over: selective") for r in reasons), reasons
-    assert any("s" in modes for modes in ran[1:]), ran
-    assert max(peaks[1:]) <= budget, (peaks, budget)
+    assert all("target" in r or "in turn" in r for r in trials), trials
+    assert max(peaks) <= budget, (peaks, budget)
     counted = {
         s.labels.get("job"): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
         if s.name == "rematd_exploration_steps_total"
     }
-    # Each trial of a mode runs explore_steps (2) steps; the counter saw them, and no more than their share
-    # allows, with what trials of plans may have run besides (their own bound, at the one table entry).
+    # Trials of plans run within their own bound at the one table entry; the counter saw them.
     config = ControllerConfig()
-    plan_trials = allowance(STEPS, config) + config.plan_trial_steps
-    assert 2 <= counted["explore"] <= 2 + 0.05 * STEPS + 2 + plan_trials, counted
-    # How sure each price is: selective was timed by the trial, recomputing by every step.
+    plan_trials = allowance(steps, config) + config.plan_trial_steps
+    assert 1 <= counted["explore"] <= plan_trials, counted
+    # How sure each price is: recomputing was timed by every step; selective priced by its profile at first.
     by_mode = {p["mode"]: p for p in prices}
-    assert set(by_mode) == {"selective", "recompute"}
-    assert by_mode["selective"]["timed_blocks"] >= 2 and by_mode["selective"]["state"] in ("measured", "trial")
+    assert set(by_mode) == {"selective", "titan", "attention", "mlp", "recompute"}
+    assert by_mode["selective"]["state"] in ("measured", "estimate")
     assert by_mode["recompute"]["state"] == "measured" and by_mode["recompute"]["scale"] > 0
     # The same at the one length the job ran, with the step each mode was last timed there.
     (bucket,) = by_mode["recompute"]["buckets"]
     assert bucket["max_seq_len"] == SEQ and bucket["state"] == "measured" and bucket["scale"] > 0
-    assert bucket["timed_blocks"] <= by_mode["recompute"]["timed_blocks"] and 0 < bucket["last_step"] < STEPS
-    assert by_mode["selective"]["buckets"][0]["timed_blocks"] >= 2
+    assert bucket["timed_blocks"] <= by_mode["recompute"]["timed_blocks"] and 0 < bucket["last_step"] < steps
     if shown is not None:
         assert "selective" in shown and "recompute measured" in shown and "blocks timed" in shown, shown
         assert f"\u2264{SEQ} " in shown, shown

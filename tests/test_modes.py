@@ -13,7 +13,7 @@ from rematd.planner.cost import choose, peak_of
 
 from .helpers import batch, tiny_model
 
-ALL = [Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD]
+ALL = [Mode.STORE, Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RECOMPUTE, Mode.OFFLOAD]
 
 
 def step(model: torch.nn.Module, h: client.Handle, seq: int, seed: int) -> float:
@@ -48,7 +48,11 @@ def test_gradients_bitwise_equal_under_every_mode(mode: Mode) -> None:
 
 
 @pytest.mark.parametrize("seq", [32, 80])
-@pytest.mark.parametrize("mode", [Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE], ids=lambda m: m.name.lower())
+@pytest.mark.parametrize(
+    "mode",
+    [Mode.STORE, Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RECOMPUTE],
+    ids=lambda m: m.name.lower(),
+)
 def test_measured_saved_bytes_match_the_prediction(mode: Mode, seq: int) -> None:
     model = tiny_model(n_layer=4, d_model=48, seed=2)
     h = client.attach(model, budget_bytes=10**12)
@@ -93,6 +97,73 @@ def test_recompute_reruns_every_matmul_and_selective_only_the_attention_core() -
     assert flops[Mode.STORE]["total"] < flops[Mode.SELECTIVE]["total"] < flops[Mode.RECOMPUTE]["total"], (
         "selective reruns the attention core (q·kᵀ, weights·v) and nothing costlier"
     )
+    h.close()
+
+
+def _backward_flops(model: torch.nn.Module, h: client.Handle) -> dict[str, int]:
+    """A step's flops by the module that ran them (the attention's and the MLP's matmuls), and in all."""
+    with FlopCounterMode(display=False) as counter:
+        step(model, h, 32, 3)
+    by_module = counter.get_flop_counts()
+    return {
+        "attn": sum(int(sum(v.values())) for k, v in by_module.items() if k.endswith(".attn")),
+        "mlp": sum(int(sum(v.values())) for k, v in by_module.items() if k.endswith(".mlp")),
+        "total": int(counter.get_total_flops()),
+    }
+
+
+def test_a_part_recomputes_alone_and_torchtitans_policy_reruns_every_other_matmul() -> None:
+    model = tiny_model(seed=4)
+    h = client.attach(model, budget_bytes=10**12)
+    step(model, h, 32, 0)
+    flops = {}
+    for mode in (Mode.STORE, Mode.ATTENTION, Mode.MLP, Mode.TITAN, Mode.RECOMPUTE):
+        h.pin_modes(mode)
+        step(model, h, 32, 1)  # apply the modes at the step boundary
+        flops[mode] = _backward_flops(model, h)
+    store, attn, mlp = flops[Mode.STORE], flops[Mode.ATTENTION], flops[Mode.MLP]
+    assert attn["attn"] > store["attn"] and attn["mlp"] == store["mlp"], "attention alone runs again"
+    assert mlp["mlp"] > store["mlp"] and mlp["attn"] == store["attn"], "the MLP alone runs again"
+    # These linear layers have biases (addmm), which torchtitan's policy always keeps, as it keeps bmm.
+    assert store["total"] == flops[Mode.TITAN]["total"] < flops[Mode.RECOMPUTE]["total"]
+    h.close()
+
+
+class _Stack(torch.nn.Module):
+    """Blocks of four bias-free linear layers (``mm``, as torchtitan's models' are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(*(m for _ in range(4) for m in (torch.nn.Linear(32, 32, bias=False), torch.nn.GELU())))
+            for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def test_torchtitans_policy_keeps_every_other_matmul() -> None:
+    model = _Stack()
+    h = client.attach(model, blocks=model.blocks, budget_bytes=10**12)
+    x = torch.randn(8, 32)
+    extra = {}
+    for mode in (None, Mode.STORE, Mode.TITAN, Mode.RECOMPUTE):
+        if mode is not None:
+            h.pin_modes(mode)
+        model(x).sum().backward()  # the profiling step, then a step that applies the pin
+        h.step()
+        with FlopCounterMode(display=False) as counter:
+            model(x).sum().backward()
+        h.step()
+        if mode is not None:
+            extra[mode] = int(counter.get_total_flops())
+    one = 2 * 8 * 32 * 32  # a linear layer's forward
+    assert extra[Mode.RECOMPUTE] - extra[Mode.STORE] == 2 * 4 * one, "every matmul of both blocks runs again"
+    assert extra[Mode.TITAN] - extra[Mode.STORE] == 2 * 2 * one, "every second matmul of each block runs again"
     h.close()
 
 

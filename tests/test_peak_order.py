@@ -1,5 +1,6 @@
 """The peak in backward order against the CPU's saved-tensor accounting, on real training steps: many
-plans (stored, selective and recomputed blocks in every order) at lengths other than the profile's."""
+plans (stored, selective, torchtitan's policy, attention or MLP alone and recomputed blocks in every order) at
+lengths other than the profile's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from rematd.planner.reasons import letters
 from .helpers import batch
 
 N = 6
-PLANS = 14
+PLANS = 18
+MODES = (Mode.STORE, Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RECOMPUTE)
 
 
 def step(model: torch.nn.Module, h: client.Handle, seq: int, seed: int) -> int:
@@ -30,9 +32,9 @@ def step(model: torch.nn.Module, h: client.Handle, seq: int, seed: int) -> int:
 
 def plans() -> list[tuple[Mode, ...]]:
     rng = random.Random(7)
-    out = [(Mode.STORE,) * N, (Mode.RECOMPUTE,) * N, (Mode.SELECTIVE,) * N]
+    out = [(m,) * N for m in MODES]
     while len(out) < PLANS:
-        out.append(tuple(rng.choice((Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE)) for _ in range(N)))
+        out.append(tuple(rng.choice(MODES) for _ in range(N)))
     return out
 
 

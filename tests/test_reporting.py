@@ -134,10 +134,12 @@ def test_a_restarted_service_continues_from_the_plan_in_force(tmp_path: Path) ->
 
 
 def steady_run(grpc_target: str, job: str, *, pause: float) -> client.Handle:
-    """60 alike steps of a tiny model streamed to a service as ``job``; the handle, still open."""
+    """60 alike steps of a tiny model streamed to a service as ``job``; the handle, still open. Store and recompute
+    only: with a part's cheap mode beside storing, the step-level prices may try it a few steps (trials are
+    reported, not folded), which is not what these tests are about."""
     model = tiny_model(n_layer=2, d_model=16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    h = client.attach(model, server=grpc_target, job=job, budget_bytes=10**9, optimizer=opt)
+    h = client.attach(model, server=grpc_target, job=job, budget_bytes=10**9, optimizer=opt, modes=["recompute"])
     for step in range(60):
         train_step(model, opt, 32, seed=step)
         time.sleep(pause)

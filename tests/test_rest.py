@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,8 @@ def make_core(tmp: Path) -> AdvisorCore:
     core = AdvisorCore(Store(tmp / "r.db"), Metrics())
     s, _ = core.open_session(hello(job="known", n=8))
     for step in range(3):
-        core.on_stats(s, stats(step, 500 + step))
+        # Each step ran the plan the rank holds, as a client reports it.
+        core.on_stats(s, dataclasses.replace(stats(step, 500 + step), plan_version=s.sent.version))
     return core
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -119,6 +120,10 @@ def test_help_documents_every_flag_with_its_settings_text() -> None:
         assert f"[env: {option.env}]" in text, option.env
     for name in ("--token-file", "--workers", "--log-level", "--no-public-reads", "REMATD_LOG_LEVEL"):
         assert name in text
+    # Each option's help names its default once, and never an empty one.
+    assert "(default: )" not in text
+    for chunk in re.split(r" --(?=[a-z])", text):
+        assert chunk.count("(default") <= 1, chunk
 
 
 @pytest.mark.parametrize(

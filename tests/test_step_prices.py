@@ -65,6 +65,12 @@ STEPS_TO_CONVERGE = 150
 """Steps of a new length within which the plan in force is the oracle's best, and stays it."""
 
 
+FOUR = (Mode.SELECTIVE, Mode.RECOMPUTE, Mode.OFFLOAD, Mode.COMPRESS)
+"""Four fitted modes, for the fits built by hand."""
+SIZE = 2
+"""The fitted prices of the jobs' profile: the one mode it offers beyond storing (recompute) on two groups."""
+
+
 def profile() -> Profile:
     """Eight alike blocks of fixed sizes, without selective: storing keeps 1000 bytes, recomputing 100 (and
     brings 1000 back in backward) and adds one forward, 10 ms: storing is free by the per-block prices."""
@@ -302,8 +308,8 @@ def test_the_fit_recovers_the_true_prices_from_alternating_plans() -> None:
     # Two groups, one mode: recomputing costs -2 ms on the first group and +6 ms on the second (per
     # block), the prior says +10 ms for both; plans in turn, two steps each (the second of a pair
     # measures the noise), and a drifting baseline.
-    prices = StepPrices(groups=2)
-    prior = Prior(mean=(0.0, 0.0, 0.01, 0.01, 0.0, 0.0, 0.0, 0.0), spread=(0.01,) * 8)
+    prices = StepPrices(groups=2, modes=FOUR)
+    prior = Prior(mean=(0.0, 0.0, 0.01, 0.01, 0.0, 0.0, 0.0, 0.0), spread=(0.01,) * 8, modes=FOUR)
     truth = {0: -0.002, 1: 0.006}
     plans = [(R, R, S, S), (S, S, R, R), (R, S, R, S), (S, S, S, S)]
     rng = random.Random(3)
@@ -314,7 +320,7 @@ def test_the_fit_recovers_the_true_prices_from_alternating_plans() -> None:
         prices.observe(256, step, seconds, modes, prior)
     post = prices.posterior(256, prior)
     assert post is not None
-    recompute = [post.mean[k] for k, p in enumerate(counts((R,) * 4, 2)) if p]
+    recompute = [post.mean[k] for k, p in enumerate(counts((R,) * 4, 2, FOUR)) if p]
     assert recompute == pytest.approx([truth[0], truth[1]], abs=5e-4)
     offsets = prices.offsets(256, prior)
     assert offsets is not None and offsets[2] < -0.01 and -0.006 < offsets[3] < -0.002
@@ -322,7 +328,7 @@ def test_the_fit_recovers_the_true_prices_from_alternating_plans() -> None:
 
 def test_a_steady_plan_measures_only_the_noise() -> None:
     fit = StepFit(8)
-    prior = Prior(mean=(0.01,) * 8, spread=(0.01,) * 8)
+    prior = Prior(mean=(0.01,) * 8, spread=(0.01,) * 8, modes=FOUR)
     for step in range(50):
         fit.observe(step, 1.0 + 0.01 * (step % 2), (0, 0, 2, 1, 0, 0, 0, 0), prior)
     assert fit.pairs == 0 and fit.noise_pairs > 15 and not fit.informed
@@ -355,7 +361,7 @@ def test_a_state_saved_before_step_prices_restores_without_them() -> None:
     fresh = Controller(profile())
     fresh.initial(budget_bytes=BUDGET)
     fresh.restore_state(old)
-    assert fresh.export_state()["step_prices"] == {"groups": 2, "buckets": []}
+    assert fresh.export_state()["step_prices"] == {"groups": 2, "modes": ["recompute"], "buckets": []}
     assert fresh.export_state()["timing"] == state["timing"]
 
 
@@ -382,16 +388,20 @@ def _with(state: dict[str, object], **fit: object) -> dict[str, object]:
         (lambda s: {**s, "buckets": [[0, s["buckets"][0][1]]]}, "step_prices.buckets has a bad"),
         (lambda s: {**s, "buckets": [s["buckets"][0], s["buckets"][0]]}, "repeated length"),
         (lambda s: {**s, "buckets": [[128]]}, r"\[length, sums\] pairs"),
-        (lambda s: _with(s, sxx=[[0.0] * 8] * 7), r"step_prices.buckets\[128\].sxx"),
-        (lambda s: _with(s, sxx=[[1.0 if j == 1 else 0.0 for j in range(8)]] + [[0.0] * 8] * 7), "symmetric"),
-        (lambda s: _with(s, sxy=[float("nan")] * 8), r"buckets\[128\].sxy"),
+        (lambda s: {**s, "modes": ["selective", "recompute", "offload", "compress"]}, "step_prices.modes"),
+        (lambda s: _with(s, sxx=[[0.0] * SIZE] * (SIZE - 1)), r"step_prices.buckets\[128\].sxx"),
+        (
+            lambda s: _with(s, sxx=[[1.0 if j == 1 else 0.0 for j in range(SIZE)]] + [[0.0] * SIZE] * (SIZE - 1)),
+            "symmetric",
+        ),
+        (lambda s: _with(s, sxy=[float("nan")] * SIZE), r"buckets\[128\].sxy"),
         (lambda s: _with(s, pairs=-1.0), r"buckets\[128\].pairs"),
         (lambda s: _with(s, noise="x"), r"buckets\[128\].noise"),
         (lambda s: _with(s, level=float("inf")), r"buckets\[128\].level"),
         (lambda s: _with(s, last=[1, 0.5]), r"buckets\[128\].last"),
-        (lambda s: _with(s, last=[1, 0.5, [1] * 7]), r"last.features"),
-        (lambda s: _with(s, last=[-1, 0.5, [0] * 8]), r"last.step"),
-        (lambda s: _with(s, last=[1, 0.5, [True] * 8]), r"last.features"),
+        (lambda s: _with(s, last=[1, 0.5, [1] * (SIZE - 1)]), r"last.features"),
+        (lambda s: _with(s, last=[-1, 0.5, [0] * SIZE]), r"last.step"),
+        (lambda s: _with(s, last=[1, 0.5, [True] * SIZE]), r"last.features"),
         (lambda s: "nope", "step_prices must be an object"),
     ],
 )
@@ -535,7 +545,7 @@ def test_on_steps_too_noisy_to_tell_plans_apart_no_plan_is_tried_for_long() -> N
 
 def test_the_fit_needs_pairs_of_differing_plans_before_it_moves_a_price() -> None:
     fit = StepFit(8)
-    prior = Prior(mean=(0.01,) * 8, spread=(0.01,) * 8)
+    prior = Prior(mean=(0.01,) * 8, spread=(0.01,) * 8, modes=FOUR)
     step = 0
     for _ in range(10):
         fit.observe(step, 1.0, (0, 0, 2, 1, 0, 0, 0, 0), prior)

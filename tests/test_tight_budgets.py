@@ -86,12 +86,14 @@ def test_a_budget_just_above_the_leanest_plan_is_never_crossed_in_process(
     assert not over, f"steps over the budget of {budget}: {over}"
     assert all(p <= budget for p in predicted[1:]), (predicted, budget)
     assert all(p.predicted_peak_bytes <= budget for p in h.history), [(p.version, p.reason) for p in h.history]
-    # Nothing fits the target (the budget less the margin): the fastest plan predicted under the budget, said so.
-    assert any("no plan fits the target" in p.reason for p in h.history), [p.reason for p in h.history]
+    if factor < 1.05:
+        # Nothing fits the target (the budget less the margin): the fastest plan under the budget, said so.
+        assert any("no plan fits the target" in p.reason for p in h.history), [p.reason for p in h.history]
     assert not any("no plan fits the budget" in p.reason for p in h.history), [p.reason for p in h.history]
     if factor >= 1.06:
-        # Above what storing the last block needs (3.6% over recomputing it here), the plan stores it.
-        assert any(Mode.STORE in p.modes for p in h.history), [p.reason for p in h.history]
+        # Above what storing the last block needs (3.6% over recomputing it here), the plan uses the room: some
+        # block keeps more than it would recomputing (stored, or one of its parts kept).
+        assert max(p.predicted_peak_bytes for p in h.history) > peaks[0], [p.reason for p in h.history]
 
 
 def test_a_budget_just_above_the_leanest_plan_is_never_crossed_served(tmp_path: Path, peaks: tuple[int, int]) -> None:
@@ -115,7 +117,8 @@ def test_where_nothing_is_predicted_under_the_budget_the_leanest_runs_and_says_b
     h = client.attach(model, optimizer=opt, budget_bytes=budget)
     for step in range(3):
         train_step(model, opt, SEQ, seed=step)
-    assert h.modes == (Mode.RECOMPUTE,) * BLOCKS
+    # The leanest plan: nothing stored (recomputing the last block's MLP alone may be leaner still).
+    assert Mode.STORE not in h.modes and h.last_stats is not None and h.last_stats.saved_peak_bytes <= peaks[0]
     reason = h.plan.reason
     assert "no plan fits the budget of" in reason and "over it" in reason, reason
     h.close()

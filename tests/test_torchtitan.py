@@ -131,17 +131,17 @@ def test_rematd_mode_holds_a_budget_just_above_the_leanest_plan(tmp_path: Path, 
         checkpointing=["activation-checkpoint:rematd", "--activation-checkpoint.pin", ",".join(["recompute"] * 6)],
     )  # fmt: skip
     leanest = max(s[0]["measured"] for s in lean[0]["steps"][1:])
-    for factor in (1.02, 1.08):
-        budget = int(factor * leanest)
-        run = train(
-            tmp_path, assets, ranks=1, module="rematd.integrations.torchtitan", steps=8,
-            checkpointing=["activation-checkpoint:rematd", "--activation-checkpoint.budget-bytes", str(budget)],
-        )  # fmt: skip
-        steps = [s[0] for s in run[0]["steps"]]
-        over = [(s["step"], s["measured"] / MIB) for s in steps if s["measured"] > budget]
-        assert not over, f"x{factor}: steps over the budget of {budget / MIB:.2f} MiB: {over}"
-        predicted_over = [(s["step"], s["predicted"] / MIB) for s in steps[1:] if s["predicted"] > budget]
-        assert not predicted_over, f"x{factor}: plans predicted over the budget: {predicted_over}"
+    factor = 1.02  # the tightest the first plans had crossed
+    budget = int(factor * leanest)
+    run = train(
+        tmp_path, assets, ranks=1, module="rematd.integrations.torchtitan", steps=8,
+        checkpointing=["activation-checkpoint:rematd", "--activation-checkpoint.budget-bytes", str(budget)],
+    )  # fmt: skip
+    steps = [s[0] for s in run[0]["steps"]]
+    over = [(s["step"], s["measured"] / MIB) for s in steps if s["measured"] > budget]
+    assert not over, f"x{factor}: steps over the budget of {budget / MIB:.2f} MiB: {over}"
+    predicted_over = [(s["step"], s["predicted"] / MIB) for s in steps[1:] if s["predicted"] > budget]
+    assert not predicted_over, f"x{factor}: plans predicted over the budget: {predicted_over}"
 
 
 def test_command_line_shows_and_refuses(tmp_path: Path) -> None:

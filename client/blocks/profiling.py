@@ -9,6 +9,7 @@ predicts every input shape.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rematd.client.blocks.compress import CompressProbe
-from rematd.client.blocks.selective import SAVE_OPS, outputs_of
+from rematd.client.blocks.selective import Decide, outputs_of
 from rematd.client.memory.accounting import storage_bytes, storage_id, storage_key
 from rematd.planner import Mode, ModeCost, Shape, Size, Term
 
@@ -64,27 +65,68 @@ def _size(entries: dict[Key, tuple[int, int, int]], exclude: set[Key] | None = N
 
 
 class _Timed(TorchDispatchMode):
-    """Records matmul-class outputs and the time spent outside them."""
+    """Times every op of a forward, and records per op policy (``policies``: a mode's decider of what it keeps,
+    as :mod:`rematd.client.blocks.selective` defines them) the outputs it would keep and the time spent outside
+    them: what that mode keeps, and what its recomputation runs again."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, policies: dict[Mode, Decide]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.cuda = cuda
-        self.kept: list[torch.Tensor] = []
-        self.other_seconds = 0.0
+        self.policies = policies
+        self.kept: dict[Mode, list[torch.Tensor]] = {m: [] for m in policies}
+        self.other_seconds: dict[Mode, float] = dict.fromkeys(policies, 0.0)
         self.total_seconds = 0.0
+        self.ops = 0
+        """Ops the forward ran: what a policy's dispatch pays for, in its forward and in its recomputation."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
         if self.cuda:
             torch.cuda.synchronize()
         spent = time.perf_counter() - start
         self.total_seconds += spent
-        if func in SAVE_OPS:
-            self.kept.extend(outputs_of(out))
-        else:
-            self.other_seconds += spent
+        self.ops += 1
+        for mode, decide in self.policies.items():
+            if decide(func, args, kwargs):
+                self.kept[mode].extend(outputs_of(out))
+            else:
+                self.other_seconds[mode] += spent
         return out
+
+    def clear(self) -> None:
+        """Let go of the outputs collected (a failed step's graph, or a measured one)."""
+        for kept in self.kept.values():
+            kept.clear()
+
+    def share(self, mode: Mode) -> float:
+        """The fraction of the forward's op time ``mode``'s recomputation runs again."""
+        return self.other_seconds[mode] / self.total_seconds if self.total_seconds else 1.0
+
+
+@functools.cache
+def dispatch_seconds() -> float:
+    """Host seconds a Python dispatch mode adds to one op (a selective policy pays it on every op of the block,
+    in its forward and again in its recomputation), measured once per process on small tensors."""
+    x = torch.ones(16)
+
+    class Empty(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            torch.add(x, x)
+        return time.perf_counter() - start
+
+    run(50)
+    plain = min(run(200) for _ in range(3))
+    with Empty():  # type: ignore[no-untyped-call]
+        run(50)
+        hooked = min(run(200) for _ in range(3))
+    return max(0.0, hooked - plain) / 200
 
 
 @dataclass(slots=True)
@@ -98,7 +140,7 @@ class BlockMeasure:
 
 
 class Profiler:
-    """Measures one block forward; ``pack`` is its saved-tensor hook."""
+    """Measures one block forward; ``record`` sees each tensor it saves for backward."""
 
     def __init__(
         self,
@@ -107,6 +149,7 @@ class Profiler:
         cuda: bool,
         gathered: frozenset[int] = frozenset(),
         probe: CompressProbe | None = None,
+        policies: dict[Mode, Decide] | None = None,
     ) -> None:
         self.shape = shape
         self.probe = probe
@@ -116,7 +159,19 @@ class Profiler:
         """Storages of the parameters as the block runs (those a sharded set-up gathered): weights, not activations."""
         self.cuda = cuda
         self.saved: dict[Key, tuple[int, int, int]] = {}
-        self.timer = _Timed(cuda)
+        self.timer = _Timed(cuda, policies or {})
+        self._parts: list[Mode] = []
+        """The parts running now, innermost last."""
+        self._where: dict[Key, set[Mode | None]] = {}
+        """Per storage saved, the parts it was saved in (None: outside any part)."""
+        self._part_inputs: dict[Mode, dict[Key, tuple[int, int, int]]] = {}
+        self._part_seconds: dict[Mode, float] = {}
+        self._clock = 0
+        """Counts the saves and the parts' starts and ends, in the order they happen."""
+        self._first: dict[Key, int] = {}
+        """Per storage saved, when it was first saved."""
+        self._ended: dict[Mode, int] = {}
+        """Per part, when its forward last ended."""
 
     def record(self, t: torch.Tensor) -> None:
         if self.gathered and storage_id(t) in self.gathered:
@@ -128,6 +183,22 @@ class Profiler:
             self.probe.record(key, t)
         if key not in self.saved:
             self.saved[key] = (storage_bytes(t), *exponents(t, self.shape))
+            self._clock += 1
+            self._first[key] = self._clock
+        self._where.setdefault(key, set()).add(self._parts[-1] if self._parts else None)
+
+    def enter_part(self, mode: Mode, inputs: list[torch.Tensor]) -> None:
+        """A part of the block (:mod:`rematd.client.blocks.parts`) starts its forward on ``inputs``."""
+        self._parts.append(mode)
+        self._part_inputs.setdefault(mode, {}).update(self._entries(inputs))
+
+    def leave_part(self, mode: Mode, seconds: float) -> None:
+        """It ended, ``seconds`` after it started."""
+        if self._parts and self._parts[-1] == mode:
+            self._parts.pop()
+        self._part_seconds[mode] = self._part_seconds.get(mode, 0.0) + seconds
+        self._clock += 1
+        self._ended[mode] = self._clock
 
     def _entries(self, tensors: list[torch.Tensor]) -> dict[Key, tuple[int, int, int]]:
         return {
@@ -140,21 +211,15 @@ class Profiler:
         self, inputs: list[torch.Tensor], seconds: float, offer: frozenset[Mode], host_bandwidth: float | None
     ) -> BlockMeasure:
         inp = self._entries(inputs)
-        kept_mm = self._entries(self.timer.kept)
         store = _size(self.saved)
         inp_size = _size(inp)
         modes = [ModeCost(mode=Mode.STORE, kept=store)]
-        if Mode.SELECTIVE in offer:
-            kept = {**inp, **kept_mm}
-            share = self.timer.other_seconds / self.timer.total_seconds if self.timer.total_seconds else 1.0
-            modes.append(
-                ModeCost(
-                    mode=Mode.SELECTIVE,
-                    kept=_size(kept),
-                    transient=_size(self.saved, exclude=set(kept)),
-                    extra_seconds=seconds * share,
-                )
-            )
+        for mode in self.timer.policies:
+            if mode in offer:
+                modes.append(self._policy_cost(mode, inp))
+        for mode in sorted(self._part_seconds):
+            if mode in offer:
+                modes.append(self._part_cost(mode))
         if Mode.RECOMPUTE in offer:
             modes.append(ModeCost(mode=Mode.RECOMPUTE, kept=inp_size, transient=store, extra_seconds=seconds))
         if self.probe is not None and Mode.COMPRESS in offer:
@@ -171,6 +236,34 @@ class Profiler:
             )
         return BlockMeasure(
             saved_bytes=store.bytes, input_bytes=inp_size.bytes, forward_seconds=seconds, modes=tuple(modes)
+        )
+
+    def _policy_cost(self, mode: Mode, inp: dict[Key, tuple[int, int, int]]) -> ModeCost:
+        """An op policy's mode: it keeps the block's input and the outputs its policy keeps; its recomputation
+        runs the other ops again, and its dispatch costs every op twice (forward and recomputation)."""
+        kept = {**inp, **self._entries(self.timer.kept[mode])}
+        return ModeCost(
+            mode=mode,
+            kept=_size(kept),
+            transient=_size(self.saved, exclude=set(kept)),
+            extra_seconds=self.timer.other_seconds[mode] + 2 * self.timer.ops * dispatch_seconds(),
+        )
+
+    def _part_cost(self, mode: Mode) -> ModeCost:
+        """A part's mode: the block keeps what storing keeps but what only the part saved, and the part's input;
+        the part's activations come back in backward, by running its forward again."""
+        inside = {k for k, where in self._where.items() if where == {mode}}
+        kept = {k: v for k, v in self.saved.items() if k not in inside}
+        kept.update(self._part_inputs.get(mode, {}))
+        # What was first saved after the part ran is freed by the backward of what saved it, which runs first.
+        ended = self._ended.get(mode, self._clock)
+        released = {k: v for k, v in kept.items() if self._first.get(k, 0) > ended}
+        return ModeCost(
+            mode=mode,
+            kept=_size(kept),
+            transient=_size({k: self.saved[k] for k in inside}),
+            extra_seconds=self._part_seconds[mode],
+            released=_size(released),
         )
 
     def _compress_cost(self) -> ModeCost:

@@ -68,6 +68,88 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+Decide = Callable[[Any, Any, Any], bool]
+"""Whether an op's output is kept: ``decide(op, args, kwargs)``, called for every op of one pass of a block in
+order (the forward, or the recomputation: each pass has its own, so a policy that counts counts alike)."""
+
+
+def _compute_intensive() -> frozenset[Any]:
+    try:
+        from torch._functorch.partitioners import get_default_op_list
+
+        return frozenset(getattr(op, "default", op) for op in get_default_op_list().compute_intensive_ops)
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
+        return _ops("mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention")
+
+
+def _titan_save_ops() -> frozenset[Any]:
+    """torchtitan's save list: the compiler's compute-intensive ops, the attention kernels it names, ``max``
+    (a quantisation's scale), ``linear``, ``topk`` (an MoE router's choice), FlexAttention, and the collectives
+    that move tokens (reduce-scatter, all-to-all)."""
+    found = set(_compute_intensive())
+    for name in (
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_attention_math",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "max",
+        "linear",
+        "topk",
+    ):
+        packet = getattr(aten, name, None)
+        if packet is not None and "default" in packet.overloads():
+            found.add(packet.default)
+    flex = getattr(getattr(torch, "_higher_order_ops", None), "flex_attention", None)
+    if flex is not None:
+        found.add(flex)
+    try:
+        namespace = torch.ops._c10d_functional
+        found.update((namespace.reduce_scatter_tensor.default, namespace.all_to_all_single.default))
+    except (AttributeError, RuntimeError):
+        pass
+    return frozenset(found)
+
+
+TITAN_SAVE_OPS = _titan_save_ops()
+_MM_OPS = frozenset({aten.mm.default, aten.linear.default})
+_TO_COPY = aten._to_copy.default
+
+
+def megatron_policy() -> Decide:
+    """Megatron's selective recomputation: keep what :data:`SAVE_OPS` produce."""
+    return lambda op, args, kwargs: op in SAVE_OPS
+
+
+class TitanPolicy:
+    """torchtitan's per-op selective policy (``SelectiveAC``), op for op: keep the outputs of
+    :data:`TITAN_SAVE_OPS` but every second matmul's (counted per pass), a device-to-host copy's always, and never
+    a matmul with a router gate's weight shape (an MoE router recomputes, as torchtitan forces it to)."""
+
+    def __init__(self, router_shapes: frozenset[tuple[int, int]] = frozenset()) -> None:
+        self.router_shapes = router_shapes
+        """(in, out) features of the block's router gates."""
+
+    def __call__(self) -> Decide:
+        count = [0]
+        routers = self.router_shapes
+
+        def decide(op: Any, args: Any, kwargs: Any) -> bool:
+            to_host = op is _TO_COPY and str(kwargs.get("device", "")) == "cpu"
+            if to_host and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+                return True
+            if op in _MM_OPS:
+                shape = tuple(args[1].shape)
+                if op is aten.linear.default:
+                    shape = shape[::-1]
+                if shape in routers:
+                    return False
+                count[0] += 1
+                if count[0] % 2 == 0:
+                    return False
+            return op in TITAN_SAVE_OPS
+
+        return decide
+
+
 def outputs_of(result: Any) -> list[torch.Tensor]:
     if isinstance(result, torch.Tensor):
         return [result]
@@ -117,17 +199,19 @@ class _Kept:
 
 
 class _Keep(TorchDispatchMode):
-    """The forward of a selective checkpoint: keeps the outputs of the kept ops (and, with ``sink``, collects
-    them there so that saved-tensor accounting can count them)."""
+    """The forward of a selective checkpoint: keeps the outputs of the ops ``decide`` keeps (and, with ``sink``,
+    collects them there so that saved-tensor accounting can count them)."""
 
-    def __init__(self, kept: _Kept, sink: list[torch.Tensor] | None) -> None:
+    def __init__(self, kept: _Kept, sink: list[torch.Tensor] | None, decide: Decide) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.kept = kept
         self.sink = sink
+        self.decide = decide
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func in SAVE_OPS:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.decide(func, args, kwargs):
             self.kept.keep(_key(func, args), out)
             if self.sink is not None:
                 self.sink.extend(outputs_of(out))
@@ -144,25 +228,29 @@ class _Replay(TorchDispatchMode):
     missing or was changed in place since is computed again, which gives the same value.
     """
 
-    def __init__(self, kept: _Kept) -> None:
+    def __init__(self, kept: _Kept, decide: Decide) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.kept = kept
+        self.decide = decide
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in SAVE_OPS:
+        kwargs = kwargs or {}
+        if self.decide(func, args, kwargs):
             out = self.kept.take(_key(func, args))
             if out is not None:
                 return out
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
-def selective_context(kept: list[torch.Tensor] | None) -> Callable[[], tuple[Any, Any]]:
-    """A ``context_fn`` for an eager ``checkpoint``; with ``kept``, the kept outputs are also collected
-    there so that saved-tensor accounting can count them."""
+def selective_context(
+    kept: list[torch.Tensor] | None, policy: Callable[[], Decide] = megatron_policy
+) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for an eager ``checkpoint`` keeping what ``policy`` keeps (Megatron's by default); with
+    ``kept``, the kept outputs are also collected there so that saved-tensor accounting can count them."""
 
     def make() -> tuple[Any, Any]:
         store = _Kept()
-        return _Keep(store, kept), _Replay(store)
+        return _Keep(store, kept, policy()), _Replay(store, policy())
 
     return make
 

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, SupportsIndex
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,13 +22,17 @@ from rematd.client.blocks.compress import Compressor, CompressProbe, constant_st
 from rematd.client.blocks.kv_caches import holds_cache
 from rematd.client.blocks.mode_timing import RecomputeTimer
 from rematd.client.blocks.offload import Offloader
+from rematd.client.blocks.parts import PART_MODES, SwitchablePart, SwitchedForward, find_parts, router_shapes
 from rematd.client.blocks.profiling import BlockMeasure, Profiler
-from rematd.client.blocks.selective import selective_context
+from rematd.client.blocks.selective import Decide, TitanPolicy, megatron_policy, selective_context
 from rematd.client.memory.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.parallel.base import PLAIN, SetUp
 from rematd.planner import Mode, Shape
 
 log = logging.getLogger("rematd.client")
+
+POLICIES = frozenset({Mode.SELECTIVE, Mode.TITAN})
+"""Modes that keep what an op policy keeps (:mod:`rematd.client.blocks.selective`)."""
 
 
 class CompiledVariants(Protocol):
@@ -38,30 +42,18 @@ class CompiledVariants(Protocol):
     def run(self, block: SwitchableBlock, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
-class _SwitchedForward:
-    """What a switched block's ``forward`` attribute holds.
-
-    Copied or pickled, it becomes the forward the block had before (for a
-    forward defined by the class, ``getattr(copy, "forward")``: the copy's
-    own), so a copy neither carries the handle's locks nor needs rematd to load.
-    """
-
-    __slots__ = ("block",)
-
-    def __init__(self, block: SwitchableBlock) -> None:
-        self.block = block
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.block._forward(*args, **kwargs)
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
-        return self.block._original.__reduce_ex__(protocol)
-
-
 class SwitchableBlock:
     """Wraps one block's forward; ``mode`` decides how the next forward runs."""
 
-    def __init__(self, index: int, name: str, module: nn.Module, accounting: SavedTensorAccounting | None) -> None:
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        accounting: SavedTensorAccounting | None,
+        *,
+        parts: bool = True,
+    ) -> None:
         self.index = index
         self.name = name
         self.module = module
@@ -88,9 +80,15 @@ class SwitchableBlock:
         """The compiled variants this block runs (``attach(..., compile=...)``); None: eager."""
         self.setup: SetUp = PLAIN
         """The parallel set-up (set at the first step): what its weights are, what a recomputation runs in."""
+        self.parts: dict[Mode, SwitchablePart] = (
+            {mode: SwitchablePart(mode, n, m, self) for mode, (n, m) in find_parts(module).items()} if parts else {}
+        )
+        """The block's parts that recompute on their own (its attention, its MLP), found by name."""
+        self.titan = TitanPolicy(router_shapes(module))
+        """torchtitan's selective policy, for this block's router gates."""
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
-        module.forward = _SwitchedForward(self)
+        module.forward = SwitchedForward(self)
 
     @property
     def checkpointed(self) -> bool:
@@ -102,6 +100,8 @@ class SwitchableBlock:
         self.mode = Mode.RECOMPUTE if on else Mode.STORE
 
     def restore(self) -> None:
+        for part in self.parts.values():
+            part.restore()
         if self._had_instance_forward:
             self.module.forward = self._original
         else:
@@ -138,10 +138,13 @@ class SwitchableBlock:
         return timer.forward(mode, self._mode_forward, cuda, mode, args, kwargs)
 
     def _mode_to_run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Mode:
-        """The mode this forward runs in: the block's, but storing when the caller handed it a cache."""
+        """The mode this forward runs in: the block's, but storing when the caller handed it a cache, and
+        recomputing the whole block for a part it does not have (a pin may name one)."""
         mode = self.mode
         if mode not in (Mode.STORE, Mode.OFFLOAD, Mode.COMPRESS) and self._keeps_for_cache(args, kwargs):
             return Mode.STORE
+        if mode in PART_MODES and mode not in self.parts:
+            return Mode.RECOMPUTE
         return mode
 
     def _compiled_checkpoint(self, mode: Mode) -> bool:
@@ -160,16 +163,23 @@ class SwitchableBlock:
             return self._offloaded(*args, **kwargs)
         if mode == Mode.COMPRESS:
             return self.compressed(functools.partial(self._original, *args, **kwargs), args, kwargs)
+        part = self.parts.get(mode)
+        if part is not None:
+            part.active = True
+            try:
+                return self._original(*args, **kwargs)
+            finally:
+                part.active = False
         acct = self._counting()
-        kept: list[torch.Tensor] | None = [] if acct is not None and mode == Mode.SELECTIVE else None
+        kept: list[torch.Tensor] | None = [] if acct is not None and mode in POLICIES else None
         self._in_forward = True
         try:
-            if mode == Mode.SELECTIVE:
+            if mode in POLICIES:
                 output = checkpoint(
                     functools.partial(self._run, mode),
                     *args,
                     use_reentrant=False,
-                    context_fn=selective_context(kept),
+                    context_fn=selective_context(kept, self.titan if mode == Mode.TITAN else megatron_policy),
                     **kwargs,
                 )
             else:
@@ -190,6 +200,13 @@ class SwitchableBlock:
         inputs = tensors_in([args, kwargs])
         acct.hold([*inputs, *kept], until_grad_of=inputs)
         acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), inputs)
+
+    def count_part(self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """On the CPU's accounting, a part that recomputed: what it brings back in backward (its input is saved
+        for backward as any tensor is, under the accounting's hooks)."""
+        acct = self._counting()
+        if acct is not None:
+            acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), tensors_in([args, kwargs]))
 
     def _offloaded(self, *args: Any, **kwargs: Any) -> Any:
         offloader = self.offloader
@@ -259,11 +276,13 @@ class SwitchableBlock:
             if self.compressor is not None and Mode.COMPRESS in self.offer
             else None
         )
-        profiler = Profiler(self.profile_shape, excluded, cuda, gathered, probe)
+        profiler = Profiler(self.profile_shape, excluded, cuda, gathered, probe, self._policies())
         counting = self._counting()
         if counting is not None and gathered:
             counting.gathered |= gathered
         lean = self.mode == Mode.RECOMPUTE and not self._keeps_for_cache(args, kwargs)
+        for part in self.parts.values():
+            part.recorder = profiler
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -274,15 +293,24 @@ class SwitchableBlock:
                 output = self._profiled_storing(profiler, counting, args, kwargs)
         except BaseException:
             # The outputs it collected hold the failed step's graph: let it go with the error.
-            profiler.timer.kept.clear()
+            profiler.timer.clear()
             raise
+        finally:
+            for part in self.parts.values():
+                part.recorder = None
         if cuda:
             torch.cuda.synchronize()
         self.measure = profiler.result(inputs, time.perf_counter() - start, self.offer, self.host_bandwidth)
+        profiler.timer.clear()
         self.profiling = False
         if lean:
             self._count_checkpoint(Mode.RECOMPUTE, args, kwargs, output, [])
         return output
+
+    def _policies(self) -> dict[Mode, Decide]:
+        """The op policies of the modes this block offers, each a fresh pass's decider, for the profile."""
+        made: dict[Mode, Callable[[], Decide]] = {Mode.SELECTIVE: megatron_policy, Mode.TITAN: self.titan}
+        return {mode: make() for mode, make in made.items() if mode in self.offer}
 
     def _profiled_storing(
         self,

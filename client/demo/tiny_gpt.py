@@ -32,30 +32,55 @@ class GPTConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
 
 
-class Block(nn.Module):
-    """Pre-norm decoder block with explicit (materialised) causal attention."""
+class CausalSelfAttention(nn.Module):
+    """Causal self-attention with an explicit (materialised) attention matrix."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.n_head)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = self.drop(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
         y = (att @ v).transpose(1, 2).reshape(b, t, c)
-        x = x + self.drop(self.proj(y))
-        out: torch.Tensor = x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+        out: torch.Tensor = self.drop(self.proj(y))
+        return out
+
+
+class MLP(nn.Module):
+    """The feed-forward part: 4x wide, GELU."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.drop(self.out(F.gelu(self.fc(x))))
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: attention (``attn``) and MLP (``mlp``), each behind a norm and a residual."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
         return out
 
 

@@ -94,7 +94,10 @@ def train(
     model = TinyGPT(GPTConfig(n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=4, max_seq_len=cfg.long_seq))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     h = attach(model, server=server, job=job, budget_bytes=int(cfg.budget_mib * MiB), optimizer=opt)
-    out("modes per block: . store, s selective (recompute pointwise ops), R recompute, O offload to host")
+    out(
+        "modes per block: . store, m MLP recomputed, a attention recomputed, s selective (recompute pointwise ops), "
+        "t torchtitan's selective, R recompute, O offload to host"
+    )
     out("every: the checkpoint frequency k when every k-th block recomputes, - when the modes are not that")
     out(
         f"{'step':>5} {'seq':>5} {'modes':>{max(8, cfg.n_layer)}} {'plan':4} {'pred MiB':>8} {'peak MiB':>8}"

@@ -24,9 +24,19 @@ from rematd.planner import Mode
 
 log = logging.getLogger("rematd.client")
 
-CODES = {Mode.STORE: 0, Mode.COMPRESS: 1, Mode.SELECTIVE: 2, Mode.OFFLOAD: 3, Mode.RECOMPUTE: 4}
-"""A mode's code in the agreement: the larger, the less of the block's activations it keeps on the device.
-A block that profiles puts forward storing's code (profiling runs the block's forward as storing does)."""
+CODES = {
+    Mode.STORE: 0,
+    Mode.COMPRESS: 1,
+    Mode.ATTENTION: 2,
+    Mode.MLP: 3,
+    Mode.SELECTIVE: 4,
+    Mode.TITAN: 5,
+    Mode.OFFLOAD: 6,
+    Mode.RECOMPUTE: 7,
+}
+"""A mode's code in the agreement: the larger, the less of the block's activations it keeps on the device (in
+a typical block: how parts and op policies compare varies from model to model, and any order the ranks share
+runs one plan). A block that profiles puts forward recomputing's code (profiling runs it as recomputing does)."""
 
 MODES = {code: mode for mode, code in CODES.items()}
 

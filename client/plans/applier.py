@@ -25,6 +25,8 @@ NO_PLAN = Plan(
     reason="profiling: every block recomputes until the planner's first plan",
 )
 
+OTHER_MODES = "the blocks ran other modes than the plan's"
+
 
 class PlanApplier:
     """Receives plans from any thread; applies the newest at a step boundary only."""
@@ -46,10 +48,41 @@ class PlanApplier:
         self.price: Pricer = lambda modes, version, reason: None
         """Prices a pin as a plan (the backend's planner, once it opens)."""
         self._pin_plan: Plan | None = None
+        self._lean: tuple[Mode, ...] | None = None
+        """The leanest modes when the last step ran them for want of a plan that covers it, with why; else None."""
+        self._lean_why = ""
+        self._shape = Shape()
+        """The shape the blocks' modes were last set for."""
+        self._shown: tuple[tuple[object, ...], Plan] | None = None
+        self.ran_why = ""
+        """Why the blocks run other modes than the plan's this step, when something after the plan set them."""
 
     def invalidate(self) -> None:
         """The blocks' modes were set by other means (safe mode, a pin): set them at the next step."""
         self._applied = None
+
+    def _ran_plan(self, ran: tuple[Mode, ...]) -> Plan:
+        """:meth:`in_force` without a pin, for the blocks' modes ``ran``."""
+        if self._lean is None:
+            plan = self.plan.at(self._shape)
+            why = ""
+        else:
+            plan, why = self.plan, self._lean_why
+        if plan.version and ran != plan.modes:
+            # Set after the plan's: the ranks agreed on leaner modes, or recovery from an out-of-memory error.
+            why = f"{self.ran_why or OTHER_MODES}: {letters(ran)}"
+        if ran == plan.modes and not why:
+            return plan
+        # Modes of no table entry: priced by the profile (at its length) where the planner is open.
+        priced = self.price(ran, plan.version, plan.reason) if plan.version else None
+        figures = (priced.predicted_peak_bytes, priced.predicted_overhead_ratio) if priced is not None else (0, 0.0)
+        return plan.running(ran, predicted_peak_bytes=figures[0], overhead=figures[1], why=why)
+
+    def profiled_as(self, modes: tuple[Mode, ...]) -> None:
+        """The profiling step runs ``modes`` (set by the step cycle, not from a plan)."""
+        why = "this step profiles the blocks, each as it recomputes" if self.plan.version else ""
+        self._lean, self._lean_why, self._shape = modes, why, Shape()
+        self.invalidate()
 
     def pin(self, modes: Sequence[Mode] | None) -> None:
         """Fix every block's mode from the next step on (None: follow the plans again)."""
@@ -59,11 +92,20 @@ class PlanApplier:
         self.invalidate()
 
     def in_force(self) -> Plan:
-        """The plan in force: the planner's, or under a pin a plan of the pinned modes (the planner's version,
-        priced by the profile once there is one; lossy, and saying so, when some block compresses)."""
+        """The plan in force for the current (or last) step: the planner's, its table's entry for the step's
+        length in its own fields (the modes that run, that length's prediction); a plan of the leanest modes,
+        saying why, where the step ran them for want of a plan; or under a pin a plan of the pinned modes (the
+        planner's version, priced by the profile once there is one; lossy, and saying so, when some block
+        compresses)."""
         pins = self.pinned
         if pins is None:
-            return self.plan
+            ran = tuple(b.mode for b in self.blocks)
+            key = (self.plan.version, self._shape, ran, self._lean, self.ran_why)
+            if self._shown is not None and self._shown[0] == key:
+                return self._shown[1]  # read each step (the budget watch): the same again costs nothing
+            plan = self._ran_plan(ran)
+            self._shown = (key, plan)
+            return plan
         version = self.plan.version
         cached = self._pin_plan
         if cached is not None and cached.version == version and cached.modes == pins:
@@ -123,12 +165,21 @@ class PlanApplier:
         if key == self._applied:
             return plan
         self._applied = key
+        self._shape, self._lean = shape, None
         if self.pinned is not None:
             modes = self.pinned
         elif self.lean_after is not None or not self.plan.version or self._beyond(shape):
             # No plan yet (a service answers the profile a step or more later), a budget cut not yet
             # answered, or a step past the table: every block keeps the least it can.
             modes = tuple(leanest(b.offer) for b in self.blocks)
+            self._lean = modes
+            self._lean_why = (
+                ""  # the profiling plan's reason says it
+                if not self.plan.version
+                else f"this step runs every block at its leanest: the budget was cut after v{self.plan.version}"
+                if self.lean_after is not None
+                else f"this step runs every block at its leanest: length {shape.seq_len} is past the plan's table"
+            )
         else:
             modes = self.plan.modes_for(shape, n)
         for b, mode in zip(self.blocks, modes, strict=False):

@@ -20,6 +20,9 @@ Pricer = Callable[[tuple[Mode, ...], int, str], Plan | None]
 class Backend(Protocol):
     """What a handle needs from a source of plans. No method may block on the network."""
 
+    served: bool
+    """Whether the plans come from a service, where every rank's stream meets its job (else from this process)."""
+
     def open(self, hello: Hello) -> None: ...
     def update_hello(self, **fields: Any) -> None: ...
     def send_stats(self, stats: StepStats) -> None: ...
@@ -31,6 +34,8 @@ class Backend(Protocol):
 
 class EmbeddedBackend:
     """Runs the planner in-process, on the training thread (it takes microseconds)."""
+
+    served = False
 
     def __init__(self, on_plan: PlanCallback) -> None:
         self._on_plan = on_plan

@@ -71,6 +71,8 @@ _STOP = object()
 class StreamBackend:
     """Streams a rank's hello, stats and OOM events to a service; delivers plans."""
 
+    served = True
+
     def __init__(self, target: str, on_plan: Callable[[Plan], None], config: StreamConfig | None = None) -> None:
         if not isinstance(target, str) or not target.strip():
             raise ValueError(f"server must be 'host:port', got {target!r}")

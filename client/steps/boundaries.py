@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rematd.client")
 
-RERUN = frozenset({Mode.SELECTIVE, Mode.RECOMPUTE})
-"""Modes whose block runs its forward again in backward."""
+RERUN = frozenset({Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RECOMPUTE})
+"""Modes whose block runs its forward, or a part of it, again in backward."""
 
 
 class StepCycle:
@@ -127,6 +127,7 @@ class StepCycle:
         """A step begins: at its first grad-enabled forward after a step boundary, with that forward's arguments,
         or at a schedule's ``step()``, with the whole batch (``shape``: a microbatch's, when known)."""
         runs_in = self.life.begin_step()
+        self.applier.ran_why = ""
         if self.memory is None:
             self._first_step()
             self.memory = memory_source(self.model, self.accounting, args, kwargs)
@@ -142,6 +143,7 @@ class StepCycle:
                 # Profiled as recomputing keeps it: the first step needs no more memory than the leanest plan.
                 b.mode = Mode.RECOMPUTE if lean and Mode.RECOMPUTE in b.offer else Mode.STORE
             self.fresh_grads = fresh_grad_bytes(self.model)
+            self.applier.profiled_as(tuple(b.mode for b in self.blocks))
         elif runs_in is Phase.PLANNED:
             if self._hello_static is not None:
                 self._first_planned_step()
@@ -154,6 +156,8 @@ class StepCycle:
         ):
             # Every block recomputes until the planner answers with a new plan.
             self.life.plan_applied()
+        if runs_in in (Phase.RETRY, Phase.SAFE):
+            self.applier.ran_why = "after an out-of-memory error every block recomputes until the next plan"
         # The retry (Phase.RETRY) runs with every block recomputed, whatever is pending; it runs on this rank
         # alone, so it agrees with no other.
         if self.setup.agreement is not None and runs_in is not Phase.RETRY:
@@ -251,6 +255,7 @@ class StepCycle:
         chosen = self.setup.agreement.agree(own)
         if chosen == own:
             return
+        self.applier.ran_why = "the ranks agreed on the leanest mode any put forward"
         for b, code in zip(self.blocks, chosen, strict=True):
             mode = MODES[code]
             if mode is not b.mode:
@@ -320,7 +325,8 @@ class StepCycle:
         assert self.memory is not None and self.budget_bytes is not None
         # Read now, not at attach: the process group is often set up after the model is attached.
         rank, world_size = self.ranks = dist_rank()
-        if world_size > 1 and not self.job_given:
+        # In-process every rank plans alone and no service shows jobs: only a stream has a job to split.
+        if world_size > 1 and not self.job_given and self.backend.served:
             log.warning(
                 "rematd: rank %d of %d was attached without job=, so it streams as job %r and every rank "
                 "appears as a separate job; pass the same job= on every rank",

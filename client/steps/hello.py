@@ -12,6 +12,8 @@ from typing import Any
 from torch import nn
 
 from rematd import __version__
+from rematd.client.blocks.compiled import COMPILED_MODES
+from rematd.client.blocks.parts import PART_MODES
 from rematd.client.blocks.profiling import host_bandwidth
 from rematd.client.blocks.switchable import SwitchableBlock
 from rematd.client.memory.accounting import SavedTensorAccounting, local_part, tensors_in
@@ -61,7 +63,11 @@ def offer_modes(blocks: Sequence[SwitchableBlock], memory: Memory, modes: Collec
     if not bandwidth:
         offer.discard(Mode.OFFLOAD)
     for b in blocks:
-        b.offer = frozenset(offer)
+        own = {m for m in offer if m not in PART_MODES or m in b.parts}
+        if b.compiled is not None:
+            # A mode without a compiled variant would run its block eagerly among compiled ones.
+            own &= {*COMPILED_MODES, Mode.OFFLOAD, Mode.COMPRESS}
+        b.offer = frozenset(own)
         b.host_bandwidth = bandwidth
 
 

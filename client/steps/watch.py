@@ -25,16 +25,16 @@ class BudgetWatch:
         budget = stats.budget_bytes
         if budget and peak > budget:
             self.over_steps += 1
+            predicted = plan.predicted_peak_bytes
             log.warning(
-                "rematd: step %d peaked at %.1f MiB, %.1f MiB (%.1f%%) over the budget of %.1f MiB (plan v%d, "
-                "predicted %.1f MiB)",
+                "rematd: step %d peaked at %.1f MiB, %.1f MiB (%.1f%%) over the budget of %.1f MiB (plan v%d, %s)",
                 stats.step,
                 peak / 2**20,
                 (peak - budget) / 2**20,
                 100 * (peak / budget - 1),
                 budget / 2**20,
                 plan.version,
-                plan.predicted_peak_bytes / 2**20,
+                f"predicted {predicted / 2**20:.1f} MiB" if predicted else "no prediction: every block at its leanest",
             )
         if plan.version > self._said_no_fit and "no plan fits" in plan.reason:
             self._said_no_fit = plan.version

@@ -76,11 +76,16 @@ def _with_service(cfg: DemoConfig, args: argparse.Namespace) -> None:
     except OSError:  # the default dashboard port is taken: any free one
         service = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=db))
         bound = service.start()
-    print(f"rematd service: gRPC {bound.grpc}, dashboard {bound.dashboard}, store {bound.db}")
+    # With --no-serve the service stops with the training: no address is printed that will not answer.
+    store = f"store {bound.db}" if args.db else "a temporary store"
+    shown = "" if args.no_serve else f", dashboard {bound.dashboard}"
+    print(f"rematd service: gRPC {bound.grpc}{shown}, {store}")
     try:
         train(cfg, server=bound.grpc, job=args.job, sync=args.sync)
-        print(f"\ndashboard: {bound.dashboard}   plans: http://{bound.http}/api/v1/jobs/{args.job}/plans")
-        if not args.no_serve:
+        if args.no_serve:
+            print("\nservice stopped" + (f"; plans kept in {bound.db}" if args.db else ""))
+        else:
+            print(f"\ndashboard: {bound.dashboard}   plans: http://{bound.http}/api/v1/jobs/{args.job}/plans")
             print("serving until Ctrl-C")
             with contextlib.suppress(KeyboardInterrupt):
                 while True:

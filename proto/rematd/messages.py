@@ -96,6 +96,7 @@ def _check_modes(name: str, modes: tuple[ModeCost, ...]) -> None:
         _seconds(f"{where}.extra_seconds", m.extra_seconds)
         _size(f"{where}.kept", m.kept)
         _size(f"{where}.transient", m.transient)
+        _size(f"{where}.released", m.released)
     if modes and Mode.STORE not in seen:
         raise InvalidMessage(name, "must include MODE_STORE")
 

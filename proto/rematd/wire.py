@@ -114,6 +114,7 @@ def _modes_to_pb(modes: tuple[ModeCost, ...]) -> list[pb.ModeCost]:
             mode=cast(Any, int(m.mode)),
             kept=_size_to_pb(m.kept),
             transient=_size_to_pb(m.transient),
+            released=_size_to_pb(m.released),
             **_copy(ModeCost, m),
         )
         for m in modes
@@ -130,6 +131,7 @@ def _modes_from_pb(field: str, modes: Sequence[pb.ModeCost]) -> tuple[ModeCost, 
                     mode=_mode_from_pb(f"{where}.mode", m.mode),
                     kept=_size_from_pb(f"{where}.kept", m.kept),
                     transient=_size_from_pb(f"{where}.transient", m.transient),
+                    released=_size_from_pb(f"{where}.released", m.released),
                     **_copy(ModeCost, m),
                 )
             )

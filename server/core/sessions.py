@@ -51,6 +51,11 @@ class RankSession:
     sent: Plan
     base: Plan
     """What the rank gets without a pin: the planner's plan, or the warm start until the planner changes it."""
+    sent_before: Plan | None = None
+    """The plan sent before ``sent``: the rank runs it until ``sent`` arrives, so a step may report it."""
+    ran: Plan | None = None
+    """The plan the rank's last step ran, as it ran at that step's length (its modes and prediction); None
+    before its first step."""
     last_step: int = -1
     last_peak: int = 0
     streams: int = 0
@@ -80,6 +85,16 @@ class RankSession:
     @property
     def key(self) -> tuple[str, int]:
         return (self.hello.job_id, self.hello.rank)
+
+    def send(self, plan: Plan) -> None:
+        """``plan`` goes out to the rank; the one before it stays known while steps may still report it."""
+        if plan.version != self.sent.version:
+            self.sent_before = self.sent
+        self.sent = plan
+
+    def plan_of(self, version: int) -> Plan | None:
+        """The plan of ``version`` the rank was sent, when it is the newest or the one before."""
+        return next((p for p in (self.sent, self.sent_before) if p is not None and p.version == version), None)
 
 
 class Sessions:
@@ -196,9 +211,10 @@ class Sessions:
                 budget_bytes=s.planner.budget_bytes,
                 peak_bytes=s.last_peak,
                 has_stats=s.has_stats,
-                predicted_peak_bytes=s.sent.predicted_peak_bytes,
-                checkpointed_blocks=len(s.sent.blocks),
-                predicted_overhead_ratio=s.sent.predicted_overhead_ratio,
+                # What the last step ran, not what was sent after it: the gauges follow the training.
+                predicted_peak_bytes=(s.ran or s.sent).predicted_peak_bytes,
+                checkpointed_blocks=len((s.ran or s.sent).blocks),
+                predicted_overhead_ratio=(s.ran or s.sent).predicted_overhead_ratio,
                 oom_risk=s.planner.oom_risk,
             )
             for s in sessions

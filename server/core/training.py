@@ -157,7 +157,7 @@ class TrainingSide:
         with session.planning:
             session.planner.renumber_after(hello.plan_version)
             session.base = session.planner.plan
-        session.sent = self.pinned_or(session, session.base)
+        session.send(self.pinned_or(session, session.base))
         return session, session.sent.version > hello.plan_version
 
     def _connected(self, session: RankSession) -> None:
@@ -237,7 +237,7 @@ class TrainingSide:
                 planner.continue_from(warm)
                 session.base = warm
         with self.sessions.lock:
-            session.sent = self.pinned_or(session, session.base)
+            session.send(self.pinned_or(session, session.base))
         return session, recorded
 
     # -- steps and OOMs ---------------------------------------------------------
@@ -306,7 +306,7 @@ class TrainingSide:
         would hold up every other rank (and the event loop) while it is planned. Returns the plan the step
         ran with (for its own prediction: the planner may replace it) and the planner's new plan, if any."""
         with session.planning:
-            ran = session.sent if stats.plan_version == session.sent.version else None
+            ran = session.plan_of(stats.plan_version)
             session.last_step = stats.step
             session.last_peak = obs.peak_bytes
             started = time.perf_counter()
@@ -332,7 +332,8 @@ class TrainingSide:
     def _step_row(
         session: RankSession, stats: StepStats, obs: StepObservation, ran: Plan | None, now: float
     ) -> LastStepRow:
-        """The step's row; its prediction is of the plan it ran (the plan in force now if that is unknown)."""
+        """The step's row; its prediction is of the plan it ran (the plan in force now if that is unknown),
+        which the session keeps as what the rank ran (``session.ran``) for the gauges and the views."""
         n = len(session.hello.blocks)
         ran = ran or session.sent
         own: dict[str, object] = {}
@@ -342,6 +343,11 @@ class TrainingSide:
             ran = dataclasses.replace(ran, modes=stats.modes, shape_plans=())
             overhead = policy.overhead_at(session.planner, stats.modes, stats.shape)
             own = {"modes": policy.mode_names(stats.modes), "predicted_overhead_ratio": overhead}
+        else:
+            overhead = ran.at(stats.shape).predicted_overhead_ratio
+        predicted = policy.predicted_at(session.planner, ran, stats.shape, obs.static_bytes, n)
+        shown = ran.running(ran.modes_for(stats.shape, n), predicted_peak_bytes=predicted, overhead=overhead)
+        session.ran = dataclasses.replace(shown, version=stats.plan_version)
         # What the report and the row both name is copied as it came: a field added to both needs no line here.
         copied = {name: getattr(stats, name) for name in REPORTED}
         return cast(
@@ -350,7 +356,7 @@ class TrainingSide:
                 **copied,
                 time=now,
                 peak_bytes=obs.peak_bytes,
-                predicted_peak_bytes=policy.predicted_at(session.planner, ran, stats.shape, obs.static_bytes, n),
+                predicted_peak_bytes=predicted,
                 seq_len=stats.shape.seq_len,
                 batch=stats.shape.batch,
                 oom_risk=session.planner.oom_risk,
@@ -406,7 +412,7 @@ class TrainingSide:
             session.base = session.planner.plan
         plan = self.outgoing(session, cause)
         if plan is not None:
-            session.sent = plan
+            session.send(plan)
         return plan
 
     # -- the end of a stream ----------------------------------------------------

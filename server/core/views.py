@@ -129,8 +129,9 @@ class RankView(TypedDict):
 
 
 class InForce(TypedDict):
-    """What the job's newest step length runs under its newest plan."""
+    """What the job's newest step ran: the plan it reported, at its length."""
 
+    version: Annotated[int, Field(description="the version of the plan the newest step ran")]
     seq_len: int | None
     max_seq_len: int | None
     modes: list[ModeName]
@@ -166,12 +167,17 @@ class _Live:
     """A live rank's plan and risk, as read under the registry's lock."""
 
     sent: Plan
+    """The plan the rank is sent (it applies it at its next step)."""
     num_blocks: int
     oom_risk: float
     prices: list[dict[str, object]]
+    ran: Plan | None = None
+    """The plan its last step ran, at that step's length; None before its first step."""
 
     def modes(self, last: LastStepRow | None) -> list[ModeName]:
-        """What a step of the rank's last length runs under the plan it has."""
+        """What the rank's last step ran: the plan it ran; before any step, the plan it has."""
+        if self.ran is not None:
+            return mode_names(self.ran.modes)
         if not last or not last["seq_len"]:
             return mode_names(self.sent.block_modes(self.num_blocks))
         tokens = last["seq_len"] * (last["batch"] or 1)
@@ -218,7 +224,7 @@ def _rank_view(r: RankRow, live: _Live | None, own_plan: StoredPlanRow | None, e
 
 def _plan_version(live: _Live | None, own_plan: StoredPlanRow | None, last: LastStepRow | None) -> int | None:
     if live is not None:
-        return live.sent.version
+        return (live.ran or live.sent).version
     if own_plan is not None:
         return int(own_plan["version"])
     return last["plan_version"] if last else None
@@ -230,15 +236,21 @@ def _newest_step(ranks: list[RankRow]) -> LastStepRow | None:
     return max(steps, key=lambda s: (s["step"], s["time"])) if steps else None
 
 
-def _in_force(plan: StoredPlanRow | None, newest: LastStepRow | None) -> InForce | None:
-    """What the job's newest step length runs under its newest plan."""
+def _in_force(
+    plan: StoredPlanRow | None, newest: LastStepRow | None, by_version: dict[int, StoredPlanRow]
+) -> InForce | None:
+    """What the job's newest step ran: the plan of the version it reported (of ``by_version``; the job's newest
+    plan, ``plan``, when it is not among them), at its length."""
     if plan is None:
         return None
+    if newest is not None and newest["plan_version"]:
+        plan = by_version.get(newest["plan_version"], plan)
     seq = newest["seq_len"] if newest else None
     ran = newest.get("modes") if newest else None
     if newest is not None and ran is not None:
         # The ranks ran modes of their own: those are in force, with what they were predicted to keep.
         return InForce(
+            version=newest["plan_version"],
             seq_len=seq,
             max_seq_len=None,
             modes=ran,
@@ -249,7 +261,9 @@ def _in_force(plan: StoredPlanRow | None, newest: LastStepRow | None) -> InForce
         )
     tokens = seq * (newest["batch"] or 1) if newest and seq else None
     entry = entry_in_force(plan, seq, tokens)
-    return InForce(seq_len=seq, lossy="compress" in entry["modes"], source="plan", **entry)
+    return InForce(
+        version=int(plan["version"]), seq_len=seq, lossy="compress" in entry["modes"], source="plan", **entry
+    )
 
 
 class ReadViews:
@@ -316,7 +330,9 @@ class ReadViews:
         row = self._require_job(job)
         plans = self.store.plans(job)
         own = {int(p["rank"]): p for p in plans}  # in the order they were made: each rank's last wins
-        return self.job_view(row, self.store.ranks(job), plans[-1] if plans else None, len(self.store.ooms(job)), own)
+        return self.job_view(
+            row, self.store.ranks(job), plans[-1] if plans else None, len(self.store.ooms(job)), own, plans
+        )
 
     def job_view(
         self,
@@ -325,8 +341,10 @@ class ReadViews:
         plan: StoredPlanRow | None,
         ooms: int,
         rank_plans: dict[int, StoredPlanRow],
+        plans: list[StoredPlanRow] | None = None,
     ) -> JobView:
-        """A job as the REST API shows it; ``plan`` is the job's newest, ``rank_plans`` each rank's own newest."""
+        """A job as the REST API shows it; ``plan`` is the job's newest, ``rank_plans`` each rank's own newest,
+        ``plans`` (when read) every plan it kept, among them the one its newest step ran."""
         job = row["job"]
         state = _job_state(row, ranks)
         ended = state == "ended"
@@ -346,7 +364,7 @@ class ReadViews:
             device=row["device"],
             ranks=rank_views,
             plan=plan,
-            in_force=_in_force(plan, _newest_step(ranks)),
+            in_force=_in_force(plan, _newest_step(ranks), {int(p["version"]): p for p in plans or ()}),
             peak_bytes=peak,
             headroom_ratio=headroom_ratio(row["budget_bytes"], peak),
             oom_risk=job_oom_risk((v["oom_risk"] for v in rank_views), ended=ended),
@@ -361,7 +379,7 @@ class ReadViews:
         another worker or replica since) is read from the store, which has its newest step and plan."""
         with self.sessions.lock:
             return {
-                s.hello.rank: _Live(s.sent, len(s.hello.blocks), s.planner.oom_risk, s.planner.prices())
+                s.hello.rank: _Live(s.sent, len(s.hello.blocks), s.planner.oom_risk, s.planner.prices(), s.ran)
                 for s in self.sessions.by_job.get(job, {}).values()
                 if s.streams > 0
             }

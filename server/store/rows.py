@@ -16,7 +16,7 @@ from typing import Annotated, Literal, get_args, get_type_hints
 from pydantic import ConfigDict, Field, with_config
 from typing_extensions import NotRequired, TypedDict
 
-ModeName = Literal["store", "selective", "recompute", "offload", "compress"]
+ModeName = Literal["store", "selective", "recompute", "offload", "compress", "titan", "attention", "mlp"]
 
 
 class StepRow(TypedDict):

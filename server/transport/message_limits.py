@@ -18,10 +18,10 @@ MAX_NAME_CHARS = 256
 """Longest name (device, model fingerprint, client version, secret, block name) a hello may carry."""
 MAX_MODES = len(pb.Mode.values())
 """Most entries of a list with one entry per mode."""
-TERMS_PER_BLOCK = 20
-"""Size terms a block's modes carry together, at most: five modes, each a kept and a transient size of a term
-or two (linear, quadratic in the sequence). Each term is an object once converted, so a hello packed with them
-cost 16 times its bytes before it was refused."""
+TERMS_PER_BLOCK = 5 * (MAX_MODES - 1)
+"""Size terms a block's modes carry together, at most: each mode a kept, a transient and a released size of
+a term or two (linear, quadratic in the sequence). Each term is an object once converted, so a hello packed
+with them cost 16 times its bytes before it was refused."""
 MAX_SHAPE_PLANS = 64
 """Most entries of a plan's per-length table (the planner makes at most 16 by default)."""
 MAX_TEXT_CHARS = 4096
@@ -69,7 +69,8 @@ def _precheck_blocks(blocks: Sequence[pb.BlockProfile]) -> None:
         for j, m in enumerate(b.modes):
             _terms(f"hello.blocks[{i}].modes[{j}].kept", m.kept)
             _terms(f"hello.blocks[{i}].modes[{j}].transient", m.transient)
-            terms += len(m.kept) + len(m.transient)
+            _terms(f"hello.blocks[{i}].modes[{j}].released", m.released)
+            terms += len(m.kept) + len(m.transient) + len(m.released)
     if terms > TERMS_PER_BLOCK * len(blocks):
         raise InvalidMessage(
             "hello.blocks",

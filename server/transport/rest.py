@@ -126,6 +126,9 @@ MODE_COLOURS = {
     Mode.RECOMPUTE: "#2563eb",
     Mode.OFFLOAD: "#0f9d8a",
     Mode.COMPRESS: "#a855f7",
+    Mode.TITAN: "#e07b39",
+    Mode.ATTENTION: "#f7d774",
+    Mode.MLP: "#c9a227",
 }
 """Each mode's colour on the dashboard: the vocabulary's names and letters come from ``Mode``."""
 

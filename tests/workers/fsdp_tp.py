@@ -60,7 +60,10 @@ def main() -> None:
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     h.optimizer = opt
-    pins = schedule(len(h.blocks)) if config.get("pinned") else [None] * config.get("steps", 8)
+    n = len(h.blocks)
+    # The finer modes too: torchtitan's op policy, a block's attention alone, its MLP alone.
+    finer: list[list[Mode] | None] = [[Mode.TITAN] * n, [Mode.ATTENTION] * n, [Mode.MLP] * n]
+    pins = [*schedule(n), *finer] if config.get("pinned") else [None] * config.get("steps", 8)
     steps: list[dict[str, Any]] = []
     for step, pinned in enumerate(pins):
         if pinned is not None:

@@ -28,7 +28,7 @@ from rematd import client
 from rematd.planner import Mode
 from tests.workers.rank import finish, settings, start
 
-EXACT = (Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE)
+EXACT = (Mode.STORE, Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RECOMPUTE)
 """The modes that train bitwise as storing does (offload is CUDA's alone)."""
 
 

@@ -15,6 +15,9 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_RECOMPUTE: _ClassVar[Mode]
     MODE_OFFLOAD: _ClassVar[Mode]
     MODE_COMPRESS: _ClassVar[Mode]
+    MODE_TITAN: _ClassVar[Mode]
+    MODE_ATTENTION: _ClassVar[Mode]
+    MODE_MLP: _ClassVar[Mode]
 
 class MemorySource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +30,9 @@ MODE_SELECTIVE: Mode
 MODE_RECOMPUTE: Mode
 MODE_OFFLOAD: Mode
 MODE_COMPRESS: Mode
+MODE_TITAN: Mode
+MODE_ATTENTION: Mode
+MODE_MLP: Mode
 MEMORY_SOURCE_UNSPECIFIED: MemorySource
 MEMORY_SOURCE_CUDA_ALLOCATOR: MemorySource
 MEMORY_SOURCE_SAVED_TENSORS: MemorySource
@@ -52,16 +58,18 @@ class SizeTerm(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., batch_exp: _Optional[int] = ..., seq_exp: _Optional[int] = ...) -> None: ...
 
 class ModeCost(_message.Message):
-    __slots__ = ("mode", "kept", "transient", "extra_seconds")
+    __slots__ = ("mode", "kept", "transient", "extra_seconds", "released")
     MODE_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     kept: _containers.RepeatedCompositeFieldContainer[SizeTerm]
     transient: _containers.RepeatedCompositeFieldContainer[SizeTerm]
     extra_seconds: float
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., kept: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., transient: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., extra_seconds: _Optional[float] = ...) -> None: ...
+    released: _containers.RepeatedCompositeFieldContainer[SizeTerm]
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., kept: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., transient: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., extra_seconds: _Optional[float] = ..., released: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ...) -> None: ...
 
 class BlockProfile(_message.Message):
     __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds", "modes", "in_flight", "stage")
