@@ -1,6 +1,6 @@
 """rematd inside torchtitan's trainer against torchtitan's own checkpointing, on its debug Llama: the front.
 
-    python -m bench.torchtitan                      # 1 CPU rank, sequence 256, batch 4, 40 steps per contender
+    python -m bench.torchtitan                      # 1 CPU rank, sequence 256, batch 4, 40 steps, 2 rounds
     python -m bench.torchtitan --ranks 2            # 2 CPU ranks, FSDP (gloo)
     python -m bench.torchtitan --quick              # sequence 128, 6 steps: a smoke run
 
@@ -13,7 +13,9 @@ through ``bench.torchtitan_cpu``, which adds the stand-ins torchtitan needs ther
 measure are the budgets rematd then plans under, each as a run of its own ("rematd at full's peak", "at
 selective's"), and a budget halfway from selective's peak to every block stored.
 
-Reported per contender: the median step time over the second half of the run (the planner has settled; the
+Each contender runs ``--rounds`` times (the later rounds in reverse order): on a shared machine two runs of
+one computation differ by more than what sets the contenders apart. Reported per contender: the median step
+time over the second half of each of its runs, pooled (the planner has settled; the
 profiled step left out), relative to ``none``; one measure of peak for all, the CPU memory above the step's
 start during the last step (``--profile-step``), read from torch's memory profiler (every allocation,
 compiled code's included; that step is not timed); and for rematd its last plan, its own measured peak and
@@ -36,6 +38,8 @@ from bench.torchtitan_cpu import PROFILE_STEP, RECORD, make_assets
 from rematd.planner import MODES_BY_LABEL
 
 MiB = 2**20
+PINNED_LIKE = (("recompute", "full"), ("titan", "selective"), ("store", "none"))
+"""rematd pinned to a mode, and torchtitan's mode it stands for."""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,12 +49,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="per rank")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile-step", type=int, default=0, help="the step whose memory is profiled (default: last)")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each contender, in turn (default 2)")
     p.add_argument("--memory-budget", type=float, default=0.0, help="run torchtitan's memory-budget mode at this")
     p.add_argument("--quick", action="store_true", help="sequence 128, 6 steps")
     p.add_argument("--out", default="artifacts/torchtitan.json", help="where the JSON goes")
     args = p.parse_args(argv)
     if args.quick:
-        args.seq, args.steps = 128, 6
+        args.seq, args.steps, args.rounds = 128, 6, 1
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     args.profile_step = args.profile_step or args.steps
     return args
 
@@ -73,25 +80,30 @@ def run(args: argparse.Namespace, assets: tuple[Path, Path], where: Path, module
     return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(args.ranks)]
 
 
-def summary(name: str, records: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-    """A contender's row: its median step over the second half of the run (the profiled step left out), its
-    peak by torch's memory profiler, and for rematd its last plan, own peak and budget."""
-    seconds = records[0]["seconds"]
-    half = max(2, len(seconds) // 2)
-    timed = [s for i, s in enumerate(seconds) if i >= half and i + 1 != args.profile_step]
+def summary(name: str, runs: list[list[Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """A contender's row over its ``runs`` (one per round): the median step over the second half of each run
+    (the profiled step left out), its peak by torch's memory profiler, and for rematd its last plan, own peak
+    and budget."""
+    timed: list[float] = []
+    for records in runs:
+        seconds = records[0]["seconds"]
+        half = max(2, len(seconds) // 2)
+        timed += [s for i, s in enumerate(seconds) if i >= half and i + 1 != args.profile_step] or seconds[1:]
+    records = runs[-1]
     row: dict[str, Any] = {
         "contender": name,
-        "step_s": statistics.median(timed or seconds[1:]),
-        "peak_mib": max(r["peaks"][0] for r in records) / MiB,
+        "step_s": statistics.median(timed),
+        "rounds": len(runs),
+        "peak_mib": max(r["peaks"][0] for records in runs for r in records) / MiB,
         "loss": float(records[0]["losses"][-1]),
     }
     steps = records[0]["steps"]
     if steps and steps[-1]:
         last = steps[-1][0]
         row["plan"] = "".join(MODES_BY_LABEL[m].letter for m in last["modes"])
-        row["rematd_peak_mib"] = max(s[0]["measured"] for s in steps[1:]) / MiB
+        row["rematd_peak_mib"] = max(s[0]["measured"] for records in runs for s in records[0]["steps"][1:]) / MiB
         row["budget_mib"] = last["budget"] / MiB
-        row["over"] = sum(s[0]["measured"] > s[0]["budget"] for s in steps)
+        row["over"] = sum(s[0]["measured"] > s[0]["budget"] for records in runs for s in records[0]["steps"])
     return row
 
 
@@ -102,33 +114,43 @@ def rematd_peak(records: list[Any]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
         assets = make_assets(where / "assets")
         runs = where / "runs"
         runs.mkdir()
         titan, rematd = "torchtitan.train", "rematd.integrations.torchtitan"
-        for mode in ("none", "full", "selective"):
-            rows.append(summary(mode, run(args, assets, runs, titan, [f"activation-checkpoint:{mode}"]), args))
+        contenders: dict[str, tuple[str, list[str]]] = {
+            mode: (titan, [f"activation-checkpoint:{mode}"]) for mode in ("none", "full", "selective")
+        }
         if args.memory_budget:
             compiled = ["--compile.enable", "activation-checkpoint:memory-budget"]
             budget_ac = [*compiled, "--activation-checkpoint.memory-budget", str(args.memory_budget)]
-            rows.append(summary(f"memory-budget {args.memory_budget}", run(args, assets, runs, titan, budget_ac), args))
+            contenders[f"memory-budget {args.memory_budget}"] = (titan, budget_ac)
         ours = ["activation-checkpoint:rematd"]
-        peaks = {}
-        for pin, like in (("recompute", "full"), ("titan", "selective"), ("store", "none")):
-            pinned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.pin", pin])
-            rows.append(summary(f"rematd pinned {pin}", pinned, args))
-            peaks[like] = rematd_peak(pinned)
+        for pin in ("recompute", "titan", "store"):
+            contenders[f"rematd pinned {pin}"] = (rematd, [*ours, "--activation-checkpoint.pin", pin])
+        done: dict[str, list[list[Any]]] = {}
+        for name, (module, ac) in contenders.items():
+            done[name] = [run(args, assets, runs, module, ac)]
+        # The budgets: the pinned runs' peaks in rematd's own measure.
+        peaks = {like: rematd_peak(done[f"rematd pinned {pin}"][0]) for pin, like in PINNED_LIKE}
         budgets = {
             "full's peak": peaks["full"],
             "selective's peak": peaks["selective"],
             "halfway to none": (peaks["selective"] + peaks["none"]) // 2,
         }
         for label, budget in budgets.items():
-            planned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.budget-bytes", str(budget)])
-            rows.append(summary(f"rematd at {label}", planned, args))
+            name = f"rematd at {label}"
+            contenders[name] = (rematd, [*ours, "--activation-checkpoint.budget-bytes", str(budget)])
+            done[name] = [run(args, assets, runs, rematd, contenders[name][1])]
+        # Later rounds in reverse order: a machine that slows or speeds up over the run weighs on every
+        # contender alike.
+        for round_ in range(1, args.rounds):
+            order = list(contenders.items())
+            for name, (module, ac) in order[::-1] if round_ % 2 else order:
+                done[name].append(run(args, assets, runs, module, ac))
+        rows = [summary(name, done[name], args) for name in contenders]
     base = rows[0]["step_s"]
     by_name = {row["contender"]: row for row in rows}
     for row in rows:

@@ -303,6 +303,7 @@ def _stats(handle: Any) -> dict[str, Any]:
         "predicted": ran.predicted_peak_bytes if ran is not None else 0,
         "budget": stats.budget_bytes,
         "static": stats.static_bytes,
+        "reason": ran.reason if ran is not None else "",
     }
 
 

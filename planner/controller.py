@@ -206,6 +206,10 @@ class Controller(StepPlanning):
             holds = self._fits(old.modes, old_shape, target, static) or (
                 not choice.fits and self._under_budget(old.modes, old_shape, target, static)
             )
+            if not holds and not choice.fits and not self._keeps_less(entry.modes, old.modes, old_shape):
+                # Nothing fits there: a plan that keeps no less than the one in force tightens nothing, and
+                # trading one for the other as the corrections wobble is flapping.
+                continue
             if not holds or self._extra(entry.modes, seq, per_block=per_block) > self._extra(
                 old.modes, seq, per_block=per_block
             ):
@@ -264,6 +268,11 @@ class Controller(StepPlanning):
         # "tighten" only when no length's new modes are predicted to keep more than its old ones.
         verb = "tighten" if not self._keeps_more(table) else "re-balance (the new modes are faster)"
         return self._change(table, obs, target, f"{verb}: {cause}")
+
+    def _keeps_less(self, new: tuple[Mode, ...], old: tuple[Mode, ...], shape: Shape) -> bool:
+        """Whether ``new`` is predicted to keep less than ``old`` at ``shape``."""
+        at = self._at(shape)
+        return at.cost(new)[0] < at.cost(old)[0]
 
     def _keeps_more(self, table: tuple[ShapePlan, ...]) -> bool:
         """Whether some length of ``table`` is predicted to keep more than the plan in force keeps there."""

@@ -276,7 +276,12 @@ class StepPlanning(TablePricing):
         plans.start(trial)
         table = [tried if e is entry else e for e in self.table]
         here = self._target_at(target, seq)
-        peak = f"predicted {human_bytes(tried.predicted_peak_bytes)} of the {human_bytes(here)} target"
+        # As the candidate was weighed: its prediction as the measured peaks correct it.
+        corr = self._learned.correction(seq)
+        static = obs.static_bytes
+        shown = static + int((tried.predicted_peak_bytes - static) * corr)
+        as_measured = f" as the measured peaks correct it (x{corr:.3f})" if abs(corr - 1.0) > 0.005 else ""
+        peak = f"predicted {human_bytes(shown)}{as_measured} of the {human_bytes(here)} target"
         return self._decision(table, obs.shape, target, obs.static_bytes, trial_reason(trial, peak))
 
     def _step_plan_trial(self, obs: StepObservation, target: int) -> Decision:

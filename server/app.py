@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import uvicorn
@@ -77,11 +78,32 @@ class Bound:
 
 
 class _QuietServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the service's loop owns shutdown."""
+    """uvicorn without its own signal handling: the service's loop owns shutdown; a TLS handshake not done
+    within ``handshake_seconds`` is cut (uvicorn leaves asyncio's 60 s)."""
+
+    def __init__(self, config: uvicorn.Config, *, handshake_seconds: float) -> None:
+        super().__init__(config)
+        self.handshake_seconds = handshake_seconds
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        create_server = loop.create_server
+        limit = self.handshake_seconds
+
+        def with_limit(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("ssl") is not None:
+                kwargs.setdefault("ssl_handshake_timeout", limit)
+            return create_server(*args, **kwargs)
+
+        loop.create_server = with_limit  # type: ignore[method-assign]
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server  # the loop's own method again
 
 
 class Service:
@@ -209,7 +231,8 @@ class Service:
                     budget.http, cfg.http_options.http_request_seconds, cfg.http_options.http_response_seconds
                 ),
                 timeout_keep_alive=max(1, round(cfg.http_options.http_keepalive_seconds)),
-            )
+            ),
+            handshake_seconds=cfg.grpc.handshake_timeout_seconds,
         )
 
     @staticmethod

@@ -94,7 +94,8 @@ class GrpcOptions:
     min_client_ping_seconds: float = 10.0
     """Clients may ping this often without being told off (GOAWAY too_many_pings)."""
     handshake_timeout_seconds: float = 10.0
-    """A connection that has not finished its handshake (TLS, the HTTP/2 preface) this long is closed."""
+    """A connection that has not finished its handshake this long is closed: TLS and the HTTP/2 preface on the
+    gRPC port, TLS on the HTTPS port."""
     idle_connection_seconds: float = 300.0
     """A connection with no call open this long is closed (a rank's stream keeps its connection busy)."""
     reuse_port: bool = field(default=False, metadata={NO_FLAG: "set by --workers above 1"})

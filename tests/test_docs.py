@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 import unicodedata
@@ -101,3 +102,59 @@ def test_the_readme_test_command_is_what_ci_runs() -> None:
     for target in ("demo", "test"):
         assert re.search(rf"^{target}:", makefile, re.M), f"the Makefile has no {target} target"
     assert re.search(r"^demo:.*\n\t\$\(BIN\)/rematd demo$", makefile, re.M), "make demo runs rematd demo"
+
+
+STARTS = (".venv/bin/", "make ", "python", "torchrun", "rematd ", "deepspeed ", "pytest")
+"""How a command a reader would paste begins (after any VAR=value): what the check below reads."""
+
+
+def pasted_commands() -> list[tuple[str, str]]:
+    """(where, command) for every command in the README's and docs' ``sh`` blocks, in inline code spans, and
+    in the examples' headers; continuation lines joined."""
+    found: list[tuple[str, str]] = []
+    for path in [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.py"))]:
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(ROOT).as_posix()
+        lines: list[str] = []
+        if path.suffix == ".md":
+            for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+                lines += block.replace("\\\n", " ").splitlines()
+            # Inline, a full invocation (prose names commands too: `rematd serve`, `python -m bench.fsdp`).
+            spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+            lines += [span for span in spans if span.startswith((".venv/bin/", "make ")) or re.match(r"[A-Z_]+=", span)]
+        else:
+            header = text.split('"""')[1] if '"""' in text else ""
+            lines += [line for line in header.splitlines() if line.startswith("    ")]  # its indented commands
+        for line in lines:
+            words = line.strip().split()
+            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                words = words[1:]
+            command = " ".join(words)
+            if command.startswith(STARTS) and "..." not in command:  # not "torchrun ... -m MODULE"
+                found.append((name, command))
+    return found
+
+
+def test_every_documented_command_runs_as_written_on_a_fresh_clone() -> None:
+    """Each command names a program the set-up installs, by the path it has after ``make demo``/``make test``
+    (nothing puts .venv/bin on the PATH), a make target that exists, and modules and files that exist."""
+    import importlib.util
+
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    found = pasted_commands()
+    assert len(found) > 20, found
+    for where, command in found:
+        words = shlex.split(command, comments=True)
+        program = words[0]
+        if program == "make":
+            assert len(words) == 1 or words[1] in targets, (where, command)
+            continue
+        assert program.startswith(".venv/bin/"), f"{where}: {command!r} needs .venv/bin/{program} on a fresh clone"
+        assert (ROOT / program).exists(), (where, command)
+        for flag, value in itertools.pairwise(words):
+            if flag == "-m":
+                assert importlib.util.find_spec(value) is not None, (where, command)
+        for word in words[1:]:
+            if word.endswith(".py") and "/" in word:
+                assert (ROOT / word).exists(), (where, command)

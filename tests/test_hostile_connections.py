@@ -8,6 +8,7 @@ import logging
 import os
 import resource
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ from rematd.server.transport.connections import FD_RESERVE, framing_problem
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
+from .stream_helpers import make_cert
 from .test_service import hello
 
 FD_LIMIT = 300
@@ -224,3 +226,28 @@ def test_uvicorn_is_pinned_to_the_range_its_protocol_subclass_was_written_agains
     init = inspect.getsource(H11Protocol)
     for attr in ("self.connections", "self.conn", "self.cycle", "self.loop", "self.transport"):
         assert f"{attr} =" in init, attr
+
+
+def test_tls_handshakes_that_never_end_are_closed_at_the_limit_on_both_ports(tmp_path: Path) -> None:
+    key, cert = make_cert(tmp_path)
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key), "--handshake-timeout-seconds", "1")
+    with limited_server(tmp_path, *tls) as srv, ExitStack() as held:
+        https, grpc_port = _connect(srv.http), _connect(srv.grpc)  # connected, no ClientHello
+        started = time.monotonic()
+        assert _closed_by_peer(https, 5) and _closed_by_peer(grpc_port, 5)
+        assert time.monotonic() - started < 4, "cut at the handshake limit, not asyncio's 60 s"
+        # More silent handshakes than the process may hold descriptors: each goes at the limit, and the
+        # service answers again as they go.
+        for _ in range(FD_LIMIT + 100):
+            held.enter_context(_connect(srv.http))
+        deadline = time.monotonic() + 8
+        answered = False
+        while not answered and time.monotonic() < deadline:
+            try:
+                url = srv.http.replace("http://", "https://") + "/healthz"
+                trust = ssl.create_default_context(cafile=str(cert))
+                answered = httpx.get(url, verify=trust, timeout=2).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert answered, "the probes starved behind stalled handshakes"
+        assert srv.proc.poll() is None

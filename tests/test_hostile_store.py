@@ -6,18 +6,22 @@ import hashlib
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
+from bench.served import launch, stop
 from rematd.server.config import StoreConfig
 from rematd.server.store import schema
 from rematd.server.store.database import StoreError, database_url
 from rematd.server.store.schema import SCHEMA_VERSION
 from rematd.server.store.store import Store
 
-from .test_service_store import postgres_url  # noqa: F401  (a fixture)
+from .test_service_store import new_cluster, postgres_url  # noqa: F401  (a fixture)
 
 
 def _digest(path: Path) -> str:
@@ -194,3 +198,37 @@ def test_a_rematd_record_is_still_switched_to_wal(tmp_path: Path) -> None:
     con = sqlite3.connect(db)
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     con.close()
+
+
+def test_reads_while_postgresql_is_away_answer_503_and_say_so_once(tmp_path: Path) -> None:
+    cluster = new_cluster()
+    try:
+        cluster.start()
+        srv = launch(cluster.create(), "--log-level", "warning")
+        assert srv.proc.stdout is not None
+        out = srv.proc.stdout
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(iter(out.readline, "")), daemon=True).start()
+        try:
+            with httpx.Client(base_url=srv.http, timeout=10) as http:
+                assert http.get("/api/v1/jobs").status_code == 200
+                cluster.stop()
+                before = len(lines)
+                answers = [http.get(path).status_code for path in ("/api/v1/jobs", "/api/v1/jobs/any") * 25]
+                assert set(answers) == {503}, answers
+                during = lines[before:]
+                said = [line for line in during if "REST reads cannot reach the store" in line]
+                assert len(said) == 1, during[:20]
+                assert len(during) <= 10, during[:20]  # the store's own chores say a line or two of their own
+                assert not any("Traceback" in line for line in during), during[:20]
+                cluster.start()
+                deadline = time.monotonic() + 30
+                while http.get("/api/v1/jobs").status_code != 200:
+                    assert time.monotonic() < deadline, "reads did not come back with the store"
+                    time.sleep(0.2)
+                time.sleep(0.2)
+                assert any("REST reads reach the store again" in line for line in lines), lines[-10:]
+        finally:
+            stop(srv.proc)
+    finally:
+        cluster.remove()

@@ -13,7 +13,7 @@ UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 SIZE = r"([\d.]+ (?:B|KiB|MiB|GiB|TiB))"
 OVER = re.compile(rf"a step of length (\d+) peaked at {SIZE}, over the target of {SIZE}")
 ROOM = re.compile(rf"the last, of length (\d+), peaked at {SIZE} of {SIZE}")
-TRIAL = re.compile(rf"predicted {SIZE} of the {SIZE} target")
+TRIAL = re.compile(rf"predicted {SIZE}(?: as the measured peaks correct it \(x[\d.]+\))? of the {SIZE} target")
 NO_FIT = re.compile(rf"no plan fits the budget of {SIZE}: the leanest, {SIZE} predicted")
 FITS = re.compile(rf"predicted {SIZE} fits target {SIZE}")
 

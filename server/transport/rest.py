@@ -16,9 +16,10 @@ the package (swagger-ui-bundle), so ``/docs`` works without the internet.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Annotated
 
@@ -29,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import to_json
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
 
@@ -49,6 +51,9 @@ from rematd.server.transport.rest_models import Health, JobList, JobOoms, JobPla
 DOCS_ASSETS = "/docs-assets"
 RowsLimit = Annotated[int, Query(ge=1, le=MAX_ROWS_PAGE, description="rows a page holds")]
 Cursor = Annotated[str | None, Query(max_length=1024, description="next_cursor of the page before")]
+
+
+log = logging.getLogger("rematd.server")
 
 
 def _json(view: object) -> Response:
@@ -190,7 +195,12 @@ class TuneBody(BaseModel):
 
 
 _UNAUTHORIZED: dict[int | str, dict[str, object]] = {401: {"description": "missing or wrong bearer token"}}
-_WRITES: dict[int | str, dict[str, object]] = {**_UNAUTHORIZED, 403: {"description": "sent from another site"}}
+_STORE_AWAY: dict[int | str, dict[str, object]] = {503: {"description": "the store is out of reach (Retry-After)"}}
+_WRITES: dict[int | str, dict[str, object]] = {
+    **_UNAUTHORIZED,
+    **_STORE_AWAY,
+    403: {"description": "sent from another site"},
+}
 
 
 def create_app(
@@ -214,7 +224,7 @@ def create_app(
     def reader(request: Request) -> None:
         auth.check_read(request.headers.get("authorization"))
 
-    app.include_router(_job_reads(core), dependencies=[Depends(reader)], responses=_UNAUTHORIZED)
+    app.include_router(_job_reads(core), dependencies=[Depends(reader)], responses={**_UNAUTHORIZED, **_STORE_AWAY})
     app.include_router(_job_controls(core), responses=_WRITES)
     return app
 
@@ -238,6 +248,53 @@ def _map_errors(app: FastAPI, core: AdvisorCore) -> None:
     @app.exception_handler(SessionError)
     async def _conflict(request: Request, exc: SessionError) -> JSONResponse:
         return JSONResponse(status_code=409, content={"detail": str(exc)})
+
+    outage = _Outage()
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _store_away(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        outage.failed(exc)
+        return JSONResponse(
+            status_code=503,
+            content={"detail": "the store is out of reach: reads answer again once it is back"},
+            headers={"Retry-After": "5"},
+        )
+
+    @app.middleware("http")
+    async def _store_back(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        if outage.since is not None and response.status_code < 500:
+            outage.back()
+        return response
+
+
+class _Outage:
+    """The store out of reach for REST reads: said once when it goes and once when it is back, however many
+    reads fail meanwhile (each answered 503)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.failures = 0
+        self._lock = threading.Lock()
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failures += 1
+            if self.since is not None:
+                return
+            self.since = time.monotonic()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("rematd: REST reads cannot reach the store (%s); they answer 503 until it is back", first[:200])
+
+    def back(self) -> None:
+        with self._lock:
+            since, failures, self.since, self.failures = self.since, self.failures, None, 0
+        if since is not None:
+            log.warning(
+                "rematd: REST reads reach the store again after %.0f s (%d answered 503 meanwhile)",
+                time.monotonic() - since,
+                failures,
+            )
 
 
 def _pages() -> APIRouter:
