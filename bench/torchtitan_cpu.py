@@ -293,7 +293,7 @@ def _stats(handle: Any) -> dict[str, Any]:
     stats = handle.last_stats
     ran = next((p for p in handle.history if p.version == stats.plan_version), None)
     # Every block stored, as the rank's planner prices it (the profiling step recomputes them all).
-    storing = handle._applier.price(tuple(Mode.STORE for _ in handle.modes), stats.plan_version, "")
+    storing = handle._applier.price(tuple(Mode.STORE for _ in handle.modes), stats.plan_version, "", None)
     return {
         "storing": storing.predicted_peak_bytes if storing is not None else 0,
         "step": stats.step,

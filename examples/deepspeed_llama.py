@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from typing import NoReturn
 
 import deepspeed
@@ -26,6 +27,10 @@ import torch
 from fsdp_llama import llama, say  # beside this file: the same model and per-step line as the FSDP example
 
 from rematd import client
+
+# DeepSpeed gathers and scatters through torch.distributed functions this torch calls deprecated; every call
+# would print a FutureWarning that says nothing about the training.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def parse() -> argparse.Namespace:

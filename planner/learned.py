@@ -30,6 +30,9 @@ HELD_LENGTHS = 3
 NEVER = -(10**9)
 """The step of a loosening that never happened."""
 
+MAX_SEQ_LEN = 2**32 - 1
+"""The longest length a plan's table may name (the wire's ``uint32``): the ladder stops there."""
+
 
 @dataclass(slots=True)
 class Bucket:
@@ -129,11 +132,11 @@ class Learned:
     def ladder(self) -> list[int]:
         if not self.seqs:
             return []
-        lo, hi = self.bucket_of(min(self.seqs)), self.bucket_of(4 * max(self.seqs))
-        rungs = [lo]
+        lo, hi = self.bucket_of(min(self.seqs)), min(MAX_SEQ_LEN, self.bucket_of(4 * max(self.seqs)))
+        rungs = [min(MAX_SEQ_LEN, lo)]
         held = [q for q in self.held if q != self.bucket_of(q)]
         while rungs[-1] < hi:
-            rungs.append(self.bucket_of(rungs[-1] + 1))
+            rungs.append(min(MAX_SEQ_LEN, self.bucket_of(rungs[-1] + 1)))
         # Past the table a step has no plan of its own; below its shortest rung a step runs that rung's plan,
         # made for more activations than it saves. Where the rungs are too many, the shortest go.
         room = max(1, self.config.max_entries - len(held))

@@ -82,13 +82,22 @@ class PlannerSession:
             m if any(o.mode == m for o in opts) else Mode.RECOMPUTE for m, opts in zip(modes, options, strict=True)
         )
 
-    def plan_of(self, modes: tuple[Mode, ...], *, version: int, reason: str, table: tuple[ShapePlan, ...] = ()) -> Plan:
+    def plan_of(
+        self,
+        modes: tuple[Mode, ...],
+        *,
+        version: int,
+        reason: str,
+        table: tuple[ShapePlan, ...] = (),
+        shape: Shape | None = None,
+    ) -> Plan:
         """A plan of given modes (and table) instead of the planner's (a pin, a warm start), priced by the
-        profile; its reason says when it is lossy, as the planner's own plans do."""
+        profile at ``shape`` (None: the profile's); its reason says when it is lossy, as the planner's own plans
+        do."""
         usable = self.usable(modes)
         if usable != modes:
             reason += f" (as {letters(usable)}: the profile offers no such mode for some blocks)"
-        at = at_shape(self.profile, None)
+        at = at_shape(self.profile, shape if shape is not None and shape.seq_len else None)
         peak, extra = at.cost(usable)
         blocks = blocks_of(usable)
         uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in usable)

@@ -294,3 +294,17 @@ def test_a_capped_ladder_drops_its_shortest_rungs_and_still_reaches_past_the_lon
     assert min(ladder) > 8, "the shortest lengths run the shortest rung's plan, made for more activations"
     learned.seqs = {16, 256}
     assert min(learned.ladder()) == 16 and max(learned.ladder()) >= 1024, "uncapped: from the shortest up"
+
+
+def test_the_longest_length_the_wire_carries_gets_a_table_the_wire_carries() -> None:
+    from rematd import wire
+    from rematd.planner.learned import MAX_SEQ_LEN
+
+    session = PlannerSession(profile(), budget_bytes=BUDGET, config=ControllerConfig())
+    for step, seq in enumerate((SHORT, MAX_SEQ_LEN)):
+        session.observe(
+            StepObservation(step=step, peak_bytes=BUDGET // 2, budget_bytes=BUDGET, shape=shape(seq), plan_version=1)
+        )
+    table = session.plan.shape_plans
+    assert table and max(e.max_seq_len for e in table) == MAX_SEQ_LEN, table
+    assert wire.plan_from_pb(wire.plan_to_pb(session.plan)) == session.plan

@@ -45,7 +45,7 @@ class PlanApplier:
         """The largest length and tokens a step past the table ran at its leanest, and the plan version then."""
         self._applied: tuple[object, ...] | None = None
         """What the blocks' modes were last set from: the same again needs no work."""
-        self.price: Pricer = lambda modes, version, reason: None
+        self.price: Pricer = lambda modes, version, reason, shape: None
         """Prices a pin as a plan (the backend's planner, once it opens)."""
         self._pin_plan: Plan | None = None
         self._lean: tuple[Mode, ...] | None = None
@@ -73,8 +73,8 @@ class PlanApplier:
             why = f"{self.ran_why or OTHER_MODES}: {letters(ran)}"
         if ran == plan.modes and not why:
             return plan
-        # Modes of no table entry: priced by the profile (at its length) where the planner is open.
-        priced = self.price(ran, plan.version, plan.reason) if plan.version else None
+        # Modes of no table entry: priced by the profile at the step's shape where the planner is open.
+        priced = self.price(ran, plan.version, plan.reason, self._shape) if plan.version else None
         figures = (priced.predicted_peak_bytes, priced.predicted_overhead_ratio) if priced is not None else (0, 0.0)
         return plan.running(ran, predicted_peak_bytes=figures[0], overhead=figures[1], why=why)
 
@@ -114,7 +114,7 @@ class PlanApplier:
             f"pinned in the training process (h.pin_modes): modes {letters(pins)}; the planner's own plan "
             f"(v{version}) comes back with h.pin_modes(None)"
         )
-        priced = self.price(pins, version, reason)
+        priced = self.price(pins, version, reason, None)
         if priced is not None:
             self._pin_plan = priced
             return priced

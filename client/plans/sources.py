@@ -8,13 +8,14 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
-from rematd.planner import Mode, Plan, PlannerSession
+from rematd.planner import Mode, Plan, PlannerSession, Shape
 
 log = logging.getLogger("rematd.client")
 
 PlanCallback = Callable[[Plan], None]
-Pricer = Callable[[tuple[Mode, ...], int, str], Plan | None]
-"""A plan of given modes (a pin), its version and reason, priced by the rank's planner; None before it opens."""
+Pricer = Callable[[tuple[Mode, ...], int, str, Shape | None], Plan | None]
+"""A plan of given modes (a pin), its version and reason, priced by the rank's planner at a shape (None: the
+profile's); None before it opens."""
 
 
 class Backend(Protocol):
@@ -29,7 +30,9 @@ class Backend(Protocol):
     def send_oom(self, oom: OomReport) -> None: ...
     def flush(self, timeout: float) -> bool: ...
     def close(self, timeout: float) -> None: ...
-    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None: ...
+    def plan_of(
+        self, modes: tuple[Mode, ...], version: int, reason: str, shape: Shape | None = None
+    ) -> Plan | None: ...
 
 
 class EmbeddedBackend:
@@ -103,9 +106,12 @@ class EmbeddedBackend:
     def flush(self, timeout: float) -> bool:
         return True
 
-    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None:
-        """``modes`` as a plan priced by this rank's planner (a pin in this process); None before it opens."""
-        return self._session.plan_of(modes, version=version, reason=reason) if self._session is not None else None
+    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str, shape: Shape | None = None) -> Plan | None:
+        """``modes`` as a plan priced by this rank's planner (a pin in this process), at ``shape`` (else the
+        profile's); None before it opens."""
+        if self._session is None:
+            return None
+        return self._session.plan_of(modes, version=version, reason=reason, shape=shape)
 
     def close(self, timeout: float) -> None:
         self._session = None

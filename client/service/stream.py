@@ -35,7 +35,7 @@ from rematd.client.service.folding import Folder
 from rematd.client.service.stream_config import CHANNEL_OPTIONS, StreamConfig
 from rematd.client.service.throttle import Throttled
 from rematd.messages import Hello, OomReport, StepStats, open_planner
-from rematd.planner import Mode, Plan, PlannerSession
+from rematd.planner import Mode, Plan, PlannerSession, Shape
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -178,14 +178,14 @@ class StreamBackend:
         finally:
             self._flush_now.clear()
 
-    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str) -> Plan | None:
+    def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str, shape: Shape | None = None) -> Plan | None:
         """``modes`` as a plan priced by this rank's profile, as the service would (a pin in the training
         process: the service plans on, and hears of the modes run with each step); None before the profile."""
         if self._hello is None:
             return None
         if self._pricer is None:
             self._pricer = open_planner(self._hello)
-        return self._pricer.plan_of(modes, version=version, reason=reason)
+        return self._pricer.plan_of(modes, version=version, reason=reason, shape=shape)
 
     def close(self, timeout: float = 5.0) -> None:
         """Deliver every step sent so far (folded ones too), waiting at most ``timeout`` as :meth:`flush` does,
