@@ -34,10 +34,10 @@ class RankSample:
 JOB_GAUGES: dict[str, str] = {
     "rematd_peak_bytes": "Largest measured peak of the budgeted memory over a job's ranks, last step.",
     "rematd_budget_bytes": "Memory budget of a job.",
-    "rematd_predicted_peak_bytes": "Predicted peak of the plan in force (largest over ranks).",
+    "rematd_predicted_peak_bytes": "Predicted peak of what the last step ran (largest over ranks).",
     "rematd_headroom_ratio": "(budget - measured peak) / budget for a job, last step.",
-    "rematd_checkpointed_blocks": "Blocks recomputed by the plan in force (largest over ranks).",
-    "rematd_predicted_recompute_overhead_ratio": "Predicted recompute overhead of the plan in force.",
+    "rematd_checkpointed_blocks": "Blocks the last step did not store (largest over ranks).",
+    "rematd_predicted_recompute_overhead_ratio": "Predicted recompute overhead of what the last step ran.",
     "rematd_oom_risk_ratio": "Out-of-memory risk of a job, 0-1 (largest over ranks).",
     "rematd_job_connected_ranks": "Ranks of a job with a live stream.",
     "rematd_job_world_size": "Ranks a job trains with.",
