@@ -12,6 +12,7 @@ from rematd.planner.risk import oom_risk
 from rematd.planner.session import PlannerSession
 from rematd.planner.solvers import (
     Choice,
+    checkpoint_every_of,
     every_k_blocks,
     frequency_of,
     solve,
@@ -41,6 +42,7 @@ __all__ = [
     "StepObservation",
     "Term",
     "blocks_of",
+    "checkpoint_every_of",
     "every_k_blocks",
     "frequency_of",
     "letters",

@@ -215,7 +215,7 @@ class Controller(StepPlanning):
             ):
                 moves.tighter.append(seq)
                 continue
-            leaner = self._at(old_shape).cost(entry.modes)[0] <= self._at(old_shape).cost(old.modes)[0]
+            leaner = not self._keeps_less(old.modes, entry.modes, old_shape)
             goal = target
             # Loosen only to what fits under the worst recent measurement, with slack: a plan whose own
             # measurements would undo it is never adopted. Short of that, the best plan that does fit.
@@ -276,13 +276,11 @@ class Controller(StepPlanning):
 
     def _keeps_more(self, table: tuple[ShapePlan, ...]) -> bool:
         """Whether some length of ``table`` is predicted to keep more than the plan in force keeps there."""
-        for seq, old, new in changed(self.table, table):
-            if old is None:
-                continue
-            at = self._at(Shape(batch=self._learned.batch, seq_len=seq, tokens=new.max_tokens))
-            if at.cost(new.modes)[0] > at.cost(old.modes)[0]:
-                return True
-        return False
+        return any(
+            self._keeps_less(old.modes, new.modes, Shape(batch=self._learned.batch, seq_len=seq, tokens=new.max_tokens))
+            for seq, old, new in changed(self.table, table)
+            if old is not None
+        )
 
     def _loosen(self, moves: Moves, obs: StepObservation, target: int) -> Decision | None:
         learned = self._learned

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rematd.planner.solvers import checkpoint_every_of
 from rematd.planner.units import Mode, Shape
 
 
@@ -83,14 +84,10 @@ class Plan:
 
     def running(self, modes: tuple[Mode, ...], *, predicted_peak_bytes: int, overhead: float, why: str = "") -> Plan:
         """This plan with ``modes`` in force instead of its own (and ``why`` after its reason)."""
-        from rematd.planner.solvers import frequency_of  # the solvers import plans
-
-        blocks = blocks_of(modes)
-        uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in modes)
         return dataclasses.replace(
             self,
-            blocks=blocks,
-            checkpoint_every=frequency_of(len(modes), blocks) if uniform else 0,
+            blocks=blocks_of(modes),
+            checkpoint_every=checkpoint_every_of(modes),
             predicted_peak_bytes=predicted_peak_bytes,
             predicted_overhead_ratio=overhead,
             modes=modes,

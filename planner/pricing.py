@@ -26,6 +26,13 @@ CACHED_CHOICES = 128
 force there (each bucket's scales move on their own, so several per length stay in use)."""
 
 
+def as_corrected(peak: int, static: int, corr: float) -> tuple[int, str]:
+    """A predicted ``peak`` as the measured peaks correct it (``corr`` scales what is not ``static``), and the
+    words a reason says it with ("" where the correction is about 1)."""
+    said = f" as the measured peaks correct it (x{corr:.3f})" if abs(corr - 1.0) > 0.005 else ""
+    return static + int((peak - static) * corr), said
+
+
 class TablePricing:
     """Prices and solves the plan table of one profile under what has been learned from measurements."""
 
@@ -269,8 +276,7 @@ class TablePricing:
     def _missed(choice: Choice, target: int, budget: int, static: int, corr: float) -> str:
         """Why ``choice``, which does not fit ``target``: the limit it was chosen under, in the figures the
         choice was weighed by (its prediction as the measured peaks correct it)."""
-        predicted = static + int((choice.predicted_peak_bytes - static) * corr)
-        as_measured = f" as the measured peaks correct it (x{corr:.3f})" if abs(corr - 1.0) > 0.005 else ""
+        predicted, as_measured = as_corrected(choice.predicted_peak_bytes, static, corr)
         if choice.under_budget:
             return (
                 f"no plan fits the target of {human_bytes(target)}: the fastest under the budget of "

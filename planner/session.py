@@ -12,7 +12,7 @@ from rematd.planner.plan import Plan, ShapePlan, blocks_of
 from rematd.planner.reasons import human_bytes, lossy_note
 from rematd.planner.risk import oom_risk, usable_bytes
 from rematd.planner.shapes import at_shape
-from rematd.planner.solvers import frequency_of
+from rematd.planner.solvers import checkpoint_every_of
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape, letters
 
@@ -56,13 +56,11 @@ class PlannerSession:
         return self._plan
 
     def _make(self, decision: Decision, version: int) -> Plan:
-        blocks = blocks_of(decision.modes)
-        uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in decision.modes)
         lossy = lossy_note(decision.modes, decision.table)
         plan = Plan(
             version=version,
-            blocks=blocks,
-            checkpoint_every=frequency_of(self.profile.num_blocks, blocks) if uniform else 0,
+            blocks=blocks_of(decision.modes),
+            checkpoint_every=checkpoint_every_of(decision.modes),
             predicted_peak_bytes=decision.predicted_peak_bytes,
             predicted_overhead_ratio=decision.predicted_overhead_ratio,
             target_bytes=decision.target_bytes,
@@ -99,13 +97,11 @@ class PlannerSession:
             reason += f" (as {letters(usable)}: the profile offers no such mode for some blocks)"
         at = at_shape(self.profile, shape if shape is not None and shape.seq_len else None)
         peak, extra = at.cost(usable)
-        blocks = blocks_of(usable)
-        uniform = all(m in (Mode.STORE, Mode.RECOMPUTE) for m in usable)
         lossy = lossy_note(usable, table)
         return Plan(
             version=version,
-            blocks=blocks,
-            checkpoint_every=frequency_of(self.profile.num_blocks, blocks) if uniform else 0,
+            blocks=blocks_of(usable),
+            checkpoint_every=checkpoint_every_of(usable),
             predicted_peak_bytes=self.static_bytes + at.other_bytes + peak,
             predicted_overhead_ratio=overhead_ratio(extra, at.forward_seconds),
             target_bytes=self._plan.target_bytes,

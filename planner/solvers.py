@@ -71,6 +71,13 @@ def every_k_blocks(num_blocks: int, k: int) -> tuple[int, ...]:
     return tuple(range(0, num_blocks, k))
 
 
+def checkpoint_every_of(modes: tuple[Mode, ...]) -> int:
+    """The k for which ``modes`` recompute every k-th block and store the rest, or 0 when they are no such plan."""
+    if any(m not in (Mode.STORE, Mode.RECOMPUTE) for m in modes):
+        return 0
+    return frequency_of(len(modes), tuple(i for i, m in enumerate(modes) if m == Mode.RECOMPUTE))
+
+
 def frequency_of(num_blocks: int, blocks: tuple[int, ...]) -> int:
     """The k for which ``blocks`` is "every k-th block", or 0 when it is no such set."""
     if not blocks or blocks[0] != 0:

@@ -22,7 +22,7 @@ from rematd.planner.plan_trials import (
     trial_over_reason,
     trial_reason,
 )
-from rematd.planner.pricing import TablePricing
+from rematd.planner.pricing import TablePricing, as_corrected
 from rematd.planner.reasons import human_bytes
 from rematd.planner.shapes import Offsets
 from rematd.planner.solvers import Choice, front_loaded
@@ -277,10 +277,7 @@ class StepPlanning(TablePricing):
         table = [tried if e is entry else e for e in self.table]
         here = self._target_at(target, seq)
         # As the candidate was weighed: its prediction as the measured peaks correct it.
-        corr = self._learned.correction(seq)
-        static = obs.static_bytes
-        shown = static + int((tried.predicted_peak_bytes - static) * corr)
-        as_measured = f" as the measured peaks correct it (x{corr:.3f})" if abs(corr - 1.0) > 0.005 else ""
+        shown, as_measured = as_corrected(tried.predicted_peak_bytes, obs.static_bytes, self._learned.correction(seq))
         peak = f"predicted {human_bytes(shown)}{as_measured} of the {human_bytes(here)} target"
         return self._decision(table, obs.shape, target, obs.static_bytes, trial_reason(trial, peak))
 

@@ -14,7 +14,7 @@ import torch
 from rematd.client.attach import attach
 from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 from rematd.client.handle import Handle
-from rematd.planner import Mode, blocks_of, frequency_of, letters
+from rematd.planner import checkpoint_every_of, letters
 
 MiB = 2**20
 
@@ -70,10 +70,7 @@ def mode_letters(h: Handle) -> str:
 
 def checkpoint_every(h: Handle) -> str:
     """k when the modes in force recompute every k-th block (and store the rest), else "-"."""
-    modes = h.modes
-    if any(m not in (Mode.STORE, Mode.RECOMPUTE) for m in modes):
-        return "-"
-    k = frequency_of(len(modes), blocks_of(modes))
+    k = checkpoint_every_of(h.modes)
     return str(k) if k else "-"
 
 

@@ -92,6 +92,11 @@ class RankSession:
             self.sent_before = self.sent
         self.sent = plan
 
+    @property
+    def shown(self) -> Plan:
+        """What the gauges show: the plan the last step ran, or before any step the plan sent."""
+        return self.ran or self.sent
+
     def plan_of(self, version: int) -> Plan | None:
         """The plan of ``version`` the rank was sent, when it is the newest or the one before."""
         return next((p for p in (self.sent, self.sent_before) if p is not None and p.version == version), None)
@@ -212,9 +217,9 @@ class Sessions:
                 peak_bytes=s.last_peak,
                 has_stats=s.has_stats,
                 # What the last step ran, not what was sent after it: the gauges follow the training.
-                predicted_peak_bytes=(s.ran or s.sent).predicted_peak_bytes,
-                checkpointed_blocks=len((s.ran or s.sent).blocks),
-                predicted_overhead_ratio=(s.ran or s.sent).predicted_overhead_ratio,
+                predicted_peak_bytes=s.shown.predicted_peak_bytes,
+                checkpointed_blocks=len(s.shown.blocks),
+                predicted_overhead_ratio=s.shown.predicted_overhead_ratio,
                 oom_risk=s.planner.oom_risk,
             )
             for s in sessions

@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from importlib import resources
 from typing import Annotated
 
@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import to_json
 from sqlalchemy.exc import SQLAlchemyError
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
 
 from rematd import __version__
@@ -260,12 +260,27 @@ def _map_errors(app: FastAPI, core: AdvisorCore) -> None:
             headers={"Retry-After": "5"},
         )
 
-    @app.middleware("http")
-    async def _store_back(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        if outage.since is not None and response.status_code < 500:
-            outage.back()
-        return response
+    app.add_middleware(_OutageWatch, outage=outage)
+
+
+class _OutageWatch:
+    """ASGI middleware: during an outage, the first response under 500 ends it. Outside one, nothing."""
+
+    def __init__(self, app: ASGIApp, *, outage: _Outage) -> None:
+        self.app = app
+        self.outage = outage
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.outage.since is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def watched(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] < 500:
+                self.outage.back()
+            await send(message)
+
+        await self.app(scope, receive, watched)
 
 
 class _Outage:
