@@ -109,9 +109,14 @@ def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
     assert profiled[0]["measured"] - profiled[0]["static"] < mixed - later[0][0]["static"] < storing
     budget = (mixed + storing) // 2
 
+    # The block-level modes: the check below is of the static memory the first plan counts, which a part's
+    # release, priced from the profiling step alone, would blur (the parts' first plans over-predict by up
+    # to 5% under FSDP; the finer modes run in torchtitan's trainer in the tight-budget test below).
+    block_modes = ["--activation-checkpoint.modes", "store,selective,recompute"]
     planned = train(
         tmp_path, assets, ranks=ranks, module="rematd.integrations.torchtitan",
-        checkpointing=[*rematd, "--activation-checkpoint.budget-bytes", str(budget)], parallelism=parallelism,
+        checkpointing=[*rematd, *block_modes, "--activation-checkpoint.budget-bytes", str(budget)],
+        parallelism=parallelism,
     )  # fmt: skip
     assert_bitwise(reference, planned, "planned")
     for rank, record in enumerate(planned):
@@ -119,9 +124,8 @@ def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
         assert steps[0]["modes"] == ["recompute"] * 6, "the first step profiles, every block recomputed"
         first = steps[1]
         assert first["plan_version"] >= 1 and first["modes"] != ["store"] * 6, first
-        # The first plan counted what persists from the profiling step: measured at most 2% over its
-        # prediction, and at most 3% under it (a part's release is priced from one profile).
-        assert -0.03 * first["measured"] <= first["measured"] - first["predicted"] <= 0.02 * first["measured"], first
+        # The first plan counted what persists from the profiling step: measured within 2% of its prediction.
+        assert abs(first["measured"] - first["predicted"]) <= 0.02 * first["measured"], first
         over = [(s["step"], s["measured"] / MIB) for s in steps if s["measured"] > budget]
         assert not over, f"rank {rank}: steps over the budget of {budget / MIB:.1f} MiB: {over}"
 
