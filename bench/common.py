@@ -83,7 +83,7 @@ def freed_memory_kept(args: argparse.Namespace) -> bool:
 
 
 class Timed:
-    """The controller's ``observe``, timed (wall clock, the training thread's)."""
+    """The controller's ``observe``, timed (wall clock, on whichever thread plans)."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []

@@ -149,6 +149,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     h.pin_modes(None)
     budget = int(measured["RECOMPUTE"] + args.between * (measured["STORE"] - measured["RECOMPUTE"]))
     h.budget_bytes = budget
+    # The plan for the budget is in on every rank before the warm-up: each planner's thread has taken it in.
+    h.flush(60.0)
     for c in contenders:
         for _ in range(args.warmup):
             c.step(batch())

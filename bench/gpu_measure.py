@@ -57,9 +57,10 @@ def run_job(job: Job, device: torch.device) -> dict[str, Any]:
     STRATEGIES[job.strategy](ctx)
     h = ctx.handle
     if h is not None and not job.budget_bytes and job.budget_frac and not cuda:
-        # The profiling step recomputes every block; with no budget yet, the next one stores them all: what a
-        # step saves.
+        # The profiling step recomputes every block; with no budget yet, the first plan stores them all: what a
+        # step saves (the planner's thread has made it once flushed).
         _step(ctx, data(spec.seq), device)
+        h.flush(30.0)
         _step(ctx, data(spec.seq), device)
         saved = h.last_stats.saved_peak_bytes if h.last_stats else 0
         h.budget_bytes = max(1, int(job.budget_frac * saved))
@@ -103,9 +104,11 @@ def run_job(job: Job, device: torch.device) -> dict[str, Any]:
                 peak = h.last_stats.saved_peak_bytes if h is not None and h.last_stats else 0
             row: dict[str, Any] = {"seq": seq, "s": seconds, "peak": peak, "static": static, "ok": ok}
             if h is not None:
-                # The planner's time on the training thread: host time, which a GPU step hides only while the
-                # device is behind.
+                # The planner's time during the step, on its own thread; and rematd's on the training thread (host
+                # time, which a GPU step hides only while the device is behind).
                 row["planner_ms"] = 1000 * sum(timed.seconds[planned:])
+                stats = h.last_stats
+                row["thread_ms"] = 1000 * stats.thread_seconds if stats is not None and stats is not reported else 0.0
                 row["modes"] = letters(h.modes)
                 row["predicted_peak"] = h.plan.predicted_peak_bytes
                 row["predicted_overhead"] = h.plan.predicted_overhead_ratio

@@ -178,7 +178,7 @@ class Ours:
 
     @property
     def session(self) -> Any:
-        return self.runner.handle._backend._session  # type: ignore[union-attr]
+        return self.runner.handle._backend.session  # type: ignore[union-attr]
 
     def predicted(self, shape: Shape) -> int:
         """The model's peak for the entry in force at ``shape``, uncorrected by the measured peaks."""
@@ -399,7 +399,7 @@ def baseline(setup: Setup, seq: int) -> tuple[Runner, int, Profile]:
     none.handle.pin_modes((S,) * setup.n_layer)  # type: ignore[union-attr]
     timed_step(none.model, none.opt, tokens(setup.batch, seq, 0), none.handle.step)  # type: ignore[union-attr]
     none_peak = none.handle.last_stats.saved_peak_bytes  # type: ignore[union-attr]
-    return none, none_peak, none.handle._backend._hello.profile()  # type: ignore[union-attr]
+    return none, none_peak, none.handle._backend.hello.profile()  # type: ignore[union-attr]
 
 
 def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[str, Any]:

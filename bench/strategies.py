@@ -130,7 +130,7 @@ def runner(setup: Setup, name: str, budget: int, data: torch.Tensor) -> Runner:
     if name != "rematd":
         h.pin_modes(static_modes(name, setup.n_layer))
     if isinstance(model, SegmentedGPT):
-        hello = h._backend._hello  # type: ignore[attr-defined]
+        hello = h._backend.hello  # type: ignore[attr-defined]
         model.setup_segments(max(1, round(math.sqrt(setup.n_layer))), h, [b.saved_bytes for b in hello.blocks])
     return Runner(name, model, opt, h, [], [])
 
@@ -233,7 +233,7 @@ def adaptive(n_layer: int, d_model: int, n_head: int, batch: int, steps: int, se
     probe = gpt(n_layer, d_model, n_head)
     hp = client.attach(probe, budget_bytes=2**50, modes=["recompute", "selective"])
     timed_step(probe, torch.optim.SGD(probe.parameters(), lr=1e-4), tokens(batch, first, 0), hp.step)
-    profile = hp._backend._hello.profile()  # type: ignore[attr-defined]
+    profile = hp._backend.hello.profile()  # type: ignore[attr-defined]
     hp.close()
     longest = Shape(batch=batch, seq_len=1024, tokens=batch * 1024)
     floor = solve(profile.options_at(longest), 0).predicted_peak_bytes  # the least any plan needs at 1024

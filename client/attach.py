@@ -33,6 +33,7 @@ def attach(
     compile: bool | str = False,
     same_plan: bool | None = None,
     compress: CompressConfig | str | None = None,
+    planner_thread: bool = True,
 ) -> Handle:
     """Attach rematd to ``model`` and return the handle that applies its plans.
 
@@ -103,6 +104,13 @@ def attach(
             :class:`rematd.client.CompressConfig`, or its format's name
             (``"int8"``, the default, ``"fp8"`` or ``"bf16"``); only with
             ``"compress"`` in ``modes``.
+        planner_thread: planning in this process (no ``server``), whether the
+            planner runs on a thread of its own (the default: the training
+            thread only hands over each step's figures, and a plan is swapped
+            in at the first step boundary after it is ready) or on the training
+            thread at each step's end (``False``: a run applies the same plans at
+            the same steps every time, at the planner's cost on the steps it
+            thinks on). With ``server`` the service plans: ``False`` is refused.
     """
     server = check_server(server)
     stream = (
@@ -129,4 +137,5 @@ def attach(
         compile=compile,
         same_plan=same_plan,
         compress=compress,
+        planner_thread=planner_thread,
     )

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rematd.client.memory.accounting import tensors_in
 from rematd.planner import Shape
+
+_last: list[Shape] = [Shape()]
+"""The shape found last: a step like the one before (the common case) makes no new one."""
 
 
 def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape:
     """The shape signature of a model call: batch and sequence length of its first tensor."""
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor) and first.dim() >= 2:
+        # Once per step, on the training thread: the first argument is the batch in nearly every loop.
+        size = first.shape
+        last = _last[0]
+        if last.batch == size[0] and last.seq_len == size[1]:
+            return last
+        shape = Shape(batch=int(size[0]), seq_len=int(size[1]), tokens=int(size[0]) * int(size[1]))
+        _last[0] = shape
+        return shape
     for t in tensors_in([args, kwargs]):
         if t.dim() == 0:
             continue

@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from rematd.client.arguments import (
     check_bytes,
     check_compile,
+    check_flag,
     check_hard_limit,
     check_job,
     check_margin,
@@ -39,6 +40,7 @@ from rematd.client.parallel.pick import (
     running_schedule,
 )
 from rematd.client.parallel.ranks import dist_rank
+from rematd.client.plans.background import ThreadedBackend
 from rematd.client.plans.sources import Backend, EmbeddedBackend
 from rematd.client.service.stream import StreamBackend
 from rematd.client.service.stream_config import StreamConfig
@@ -71,6 +73,7 @@ class Handle:
         compile: bool | str = False,
         same_plan: bool | None = None,
         compress: CompressConfig | str | None = None,
+        planner_thread: bool = True,
     ) -> None:
         # Every argument is checked before anything is hooked: a bad one leaves the model untouched.
         server = check_server(server)
@@ -83,6 +86,12 @@ class Handle:
         backend = check_compile(compile)
         same = check_optional_flag("same_plan", same_plan)
         compressing = check_compress(compress)
+        threaded = check_flag("planner_thread", planner_thread)
+        if server is not None and not threaded:
+            raise ValueError(
+                "planner_thread=False plans in this process, on the training thread; with server= the service "
+                "plans: drop one of them"
+            )
         if compress is not None and Mode.COMPRESS not in offered:
             raise ValueError("compress= configures the 'compress' mode, which modes= does not enable: add 'compress'")
         self._offered = offered
@@ -96,9 +105,14 @@ class Handle:
             model, found, hard_limit_bytes=hard_limit, compile_backend=backend, compress=compressing
         )
         self._accounting, self._blocks, self._applier = parts.accounting, parts.blocks, parts.applier
+        self._clock = parts.accounting.clock
         self._offloader, self._compiled = parts.offloader, parts.compiled
         self._backend: Backend = (
-            StreamBackend(server, self._applier.receive, stream) if server else EmbeddedBackend(self._applier.receive)
+            StreamBackend(server, self._applier.receive, stream)
+            if server
+            else ThreadedBackend(self._applier.receive, self._applier.answered)
+            if threaded
+            else EmbeddedBackend(self._applier.receive)
         )
         self._applier.price = self._backend.plan_of
         self.server = server
@@ -298,8 +312,9 @@ class Handle:
     @property
     def budget_bytes(self) -> int | None:
         """The memory budget. Set between steps, it applies to the next step's plan: planning in this process
-        re-plans at once; a service plans for it from the next step's statistics, so until its plan arrives a
-        cut the plan in force is not predicted to fit runs every block at its leanest (its statistics say so)."""
+        re-plans for it on the planner's thread (before the next step with ``planner_thread=False``); a service
+        plans for it from the next step's statistics. Until the new plan arrives, a cut the plan in force is not
+        predicted to fit runs every block at its leanest (its statistics say so)."""
         return self._cycle.budget_bytes
 
     @budget_bytes.setter
@@ -307,10 +322,14 @@ class Handle:
         budget = check_bytes("budget_bytes", value, optional=False)
         assert budget is not None
         self._cycle.budget_bytes = budget
+        # Before the planner hears of it: its answer may come at once, and must end the hold.
+        target = int(budget * (1 - self.margin_ratio))
+        if isinstance(self._backend, ThreadedBackend):
+            self._applier.hold_until_answered(self._cycle.shape, target)
+        elif not self._backend.immediate:
+            self._applier.hold_lean(self._cycle.shape, target)
         # A reconnect re-sends the hello: it must carry this budget, not the first one.
         self._backend.update_hello(budget_bytes=budget)
-        if self._backend.served:
-            self._applier.hold_lean(self._cycle.shape, int(budget * (1 - self.margin_ratio)))
 
     @property
     def rank(self) -> int:
@@ -349,11 +368,14 @@ class Handle:
         """Mark the end of a training step (after ``optimizer.step()``). Never raises."""
         if not self._life.in_step:
             return
+        self._clock.enter()
         try:
             self._cycle.end()
         except Exception:
             self._cycle.errors += 1
             log.exception("rematd: step bookkeeping failed; training goes on with the plan in force")
+        finally:
+            self._clock.leave()
 
     @property
     def closed(self) -> bool:
@@ -437,6 +459,7 @@ class Handle:
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._life.closed or not torch.is_grad_enabled():
             return
+        self._clock.enter()
         try:
             if not self._life.in_step:
                 if self._cycle.memory is None and self._cycle.schedule is None:
@@ -451,19 +474,28 @@ class Handle:
         except Exception:
             self._cycle.errors += 1
             log.exception("rematd: pre-forward bookkeeping failed")
+        finally:
+            self._clock.leave()
 
     def _schedule_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The schedule's ``step()`` starts: so does a step, before any microbatch's forward."""
         if self._life.closed or self._life.in_step or not torch.is_grad_enabled():
             return
+        self._clock.enter()
         try:
             self._cycle.begin_schedule_step(args, kwargs)
         except Exception:
             self._cycle.errors += 1
             log.exception("rematd: bookkeeping at the schedule's step failed")
+        finally:
+            self._clock.leave()
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self._cycle.stop_counting()
+        self._clock.enter()
+        try:
+            self._cycle.stop_counting()
+        finally:
+            self._clock.leave()
 
     def _accounting_on(self) -> bool:
         return isinstance(self._cycle.memory, SavedTensorMemory)

@@ -28,7 +28,7 @@ from rematd.server.core.advisor import AdvisorCore
 from rematd.server.core.ownership import JobTokens
 from rematd.server.metrics import peers
 from rematd.server.metrics.registry import Metrics
-from rematd.server.store.database import database_url, redact_url
+from rematd.server.store.database import STORE_AWAY, database_url, redact_url
 from rematd.server.store.holders import HEARTBEAT_SECONDS
 from rematd.server.store.store import Store
 from rematd.server.transport.auth import load_job_tokens
@@ -144,6 +144,11 @@ class Service:
             await asyncio.sleep(seconds)
             try:
                 await asyncio.to_thread(fn)
+            except STORE_AWAY as err:
+                # The database out of reach (a restart, a failover): a line each time, not a driver's traceback.
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                log.warning("periodic %s failed: the store is out of reach (%s); trying again in %.0f s",
+                            work, first[:200], seconds)  # fmt: skip
             except Exception:
                 log.exception("periodic %s failed; trying again in %.0f s", work, seconds)
 

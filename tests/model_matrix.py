@@ -161,7 +161,7 @@ def train_side_by_side(
             opt_ref.zero_grad(set_to_none=True)
             opt.zero_grad(set_to_none=True)
             h.step()
-        hello = h._backend._hello  # type: ignore[attr-defined]
+        hello = h._backend.hello  # type: ignore[attr-defined]
         offered = {mc.mode for mc in hello.blocks[0].modes}
         assert (Mode.OFFLOAD in offered) == (device == "cuda"), f"offload offered: {offered} on {device}"
     finally:

@@ -13,10 +13,12 @@ from rematd.planner import Mode
 from .helpers import live_server, tiny_model, train_step
 
 
-def _attached(budget: int = 10**12, n_layer: int = 4):  # type: ignore[no-untyped-def]
+def _attached(budget: int = 10**12, n_layer: int = 4, *, planner_thread: bool = False):  # type: ignore[no-untyped-def]
+    """A model and its handle; planned on the training thread unless ``planner_thread``: each control's effect is
+    then in force at the very step after it, whatever the machine's load."""
     model = tiny_model(n_layer=n_layer, d_model=32, seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    return model, opt, client.attach(model, optimizer=opt, budget_bytes=budget)
+    return model, opt, client.attach(model, optimizer=opt, budget_bytes=budget, planner_thread=planner_thread)
 
 
 def test_one_mode_pins_every_block_and_a_list_pins_each() -> None:
@@ -90,6 +92,30 @@ def test_a_budget_change_applies_to_the_very_next_step() -> None:
     for step in range(4, 30):
         train_step(model, opt, 64, seed=step)
     assert h.modes == (Mode.STORE,) * 4
+    h.close()
+
+
+def test_with_the_planner_on_its_thread_a_budget_cut_holds_the_next_step_within_it() -> None:
+    """The planner's thread answers a cut when it can; until its plan is in, the steps keep the least they can."""
+    model, opt, h = _attached(planner_thread=True)
+    for step in range(3):
+        train_step(model, opt, 64, seed=step)
+        assert h.flush(10.0)
+    train_step(model, opt, 64, seed=3)  # the plan that stores everything is in force
+    assert h.last_stats is not None and h.plan.blocks == ()
+    free_peak = h.last_stats.saved_peak_bytes
+    # The planner is busy (as with a long search): the cut reaches it only after the next step.
+    backend = h._backend
+    with backend._planning:  # type: ignore[attr-defined]
+        h.budget_bytes = int(free_peak * 0.6)
+        train_step(model, opt, 64, seed=4)
+        assert h.modes == (Mode.RECOMPUTE,) * 4, "every block at its leanest until the planner has taken the cut in"
+        assert "budget was cut" in h.plan.reason
+        assert h.last_stats.saved_peak_bytes <= h.budget_bytes
+    assert h.flush(10.0)
+    train_step(model, opt, 64, seed=5)
+    assert h.plan.target_bytes <= h.budget_bytes and h.plan.modes == h.modes, "the plan made for the cut"
+    assert h.last_stats.saved_peak_bytes <= h.budget_bytes
     h.close()
 
 

@@ -51,7 +51,8 @@ def test_hundred_steps_with_dropout_and_switches_match_a_run_without_rematd_bitw
     model = tiny_model(n_layer=4, d_model=16, dropout=0.1, seed=5)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    h = client.attach(model, optimizer=opt, budget_bytes=10**12)
+    # Planned on the training thread: a new budget's plan runs at the very next step, whatever the machine's load.
+    h = client.attach(model, optimizer=opt, budget_bytes=10**12, planner_thread=False)
     free_peak = 0
     for step in range(100):
         seq = 32 if (step // 7) % 2 else 16

@@ -211,7 +211,7 @@ def test_compiled_steps_report_no_compile_time_and_scales_stay_sane() -> None:
         timed = {m.mode for m in s.mode_seconds}
         assert not timed & {Mode.SELECTIVE, Mode.RECOMPUTE}, (s.step, s.mode_seconds)
     assert any(m.mode == Mode.STORE for s in step_stats for m in s.mode_seconds), "stored forwards still timed"
-    session = h._backend._session  # type: ignore[attr-defined]
+    session = h._backend.session  # type: ignore[attr-defined]
     assert session is not None
     scales = dict(session.controller.timing.scales)
     assert Mode.SELECTIVE not in scales, "no mode's price was learnt from compile time"

@@ -186,7 +186,7 @@ def test_integers_booleans_parameters_constants_and_small_tensors_are_kept_as_th
 
 def test_blocks_keep_the_compressed_bytes_as_the_profile_predicts() -> None:
     model, h = attached()
-    profile = h._backend._hello.profile()  # type: ignore[attr-defined]
+    profile = h._backend.hello.profile()  # type: ignore[attr-defined]
     costs = {m.mode: m for m in profile.blocks[0].mode_costs()}
     assert costs[Mode.COMPRESS].kept.bytes <= 0.35 * costs[Mode.STORE].kept.bytes
     assert costs[Mode.COMPRESS].extra_seconds > 0, "priced from a measured compress and restore"

@@ -52,7 +52,7 @@ def test_the_handle_reads_the_cuda_allocator() -> None:
     assert m is not None and m.peak_allocated_bytes > m.allocated_bytes > 0
     assert m.peak_reserved_bytes >= m.peak_allocated_bytes and 0 < m.free_bytes <= m.total_bytes
     assert h.last_stats is not None and h.last_stats.static_bytes > 0, "weights and optimizer state at step start"
-    assert Mode.OFFLOAD in {mc.mode for mc in h._backend._hello.blocks[0].modes}, "a host link: offload offered"  # type: ignore[attr-defined]
+    assert Mode.OFFLOAD in {mc.mode for mc in h._backend.hello.blocks[0].modes}, "a host link: offload offered"  # type: ignore[attr-defined]
     h.close()
 
 
@@ -122,7 +122,7 @@ def test_a_real_out_of_memory_error_is_recovered_from() -> None:
     train_step(model, opt, 256)
     torch.cuda.synchronize()
     static = torch.cuda.memory_allocated()
-    profile = h._backend._hello.profile()  # type: ignore[attr-defined]
+    profile = h._backend.hello.profile()  # type: ignore[attr-defined]
     long = Shape(batch=4, seq_len=4096, tokens=4 * 4096)
     store_all = predict_peak_bytes(profile, frozenset(), shape=long)
     # A cap on this process's share of the device: half of what storing everything at 4096 tokens saves.

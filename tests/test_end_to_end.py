@@ -43,6 +43,7 @@ def budget_for_run() -> int:
     h = client.attach(model, optimizer=opt)
     # The profiling step recomputes every block; the next one stores them all (no budget to keep under).
     train_step(model, opt, 32)
+    assert h.flush(10.0)  # the planner's thread has made the first plan: the next step runs it
     train_step(model, opt, 32)
     short = h.last_stats.saved_peak_bytes if h.last_stats else 0
     h.close()

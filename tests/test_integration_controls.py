@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 def test_the_trainer_callback_pins_from_its_argument_and_takes_a_budget_while_training(tmp_path: Any) -> None:
     from rematd.integrations import RematdTrainerCallback
 
-    rematd = RematdTrainerCallback(budget_bytes=2**40, pin_modes="recompute")
+    # Planned on the training thread: each control is in force at the very next step (the options go to attach).
+    rematd = RematdTrainerCallback(budget_bytes=2**40, pin_modes="recompute", planner_thread=False)
     seen: list[tuple[int, int, tuple[Mode, ...]]] = []
 
     class Watch(transformers.TrainerCallback):  # type: ignore[misc]
@@ -51,7 +52,7 @@ def test_the_lightning_callback_takes_pins_and_budgets_from_training_step() -> N
     pl = pytest.importorskip("lightning.pytorch")
     from rematd.integrations import RematdCallback
 
-    rematd = RematdCallback(budget_bytes=2**40)
+    rematd = RematdCallback(budget_bytes=2**40, planner_thread=False)  # each control in force at the next step
     seen: list[tuple[int, tuple[Mode, ...]]] = []
 
     class LM(pl.LightningModule):  # type: ignore[misc]

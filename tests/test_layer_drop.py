@@ -43,7 +43,7 @@ def test_blocks_dropped_while_profiling_borrow_the_largest_profile() -> None:
     for i, layer in enumerate(layers):
         layer.register_forward_hook(lambda *_, i=i: ran.add(i))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    h = client.attach(model, optimizer=opt, budget_bytes=10**7)
+    h = client.attach(model, optimizer=opt, budget_bytes=10**7, planner_thread=False)
     _step(model, opt, 0)
     assert 0 < len(ran) < len(layers), f"the profiling step dropped some blocks and ran others: {sorted(ran)}"
     measures = [b.measure for b in h._blocks]
@@ -58,7 +58,7 @@ def test_blocks_dropped_while_profiling_borrow_the_largest_profile() -> None:
 def test_a_profiling_step_that_ran_no_block_profiles_again() -> None:
     model = _opt(layerdrop=1.0)  # every block dropped
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    h = client.attach(model, optimizer=opt, budget_bytes=10**7)
+    h = client.attach(model, optimizer=opt, budget_bytes=10**7, planner_thread=False)
     _step(model, opt, 0)
     _step(model, opt, 1)
     assert h.plan.version == 0 and all(b.measure is None for b in h._blocks), "nothing to plan from yet"

@@ -57,7 +57,7 @@ def test_measured_saved_bytes_match_the_prediction(mode: Mode, seq: int) -> None
     model = tiny_model(n_layer=4, d_model=48, seed=2)
     h = client.attach(model, budget_bytes=10**12)
     step(model, h, 32, 0)  # profile at seq 32; seq 80 is predicted from the shape terms
-    profile = h._backend._hello.profile()  # type: ignore[attr-defined]
+    profile = h._backend.hello.profile()  # type: ignore[attr-defined]
     h.pin_modes(mode)
     step(model, h, seq, 1)
     measured = h.last_stats.saved_peak_bytes if h.last_stats else 0
@@ -171,7 +171,7 @@ def test_profile_offers_modes_with_shape_terms() -> None:
     model = tiny_model(n_layer=2, d_model=48)
     h = client.attach(model, budget_bytes=10**12, modes=["recompute"])
     step(model, h, 40, 0)
-    hello = h._backend._hello  # type: ignore[attr-defined]
+    hello = h._backend.hello  # type: ignore[attr-defined]
     offered = [m.mode for m in hello.blocks[0].modes]
     assert offered == [Mode.STORE, Mode.RECOMPUTE], "only the modes asked for (and STORE) are offered"
     store = hello.blocks[0].modes[0].kept

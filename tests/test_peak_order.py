@@ -45,7 +45,7 @@ def test_predicted_peaks_are_within_5_percent_of_the_accounting(seq: int) -> Non
     model = TinyGPT(GPTConfig(n_layer=N, d_model=64, n_head=4, max_seq_len=128))
     h = client.attach(model, budget_bytes=10**12)
     step(model, h, 48, 0)
-    profile = h._backend._hello.profile()  # type: ignore[attr-defined]
+    profile = h._backend.hello.profile()  # type: ignore[attr-defined]
     assert not profile.other_in_backward, "the CPU accounting frees the head's saved tensors first"
     shape = Shape(batch=4, seq_len=seq, tokens=4 * seq)
     options = profile.options_at(shape)

@@ -117,7 +117,8 @@ def test_the_deepspeed_example_runs_to_the_end_switching_plans(tmp_path: Path) -
     assert sorted((int(r), int(s)) for r, s, _ in steps) == [(r, s) for r in (0, 1) for s in range(12)], out
     by_step = {int(s): plan for r, s, plan in steps if r == "0"}
     assert all(plan == by_step[int(s)] for _, s, plan in steps), "the ranks ran different plans"
-    # The profiling step recomputes every block; then store at 32 tokens; at 256 the budget makes it checkpoint,
-    # and back at 32 it stores again.
-    assert by_step[0] == "RRRR" and by_step[1] == "...." and by_step[11] == "....", by_step
+    # The profiling step recomputes every block, and so do the steps before the planner's first plan is in (its
+    # thread plans while they run); then store at 32 tokens; at 256 the budget makes it checkpoint, and back at 32
+    # it stores again.
+    assert by_step[0] == "RRRR" and "...." in (by_step[1], by_step[2]) and by_step[11] == "....", by_step
     assert any(set(plan) - {"."} for plan in by_step.values()), f"the plan never checkpointed: {by_step}"

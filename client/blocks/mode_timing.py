@@ -69,6 +69,11 @@ class RecomputeTimer:
             self._current.append((mode, REMAT, start, end))
             self._pending += 1
 
+    def add_forward(self, mode: Mode, seconds: float) -> None:
+        """A block's forward in ``mode``, timed on the host clock by its caller."""
+        self._forward[mode] = self._forward.get(mode, 0.0) + seconds
+        self._blocks[mode] = self._blocks.get(mode, 0) + 1
+
     def add_seconds(self, mode: Mode, seconds: float) -> None:
         """Backward-side seconds of ``mode`` timed on the host clock."""
         self._add(mode, REMAT, seconds)

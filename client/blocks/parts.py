@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from rematd.client.blocks.mode_timing import RecomputeTimer
 from rematd.client.memory.accounting import tensors_in
 from rematd.client.parallel.base import SetUp
+from rematd.client.thread_cost import ThreadClock
 from rematd.planner import Mode
 
 PART_NAMES: dict[Mode, tuple[str, ...]] = {
@@ -46,6 +47,8 @@ class Owner(Protocol):
 
     timer: RecomputeTimer | None
     setup: SetUp
+    clock: ThreadClock
+    cuda: bool
 
     def count_part(self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None: ...
 
@@ -100,7 +103,11 @@ class SwitchedForward:
 
 
 class SwitchablePart:
-    """One part of a block; ``active`` (set by the block around its forward) makes it recompute."""
+    """One part of a block; ``active`` (set by the block around its forward) makes it recompute.
+
+    Its forward is switched only while the block may need it (:meth:`engage`): a step whose block runs no part
+    mode and does not profile calls the part's own forward, with nothing of rematd's in between.
+    """
 
     def __init__(self, mode: Mode, name: str, module: nn.Module, owner: Owner) -> None:
         self.mode = mode
@@ -114,20 +121,40 @@ class SwitchablePart:
         self._in_forward = False
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
-        module.forward = SwitchedForward(self)
+        self.engaged = False
+        self.engage(True)
+
+    def engage(self, on: bool) -> None:
+        """Switch the part's forward (``on``), or give the module its own back."""
+        if on == self.engaged:
+            return
+        self.engaged = on
+        if on:
+            self.module.forward = SwitchedForward(self)
+        else:
+            self.restore()
 
     def restore(self) -> None:
+        self.engaged = False
         if self._had_instance_forward:
             self.module.forward = self._original
         else:
             self.module.__dict__.pop("forward", None)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        clock = self.owner.clock
+        clock.enter()
+        try:
+            return self._switched(clock, args, kwargs)
+        finally:
+            clock.leave()
+
+    def _switched(self, clock: ThreadClock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         recorder = self.recorder
         if recorder is not None:
-            return self._recorded(recorder, args, kwargs)
+            return clock.call(self._recorded, recorder, args, kwargs)
         if not self.active or not torch.is_grad_enabled():
-            return self._original(*args, **kwargs)
+            return clock.call(self._original, *args, **kwargs)
         # The checkpoint hands its recomputation each input apart: a tensor given twice (attention's query, key
         # and value, one tensor) is given once and put back where it was, so that the forward run again takes
         # the path it took (``nn.MultiheadAttention`` projects ``q is k is v`` at once).
@@ -153,7 +180,7 @@ class SwitchablePart:
 
         self._in_forward = True
         try:
-            output = checkpoint(again, *unique, use_reentrant=False)
+            output = clock.call(checkpoint, again, *unique, use_reentrant=False)
         finally:
             self._in_forward = False
         self.owner.count_part(self.mode, args, kwargs, output)
@@ -166,11 +193,15 @@ class SwitchablePart:
         if self._in_forward:
             return self._original(*args, **kwargs)
         timer = self.owner.timer
-        with self.owner.setup.recomputing(self.module):
-            if timer is None:
-                return self.module(*args, **kwargs)
-            cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
-            return timer.run(self.mode, self.module, cuda, *args, **kwargs)
+        clock = self.owner.clock
+        clock.enter()
+        try:
+            with self.owner.setup.recomputing(self.module):
+                if timer is None:
+                    return clock.call(self.module, *args, **kwargs)
+                return timer.run(self.mode, clock.call, self.owner.cuda, self.module, *args, **kwargs)
+        finally:
+            clock.leave()
 
     def _recorded(self, recorder: Recorder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         inputs = tensors_in([args, kwargs])

@@ -12,6 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any, Protocol
 
 import torch
@@ -27,9 +28,12 @@ from rematd.client.blocks.profiling import BlockMeasure, Profiler
 from rematd.client.blocks.selective import Decide, TitanPolicy, megatron_policy, selective_context
 from rematd.client.memory.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.parallel.base import PLAIN, SetUp
+from rematd.client.thread_cost import ThreadClock
 from rematd.planner import Mode, Shape
 
 log = logging.getLogger("rematd.client")
+
+_STORE = Mode.STORE
 
 POLICIES = frozenset({Mode.SELECTIVE, Mode.TITAN})
 """Modes that keep what an op policy keeps (:mod:`rematd.client.blocks.selective`)."""
@@ -42,8 +46,15 @@ class CompiledVariants(Protocol):
     def run(self, block: SwitchableBlock, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
+def _untimed(mode: Mode, seconds: float) -> None:
+    """Where a block's forward seconds go before it has a timer."""
+
+
 class SwitchableBlock:
     """Wraps one block's forward; ``mode`` decides how the next forward runs."""
+
+    _timer_add: Callable[[Mode, float], None] = staticmethod(_untimed)
+    """The timer's :meth:`RecomputeTimer.add_forward`, once the block has one."""
 
     def __init__(
         self,
@@ -66,6 +77,12 @@ class SwitchableBlock:
         self.step_shape = Shape()
         """The shape of the step being run, set by the handle at each step's start."""
         self._accounting = accounting
+        self.clock = accounting.clock if accounting is not None else ThreadClock()
+        """Where rematd's time on the training thread adds up (the handle's)."""
+        self.cuda = self._plain = False
+        """``cuda``: whether the block runs on a CUDA device (from its last input off :meth:`_forward`'s short
+        way); ``_plain``: whether a storing forward may take that short way (timed on the host, eager, its parts
+        unswitched)."""
         self.timer: RecomputeTimer | None = None
         """Where rematerialisations are timed (set by the handle)."""
         self.offloader: Offloader | None = None
@@ -84,6 +101,9 @@ class SwitchableBlock:
             {mode: SwitchablePart(mode, n, m, self) for mode, (n, m) in find_parts(module).items()} if parts else {}
         )
         """The block's parts that recompute on their own (its attention, its MLP), found by name."""
+        self._parts_on = bool(self.parts)
+        """Whether the parts' forwards are switched (:meth:`SwitchablePart.engage`): while profiling, or in a part
+        mode."""
         self.titan = TitanPolicy(router_shapes(module))
         """torchtitan's selective policy, for this block's router gates."""
         self._had_instance_forward = "forward" in module.__dict__
@@ -114,28 +134,71 @@ class SwitchableBlock:
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._original(*args, **kwargs)
+        clock = self.clock
+        clock.mark = perf_counter()
         acct = self._accounting
-        if acct is None:
-            return self._switched(args, kwargs)
         # What is saved while a block runs is the block's; the rest is saved outside the blocks.
-        acct.block_depth += 1
+        if acct is not None:
+            acct.block_depth += 1
         try:
+            if self.mode is _STORE and self._plain and not self.profiling:
+                # The common case, once per block and step, without a call of rematd's in between: a storing
+                # block timed on the host clock, one pair of readings both timing its forward for the planner
+                # and leaving it out of rematd's time.
+                start = perf_counter()
+                clock.spent += start - clock.mark
+                try:
+                    return self._original(*args, **kwargs)
+                finally:
+                    end = perf_counter()
+                    self._timer_add(_STORE, end - start)
+                    clock.mark = end
             return self._switched(args, kwargs)
         finally:
-            acct.block_depth -= 1
+            if acct is not None:
+                acct.block_depth -= 1
+            clock.spent += perf_counter() - clock.mark
 
     def _switched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.profiling:
-            return self._profiled(*args, **kwargs)
+            self._engage_parts(True)
+            # The profiling step's measuring is the block's forward, run and measured: the model's time.
+            return self.clock.call(self._profiled, *args, **kwargs)
         mode = self._mode_to_run(args, kwargs)
+        # Where the block runs, from its input (off the short way, which a block on a device never takes).
+        self.cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
+        if self._parts_on != (mode in PART_MODES):
+            self._engage_parts(mode in PART_MODES)
         timer = self.timer
+        # Whether the next storing forward may take :meth:`_forward`'s short way (set here, where a first call
+        # of each step's blocks comes after the step's start has set where they run).
+        self._plain = timer is not None and not self.cuda and self.compiled is None and not self._parts_on
+        if timer is not None:
+            self._timer_add = timer.add_forward
         if timer is None or self._compiled_checkpoint(mode):
             # A compiled checkpoint rematerialises inside its graph, out of the timer's reach: with its
             # forward timed alone it would look free in backward, so it keeps the profile's price.
-            return self._mode_forward(mode, args, kwargs)
+            return self._model_forward(mode, args, kwargs)
         # Every mode's forward is timed, storing's too: the baseline the others' forward costs are taken against.
-        cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
-        return timer.forward(mode, self._mode_forward, cuda, mode, args, kwargs)
+        if self.cuda or self.compiled is not None:
+            return timer.forward(mode, self._model_forward, self.cuda, mode, args, kwargs)
+        # On the host clock (the common eager path, once per block and step): one pair of readings both times the
+        # mode's forward for the planner and leaves it out of rematd's time.
+        clock = self.clock
+        start = perf_counter()
+        clock.spent += start - clock.mark
+        try:
+            if mode is Mode.STORE:
+                return self._original(*args, **kwargs)
+            return self.eager_forward(mode, args, kwargs)
+        finally:
+            end = perf_counter()
+            timer.add_forward(mode, end - start)
+            clock.mark = end
+
+    def _model_forward(self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The block's forward in ``mode``: the model's time (and torch's checkpoint's), not rematd's."""
+        return self.clock.call(self._mode_forward, mode, args, kwargs)
 
     def _mode_to_run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Mode:
         """The mode this forward runs in: the block's, but storing when the caller handed it a cache, and
@@ -146,6 +209,15 @@ class SwitchableBlock:
         if mode in PART_MODES and mode not in self.parts:
             return Mode.RECOMPUTE
         return mode
+
+    def _engage_parts(self, on: bool) -> None:
+        if on == self._parts_on or not self.parts:
+            return
+        self._parts_on = on
+        if on:
+            self._plain = False
+        for part in self.parts.values():
+            part.engage(on)
 
     def _compiled_checkpoint(self, mode: Mode) -> bool:
         return mode in (Mode.SELECTIVE, Mode.RECOMPUTE) and self.compiled is not None and self.compiled.covers(mode)
@@ -250,11 +322,15 @@ class SwitchableBlock:
             if recording is not None:
                 return recording(*args, **kwargs)
             return self._original(*args, **kwargs)
-        with self.setup.recomputing(self.module):
-            if self.timer is None:
-                return self._original(*args, **kwargs)
-            cuda = any(t.is_cuda for t in tensors_in([args, kwargs]))
-            return self.timer.run(mode, self._original, cuda, *args, **kwargs)
+        clock = self.clock
+        clock.enter()
+        try:
+            with self.setup.recomputing(self.module):
+                if self.timer is None:
+                    return clock.call(self._original, *args, **kwargs)
+                return self.timer.run(mode, clock.call, self.cuda, self._original, *args, **kwargs)
+        finally:
+            clock.leave()
 
     def _transient_bytes(self, mode: Mode) -> int:
         if self.measure is None:

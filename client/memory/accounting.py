@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rematd.client.errors import OutOfMemory
+from rematd.client.thread_cost import ThreadClock
 
 
 def storage_id(t: torch.Tensor) -> int | None:
@@ -85,6 +86,8 @@ class SavedTensorAccounting:
     """Live and peak bytes saved for backward, excluding parameters and buffers."""
 
     def __init__(self) -> None:
+        self.clock = ThreadClock()
+        """Where rematd's time on the training thread adds up: its saved-tensor hooks' and the handle's."""
         self._lock = threading.Lock()
         self._refs: dict[tuple[str, int], list[int]] = {}
         self.live_bytes = 0
@@ -119,6 +122,14 @@ class SavedTensorAccounting:
         self._excluded_fast = frozenset(_fast_key(t) for t in state)
 
     def pack(self, t: torch.Tensor) -> Any:
+        clock = self.clock
+        clock.enter()
+        try:
+            return self._pack(t)
+        finally:
+            clock.leave()
+
+    def _pack(self, t: torch.Tensor) -> Any:
         # The hot path (once per saved tensor): one storage object for both the key and the size.
         if self.is_weight is not None and self.is_weight(t):
             return t
@@ -178,7 +189,7 @@ class SavedTensorAccounting:
         """Count tensors that a checkpoint keeps outside autograd's saved variables, until
         backward has computed the gradient of any of ``until_grad_of`` (the block is done)
         or, failing that, until :meth:`release_held` at the end of the step."""
-        held = [h for h in (self.pack(t) for t in tensors) if isinstance(h, _Held)]
+        held = [h for h in (self._pack(t) for t in tensors) if isinstance(h, _Held)]
         if not held:
             return
         self._held.append(held)

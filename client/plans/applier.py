@@ -41,6 +41,9 @@ class PlanApplier:
         """Modes fixed by hand (benchmarks, experiments); they win over any plan."""
         self.lean_after: int | None = None
         """While set, a budget cut waits for a plan newer than this version: every block keeps the least it can."""
+        self._awaiting = False
+        """A budget cut the planner's thread has not taken in yet: every block keeps the least it can until it has
+        (its plan for the cut, or its word that the plan in force fits, comes first)."""
         self._lean_past: tuple[int, int, int] | None = None
         """The largest length and tokens a step past the table ran at its leanest, and the plan version then."""
         self._applied: tuple[object, ...] | None = None
@@ -68,7 +71,7 @@ class PlanApplier:
             why = ""
         else:
             plan, why = self.plan, self._lean_why
-        if plan.version and ran != plan.modes:
+        if plan.version and ran != (self._lean if self._lean is not None else plan.modes):
             # Set after the plan's: the ranks agreed on leaner modes, or recovery from an out-of-memory error.
             why = f"{self.ran_why or OTHER_MODES}: {letters(ran)}"
         if ran == plan.modes and not why:
@@ -145,6 +148,7 @@ class PlanApplier:
         each block's mode for this step's ``shape`` from the plan's table."""
         with self._lock:
             plan, self._pending = self._pending, None
+            awaiting = self._awaiting
         n = len(self.blocks)
         if plan is not None:
             bad = [i for i in plan.blocks if i >= n]
@@ -161,14 +165,14 @@ class PlanApplier:
             if self.lean_after is not None and plan.version > self.lean_after:
                 self.lean_after = None  # the planner answered the new budget
         shape = shape or Shape()
-        key = (self.pinned, self.plan.version, shape, self.lean_after)
+        key = (self.pinned, self.plan.version, shape, self.lean_after, awaiting)
         if key == self._applied:
             return plan
         self._applied = key
         self._shape, self._lean = shape, None
         if self.pinned is not None:
             modes = self.pinned
-        elif self.lean_after is not None or not self.plan.version or self._beyond(shape):
+        elif self.lean_after is not None or awaiting or not self.plan.version or self._beyond(shape):
             # No plan yet (a service answers the profile a step or more later), a budget cut not yet
             # answered, or a step past the table: every block keeps the least it can.
             modes = tuple(leanest(b.offer) for b in self.blocks)
@@ -177,7 +181,7 @@ class PlanApplier:
                 ""  # the profiling plan's reason says it
                 if not self.plan.version
                 else f"this step runs every block at its leanest: the budget was cut after v{self.plan.version}"
-                if self.lean_after is not None
+                if self.lean_after is not None or awaiting
                 else f"this step runs every block at its leanest: length {shape.seq_len} is past the plan's table"
             )
         else:
@@ -202,12 +206,33 @@ class PlanApplier:
         self._lean_past = (max(shape.seq_len, longest), max(shape.tokens, most), self.plan.version)
         return True
 
+    def hold_until_answered(self, shape: Shape, target_bytes: int) -> bool:
+        """A budget cut handed to the planner's thread: when the newest plan (in force, or waiting for the next
+        step) is not predicted to fit ``target_bytes`` at ``shape``, or there is none yet (the first may be
+        made for the old budget as this runs), every block keeps the least it can from the next step until
+        :meth:`answered`. Returns whether it does."""
+        with self._lock:
+            newest = self._pending or self.plan
+            self._awaiting = not newest.version or self._predicted(newest, shape) > target_bytes
+            held = self._awaiting
+        self.invalidate()
+        return held
+
+    def answered(self) -> None:
+        """The planner's thread has taken in the budget cut (its plan for it, if any, is already waiting)."""
+        with self._lock:
+            self._awaiting = False
+
+    @staticmethod
+    def _predicted(plan: Plan, shape: Shape) -> int:
+        entry = entry_for(plan.shape_plans, shape) if shape.seq_len else None
+        return entry.predicted_peak_bytes if entry is not None else plan.predicted_peak_bytes
+
     def hold_lean(self, shape: Shape, target_bytes: int) -> bool:
         """A budget cut the planner has not answered yet (a service plans from the next step's statistics):
         when the plan in force is not predicted to fit ``target_bytes`` at ``shape``, every block keeps the
         least it can from the next step until a newer plan arrives. Returns whether it does."""
-        entry = entry_for(self.plan.shape_plans, shape) if shape.seq_len else None
-        predicted = entry.predicted_peak_bytes if entry is not None else self.plan.predicted_peak_bytes
+        predicted = self._predicted(self.plan, shape)
         with self._lock:
             newest = (self._pending or self.plan).version
         self.lean_after = newest if self.plan.version and predicted > target_bytes else None

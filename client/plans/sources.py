@@ -23,6 +23,8 @@ class Backend(Protocol):
 
     served: bool
     """Whether the plans come from a service, where every rank's stream meets its job (else from this process)."""
+    immediate: bool
+    """Whether a new budget is planned for before the next step starts (else a plan follows some steps later)."""
 
     def open(self, hello: Hello) -> None: ...
     def update_hello(self, **fields: Any) -> None: ...
@@ -36,15 +38,27 @@ class Backend(Protocol):
 
 
 class EmbeddedBackend:
-    """Runs the planner in-process, on the training thread (it takes microseconds)."""
+    """Runs the planner in-process, on the caller's thread: the training thread's with
+    ``attach(planner_thread=False)``, else the planner's own (:mod:`rematd.client.plans.background`)."""
 
     served = False
+    immediate = True
 
     def __init__(self, on_plan: PlanCallback) -> None:
         self._on_plan = on_plan
         self._hello: Hello | None = None
         self._session: PlannerSession | None = None
         self._last: StepStats | None = None
+
+    @property
+    def hello(self) -> Hello | None:
+        """The hello the planner was opened with (its budget and static memory as updated since)."""
+        return self._hello
+
+    @property
+    def session(self) -> PlannerSession | None:
+        """The rank's planner, once open."""
+        return self._session
 
     def open(self, hello: Hello) -> None:
         self._hello = hello

@@ -53,7 +53,7 @@ def steady(step: StepStats, reported: StepStats) -> bool:
 
 def fold(earlier: StepStats, later: StepStats) -> StepStats:
     """One report for both: the later step's values, the larger peaks, the mean step time, the
-    rematerialisation seconds of both."""
+    rematerialisation seconds and rematd's seconds on the training thread of both."""
     steps = earlier.steps + later.steps
     seconds: dict[Mode, ModeSeconds] = {}
     for m in (*earlier.mode_seconds, *later.mode_seconds):
@@ -75,6 +75,7 @@ def fold(earlier: StepStats, later: StepStats) -> StepStats:
         step_seconds=(earlier.step_seconds * earlier.steps + later.step_seconds * later.steps) / steps,
         recompiles=earlier.recompiles + later.recompiles,
         compile_seconds=earlier.compile_seconds + later.compile_seconds,
+        thread_seconds=earlier.thread_seconds + later.thread_seconds,
     )
 
 

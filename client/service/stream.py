@@ -72,6 +72,7 @@ class StreamBackend:
     """Streams a rank's hello, stats and OOM events to a service; delivers plans."""
 
     served = True
+    immediate = False
 
     def __init__(self, target: str, on_plan: Callable[[Plan], None], config: StreamConfig | None = None) -> None:
         if not isinstance(target, str) or not target.strip():

@@ -116,6 +116,7 @@ class StepCycle:
         """The blocks and what wraps them, as ``attach`` built them."""
         self.blocks = parts.blocks
         self.accounting = parts.accounting
+        self.clock = parts.accounting.clock
         self.applier = parts.applier
         self.timer = parts.timer
         self.offloader = parts.offloader
@@ -314,6 +315,7 @@ class StepCycle:
             recompiles=recompiles,
             compile_seconds=compile_seconds,
             modes=self.ran,
+            thread_seconds=self.clock.take(),
             **sample.allocator_figures(),
         )
         self.last_stats = stats

@@ -268,6 +268,9 @@ class StepStats(AllocatorFigures):
     """Seconds those compiles took."""
     modes: tuple[Mode, ...] = ()
     """The mode each block ran in, when not the plan's (a pin, or the plan a sharded job's ranks agreed on)."""
+    thread_seconds: float = 0.0
+    """Seconds rematd's own code ran on the training thread over the steps covered (its hooks and wrappers; the
+    model's and torch's work excluded): what rematd cost the step."""
 
     def validate(self) -> None:
         if len(self.modes) > MAX_BLOCKS:

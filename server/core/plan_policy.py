@@ -24,11 +24,12 @@ from rematd.planner import (
     letters,
 )
 from rematd.planner.cost import overhead_ratio
+
+# The rule folds a rank's steady steps alike in the service and in the training process.
+from rematd.planner.quiet import QUIET_RISK as QUIET_RISK
+from rematd.planner.quiet import report_interval as report_interval
 from rematd.planner.shapes import at_shape
 from rematd.server.store.rows import ModeName, PlanRow, ShapePlanRow, WarmPlanRow
-
-QUIET_RISK = 0.25
-"""Below this out-of-memory risk a rank's steady steps may be folded into fewer reports."""
 
 WARM_BUDGET_TOLERANCE = 0.10
 """A warm start is taken only from a job whose budget is within this fraction of the new job's (of the larger
@@ -241,13 +242,3 @@ def warm_start_plan(
             return None
         reason = f"warm start from job {warm['job']}"
     return planner.plan_of(modes, version=version, reason=reason, table=table)
-
-
-def report_interval(
-    *, steps_on_plan: int, steady: bool, oom_risk: float, quiet_steps: int, max_interval_seconds: float
-) -> float:
-    """How long a rank may fold steady steps into one report: the longest allowed once its plan has
-    held for a while with no risk and no loosening under way; else 0, every step reported."""
-    if steps_on_plan >= quiet_steps and steady and oom_risk < QUIET_RISK:
-        return max_interval_seconds
-    return 0.0

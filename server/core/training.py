@@ -361,6 +361,7 @@ class TrainingSide:
                 batch=stats.shape.batch,
                 oom_risk=session.planner.oom_risk,
                 recompiles_total=session.recompiles,
+                thread_seconds=stats.thread_seconds / stats.steps,
                 **own,
             ),
         )
@@ -371,6 +372,9 @@ class TrainingSide:
             self.metrics.exploration_steps.labels(job).inc(stats.steps)
         if stats.recompiles:
             self.metrics.recompiles.labels(job).inc(stats.recompiles)
+        if stats.thread_seconds:
+            # Clients that do not measure it send none; a folded report counts as one of its mean steps.
+            self.metrics.training_thread.observe(stats.thread_seconds / stats.steps)
         if plan is not None:
             self.metrics.plans_issued.labels(job).inc()
 

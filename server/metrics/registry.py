@@ -26,6 +26,8 @@ __all__ = ["MAX_JOB_SERIES", "MESSAGE_KINDS", "Metrics", "RankSample"]
 
 # Message handling is sub-millisecond when healthy; the top buckets catch a stalled loop or database.
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+# rematd's share of a step: tens of microseconds when healthy, the top buckets a step it stalled.
+_THREAD_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01, 0.05, 0.25, 1.0)
 MESSAGE_KINDS = ("hello", "stats", "oom", "goodbye")
 MAX_JOB_SERIES = 1000
 """Live jobs with per-job series unless --max-job-series says otherwise."""
@@ -137,6 +139,13 @@ class Metrics:
         )
         for kind in MESSAGE_KINDS:
             self.message_duration.labels(kind)
+        self.training_thread = Histogram(
+            "rematd_training_thread_seconds",
+            "rematd's own time on a training rank's thread per step (its hooks and wrappers, not the model's work), "
+            "as the rank measured it; a report folding steady steps counts once, as their mean.",
+            buckets=_THREAD_BUCKETS,
+            registry=self._own,
+        )
         self.plan_duration = Histogram(
             "rematd_plan_duration_seconds",
             "Time the planner takes to decide on one step's statistics.",

@@ -9,6 +9,10 @@ from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import StaticPool
 
+STORE_AWAY = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
+"""Errors of the database itself being out of reach (a restart, a failover, a full pool), not of what was asked of
+it: worth another try."""
+
 
 class StoreError(RuntimeError):
     """The store cannot be opened: a URL rematd cannot use, a database out of reach, a file it cannot create."""

@@ -46,6 +46,15 @@ class LastStepRow(StepRow):
     """A rank's newest step, kept with the rank."""
 
     recompiles_total: NotRequired[Annotated[int, Field(description="the rank's compiles so far")]]
+    thread_seconds: NotRequired[
+        Annotated[
+            float,
+            Field(
+                description="seconds rematd's own code ran on the rank's training thread per step (hooks, wrappers; "
+                "the mean of the steps the report covered)"
+            ),
+        ]
+    ]
     modes: NotRequired[
         Annotated[
             list[ModeName],

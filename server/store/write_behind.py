@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Literal, TypeAlias
 
 from sqlalchemy import Connection, Engine, text
-from sqlalchemy import exc as sa_exc
 
 from rematd.server.store.columns import Params, dumps
+from rematd.server.store.database import STORE_AWAY
 from rematd.server.store.rows import LastStepRow
 from rematd.server.store.tables import STATS
 
@@ -32,7 +32,7 @@ Last: TypeAlias = dict[tuple[str, int], LastStepRow]
 _Item: TypeAlias = tuple[Literal["stats"], Params] | tuple[Literal["last"], tuple[tuple[str, int], LastStepRow]]
 
 # Errors of the database itself, not of what was written: worth another try, the rows are kept.
-_TRANSIENT = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
+_TRANSIENT = STORE_AWAY
 
 
 class WriteBehind:

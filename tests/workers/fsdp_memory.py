@@ -35,7 +35,7 @@ def main() -> None:
     opt: torch.optim.Optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     h.optimizer = opt
     step(plain, opt, rank, 0)
-    result["plain_saved"] = [b.saved_bytes for b in h._backend._hello.blocks]  # type: ignore[attr-defined]
+    result["plain_saved"] = [b.saved_bytes for b in h._backend.hello.blocks]  # type: ignore[attr-defined]
     h.close()
 
     model = build("llama")
@@ -45,10 +45,10 @@ def main() -> None:
     h.optimizer = opt
     step(model, opt, rank, 0)
     # The hello as the profiling step made it (the first step after it corrects its static memory).
-    first_static = h._backend._hello.static_bytes  # type: ignore[attr-defined]
+    first_static = h._backend.hello.static_bytes  # type: ignore[attr-defined]
     for n in range(1, 3):
         step(model, opt, rank, n)
-    hello = h._backend._hello  # type: ignore[attr-defined]
+    hello = h._backend.hello  # type: ignore[attr-defined]
     sharded = h._cycle.setup
     assert isinstance(sharded, Fsdp)
     stats = h.last_stats

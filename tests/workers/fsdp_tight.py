@@ -18,7 +18,9 @@ from tests.workers.rank import run_cases
 
 def sharded(budget: int | None = None, hard_limit: int | None = None) -> tuple[Any, Any, client.Handle]:
     model = build("llama")
-    h = client.attach(model, budget_bytes=budget, hard_limit_bytes=hard_limit)
+    # Planned on the training thread: the plan for what the profiling step left behind (the first step after it
+    # shows) is in force from that very step, so every step's prediction is of the memory it had.
+    h = client.attach(model, budget_bytes=budget, hard_limit_bytes=hard_limit, planner_thread=False)
     shard(model, {})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     h.optimizer = opt

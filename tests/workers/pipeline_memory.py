@@ -40,7 +40,8 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
     # Attached to the schedule, or to the rank's (first) stage module with nothing said of the schedule: rematd
     # finds the schedule running it at the first step.
     attached = modules[0] if config.get("attach") == "module" else schedule
-    h = client.attach(attached, optimizer=opt, modes=["recompute"], job="pipeline-memory")
+    # Planned on the training thread: each stage's predictions are checked step by step against its plan.
+    h = client.attach(attached, optimizer=opt, modes=["recompute"], job="pipeline-memory", planner_thread=False)
     n = len(h.blocks)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, 64, (4 * config.get("microbatch", 2), config.get("seq", 64)), generator=gen)
@@ -83,7 +84,7 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
         stats = h.last_stats
         assert stats is not None
         entry = entry_for(h.plan.shape_plans, h.last_shape)
-        session = h._backend._session  # type: ignore[attr-defined]
+        session = h._backend.session  # type: ignore[attr-defined]
         planned.append(
             {
                 "modes": [m.name for m in h.modes],
