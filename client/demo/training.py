@@ -90,7 +90,10 @@ def train(
     torch.manual_seed(cfg.seed)
     model = TinyGPT(GPTConfig(n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=4, max_seq_len=cfg.long_seq))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    h = attach(model, server=server, job=job, budget_bytes=int(cfg.budget_mib * MiB), optimizer=opt)
+    # In-process the demo plans on the training thread: its printout is then the same plan, step for step, run after
+    # run (a served demo's plans come from the service).
+    budget = int(cfg.budget_mib * MiB)
+    h = attach(model, server=server, job=job, budget_bytes=budget, optimizer=opt, planner_thread=server is not None)
     out(
         "modes per block: . store, m MLP recomputed, a attention recomputed, s selective (recompute pointwise ops), "
         "t torchtitan's selective, R recompute, O offload to host"

@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         "plan history",
     )
     parser.add_argument(
-        "--sync", action="store_true", help="wait for the service's answer after each step (repeatable runs)"
+        "--sync", action="store_true", help="wait for the planner's answer after each step (repeatable runs)"
     )
     return parser
 
