@@ -58,7 +58,8 @@ class ThreadedBackend:
         self._on_budget_taken = on_budget_taken
         """Called on the planner's thread once it has taken in a new budget (its plan for it handed over first)."""
         self._planning = threading.Lock()
-        """Held while the planner runs a call: :meth:`plan_of` reads the same session."""
+        """Held while the planner runs a call; nothing on the training thread waits for it (a price reads the session
+        without it), so holding it from outside stands for a planner busy with a long search."""
         self._cond = threading.Condition()
         self._queue: deque[tuple[Callable[[], None], StepStats | None]] = deque()
         """Calls for the planner, each with the step's statistics it hands over (None: not a step's)."""
