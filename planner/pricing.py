@@ -282,6 +282,14 @@ class TablePricing:
                 f"no plan fits the target of {human_bytes(target)}: the fastest under the budget of "
                 f"{human_bytes(budget)}, {human_bytes(predicted)} predicted{as_measured}"
             )
+        if predicted <= budget:
+            # Under the budget only as the measured peaks correct it: the model's own figure is the one over,
+            # and a plan is never run over the budget by it where a leaner one exists.
+            raw = choice.predicted_peak_bytes
+            return (
+                f"no plan fits the budget of {human_bytes(budget)}: the leanest, {human_bytes(raw)} predicted "
+                f"({human_bytes(predicted)}{as_measured}), {human_bytes(raw - budget)} over it"
+            )
         return (
             f"no plan fits the budget of {human_bytes(budget)}: the leanest, {human_bytes(predicted)} "
             f"predicted{as_measured}, {human_bytes(predicted - budget)} over it"
