@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from rematd.planner.records import quick
 from rematd.planner.units import Mode, Shape, check_bytes, check_seconds
 
 
+@quick
 @dataclass(frozen=True, slots=True)
 class ModeSeconds:
     """What the blocks that ran in one mode during a step measured: their extra seconds, summed."""
@@ -28,6 +30,7 @@ class ModeSeconds:
         check_seconds("mode_seconds.forward_seconds", self.forward_seconds)
 
 
+@quick
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AllocatorFigures:
     """The caching allocator's and the device's figures for one step: CUDA only, all 0 elsewhere.
@@ -61,6 +64,7 @@ class AllocatorFigures:
 ALLOCATOR_FIELDS = tuple(f.name for f in fields(AllocatorFigures))
 
 
+@quick
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepObservation(AllocatorFigures):
     """What a rank measured over one training step."""

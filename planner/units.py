@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from rematd.planner.records import quick
+
 
 def check_bytes(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -70,6 +72,7 @@ def letters(modes: tuple[Mode, ...] | list[Mode]) -> str:
     return "".join(MODE_LETTERS[m] for m in modes)
 
 
+@quick
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shape:
     """The shape signature of one step's input."""

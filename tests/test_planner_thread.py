@@ -136,7 +136,6 @@ def test_a_planner_behind_folds_steady_steps_and_bounds_its_queue() -> None:
             steady = stats[-1]
             for k in range(50):
                 b.send_stats(StepStats(**{**_fields(steady), "step": steady.step + 1 + k}))
-            assert b.folded == 49, "a step like the one queued before it joins it"
             for k in range(MAX_QUEUED + 10):
                 # Steps of alternating lengths are not steady: each is queued, and the oldest give way.
                 shape = shapes[k % 2]
@@ -144,6 +143,7 @@ def test_a_planner_behind_folds_steady_steps_and_bounds_its_queue() -> None:
             assert b.dropped > 0
             assert len(b._queue) <= MAX_QUEUED
         assert b.flush(30.0)
+        assert b.folded >= 49, "a step like the one queued before it joins it"
         assert b.errors == 0
     finally:
         b.close(5.0)

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import grpc
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from rematd import wire
 from rematd.messages import Hello, StepStats
-from rematd.planner import Mode, ModeSeconds, Shape, letters
+from rematd.planner import ControllerConfig, Mode, ModeSeconds, Shape, letters
 from rematd.planner.cost import choose, peak_of
+from rematd.planner.plan_trials import allowance
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -97,6 +99,7 @@ def test_a_served_rank_learns_from_step_times_and_says_where_they_overrule(tmp_p
                     threading.Event().wait(0.1)
                 prices = job.json()["ranks"][0]["prices"]
                 plans = http.get("/api/v1/jobs/steps/plans").json()["plans"]
+                metrics = http.get("/metrics").text
             text = rank_prices(srv.url, "steps") if os.path.exists(CHROMIUM) else None
         finally:
             done.put("shown")
@@ -107,6 +110,15 @@ def test_a_served_rank_learns_from_step_times_and_says_where_they_overrule(tmp_p
     assert ran[5].count(Mode.RECOMPUTE) < N, "the per-block prices alone recompute as few blocks as fit"
     reasons = [p["reason"] for p in plans]
     assert any(r.startswith("trial of a plan:") for r in reasons), reasons
+    # The steps the trials ran are counted, within the bound trials keep to at the one table entry.
+    counted = sum(
+        s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "rematd_exploration_steps_total" and s.labels.get("job") == "steps"
+    )
+    config = ControllerConfig()
+    assert 1 <= counted <= allowance(STEPS, config) + config.plan_trial_steps, counted
     assert any("RRRRRRRR kept: measured" in r or "step times overrule the per-block prices" in r for r in reasons)
     recompute = next(p for p in prices if p["mode"] == "recompute")
     (bucket,) = recompute["buckets"]

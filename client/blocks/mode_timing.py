@@ -103,13 +103,16 @@ class RecomputeTimer:
             for mode, kind, start, end in self._steps.popleft():
                 self._add(mode, kind, start.elapsed_time(end) / 1000.0)
                 self._pending -= 1
-        modes = sorted(set(self._blocks) | set(self._remat))
-        out = tuple(
-            ModeSeconds(m, self._blocks.get(m, 0), self._remat.get(m, 0.0), self._forward.get(m, 0.0))
-            for m in modes
-            if self._blocks.get(m, 0) > 0
-        )
-        self._forward.clear()
-        self._remat.clear()
-        self._blocks.clear()
+        blocks, remat, forward = self._blocks, self._remat, self._forward
+        # Modes whose blocks ran a forward: a rematerialisation without one is a step's that was forgotten.
+        if len(blocks) == 1:
+            ((m, n),) = blocks.items()
+            out: tuple[ModeSeconds, ...] = (ModeSeconds(m, n, remat.get(m, 0.0), forward.get(m, 0.0)),) if n else ()
+        else:
+            out = tuple(
+                ModeSeconds(m, blocks[m], remat.get(m, 0.0), forward.get(m, 0.0)) for m in sorted(blocks) if blocks[m]
+            )
+        forward.clear()
+        remat.clear()
+        blocks.clear()
         return out

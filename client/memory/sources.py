@@ -10,8 +10,10 @@ import torch
 from rematd.client.memory.accounting import SavedTensorAccounting
 from rematd.messages import MEMORY_CUDA, MEMORY_SAVED
 from rematd.planner import AllocatorFigures, Size, Term
+from rematd.planner.records import quick
 
 
+@quick
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemorySample(AllocatorFigures):
     """Memory figures for one step: the allocator's (CUDA) and the peaks the budget caps."""

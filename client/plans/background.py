@@ -4,7 +4,10 @@ A planner's look for a plan worth a trial, a refit of its step-time model or a n
 milliseconds to tens of them; run on the training thread, that is a stall of the step it lands on, and in a
 data-parallel job of every rank, which waits for the slowest at the next collective. Here the training thread
 only queues the step's statistics; the plan the planner makes from them is kept by the applier and swapped in
-at the next step boundary where it is ready (one step or more later, as a service's are).
+at the next step boundary where it is ready (one step or more later, as a service's are). Handing a step over is
+an append to a deque: while steps come, the planner's thread looks for them about once a step instead of being
+woken for each (a wake-up costs the training thread tens of microseconds); after :data:`IDLE_S` without one it
+sleeps until the next wakes it. A hello, a budget or an out-of-memory error wakes it at once.
 
 The planner's thread still takes the interpreter's lock from the training thread while it runs, so its work
 is kept small where it learns nothing: once a plan has held with no risk and no loosening under way, steady
@@ -36,6 +39,13 @@ MAX_QUEUED = 1024
 
 THREAD_NAME = "rematd-planner"
 
+MIN_POLL_S = 0.001
+MAX_POLL_S = 0.05
+"""How often the planner's thread looks for steps' statistics: every step or so, within these bounds."""
+
+IDLE_S = 1.0
+"""Seconds without a step after which the planner's thread waits to be woken by the next."""
+
 MAX_INTERVAL_S = 10.0
 """Seconds of steady steps folded into one report at most, as a service allows by default."""
 
@@ -51,7 +61,7 @@ class ThreadedBackend:
         self._on_plan = on_plan
         self._planner = EmbeddedBackend(self._delivered)
         self._folder = Folder()
-        """Steady steps folded on the training thread (its interval set from the planner's thread)."""
+        """Steady steps folded (on the planner's thread, off the training thread's step)."""
         self._interval = 0.0
         self._planned = False
         self._steps_on_plan = 0
@@ -61,10 +71,14 @@ class ThreadedBackend:
         """Held while the planner runs a call; nothing on the training thread waits for it (a price reads the session
         without it), so holding it from outside stands for a planner busy with a long search."""
         self._cond = threading.Condition()
-        self._queue: deque[tuple[Callable[[], None], StepStats | None]] = deque()
-        """Calls for the planner, each with the step's statistics it hands over (None: not a step's)."""
+        self._queue: deque[tuple[Callable[[], None] | None, StepStats | None]] = deque()
+        """Calls for the planner, or a step's statistics (no call)."""
         self._busy = False
         self._stopping = False
+        self._sleeping = False
+        """Whether the planner's thread waits to be woken (it has seen no step for :data:`IDLE_S`); else it looks
+        for steps' statistics every step or so."""
+        self._poll = MAX_POLL_S
         self._thread: threading.Thread | None = None
         self._opened: Hello | None = None
         self.dropped = 0
@@ -89,7 +103,7 @@ class ThreadedBackend:
 
     def open(self, hello: Hello) -> None:
         self._opened = hello
-        self._put(lambda: self._planner.open(hello), essential=True)
+        self._put(lambda: self._planner.open(hello))
 
     def update_hello(self, **fields: Any) -> None:
         def update() -> None:
@@ -99,25 +113,23 @@ class ThreadedBackend:
                 if "budget_bytes" in fields:
                     self._on_budget_taken()
 
-        self._put(update, essential=True)
+        self._put(update)
 
     def send_stats(self, stats: StepStats) -> None:
-        self._folder.interval = self._interval
-        for report in self._folder.offer(stats, time.monotonic()):
-            self._queue_stats(report)
-
-    def _queue_stats(self, stats: StepStats) -> None:
-        with self._cond:
-            last = self._queue[-1] if self._queue else None
-            if last is not None and last[1] is not None and steady(stats, last[1]):
-                both = fold(last[1], stats)
-                self._queue[-1] = (lambda: self._observe(both), both)
-                self.folded += 1
-                return
-        self._put(lambda: self._observe(stats), essential=False, stats=stats)
+        # No lock and, while the planner polls, no wake-up: a deque's append is atomic, and waking a thread
+        # costs the training thread tens of microseconds a step.
+        if self._stopping:
+            return
+        if len(self._queue) >= MAX_QUEUED:
+            self.dropped += 1
+            return
+        self._queue.append((None, stats))
+        if self._sleeping:
+            with self._cond:
+                self._cond.notify()
 
     def send_oom(self, oom: OomReport) -> None:
-        self._put(lambda: self._planner.send_oom(oom), essential=True)
+        self._put(lambda: self._planner.send_oom(oom))
 
     def plan_of(self, modes: tuple[Mode, ...], version: int, reason: str, shape: Shape | None = None) -> Plan | None:
         # Without the planner's lock, which a search holds for milliseconds: a price reads the profile (fixed)
@@ -128,9 +140,7 @@ class ThreadedBackend:
     def flush(self, timeout: float) -> bool:
         """Wait until the planner has taken in every call so far, steady steps folded included (False after
         ``timeout``, or once closed)."""
-        folded = self._folder.due(time.monotonic(), force=True)
-        if folded is not None:
-            self._queue_stats(folded)
+        self._put(self._report_folded)
         with self._cond:
             done = self._cond.wait_for(lambda: self._stopping or (not self._queue and not self._busy), timeout)
             return done and not self._stopping
@@ -147,18 +157,16 @@ class ThreadedBackend:
             thread.join(timeout)
         self._planner.close(timeout)
 
-    def _put(self, call: Callable[[], None], *, essential: bool, stats: StepStats | None = None) -> None:
+    def _put(self, call: Callable[[], None]) -> None:
+        """A call the planner must take (a hello, a budget, an out-of-memory error, a flush), woken for at once."""
         with self._cond:
             if self._stopping:
                 return
             if len(self._queue) >= MAX_QUEUED:
-                if not essential:
-                    self.dropped += 1
-                    return
-                # A hello, a budget or an out-of-memory error must reach the planner: a step's figures give way.
+                # It must reach the planner: a step's figures give way.
                 self._queue.popleft()
                 self.dropped += 1
-            self._queue.append((call, stats))
+            self._queue.append((call, None))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
                 self._thread.start()
@@ -172,6 +180,17 @@ class ThreadedBackend:
         self._steps_on_plan = 0
         self._interval = 0.0
         self._on_plan(plan)
+
+    def _offer(self, stats: StepStats) -> None:
+        """A step's statistics, folded with the steady steps before it while the planner allows it."""
+        self._folder.interval = self._interval
+        for report in self._folder.offer(stats, time.monotonic()):
+            self._observe(report)
+
+    def _report_folded(self) -> None:
+        folded = self._folder.due(time.monotonic(), force=True)
+        if folded is not None:
+            self._observe(folded)
 
     def _observe(self, stats: StepStats) -> None:
         """A step's statistics to the planner; then how long steady steps may be folded from now on."""
@@ -193,18 +212,40 @@ class ThreadedBackend:
         )
 
     def _run(self) -> None:
+        idle = 0.0
         while True:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-                self._cond.wait_for(lambda: self._stopping or bool(self._queue))
+                while not self._stopping and not self._queue:
+                    if idle >= IDLE_S:
+                        self._sleeping = True
+                        if not self._queue:  # looked at again: a step queued before the flag was up woke nobody
+                            self._cond.wait()
+                        self._sleeping = False
+                    else:
+                        # Steps' statistics come unannounced: looked for about once a step.
+                        self._cond.wait(self._poll)
+                        idle += self._poll
                 if self._stopping:
                     return
-                call, _ = self._queue.popleft()
+                idle = 0.0
+                call, stats = self._queue.popleft()
+                if stats is not None:
+                    # Behind: steady steps queued after this one join it, so the planner keeps pace.
+                    while self._queue and self._queue[0][1] is not None and steady(self._queue[0][1], stats):
+                        later = self._queue.popleft()[1]
+                        assert later is not None
+                        stats = fold(stats, later)
+                        self.folded += 1
                 self._busy = True
             try:
                 with self._planning:
-                    call()
+                    if call is not None:
+                        call()
+                    elif stats is not None:
+                        self._offer(stats)
+                        self._poll = min(MAX_POLL_S, max(MIN_POLL_S, stats.step_seconds))
             except Exception:
                 self.errors += 1
                 log.exception("rematd: the planner failed on a step; the plan in force stays")

@@ -26,6 +26,7 @@ from rematd.planner import (
     Size,
     StepObservation,
 )
+from rematd.planner.records import quick
 
 # \Z, not $: "$" also matches before a final newline, which would let "victim\n" pass for a name.
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -246,6 +247,7 @@ class Hello:
         )
 
 
+@quick
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepStats(AllocatorFigures):
     """What a rank measured over one training step (the allocator's figures are inherited)."""
@@ -305,6 +307,7 @@ _STATS_COUNTS = tuple(name for name, kind in _STATS_TYPES.items() if kind is int
 _STATS_SECONDS = tuple(name for name, kind in _STATS_TYPES.items() if kind is float)
 
 
+@quick
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OomReport:
     """A step that ran out of memory."""
