@@ -42,6 +42,7 @@ from rematd.client.parallel.pick import (
 from rematd.client.parallel.ranks import dist_rank
 from rematd.client.plans.background import ThreadedBackend
 from rematd.client.plans.sources import Backend, EmbeddedBackend
+from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.stream import StreamBackend
 from rematd.client.service.stream_config import StreamConfig
 from rematd.client.steps.boundaries import StepCycle
@@ -324,9 +325,10 @@ class Handle:
         self._cycle.budget_bytes = budget
         # Before the planner hears of it: its answer may come at once, and must end the hold.
         target = int(budget * (1 - self.margin_ratio))
-        if isinstance(self._backend, ThreadedBackend):
+        hold = self._backend.budget_hold
+        if hold is BudgetHold.UNTIL_TAKEN:
             self._applier.hold_until_answered(self._cycle.shape, target)
-        elif not self._backend.immediate:
+        elif hold is BudgetHold.UNTIL_NEWER_PLAN:
             self._applier.hold_lean(self._cycle.shape, target)
         # A reconnect re-sends the hello: it must carry this budget, not the first one.
         self._backend.update_hello(budget_bytes=budget)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rematd.client.plans.sources import EmbeddedBackend, PlanCallback
+from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.folding import Folder, fold, steady
 from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Plan, PlannerSession, Shape
@@ -55,7 +56,7 @@ class ThreadedBackend:
     :meth:`flush` and :meth:`close`."""
 
     served = False
-    immediate = False
+    budget_hold = BudgetHold.UNTIL_TAKEN
 
     def __init__(self, on_plan: PlanCallback, on_budget_taken: Callable[[], None] = lambda: None) -> None:
         self._on_plan = on_plan

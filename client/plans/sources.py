@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from rematd.client.service.budget_hold import BudgetHold
 from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
 from rematd.planner import Mode, Plan, PlannerSession, Shape
 
@@ -23,8 +24,8 @@ class Backend(Protocol):
 
     served: bool
     """Whether the plans come from a service, where every rank's stream meets its job (else from this process)."""
-    immediate: bool
-    """Whether a new budget is planned for before the next step starts (else a plan follows some steps later)."""
+    budget_hold: BudgetHold
+    """What the steps run between a budget cut and the plan for it."""
 
     def open(self, hello: Hello) -> None: ...
     def update_hello(self, **fields: Any) -> None: ...
@@ -42,7 +43,7 @@ class EmbeddedBackend:
     ``attach(planner_thread=False)``, else the planner's own (:mod:`rematd.client.plans.background`)."""
 
     served = False
-    immediate = True
+    budget_hold = BudgetHold.NONE
 
     def __init__(self, on_plan: PlanCallback) -> None:
         self._on_plan = on_plan

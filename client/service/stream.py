@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from rematd import wire
+from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.fallback import FALLBACK_MAX_FAILURES, LocalPlanner
 from rematd.client.service.folding import Folder
 from rematd.client.service.stream_config import CHANNEL_OPTIONS, StreamConfig
@@ -72,7 +73,7 @@ class StreamBackend:
     """Streams a rank's hello, stats and OOM events to a service; delivers plans."""
 
     served = True
-    immediate = False
+    budget_hold = BudgetHold.UNTIL_NEWER_PLAN
 
     def __init__(self, target: str, on_plan: Callable[[Plan], None], config: StreamConfig | None = None) -> None:
         if not isinstance(target, str) or not target.strip():
