@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -265,6 +266,8 @@ class ServeConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{_flag(name)} {path!r} is not a readable file")
+        if self.tls_cert:
+            _check_tls_pair(self.tls_cert, self.tls_key)
         load_job_tokens(self.job_tokens_file)  # raises ValueError naming the file and line
         TokenAuth(token=self.token)  # raises ValueError naming what is wrong with the token
         # Here, so that every way of starting the service (the CLI, Service, ServiceThread) refuses it.
@@ -303,3 +306,28 @@ class ServeConfig:
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+
+def _check_tls_pair(cert: str, key: str) -> None:
+    """Loads the certificate chain and its key as the servers will: a file that is no PEM, or a key that is not
+    the certificate's, is refused here naming the flag, not later as a port that failed to bind."""
+    for flag, path, marker, what in (
+        ("--tls-cert", cert, b"-----BEGIN CERTIFICATE-----", "PEM certificate"),
+        ("--tls-key", key, b"PRIVATE KEY-----", "PEM private key"),
+    ):
+        try:
+            text = Path(path).read_bytes()
+        except OSError as err:
+            raise ValueError(f"{flag} {path!r} could not be read: {err.strerror or err}") from err
+        if marker not in text:
+            raise ValueError(f"{flag} {path!r} holds no {what}")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(certfile=cert, keyfile=key)
+    except ssl.SSLError as err:
+        if err.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"--tls-key {key!r} is not the private key of --tls-cert {cert!r}") from err
+        raise ValueError(
+            f"--tls-cert {cert!r} and --tls-key {key!r} do not load as a certificate chain and its key "
+            f"({err.reason or err}): check both files"
+        ) from err

@@ -178,3 +178,29 @@ def test_every_entry_point_refuses_to_listen_beyond_loopback_without_a_token(
     assert not db.exists()
     # A token lets it listen there.
     ServeConfig(grpc_port=0, http_port=0, db=str(db), token=TOKEN, **hosts)  # type: ignore[arg-type]
+
+
+def test_a_certificate_or_key_that_does_not_load_is_refused_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cert, key = self_signed(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    _, other_key = self_signed(other)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    db = str(tmp_path / "r.db")
+    cases = (
+        (garbage, key, "--tls-cert", "holds no PEM certificate"),
+        (cert, garbage, "--tls-key", "holds no PEM private key"),
+        (cert, other_key, "--tls-key", "is not the private key of --tls-cert"),
+    )
+    for bad_cert, bad_key, flag, said in cases:
+        with pytest.raises(ValueError, match=said) as err:
+            ServeConfig(grpc_port=0, http_port=0, db=db, tls_cert=str(bad_cert), tls_key=str(bad_key))
+        assert str(err.value).startswith(flag), err.value
+        # The command line exits 2 naming the flag, before a port is bound.
+        with pytest.raises(SystemExit) as exit:
+            cli_main(["serve", "--db", db, "--tls-cert", str(bad_cert), "--tls-key", str(bad_key)])
+        assert exit.value.code == 2 and "tls-" in capsys.readouterr().err
+    ServeConfig(grpc_port=0, http_port=0, db=db, tls_cert=str(cert), tls_key=str(key))  # the pair that loads
