@@ -6,11 +6,10 @@ from __future__ import annotations
 import re
 
 from rematd.client.demo.training import DemoConfig, train
-from rematd.messages import open_planner
-from rematd.planner import Plan, Shape, ShapePlan, StepObservation
+from rematd.planner import Plan, ShapePlan
 from rematd.planner.reasons import changed, recomputes_less
 
-from .test_plan_rows import modes_hello
+from .test_plan_reasons import given_peaks_plans
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 SIZE = r"([\d.]+ (?:B|KiB|MiB|GiB|TiB))"
@@ -72,21 +71,7 @@ def test_the_demos_reasons_agree_with_their_figures() -> None:
 
 
 def test_a_sessions_loosenings_quote_room_under_the_target_they_had() -> None:
-    # Peaks given, not measured: the same plans for the same steps on any machine.
-    session = open_planner(modes_hello("reasons-truth"))
-    history = [session.plan]
-    pattern = [(128, 9800)] * 3 + [(256, 9900)] * 2 + [(128, 3000)] * 120 + [(300, 9900)] * 2 + [(64, 2000)] * 120
-    for step, (seq, peak) in enumerate(pattern):
-        obs = StepObservation(
-            step=step,
-            peak_bytes=peak,
-            budget_bytes=10_000,
-            static_bytes=0,
-            plan_version=session.plan.version,
-            shape=Shape(batch=1, seq_len=seq, tokens=seq),
-        )
-        if session.observe(obs) is not None:
-            history.append(session.plan)
+    history = given_peaks_plans("reasons-truth")
     reasons = [p.reason for p in history]
     assert check(history) >= 3, reasons
     assert any(ROOM.search(r) for r in reasons) and any(OVER.search(r) for r in reasons), reasons
