@@ -275,10 +275,11 @@ class Controller(StepPlanning):
         return at.cost(new)[0] < at.cost(old)[0]
 
     def _keeps_more(self, table: tuple[ShapePlan, ...]) -> bool:
-        """Whether some length of ``table`` is predicted to keep more than the plan in force keeps there."""
+        """Whether some length of ``table`` is predicted to keep more than the plan in force (a trial's entry
+        where one runs) keeps there."""
         return any(
             self._keeps_less(old.modes, new.modes, Shape(batch=self._learned.batch, seq_len=seq, tokens=new.max_tokens))
-            for seq, old, new in changed(self.table, table)
+            for seq, old, new in changed(self.handed_out, table)
             if old is not None
         )
 
@@ -323,7 +324,8 @@ class Controller(StepPlanning):
         times overruled the per-block prices. Every entry is priced for the static memory of this step, those
         whose modes stay too: a plan's figures are all of one moment."""
         table = tuple(self._replaced(e, e.modes, obs.static_bytes) for e in table)
-        before, self.table = self.table, table
+        # Said against what the steps ran: a trial's entry, where one was in force, not the table it stood in.
+        before, self.table = self.handed_out, table
         notes = [self._step_note(new, target, obs.static_bytes) for _seq, _old, new in changed(before, table)]
         reason = "; ".join([cause, what_changed(before, table), *(n for n in notes if n)])
         return self._decision(list(table), obs.shape, target, obs.static_bytes, reason)
@@ -370,7 +372,7 @@ class Controller(StepPlanning):
                 entry.modes, entry.max_seq_len
             )
             table.append(old if keep_old and old is not None else entry)
-        was = self.table
+        was = self.handed_out
         self.table = tuple(table)
         where = f"at length {shape.seq_len}" if shape.seq_len else "(its length not reported)"
         reason = f"tighten: out-of-memory reported {where}; {what_changed(was, self.table)}"

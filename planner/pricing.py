@@ -51,6 +51,9 @@ class TablePricing:
         )
         self._cache: dict[tuple[int, int, int, int, int, int | None, Scales, Offsets], Choice] = {}
         self.table: tuple[ShapePlan, ...] = ()
+        self.handed_out: tuple[ShapePlan, ...] = ()
+        """The table of the last decision: :attr:`table` with a trial's entry in its place while one runs, what
+        the steps ran and what a plan's reason says it changed from."""
         self._entries: dict[tuple[Choice, int, int, int, Scales, Offsets], ShapePlan] = {}
         self._priors: dict[tuple[int, int, Scales], Prior] = {}
         self._offset_cache: dict[tuple[int, int, int, Scales], Offsets] = {}
@@ -376,6 +379,7 @@ class TablePricing:
             note = self._solve_at(shape, target, static).note
             if note and note not in reason:
                 reason = f"{reason}; {note}"
+        self.handed_out = tuple(table)
         return Decision(
             modes=modes,
             table=tuple(table),

@@ -122,7 +122,7 @@ class PlannerSession:
         """Take ``plan``, the one a reconnecting rank has in force, as this session's plan: the
         controller goes on from its table (tightening at once where it must, loosening only after
         its dwell) instead of from the plan it made from the profile alone."""
-        self.controller.table = plan.shape_plans
+        self.controller.table = self.controller.handed_out = plan.shape_plans
         self._plan = plan
         self._recent[plan.version] = plan
         return plan
