@@ -10,6 +10,7 @@ Everything else (frozenness, equality, hashing, ``dataclasses.replace``) is the 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -29,13 +30,16 @@ def quick(cls: type[T]) -> type[T]:
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or "__slots__" not in cls.__dict__:
         raise TypeError(f"{cls.__name__}: quick() takes a frozen dataclass with slots")
-    namespace: dict[str, Any] = {"_FACTORY": _FACTORY, "MISSING": dataclasses.MISSING}
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # checked above
+    # Init-only variables are parameters of the dataclass's __init__ but no fields: not taken.
+    taken = list(inspect.signature(cls.__init__).parameters)[1:]
+    if taken != [f.name for f in fields if f.init and not f.kw_only] + [f.name for f in fields if f.init and f.kw_only]:
+        raise TypeError(f"{cls.__name__}: quick() does not take init-only variables")
+    namespace: dict[str, Any] = {"_FACTORY": _FACTORY}
     positional: list[str] = []
     keyword: list[str] = []
     body: list[str] = []
-    for k, f in enumerate(dataclasses.fields(cls)):  # type: ignore[arg-type]  # checked above
-        if isinstance(f.type, dataclasses.InitVar) or str(f.type).startswith("InitVar"):
-            raise TypeError(f"{cls.__name__}.{f.name}: quick() does not take init-only variables")
+    for k, f in enumerate(fields):
         namespace[f"_set{k}"] = getattr(cls, f.name).__set__
         if f.default is not dataclasses.MISSING:
             namespace[f"_default{k}"] = f.default

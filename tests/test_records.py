@@ -97,3 +97,14 @@ def test_only_frozen_dataclasses_with_slots_are_taken() -> None:
     for cls in (NoSlots, Mutable, int):
         with pytest.raises(TypeError, match="frozen dataclass with slots"):
             quick(cls)
+
+    @dataclass(frozen=True, slots=True)
+    class InitOnly:
+        x: int = 0
+        scale: dataclasses.InitVar[int] = 1
+
+        def __post_init__(self, scale: int) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="init-only variables"):
+        quick(InitOnly)
