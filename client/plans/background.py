@@ -7,7 +7,8 @@ only queues the step's statistics; the plan the planner makes from them is kept 
 at the next step boundary where it is ready (one step or more later, as a service's are). Handing a step over is
 an append to a deque: while steps come, the planner's thread looks for them about once a step instead of being
 woken for each (a wake-up costs the training thread tens of microseconds); after :data:`IDLE_S` without one it
-sleeps until the next wakes it. A hello, a budget or an out-of-memory error wakes it at once.
+sleeps until the next wakes it. A hello, a budget, an out-of-memory error or a step of a new length wakes it at
+once.
 
 The planner's thread still takes the interpreter's lock from the training thread while it runs, so its work
 is kept small where it learns nothing: once a plan has held with no risk and no loosening under way, steady
@@ -80,6 +81,8 @@ class ThreadedBackend:
         """Whether the planner's thread waits to be woken (it has seen no step for :data:`IDLE_S`); else it looks
         for steps' statistics every step or so."""
         self._poll = MAX_POLL_S
+        self._last_shape: Shape | None = None
+        """The shape of the last step handed over (training thread only)."""
         self._thread: threading.Thread | None = None
         self._opened: Hello | None = None
         self.dropped = 0
@@ -125,7 +128,10 @@ class ThreadedBackend:
             self.dropped += 1
             return
         self._queue.append((None, stats))
-        if self._sleeping:
+        # A new length needs its plan by the next step: the planner is woken for it, as when it sleeps.
+        new_length = stats.shape != self._last_shape
+        self._last_shape = stats.shape
+        if self._sleeping or new_length:
             with self._cond:
                 self._cond.notify()
 
