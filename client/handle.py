@@ -29,7 +29,7 @@ from rematd.client.blocks.compiled import CompileStats
 from rematd.client.blocks.compress import CompressConfig, check_compress
 from rematd.client.blocks.discovery import find_stage_blocks, model_fingerprint
 from rematd.client.errors import UnsupportedModel
-from rematd.client.memory.sources import MemorySample, SavedTensorMemory
+from rematd.client.memory.sources import MemorySample
 from rematd.client.parallel.pick import (
     StepStart,
     check_blocks,
@@ -500,4 +500,4 @@ class Handle:
             self._clock.leave()
 
     def _accounting_on(self) -> bool:
-        return isinstance(self._cycle.memory, SavedTensorMemory)
+        return self._cycle.counting()

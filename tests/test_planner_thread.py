@@ -14,6 +14,7 @@ import torch
 from rematd import client
 from rematd.client.plans.background import MAX_QUEUED, THREAD_NAME, ThreadedBackend
 from rematd.client.plans.sources import EmbeddedBackend
+from rematd.client.service.step_record import StepRecord
 from rematd.client.thread_cost import ThreadClock
 from rematd.messages import StepStats
 from rematd.planner import Plan, PlannerSession
@@ -124,8 +125,9 @@ def test_plans_are_those_the_inline_planner_makes() -> None:
 def test_a_planner_behind_folds_steady_steps_and_bounds_its_queue() -> None:
     calls = _recorded_run()
     opened = next(args for name, args, _ in calls if name == "open")
-    stats = [args[0] for name, args, _ in calls if name == "send_stats"]
-    assert all(isinstance(s, StepStats) for s in stats)
+    records = [args[0] for name, args, _ in calls if name == "send_stats"]
+    assert all(isinstance(s, StepRecord) for s in records)
+    stats = [s.stats() for s in records]
     plans: list[Plan] = []
     b = ThreadedBackend(plans.append)
     try:
@@ -135,11 +137,12 @@ def test_a_planner_behind_folds_steady_steps_and_bounds_its_queue() -> None:
             b.open(*opened)
             steady = stats[-1]
             for k in range(50):
-                b.send_stats(StepStats(**{**_fields(steady), "step": steady.step + 1 + k}))
+                b.send_stats(StepRecord.of(StepStats(**{**_fields(steady), "step": steady.step + 1 + k})))
             for k in range(MAX_QUEUED + 10):
                 # Steps of alternating lengths are not steady: each is queued, and the oldest give way.
                 shape = shapes[k % 2]
-                b.send_stats(StepStats(**{**_fields(steady), "step": steady.step + 100 + k, "shape": shape}))
+                step = StepStats(**{**_fields(steady), "step": steady.step + 100 + k, "shape": shape})
+                b.send_stats(StepRecord.of(step))
             assert b.dropped > 0
             assert len(b._queue) <= MAX_QUEUED
         assert b.flush(30.0)

@@ -29,7 +29,13 @@ _Pair = tuple[Mode, int, "torch.cuda.Event", "torch.cuda.Event"]
 class RecomputeTimer:
     """Adds up, per mode, how long forwards and rematerialisations took since the last :meth:`take`."""
 
+    __slots__ = ("_blocks", "_current", "_forward", "_pending", "_remat", "_steps", "store_blocks", "store_seconds")
+
     def __init__(self) -> None:
+        self.store_seconds = 0.0
+        self.store_blocks = 0
+        """Storing blocks' forwards timed on the host clock, added up by the blocks themselves (the common case,
+        kept apart from the per-mode tables so that it costs a block two additions)."""
         self._forward: dict[Mode, float] = {}
         self._remat: dict[Mode, float] = {}
         self._blocks: dict[Mode, int] = {}
@@ -89,13 +95,15 @@ class RecomputeTimer:
         """Drop what was timed since the last :meth:`take` (a step that failed)."""
         self._pending -= len(self._current)
         self._current = []
+        self.store_seconds, self.store_blocks = 0.0, 0
         self._forward.clear()
         self._remat.clear()
         self._blocks.clear()
 
-    def take(self) -> tuple[ModeSeconds, ...]:
-        """What was timed in the steps read since the last call, and start over: on CUDA the steps whose
-        events have all completed (this one's too when the device has caught up)."""
+    def take(self) -> Timed:
+        """What was timed in the steps read since the last call, as it was added up, and start over: on CUDA
+        the steps whose events have all completed (this one's too when the device has caught up). Made into
+        the planner's records by :func:`mode_seconds`, off the training thread."""
         if self._current:
             self._steps.append(self._current)
             self._current = []
@@ -103,16 +111,28 @@ class RecomputeTimer:
             for mode, kind, start, end in self._steps.popleft():
                 self._add(mode, kind, start.elapsed_time(end) / 1000.0)
                 self._pending -= 1
-        blocks, remat, forward = self._blocks, self._remat, self._forward
-        # Modes whose blocks ran a forward: a rematerialisation without one is a step's that was forgotten.
-        if len(blocks) == 1:
-            ((m, n),) = blocks.items()
-            out: tuple[ModeSeconds, ...] = (ModeSeconds(m, n, remat.get(m, 0.0), forward.get(m, 0.0)),) if n else ()
-        else:
-            out = tuple(
-                ModeSeconds(m, blocks[m], remat.get(m, 0.0), forward.get(m, 0.0)) for m in sorted(blocks) if blocks[m]
-            )
-        forward.clear()
-        remat.clear()
-        blocks.clear()
-        return out
+        store = (self.store_blocks, self.store_seconds)
+        self.store_seconds, self.store_blocks = 0.0, 0
+        if not self._blocks and not self._remat:
+            return store, None
+        tables = (self._blocks, self._remat, self._forward)
+        self._blocks, self._remat, self._forward = {}, {}, {}
+        return store, tables
+
+
+Timed = tuple[tuple[int, float], tuple[dict[Mode, int], dict[Mode, float], dict[Mode, float]] | None]
+"""What :meth:`RecomputeTimer.take` hands over: the storing blocks' forwards (blocks, seconds), and per mode the
+blocks that ran a forward, their rematerialisations' and their forwards' seconds (None: nothing else timed)."""
+
+
+def mode_seconds(timed: Timed) -> tuple[ModeSeconds, ...]:
+    """The planner's records of what :meth:`RecomputeTimer.take` handed over: per mode whose blocks ran a
+    forward (a rematerialisation without one is a step's that was forgotten)."""
+    (stored, stored_seconds), tables = timed
+    if tables is None:
+        return (ModeSeconds(Mode.STORE, stored, 0.0, stored_seconds),) if stored else ()
+    blocks, remat, forward = tables
+    if stored:
+        blocks = {**blocks, Mode.STORE: blocks.get(Mode.STORE, 0) + stored}
+        forward = {**forward, Mode.STORE: forward.get(Mode.STORE, 0.0) + stored_seconds}
+    return tuple(ModeSeconds(m, blocks[m], remat.get(m, 0.0), forward.get(m, 0.0)) for m in sorted(blocks) if blocks[m])

@@ -46,15 +46,8 @@ class CompiledVariants(Protocol):
     def run(self, block: SwitchableBlock, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
-def _untimed(mode: Mode, seconds: float) -> None:
-    """Where a block's forward seconds go before it has a timer."""
-
-
 class SwitchableBlock:
     """Wraps one block's forward; ``mode`` decides how the next forward runs."""
-
-    _timer_add: Callable[[Mode, float], None] = staticmethod(_untimed)
-    """The timer's :meth:`RecomputeTimer.add_forward`, once the block has one."""
 
     def __init__(
         self,
@@ -108,7 +101,9 @@ class SwitchableBlock:
         """torchtitan's selective policy, for this block's router gates."""
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
-        module.forward = SwitchedForward(self)
+        module.forward = self._switched_forward = SwitchedForward(self)
+        # Whether the block runs its own forward, nothing of rematd's around it (:meth:`run_bare`).
+        self.bare = False
 
     @property
     def checkpointed(self) -> bool:
@@ -122,10 +117,43 @@ class SwitchableBlock:
     def restore(self) -> None:
         for part in self.parts.values():
             part.restore()
+        self._own_forward()
+
+    def _own_forward(self) -> None:
         if self._had_instance_forward:
             self.module.forward = self._original
         else:
             self.module.__dict__.pop("forward", None)
+
+    @property
+    def may_run_bare(self) -> bool:
+        """Whether a step that neither times storing blocks nor counts saved tensors may run this block's own
+        forward with nothing of rematd's around it: it stores, eager, its parts unswitched, and profiles no
+        more."""
+        return (
+            self.mode is _STORE
+            and not self.profiling
+            and self.compiled is None
+            and not self._parts_on
+            and self.timer is not None
+        )
+
+    @property
+    def parts_switched(self) -> bool:
+        """Whether the block's parts run rematd's forward (profiling, a part mode, or until the block's next
+        forward after one)."""
+        return self._parts_on
+
+    def run_bare(self, on: bool) -> None:
+        """From the next forward on, run the block's own forward (``on``), or rematd's around it. Set at a step's
+        start only, with its mode: a block that runs bare follows no change of mode."""
+        if on == self.bare:
+            return
+        self.bare = on
+        if on:
+            self._own_forward()
+        else:
+            self.module.forward = self._switched_forward
 
     def _counting(self) -> SavedTensorAccounting | None:
         acct = self._accounting
@@ -134,25 +162,30 @@ class SwitchableBlock:
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._original(*args, **kwargs)
+        entered = perf_counter()
         clock = self.clock
-        clock.mark = perf_counter()
         acct = self._accounting
         # What is saved while a block runs is the block's; the rest is saved outside the blocks.
         if acct is not None:
             acct.block_depth += 1
+        timer = self.timer
+        if self.mode is _STORE and self._plain and timer is not None and not self.profiling:
+            # The common case, once per block and step: a storing block timed on the host clock, one pair of
+            # readings both timing its forward for the planner and leaving it out of rematd's time. It touches
+            # as little as it can: after the block's own work little of rematd's is still in the caches.
+            start = perf_counter()
+            clock.spent += start - entered
+            try:
+                return self._original(*args, **kwargs)
+            finally:
+                end = perf_counter()
+                timer.store_seconds += end - start
+                timer.store_blocks += 1
+                if acct is not None:
+                    acct.block_depth -= 1
+                clock.spent += perf_counter() - end
+        clock.mark = entered
         try:
-            if self.mode is _STORE and self._plain and not self.profiling:
-                # The common case, once per block and step, without a call of rematd's in between: a storing
-                # block timed on the host clock, one pair of readings both timing its forward for the planner
-                # and leaving it out of rematd's time.
-                start = perf_counter()
-                clock.spent += start - clock.mark
-                try:
-                    return self._original(*args, **kwargs)
-                finally:
-                    end = perf_counter()
-                    self._timer_add(_STORE, end - start)
-                    clock.mark = end
             return self._switched(args, kwargs)
         finally:
             if acct is not None:
@@ -173,8 +206,6 @@ class SwitchableBlock:
         # Whether the next storing forward may take :meth:`_forward`'s short way (set here, where a first call
         # of each step's blocks comes after the step's start has set where they run).
         self._plain = timer is not None and not self.cuda and self.compiled is None and not self._parts_on
-        if timer is not None:
-            self._timer_add = timer.add_forward
         if timer is None or self._compiled_checkpoint(mode):
             # A compiled checkpoint rematerialises inside its graph, out of the timer's reach: with its
             # forward timed alone it would look free in backward, so it keeps the profile's price.

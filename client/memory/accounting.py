@@ -255,6 +255,18 @@ class SavedTensorAccounting:
             end(None)
         self._open.clear()
 
+    def take_step(self) -> tuple[int, int, int]:
+        """At a step's end: every count still kept given back (:meth:`release_held`), then the peak since the
+        last take, the bytes still live and the peak outside the blocks (:meth:`take_peak`,
+        :meth:`take_outside_peak`), under one lock."""
+        if self._held or self._held_until or self._open:
+            self.release_held()
+        with self._lock:
+            peak, live = self.peak_bytes, self.live_bytes
+            outside, outside_live = self.outside_peak, self.outside_live
+            self.peak_bytes, self.outside_peak = live, outside_live
+        return peak, live, max(0, outside - outside_live)
+
     def take_peak(self) -> int:
         """The peak since the last call; the next period starts from the live total."""
         with self._lock:

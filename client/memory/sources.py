@@ -65,7 +65,8 @@ class CudaMemory:
     def static_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.device))
 
-    def sample(self) -> MemorySample:
+    def sample(self, static: int = 0) -> MemorySample:
+        """The step's figures; peaks start again. (``static`` is in the allocator's figures already.)"""
         stats = torch.cuda.memory_stats(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -102,11 +103,24 @@ class SavedTensorMemory:
     def static_bytes(self) -> int:
         return 0
 
-    def sample(self) -> MemorySample:
-        self.accounting.release_held()
-        return MemorySample(
-            saved_peak_bytes=self.accounting.take_peak(),
-            held_bytes=self.accounting.live_bytes,
-            outside_bytes=self.accounting.take_outside_peak(),
-            total_bytes=self.total_bytes,
-        )
+    def sample(self, static: int = 0) -> MemorySample:
+        """The step's figures, ``static`` bytes (what the set-up holds, standing in for a device's) added to the
+        peak of those saved for backward; the accounting's peaks start again."""
+        return saved_sample(self.take(static))
+
+    def take(self, static: int = 0) -> SavedFigures:
+        """:meth:`sample`'s figures as they are read (on the training thread), made a sample by
+        :func:`saved_sample` where needed."""
+        peak, live, outside = self.accounting.take_step()
+        return peak + static, live, outside, self.total_bytes
+
+
+SavedFigures = tuple[int, int, int, int]
+"""On the CPU, a step's peak of bytes saved for backward (static bytes included), those still held at its end, the
+peak outside the blocks less those held, and the host's bytes."""
+
+
+def saved_sample(figures: SavedFigures) -> MemorySample:
+    """The memory sample of :meth:`SavedTensorMemory.take`'s figures."""
+    peak, held, outside, total = figures
+    return MemorySample(saved_peak_bytes=peak, held_bytes=held, outside_bytes=outside, total_bytes=total)

@@ -29,6 +29,7 @@ from typing import Any
 from rematd.client.plans.sources import EmbeddedBackend, PlanCallback
 from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.folding import Folder, fold, steady
+from rematd.client.service.step_record import StepRecord
 from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Plan, PlannerSession, Shape
 from rematd.planner.quiet import QUIET_STEPS, report_interval
@@ -73,8 +74,8 @@ class ThreadedBackend:
         """Held while the planner runs a call; nothing on the training thread waits for it (a price reads the session
         without it), so holding it from outside stands for a planner busy with a long search."""
         self._cond = threading.Condition()
-        self._queue: deque[tuple[Callable[[], None] | None, StepStats | None]] = deque()
-        """Calls for the planner, or a step's statistics (no call)."""
+        self._queue: deque[tuple[Callable[[], None] | None, StepRecord | None]] = deque()
+        """Calls for the planner, or a step's figures (no call)."""
         self._busy = False
         self._stopping = False
         self._sleeping = False
@@ -119,7 +120,7 @@ class ThreadedBackend:
 
         self._put(update)
 
-    def send_stats(self, stats: StepStats) -> None:
+    def send_stats(self, step: StepRecord) -> None:
         # No lock and, while the planner polls, no wake-up: a deque's append is atomic, and waking a thread
         # costs the training thread tens of microseconds a step.
         if self._stopping:
@@ -127,10 +128,10 @@ class ThreadedBackend:
         if len(self._queue) >= MAX_QUEUED:
             self.dropped += 1
             return
-        self._queue.append((None, stats))
+        self._queue.append((None, step))
         # A new length needs its plan by the next step: the planner is woken for it, as when it sleeps.
-        new_length = stats.shape != self._last_shape
-        self._last_shape = stats.shape
+        new_length = step.shape != self._last_shape
+        self._last_shape = step.shape
         if self._sleeping or new_length:
             with self._cond:
                 self._cond.notify()
@@ -218,6 +219,16 @@ class ThreadedBackend:
             else 0.0
         )
 
+    def _folded(self, step: StepRecord) -> StepStats:
+        """The statistics of ``step``, built here off the training thread; behind, with the steady steps queued
+        after it folded in, so that the planner keeps pace (under the queue's lock)."""
+        stats = step.stats()
+        while self._queue and (later := self._queue[0][1]) is not None and steady(later.stats(), stats):
+            self._queue.popleft()
+            stats = fold(stats, later.stats())
+            self.folded += 1
+        return stats
+
     def _run(self) -> None:
         idle = 0.0
         while True:
@@ -237,15 +248,14 @@ class ThreadedBackend:
                 if self._stopping:
                     return
                 idle = 0.0
-                call, stats = self._queue.popleft()
-                if stats is not None:
-                    # Behind: steady steps queued after this one join it, so the planner keeps pace.
-                    while self._queue and self._queue[0][1] is not None and steady(self._queue[0][1], stats):
-                        later = self._queue.popleft()[1]
-                        assert later is not None
-                        stats = fold(stats, later)
-                        self.folded += 1
+                call, step = self._queue.popleft()
                 self._busy = True
+                try:
+                    stats = self._folded(step) if step is not None else None
+                except Exception:
+                    self.errors += 1
+                    log.exception("rematd: a step's statistics could not be made; the plan in force stays")
+                    continue
             try:
                 with self._planning:
                     if call is not None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rematd.client.service.budget_hold import BudgetHold
+from rematd.client.service.step_record import StepRecord
 from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
 from rematd.planner import Mode, Plan, PlannerSession, Shape
 
@@ -29,7 +30,10 @@ class Backend(Protocol):
 
     def open(self, hello: Hello) -> None: ...
     def update_hello(self, **fields: Any) -> None: ...
-    def send_stats(self, stats: StepStats) -> None: ...
+    def send_stats(self, step: StepRecord) -> None:
+        """A step's figures, handed over at its end: the statistics are built off the training thread where a
+        thread of the backend's own takes them (:meth:`StepRecord.stats`)."""
+
     def send_oom(self, oom: OomReport) -> None: ...
     def flush(self, timeout: float) -> bool: ...
     def close(self, timeout: float) -> None: ...
@@ -104,9 +108,11 @@ class EmbeddedBackend:
         if plan is not None:
             self._on_plan(plan)
 
-    def send_stats(self, stats: StepStats) -> None:
+    def send_stats(self, stats: StepStats | StepRecord) -> None:
         if self._session is None or self._hello is None:
             return
+        if isinstance(stats, StepRecord):
+            stats = stats.stats()
         self._last = stats
         plan = self._session.observe(observation(self._hello, stats))
         if plan is not None:

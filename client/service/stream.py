@@ -33,6 +33,8 @@ from rematd import wire
 from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.fallback import FALLBACK_MAX_FAILURES, LocalPlanner
 from rematd.client.service.folding import Folder
+from rematd.client.service.mailbox import Mailbox
+from rematd.client.service.step_record import StepRecord
 from rematd.client.service.stream_config import CHANNEL_OPTIONS, StreamConfig
 from rematd.client.service.throttle import Throttled
 from rematd.messages import Hello, OomReport, StepStats, open_planner
@@ -81,12 +83,15 @@ class StreamBackend:
         self.target = target
         self.config = config or StreamConfig()
         self._on_plan = on_plan
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=self.config.queue_size)
+        self._queue: Mailbox[object] = Mailbox(self.config.queue_size)
+        self._sizes: tuple[int, int] | None = None
+        """The budget and static bytes last handed to the hello (training thread only)."""
+        self._last_shape: Shape | None = None
+        """The shape of the last step sent (training thread only)."""
         self._lock = threading.Lock()
         self._acked = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._closing = threading.Event()
+        self._stopping, self._closing, self._flush_now = threading.Event(), threading.Event(), threading.Event()
         self._hello: Hello | None = None
         self._hello_updates: dict[str, Any] = {}
         self._plan_version = 0
@@ -96,15 +101,12 @@ class StreamBackend:
         """What proves this rank's next stream is its own; never logged."""
         self._last_blocks: tuple[int, ...] | None = None
         self._folder = Folder()
-        self._flush_now = threading.Event()
         self._call: Any = None
         self._local = LocalPlanner()
         self._pricer: PlannerSession | None = None
         """A planner over this rank's profile that prices a pin in the training process (made when first asked)."""
-        self._lost_at = time.monotonic()
-        self._throttled = Throttled()
-        self.sent_step = -1
-        self.acked_step = -1
+        self._lost_at, self._throttled = time.monotonic(), Throttled()
+        self.sent_step = self.acked_step = -1
         self.dropped = 0
         """Records dropped because the queue was full."""
         self.reconnects = 0
@@ -138,23 +140,22 @@ class StreamBackend:
         with self._lock:
             self._hello_updates.update(fields)
 
-    def _put(self, item: object) -> None:
-        while True:
-            try:
-                self._queue.put_nowait(item)
-                return
-            except queue.Full:
-                try:
-                    self._queue.get_nowait()
-                    self.dropped += 1
-                except queue.Empty:
-                    pass
+    def _put(self, item: object, *, wake: bool = True) -> None:
+        if not self._queue.post(item, wake=wake):
+            self.dropped += 1
 
-    def send_stats(self, stats: StepStats) -> None:
-        with self._lock:
-            self.sent_step = max(self.sent_step, stats.step)
-            self._hello_updates.update(budget_bytes=stats.budget_bytes, static_bytes=stats.static_bytes)
-        self._put(stats)
+    def send_stats(self, step: StepRecord) -> None:
+        # On the training thread: no lock and, while the stream's thread polls, no wake-up, but for a step of a
+        # new length (its plan is needed by the next step).
+        self.sent_step = max(self.sent_step, step.step)
+        sizes = (step.budget_bytes, step.static_bytes)
+        if sizes != self._sizes:
+            self._sizes = sizes
+            with self._lock:
+                self._hello_updates.update(budget_bytes=step.budget_bytes, static_bytes=step.static_bytes)
+        new_length = step.shape != self._last_shape
+        self._last_shape = step.shape
+        self._put(step, wake=new_length)
 
     def send_oom(self, oom: OomReport) -> None:
         self._put(oom)
@@ -171,6 +172,7 @@ class StreamBackend:
         """Wait until every step sent was answered, the stream stopped, or ``give_up()`` (looked at again
         whenever an answer comes or a connection ends); whether every step was answered."""
         self._flush_now.set()  # steps folded into a later report go out now
+        self._queue.wake()
         try:
             with self._acked:
                 self._acked.wait_for(
@@ -269,8 +271,10 @@ class StreamBackend:
                 yield pb.ClientMessage(goodbye=pb.Goodbye(reason="client closed"))
                 return
             try:
-                if isinstance(item, StepStats):
-                    reports = folder.offer(item, time.monotonic())
+                if isinstance(item, StepRecord):
+                    stats = item.stats()
+                    self._queue.poll_s = stats.step_seconds
+                    reports = folder.offer(stats, time.monotonic())
                     if self._flush_now.is_set():
                         reports.extend(r for r in (folder.due(time.monotonic(), force=True),) if r is not None)
                     msgs = [pb.ClientMessage(stats=wire.stats_to_pb(r)) for r in reports]
@@ -403,10 +407,11 @@ class StreamBackend:
         if item is _STOP:
             self._stop()
             return
-        if isinstance(item, StepStats | OomReport):
-            plan = self._local.take(item, self._current_hello())
-            if isinstance(item, StepStats):
-                self._ack(item.step)
+        if isinstance(item, StepRecord | StepStats | OomReport):
+            record = item.stats() if isinstance(item, StepRecord) else item
+            plan = self._local.take(record, self._current_hello())
+            if isinstance(record, StepStats):
+                self._ack(record.step)
             if plan is not None:
                 self._deliver(plan)
 

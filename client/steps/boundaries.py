@@ -19,12 +19,13 @@ from torch import nn
 
 from rematd.client.blocks.switchable import lean_profiling
 from rematd.client.call_shape import shape_of
-from rematd.client.memory.sources import CudaMemory, MemorySample
+from rematd.client.memory.sources import CudaMemory, MemorySample, SavedFigures, SavedTensorMemory, saved_sample
 from rematd.client.parallel.agreement import CODES, MODES
 from rematd.client.parallel.base import PLAIN, SetUp
 from rematd.client.parallel.pick import Schedule, pick
 from rematd.client.parallel.ranks import dist_rank
 from rematd.client.plans.sources import Backend
+from rematd.client.service.step_record import StepRecord
 from rematd.client.steps.hello import (
     Identity,
     Memory,
@@ -34,6 +35,7 @@ from rematd.client.steps.hello import (
     memory_source,
     offer_modes,
 )
+from rematd.client.steps.modes_run import ModesRun
 from rematd.client.steps.oom import free_after_oom, oom_message
 from rematd.client.steps.phases import Lifecycle, Phase
 from rematd.client.steps.watch import BudgetWatch
@@ -44,9 +46,6 @@ if TYPE_CHECKING:
     from rematd.client.assembly import BlockParts
 
 log = logging.getLogger("rematd.client")
-
-RERUN = frozenset({Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RECOMPUTE})
-"""Modes whose block runs its forward, or a part of it, again in backward."""
 
 
 class StepCycle:
@@ -89,8 +88,7 @@ class StepCycle:
         self.ranks: tuple[int, int] | None = None
         """(rank, world size) as sent in the hello."""
         self.unsent_oom: OomReport | None = None
-        self.last_stats: StepStats | None = None
-        self.last_memory: MemorySample | None = None
+        self.last_record: StepRecord | None = None
         self.errors = 0
         """Failures of rematd's bookkeeping caught on the training thread; training went on after each."""
         self._counting: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -109,8 +107,10 @@ class StepCycle:
         """The static memory the hello gave the first plan, until the first step after it has checked it."""
         self.watch = BudgetWatch()
         """What the log says of the steps' memory."""
-        self.ran: tuple[Mode, ...] = ()
-        """The modes the step runs, when they are not its plan's (a pin, or the plan the ranks agreed on)."""
+        self.run = ModesRun()
+        # Whether the CPU's steps count saved tensors (off: they run as on CUDA, for benchmarks).
+        self.saved_hooks = True
+        """The modes the step runs, and whether they are its plan's."""
 
     def _use(self, parts: BlockParts) -> None:
         """The blocks and what wraps them, as ``attach`` built them."""
@@ -163,8 +163,10 @@ class StepCycle:
         # alone, so it agrees with no other.
         if self.setup.agreement is not None and runs_in is not Phase.RETRY:
             self._agree()
-        self.ran = self._modes_run(runs_in)
-        self.setup.step_begins(tuple(b.mode in RERUN for b in self.blocks))
+        run = self.run
+        run.begin(self.blocks, self.applier.plan, self.shape, profiling=runs_in is Phase.PROFILING)
+        run.run_bare(self.blocks, step=self.step, counting=self.counting())
+        self.setup.step_begins(run.rerun)
         self._step_shape()
         self.static = self._static_now()
         # On the CPU, what the accounting still holds from before the step is there throughout it.
@@ -236,6 +238,10 @@ class StepCycle:
             self.shape = seen
             self._step_shape()
 
+    def counting(self) -> bool:
+        """Whether the step counts saved tensors (on the CPU, unless :attr:`saved_hooks` is off)."""
+        return self.saved_hooks and isinstance(self.memory, SavedTensorMemory)
+
     def _on_cuda(self) -> bool:
         return isinstance(self.memory, CudaMemory)
 
@@ -265,12 +271,6 @@ class StepCycle:
         # The blocks' modes are not the plan's any more: the next step sets them from the plan again.
         self.applier.invalidate()
 
-    def _modes_run(self, runs_in: Phase) -> tuple[Mode, ...]:
-        modes = tuple(b.mode for b in self.blocks)
-        if runs_in is Phase.PROFILING or any(b.profiling for b in self.blocks):
-            return modes  # no plan's: the profile's modes
-        return () if modes == self.applier.plan.modes_for(self.shape, len(self.blocks)) else modes
-
     def end(self) -> None:
         """``Handle.step()``: measure the step, open the planner once profiled, report the statistics."""
         try:
@@ -279,49 +279,61 @@ class StepCycle:
             self.life.end_step()
 
     def _report(self) -> None:
-        assert self.memory is not None
-        sample = self.memory.sample()
-        if not self._on_cuda():
+        memory = self.memory
+        assert memory is not None
+        figures: MemorySample | SavedFigures
+        if isinstance(memory, CudaMemory):
+            figures = memory.sample()
+            peak = figures.peak_allocated_bytes
+        else:
             # The accounting's peak holds what it carried in; the set-up's static memory comes on top.
-            sample = dataclasses.replace(sample, saved_peak_bytes=sample.saved_peak_bytes + self.static)
+            figures = memory.take(self.static)
+            peak = figures[0]
             self.static += self.carried
-        self.last_memory = sample
         if self.budget_bytes is None:
-            self.budget_bytes = max(1, int(sample.total_bytes or self.memory.total_bytes or 2**40))
+            total = figures.total_bytes if isinstance(figures, MemorySample) else figures[3]
+            self.budget_bytes = max(1, int(total or memory.total_bytes or 2**40))
         elapsed = time.perf_counter() - self.started if self.started else 0.0
         recompiles, compile_seconds = self.compiled.take() if self.compiled is not None else (0, 0.0)
         self.offloader.end_step()
-        profiling = not self.life.has_profile
-        if recompiles or profiling:
+        if not self.life.has_profile or recompiles:
             # The forwards that compiled were timed with their compile: seconds, not what the mode costs. The
             # profiling step's are cold (first allocations, caches filled): the profile holds its prices.
             self.timer.forget()
-        if profiling and complete_profile(self.blocks):
-            self.life.profiled()
-            self.backend.open(self._hello(sample))
-            if self.unsent_oom is not None:
-                self.backend.send_oom(self.unsent_oom)
-                self.unsent_oom = None
-        stats = StepStats(
-            step=self.step,
-            peak_allocated_bytes=sample.peak_allocated_bytes,
-            step_seconds=elapsed,
-            plan_version=self.applier.plan.version,
-            shape=self.shape,
-            saved_peak_bytes=sample.saved_peak_bytes,
-            budget_bytes=self.budget_bytes,
-            static_bytes=self.static,
-            mode_seconds=self.timer.take(),
-            recompiles=recompiles,
-            compile_seconds=compile_seconds,
-            modes=self.ran,
-            thread_seconds=self.clock.take(),
-            **sample.allocator_figures(),
+            if not self.life.has_profile and complete_profile(self.blocks):
+                self.life.profiled()
+                sample = figures if isinstance(figures, MemorySample) else saved_sample(figures)
+                self.backend.open(self._hello(sample))
+                if self.unsent_oom is not None:
+                    self.backend.send_oom(self.unsent_oom)
+                    self.unsent_oom = None
+        # The raw figures only: the statistics are built off this thread (or by ``h.last_stats``).
+        version = self.applier.plan.version
+        timed = self.timer.take()
+        record = StepRecord(
+            self.step,
+            self.shape,
+            self.budget_bytes,
+            self.static,
+            figures,
+            (elapsed, version, timed, recompiles, compile_seconds, self.run.ran, self.clock.take()),
         )
-        self.last_stats = stats
+        self.last_record = record
         self.step += 1
-        self.watch.step_ended(stats, stats.peak_bytes(self.memory.kind), self.applier.in_force())
-        self.backend.send_stats(stats)
+        self.watch.step_ended(record, peak, version, self.applier.in_force)
+        self.backend.send_stats(record)
+
+    @property
+    def last_memory(self) -> MemorySample | None:
+        """The last step's memory sample (built when first read)."""
+        record = self.last_record
+        return record.memory() if record is not None else None
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """The last step's statistics (built when first read)."""
+        record = self.last_record
+        return record.stats() if record is not None else None
 
     def _hello(self, sample: MemorySample) -> Hello:
         assert self.memory is not None and self.budget_bytes is not None
@@ -353,7 +365,7 @@ class StepCycle:
             in_flight=self.setup.in_flight(len(self.blocks)),
             other_in_flight=self.setup.other_in_flight,
             stages=self.setup.stages(len(self.blocks)),
-            ran=self.ran or tuple(b.mode for b in self.blocks),
+            ran=self.run.ran or tuple(b.mode for b in self.blocks),
         )
         # The first plan is made for the steps after profiling, which start with what profiling left behind.
         static = hello.static_bytes + self._persisted()

@@ -31,6 +31,10 @@ import enum
 
 
 class Phase(enum.Enum):
+    # Hashed by identity, as members are unique: looked up twice a step in the transitions, where Enum's own
+    # hash (of the name, in Python) would be a call each time.
+    __hash__ = object.__hash__
+
     PROFILING = "profiling"
     PLANNED = "planned"
     RETRY = "retry"
@@ -39,6 +43,8 @@ class Phase(enum.Enum):
 
 
 class Event(enum.Enum):
+    __hash__ = object.__hash__
+
     BEGIN_STEP = "begin_step"
     END_STEP = "end_step"
     PROFILED = "profiled"
