@@ -15,15 +15,13 @@ class FakeCuda:
         self.peak = 700
         self.resets = 0
 
-    def memory_stats(self, device: object) -> dict[str, int]:
+    def memory_stats_as_nested_dict(self, device: object) -> dict[str, object]:
         return {
-            "allocated_bytes.all.peak": self.peak,
-            "reserved_bytes.all.peak": 900,
-            "allocated_bytes.all.current": 300,
-            "reserved_bytes.all.current": 800,
+            "allocated_bytes": {"all": {"peak": self.peak, "current": 300}, "small_pool": {"peak": 1}},
+            "reserved_bytes": {"all": {"peak": 900, "current": 800}},
             "num_alloc_retries": 2,
             "num_ooms": 1,
-            "inactive_split_bytes.all.current": 64,
+            "inactive_split_bytes": {"all": {"current": 64}},
         }
 
     def reset_peak_memory_stats(self, device: object) -> None:
@@ -37,7 +35,7 @@ class FakeCuda:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes the CUDA boundary; the GPU test covers real CUDA")
 def test_cuda_source_reads_and_resets_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeCuda()
-    for name in ("memory_stats", "reset_peak_memory_stats", "mem_get_info"):
+    for name in ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "mem_get_info"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 123)
@@ -87,7 +85,7 @@ def test_a_cuda_model_reports_allocator_figures_every_step_and_recovers_from_cud
     from rematd import client
 
     fake = FakeCuda()
-    for name in ("memory_stats", "reset_peak_memory_stats", "mem_get_info"):
+    for name in ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "mem_get_info"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 123)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,20 +68,29 @@ class CudaMemory:
 
     def sample(self, static: int = 0) -> MemorySample:
         """The step's figures; peaks start again. (``static`` is in the allocator's figures already.)"""
-        stats = torch.cuda.memory_stats(self.device)
+        # The allocator's nested statistics as it returns them: ``memory_stats`` flattens every entry in Python
+        # first, on the training thread, for the handful read here.
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        allocated, reserved = _all(stats, "allocated_bytes"), _all(stats, "reserved_bytes")
         return MemorySample(
-            peak_allocated_bytes=int(stats.get("allocated_bytes.all.peak", 0)),
-            peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)),
-            allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
-            reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
+            peak_allocated_bytes=int(allocated.get("peak", 0)),
+            peak_reserved_bytes=int(reserved.get("peak", 0)),
+            allocated_bytes=int(allocated.get("current", 0)),
+            reserved_bytes=int(reserved.get("current", 0)),
             alloc_retries=int(stats.get("num_alloc_retries", 0)),
             oom_count=int(stats.get("num_ooms", 0)),
-            inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current", 0)),
+            inactive_split_bytes=int(_all(stats, "inactive_split_bytes").get("current", 0)),
             free_bytes=int(free),
             total_bytes=int(total),
         )
+
+
+def _all(stats: dict[str, Any], name: str) -> dict[str, Any]:
+    """The allocator's figures of ``name`` over all pools (``stats[name]["all"]``; empty where absent)."""
+    entry = stats.get(name)
+    return entry.get("all", {}) if isinstance(entry, dict) else {}
 
 
 def _host_memory_bytes() -> int:

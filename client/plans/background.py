@@ -130,7 +130,7 @@ class ThreadedBackend:
             return
         self._queue.append((None, step))
         # A new length needs its plan by the next step: the planner is woken for it, as when it sleeps.
-        new_length = step.shape != self._last_shape
+        new_length = step.shape is not self._last_shape and step.shape != self._last_shape
         self._last_shape = step.shape
         if self._sleeping or new_length:
             with self._cond:

@@ -153,7 +153,7 @@ class StreamBackend:
             self._sizes = sizes
             with self._lock:
                 self._hello_updates.update(budget_bytes=step.budget_bytes, static_bytes=step.static_bytes)
-        new_length = step.shape != self._last_shape
+        new_length = step.shape is not self._last_shape and step.shape != self._last_shape
         self._last_shape = step.shape
         self._put(step, wake=new_length)
 

@@ -194,7 +194,8 @@ class StepCycle:
         self._hello_static = None
 
     def _step_shape(self) -> None:
-        if self.blocks[0].step_shape != self.shape:
+        # By identity first: a step like the last one has the same shape object (``shape_of`` keeps it).
+        if self.blocks[0].step_shape is not self.shape and self.blocks[0].step_shape != self.shape:
             for b in self.blocks:
                 b.step_shape = self.shape
 
