@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -63,6 +64,31 @@ class Cluster:
             capture_output=True,
             timeout=120,
         )
+
+    def processes(self) -> list[int]:
+        """The running server's processes: the postmaster and its children (backends, writers)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    # The field after the command (in parentheses, which may hold spaces) and the state.
+                    ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                if ppid == postmaster:
+                    children.append(int(proc.name))
+        return [postmaster, *children]
+
+    def freeze(self) -> None:
+        """Stop every process of the server (SIGSTOP): connections stay open and nothing answers."""
+        for pid in self.processes():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Let a frozen server go on (SIGCONT)."""
+        for pid in self.processes():
+            os.kill(pid, signal.SIGCONT)
 
     def remove(self) -> None:
         self.stop()

@@ -20,6 +20,7 @@ from rematd.server.store import schema
 from rematd.server.store.database import StoreError, database_url
 from rematd.server.store.schema import SCHEMA_VERSION
 from rematd.server.store.store import Store
+from rematd.server.store.write_probe import PROBE_EVERY_S, PROBE_TIMEOUT_S
 
 from .test_service_store import new_cluster, postgres_url  # noqa: F401  (a fixture)
 
@@ -228,6 +229,42 @@ def test_reads_while_postgresql_is_away_answer_503_and_say_so_once(tmp_path: Pat
                     time.sleep(0.2)
                 time.sleep(0.2)
                 assert any("REST reads reach the store again" in line for line in lines), lines[-10:]
+        finally:
+            stop(srv.proc)
+    finally:
+        cluster.remove()
+
+
+def test_a_frozen_database_turns_readiness_to_503_within_the_probe_timeout() -> None:
+    """PostgreSQL stopped (SIGSTOP: its connections open, nothing answering): ``/readyz`` never waits on it,
+    answers 503 saying so once a probe write is overdue, and ready again once the server goes on."""
+    cluster = new_cluster()
+    try:
+        cluster.start()
+        srv = launch(cluster.create(), "--log-level", "warning")
+        try:
+            with httpx.Client(base_url=srv.http, timeout=10) as http:
+                assert http.get("/readyz").status_code == 200
+                cluster.freeze()
+                frozen = time.monotonic()
+                try:
+                    while True:
+                        began = time.monotonic()
+                        ready = http.get("/readyz")
+                        assert time.monotonic() - began < 1.0, "readiness waited on the database"
+                        if ready.status_code == 503:
+                            break
+                        assert ready.status_code == 200
+                        assert time.monotonic() - frozen < PROBE_TIMEOUT_S + PROBE_EVERY_S + 3, "still ready"
+                        time.sleep(0.1)
+                    assert "has not answered a probe write" in ready.json()["detail"], ready.json()
+                    assert http.get("/healthz").status_code == 200
+                finally:
+                    cluster.thaw()
+                deadline = time.monotonic() + 30
+                while http.get("/readyz").status_code != 200:
+                    assert time.monotonic() < deadline, "not ready again after the database went on"
+                    time.sleep(0.2)
         finally:
             stop(srv.proc)
     finally:

@@ -60,6 +60,7 @@ from rematd.server.store.rows import (
 )
 from rematd.server.store.tables import JOB_CONTROLS, JOBS, OOM_EVENTS, PLANS, RANKS, WARM_PLANS
 from rematd.server.store.write_behind import WriteBehind
+from rematd.server.store.write_probe import WriteProbe
 
 log = logging.getLogger("rematd.server")
 
@@ -127,6 +128,8 @@ class Store:
         self.on_write_failure: Callable[[], None] | None = None
         """Called once per failed write (the core counts them in a metric)."""
         self._last_probe = 0.0
+        self._server_probe = WriteProbe(self._probe_write) if self.dialect != "sqlite" else None
+        """A database server's probe writes, on a thread of their own (None for SQLite)."""
         self.lost = ""
         """Why the store's file is not the store any more ("" while it is): writes stop until it is back."""
         self.holder = new_holder()
@@ -152,6 +155,8 @@ class Store:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._server_probe is not None:
+            self._server_probe.close()
         self._flusher.join(5)
         pending = self.pending()
         try:
@@ -219,30 +224,42 @@ class Store:
             raise
 
     def writable(self, probe_every: float = 1.0) -> bool:
-        """Whether the store takes writes. While writes fail, a probe write (at most one per
-        ``probe_every`` seconds) finds out when it takes them again, with or without traffic: only
-        the probe clears a failure, since a write that changed nothing succeeds on a full disk too.
-        On PostgreSQL the probe runs while writes succeed as well, so that readiness fails while the
-        database cannot be reached even when nothing else writes."""
+        """Whether the store takes writes, answered without waiting on the database. While writes to a SQLite
+        file fail, a probe write (at most one per ``probe_every`` seconds) finds out when it takes them again,
+        with or without traffic: only the probe clears a failure, since a write that changed nothing succeeds
+        on a full disk too. A database server is probed on a thread of its own all the time
+        (:class:`WriteProbe`), so that readiness fails while it cannot be reached, or does not answer, even
+        when nothing else writes."""
         if self.check_file():
             return False
-        # A database server can go away with no write to notice it: PostgreSQL is probed while it works too.
-        if self.failing_since is None and self.dialect == "sqlite":
+        if self._server_probe is not None:
+            problem, since = self._server_probe.problem()
+            if problem:
+                if self.failing_since is None:
+                    self.failing_since = since if since is not None else time.monotonic()
+                self.last_failure = problem
+            return not problem and self.failing_since is None
+        if self.failing_since is None:
             return True
         now = time.monotonic()
         if now - self._last_probe >= probe_every:
             self._last_probe = now
-            with contextlib.suppress(Exception), self._writing(), self._lock, self.engine.begin() as conn:
-                # A new value each time: SQLite skips a write that leaves a row as it was.
-                conn.execute(
-                    text(
-                        "INSERT INTO write_probe VALUES (1, :t) "
-                        "ON CONFLICT(id) DO UPDATE SET written_at = excluded.written_at"
-                    ),
-                    {"t": time.time()},
-                )
-                self.failing_since = None
+            with contextlib.suppress(Exception):
+                self._probe_write()
         return self.failing_since is None
+
+    def _probe_write(self) -> None:
+        """A write of a new value (SQLite skips a write that leaves a row as it was); its success clears a
+        failure."""
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO write_probe VALUES (1, :t) "
+                    "ON CONFLICT(id) DO UPDATE SET written_at = excluded.written_at"
+                ),
+                {"t": time.time()},
+            )
+        self.failing_since = None
 
     def _write(self, sql: str, params: Params | list[Params]) -> None:
         with self._writing(), self._lock, self.engine.begin() as conn:
