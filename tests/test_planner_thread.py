@@ -17,7 +17,7 @@ from rematd.client.plans.sources import EmbeddedBackend
 from rematd.client.service.step_record import StepRecord
 from rematd.client.thread_cost import ThreadClock
 from rematd.messages import StepStats
-from rematd.planner import Plan, PlannerSession
+from rematd.planner import Mode, Plan, PlannerSession, Shape
 from rematd.server import ServeConfig, ServiceThread
 
 from .helpers import tiny_model, train_step
@@ -218,3 +218,23 @@ def test_the_service_exports_the_training_thread_histogram(tmp_path: Path) -> No
             assert rank["ranks"][0]["last_stats"]["thread_seconds"] > 0
     finally:
         svc.stop()
+
+
+def test_a_steps_statistics_are_built_once_whichever_thread_asks_first() -> None:
+    """The training thread leaves raw figures; the planner's thread and ``h.last_stats`` may ask at once, and get
+    the same object (a caller tells a new step by identity)."""
+    record = StepRecord(
+        3, Shape(batch=2, seq_len=4, tokens=8), 100, 7, (5, 1, 2, 1000), (0.1, 1, ((2, 0.25), None), 0, 0.0, (), 1e-4)
+    )
+    built: list[StepStats] = []
+    threads = [threading.Thread(target=lambda: built.append(record.stats())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(built) == 8 and all(s is built[0] for s in built)
+    stats = built[0]
+    assert (stats.step, stats.saved_peak_bytes, stats.static_bytes, stats.budget_bytes) == (3, 5, 7, 100)
+    ((stored,),) = (stats.mode_seconds,)
+    assert (stored.mode, stored.blocks, stored.forward_seconds) == (Mode.STORE, 2, 0.25)
+    assert record.memory().held_bytes == 1 and record.memory() is record.memory()

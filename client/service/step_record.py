@@ -8,10 +8,15 @@ the raw figures instead; whoever reads the statistics first (the planner's threa
 
 from __future__ import annotations
 
+import threading
+
 from rematd.client.blocks.mode_timing import Timed, mode_seconds
 from rematd.client.memory.sources import MemorySample, SavedFigures, saved_sample
 from rematd.messages import StepStats
 from rematd.planner import Mode, Shape
+
+_BUILDING = threading.RLock()
+"""Held while a record's statistics (or memory sample) are built: whichever thread asks first builds them once."""
 
 
 class StepRecord:
@@ -55,30 +60,41 @@ class StepRecord:
         """The step's memory sample (built at the first call, from any thread)."""
         memory = self._memory
         if isinstance(memory, tuple):
-            memory = self._memory = saved_sample(memory)
+            with _BUILDING:
+                memory = self._memory
+                if isinstance(memory, tuple):
+                    memory = self._memory = saved_sample(memory)
         return memory
 
     def stats(self) -> StepStats:
-        """The step's statistics, built at the first call (from any thread: two that race build equal ones)."""
+        """The step's statistics, built at the first call (from any thread: every call returns the same
+        object, which a caller may compare by identity to tell a new step)."""
         stats = self._stats
-        if stats is None:
-            assert self._figures is not None, "a record made of statistics has them"
-            sample = self.memory()
-            elapsed, version, timed, recompiles, compile_seconds, modes, thread = self._figures
-            stats = self._stats = StepStats(
-                step=self.step,
-                peak_allocated_bytes=sample.peak_allocated_bytes,
-                step_seconds=elapsed,
-                plan_version=version,
-                shape=self.shape,
-                saved_peak_bytes=sample.saved_peak_bytes,
-                budget_bytes=self.budget_bytes,
-                static_bytes=self.static_bytes,
-                mode_seconds=mode_seconds(timed),
-                recompiles=recompiles,
-                compile_seconds=compile_seconds,
-                modes=modes,
-                thread_seconds=thread,
-                **sample.allocator_figures(),
-            )
+        if stats is not None:
+            return stats
+        with _BUILDING:
+            stats = self._stats
+            if stats is None:
+                stats = self._stats = self._build()
         return stats
+
+    def _build(self) -> StepStats:
+        assert self._figures is not None, "a record made of statistics has them"
+        sample = self.memory()
+        elapsed, version, timed, recompiles, compile_seconds, modes, thread = self._figures
+        return StepStats(
+            step=self.step,
+            peak_allocated_bytes=sample.peak_allocated_bytes,
+            step_seconds=elapsed,
+            plan_version=version,
+            shape=self.shape,
+            saved_peak_bytes=sample.saved_peak_bytes,
+            budget_bytes=self.budget_bytes,
+            static_bytes=self.static_bytes,
+            mode_seconds=mode_seconds(timed),
+            recompiles=recompiles,
+            compile_seconds=compile_seconds,
+            modes=modes,
+            thread_seconds=thread,
+            **sample.allocator_figures(),
+        )
