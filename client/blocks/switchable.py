@@ -46,8 +46,33 @@ class CompiledVariants(Protocol):
     def run(self, block: SwitchableBlock, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
+MODE_CHANGES = [0]
+"""Counts every change of any block's mode or profiling (process-wide): a step's start that sees the same count
+as the last one knows the blocks' modes without reading each."""
+
+
 class SwitchableBlock:
     """Wraps one block's forward; ``mode`` decides how the next forward runs."""
+
+    @property
+    def mode(self) -> Mode:
+        """How the block's next forward keeps its activations."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: Mode) -> None:
+        self._mode = mode
+        MODE_CHANGES[0] += 1
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the block's next forward is its profile's."""
+        return self._profiling
+
+    @profiling.setter
+    def profiling(self, on: bool) -> None:
+        self._profiling = on
+        MODE_CHANGES[0] += 1
 
     def __init__(
         self,
@@ -169,7 +194,7 @@ class SwitchableBlock:
         if acct is not None:
             acct.block_depth += 1
         timer = self.timer
-        if self.mode is _STORE and self._plain and timer is not None and not self.profiling:
+        if self._mode is _STORE and self._plain and timer is not None and not self._profiling:
             # The common case, once per block and step: a storing block timed on the host clock, one pair of
             # readings both timing its forward for the planner and leaving it out of rematd's time. It touches
             # as little as it can: after the block's own work little of rematd's is still in the caches.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-from rematd.client.blocks.switchable import SwitchableBlock
+from rematd.client.blocks.switchable import MODE_CHANGES, SwitchableBlock
 from rematd.planner import Mode, Plan, Shape
 
 _MODE_OF = operator.attrgetter("mode")
@@ -27,7 +27,7 @@ RERUN = frozenset({Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RE
 class ModesRun:
     """The modes of the step running, and whether they are its plan's."""
 
-    __slots__ = ("_bare", "_plan", "_planned", "_shape", "modes", "profiling", "ran", "rerun")
+    __slots__ = ("_bare", "_blocks", "_changes", "_plan", "_planned", "_shape", "modes", "profiling", "ran", "rerun")
 
     def __init__(self) -> None:
         self.modes: tuple[Mode, ...] = ()
@@ -39,6 +39,9 @@ class ModesRun:
         """For each block, whether it runs its forward (or a part of it) again in backward."""
         self.profiling = False
         """Whether some block profiles this step."""
+        self._changes = -1
+        """:data:`MODE_CHANGES` when the blocks were last read."""
+        self._blocks: Sequence[SwitchableBlock] | None = None
         self._bare: tuple[object, ...] | None = None
         """What the blocks' running bare was last set for."""
         self._plan: Plan | None = None
@@ -48,10 +51,16 @@ class ModesRun:
 
     def begin(self, blocks: Sequence[SwitchableBlock], plan: Plan, shape: Shape, *, profiling: bool) -> None:
         """The step starts with the blocks' modes as set; ``profiling``: it is the profiling step."""
-        modes = tuple(map(_MODE_OF, blocks))
-        if modes != self.modes:
-            self.modes, self.rerun = modes, tuple(m in RERUN for m in modes)
-        self.profiling = any(map(_PROFILING_OF, blocks))
+        # Each block read only where some block's mode or profiling changed since the last step's start: reading
+        # them all costs a cache miss or two per block on a training thread fresh from backward.
+        changes = MODE_CHANGES[0]
+        if changes != self._changes or blocks is not self._blocks:
+            self._changes, self._blocks = changes, blocks
+            modes = tuple(map(_MODE_OF, blocks))
+            if modes != self.modes:
+                self.modes, self.rerun = modes, tuple(m in RERUN for m in modes)
+            self.profiling = any(map(_PROFILING_OF, blocks))
+        modes = self.modes
         if profiling or self.profiling:
             self.ran = modes  # no plan's: the profile's modes
             return
