@@ -135,8 +135,10 @@ def test_training_survives_a_killed_and_restarted_service(tmp_path: Path, monkey
         plans = plans["plans"] if isinstance(plans, dict) else plans
         versions = [p["version"] for p in plans if p["rank"] == 0]
         # The restarted service continued the history: every version once, in order, none skipped, up to the
-        # one in force.
-        assert versions == list(range(1, h.plan.version + 1)), versions
+        # one in force or one past it (a plan made for the last steps' report, which arrived after the last
+        # step began and so never ran).
+        assert versions == list(range(1, versions[-1] + 1)), versions
+        assert h.plan.version <= versions[-1] <= h.plan.version + 1, (versions, h.plan.version)
     finally:
         for p in procs:
             stop(p)
