@@ -114,7 +114,7 @@ class SavedTensorAccounting:
         self.outside_live = 0
         self.outside_peak = 0
         """Live bytes saved outside the blocks (the embeddings, the head, the loss), and their peak since
-        :meth:`take_outside_peak`: measured apart, whatever the blocks keep."""
+        :meth:`take_step`: measured apart, whatever the blocks keep."""
 
     def exclude_module_state(self, module: torch.nn.Module) -> None:
         state = (*module.parameters(), *module.buffers())
@@ -273,14 +273,6 @@ class SavedTensorAccounting:
             peak = self.peak_bytes
             self.peak_bytes = self.live_bytes
             return peak
-
-    def take_outside_peak(self) -> int:
-        """The peak of the bytes saved outside the blocks since the last call, less those still held (a graph
-        nobody ran backward through: the next step's static memory); the next period starts from the live
-        total."""
-        with self._lock:
-            peak, self.outside_peak = self.outside_peak, self.outside_live
-            return max(0, peak - self.outside_live)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -66,8 +66,8 @@ class CudaMemory:
     def static_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.device))
 
-    def sample(self, static: int = 0) -> MemorySample:
-        """The step's figures; peaks start again. (``static`` is in the allocator's figures already.)"""
+    def sample(self) -> MemorySample:
+        """The step's figures; peaks start again."""
         # The allocator's nested statistics as it returns them: ``memory_stats`` flattens every entry in Python
         # first, on the training thread, for the handful read here.
         stats = torch.cuda.memory_stats_as_nested_dict(self.device)

@@ -29,6 +29,7 @@ from typing import Any
 from rematd.client.plans.sources import EmbeddedBackend, PlanCallback
 from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.folding import Folder, fold, steady
+from rematd.client.service.mailbox import IDLE_S, MAX_POLL_S, MIN_POLL_S
 from rematd.client.service.step_record import StepRecord
 from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Plan, PlannerSession, Shape
@@ -42,12 +43,6 @@ MAX_QUEUED = 1024
 
 THREAD_NAME = "rematd-planner"
 
-MIN_POLL_S = 0.001
-MAX_POLL_S = 0.05
-"""How often the planner's thread looks for steps' statistics: every step or so, within these bounds."""
-
-IDLE_S = 1.0
-"""Seconds without a step after which the planner's thread waits to be woken by the next."""
 
 MAX_INTERVAL_S = 10.0
 """Seconds of steady steps folded into one report at most, as a service allows by default."""
