@@ -6,7 +6,9 @@ import argparse
 import json
 import math
 import statistics
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -143,3 +145,21 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> st
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2, default=str))
+
+
+def profiled_peak(step: Callable[[], None]) -> int:
+    """The most bytes the CPU allocator held during ``step`` beyond what it held when the step started, from
+    torch's memory profiler (which sees every allocation, compiled code's too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+            step()
+        timeline = Path(tmp) / "memory.json"
+        with warnings.catch_warnings():
+            # Deprecated for CUDA's snapshots, which do not cover the CPU; no other reader of the CPU's exists.
+            warnings.filterwarnings("ignore", "`export_memory_timeline` is deprecated", FutureWarning)
+            p.export_memory_timeline(str(timeline), device="cpu")
+        _, sizes = json.loads(timeline.read_text())
+    totals = [sum(at) for at in sizes]
+    return max(totals) - totals[0] if totals else 0

@@ -34,15 +34,14 @@ import os
 import random
 import runpy
 import sys
-import tempfile
 import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.common import profiled_peak
 from rematd.planner import Mode
 
 RECORD = "REMATD_TITAN_RECORD"
@@ -250,7 +249,7 @@ def _record(where: Path) -> None:
         profiled = len(seconds) + 1 == profile_step
         started = time.perf_counter()
         if profiled:
-            peaks.append(_profiled_peak(lambda: train_step(self, data_iterator)))
+            peaks.append(profiled_peak(lambda: train_step(self, data_iterator)))
         else:
             train_step(self, data_iterator)
         seconds.append(time.perf_counter() - started)
@@ -266,21 +265,6 @@ def _record(where: Path) -> None:
     Trainer.forward_backward_step = recorded_forward_backward
     Trainer.train_step = recorded_train_step
     Trainer.close = recorded_close
-
-
-def _profiled_peak(step: Callable[[], None]) -> int:
-    """The most bytes the CPU allocator held during ``step`` beyond what it held when the step started, from
-    torch's memory profiler (which sees every allocation, compiled code's too)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
-            step()
-        timeline = Path(tmp) / "memory.json"
-        p.export_memory_timeline(str(timeline), device="cpu")
-        _, sizes = json.loads(timeline.read_text())
-    totals = [sum(at) for at in sizes]
-    return max(totals) - totals[0] if totals else 0
 
 
 def _whole(p: torch.Tensor) -> torch.Tensor:

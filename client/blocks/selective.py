@@ -233,6 +233,15 @@ class _Replay(TorchDispatchMode):
         self.kept = kept
         self.decide = decide
 
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            # The recomputation is over (to its end, or stopped once backward had what it needs): what it did
+            # not take back is needed by nothing, and held here it would outlive its use until the block's
+            # backward ends. A later recomputation of the block computes such outputs again.
+            self.kept.outputs.clear()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.decide(func, args, kwargs):

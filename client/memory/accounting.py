@@ -73,10 +73,11 @@ class _Held:
 
     __slots__ = ("__weakref__", "key", "owner", "tensor")
 
-    def __init__(self, owner: SavedTensorAccounting, key: tuple[str, int], tensor: torch.Tensor) -> None:
+    def __init__(self, owner: SavedTensorAccounting, key: tuple[str, int], tensor: torch.Tensor | None) -> None:
         self.owner = owner
         self.key = key
         self.tensor = tensor
+        """The tensor autograd saved; None for a count that :meth:`SavedTensorAccounting.hold` keeps without it."""
 
     def __del__(self) -> None:
         self.owner._release(self.key)
@@ -171,7 +172,7 @@ class SavedTensorAccounting:
 
     @staticmethod
     def unpack(held: Any) -> torch.Tensor:
-        return held.tensor if isinstance(held, _Held) else held  # type: ignore[no-any-return]
+        return held.tensor if isinstance(held, _Held) else held  # type: ignore[no-any-return,return-value]
 
     def _release(self, key: tuple[str, int]) -> None:
         with self._lock:
@@ -192,6 +193,10 @@ class SavedTensorAccounting:
         held = [h for h in (self._pack(t) for t in tensors) if isinstance(h, _Held)]
         if not held:
             return
+        for h in held:
+            # Counted, not kept: the checkpoint frees what it kept once its recomputation has used it, and a
+            # reference here would hold each block's kept outputs until its backward ends.
+            h.tensor = None
         self._held.append(held)
         watch = [t for t in until_grad_of if t.requires_grad]
         if watch:
@@ -210,12 +215,15 @@ class SavedTensorAccounting:
         if nbytes <= 0 or not outs:
             return
         token = object()
+        # The hook keeps ids, not the outputs: a hook lives on the output's own autograd node, so a tensor
+        # captured here would live until backward ends, a block's output more per block on the real peak.
+        out_ids = [id(t) for t in outs]
 
         def start(_grads: object) -> None:
             # The block after this one is done: what it held until this gradient is freed before this
             # block rematerialises anything (its own hook, registered later, fires after this one).
-            for t in outs:
-                for held in self._held_until.pop(id(t), ()):
+            for key in out_ids:
+                for held in self._held_until.pop(key, ()):
                     held.clear()
             # Backward runs blocks one after another: the previous block's rematerialised
             # activations are gone once the next one starts (its end hook may fire after this).
