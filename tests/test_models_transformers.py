@@ -68,17 +68,17 @@ def gpt2(attn: str) -> Case:
 
 
 def decoder(config_cls: str, model_cls: str, attn: str | None = None, **extra: Any) -> Case:
-    cfg = getattr(transformers, config_cls)(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-        **extra,
-    )
+    settings: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # grouped-query attention
+        "max_position_embeddings": 64,
+        "attention_dropout": 0.1,
+    }
+    cfg = getattr(transformers, config_cls)(**{**settings, **extra})
     return Case(
         seeded(lambda: getattr(transformers, model_cls)(cfg), attn),
         causal_lm_batch(left_padding=True),
@@ -180,6 +180,60 @@ CASES: dict[str, Callable[[], Case]] = {
         output_router_logits=True,
         router_aux_loss_coef=0.1,
     ),
+    "qwen2-moe": lambda: decoder(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    ),
+    "qwen3-moe": lambda: decoder(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    ),
+    "olmoe": lambda: decoder(
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        num_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    ),
+    "deepseek-v3": lambda: decoder(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,  # a dense block, then a mixture of experts
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        num_key_value_heads=4,  # latent attention: as many key/value heads as query heads
+    ),
+    "gpt-oss": lambda: decoder(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=8,
+        sliding_window=8,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    ),
     "bert": bert,
     "t5": t5,
     "bart": bart,
@@ -194,6 +248,11 @@ BLOCKS = {
     "qwen2": ["model.layers.0", "model.layers.1"],
     "mistral": ["model.layers.0", "model.layers.1"],
     "mixtral-moe": ["model.layers.0", "model.layers.1"],
+    "qwen2-moe": ["model.layers.0", "model.layers.1"],
+    "qwen3-moe": ["model.layers.0", "model.layers.1"],
+    "olmoe": ["model.layers.0", "model.layers.1"],
+    "deepseek-v3": ["model.layers.0", "model.layers.1"],
+    "gpt-oss": ["model.layers.0", "model.layers.1"],
     "bert": ["bert.encoder.layer.0", "bert.encoder.layer.1"],
     "t5": ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"],
     "bart": ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0", "model.decoder.layers.1"],
