@@ -141,3 +141,41 @@ def _wait_status(http: httpx.Client, status: int, seconds: float = 20.0) -> http
         if r.status_code == status or time.monotonic() > deadline:
             return r
         time.sleep(0.2)
+
+
+def test_a_rank_live_on_one_replica_is_refused_on_the_other_until_its_stream_ends(replicas: list[Served]) -> None:
+    """A restarted trainer that reaches the other replica before its old stream has ended, with the job's own
+    credential: refused there (ABORTED, the holder named, which the client retries quietly) while the first
+    replica's stream lives, and taken once it has ended, its plan versions going on above every stored one, none
+    stored twice."""
+    http = httpx.Client(base_url=replicas[1].http, timeout=20, headers={"authorization": f"Bearer {TOKEN}"})
+    first = RawRank(replicas[0].grpc, "forked", 0, 1, token=TOKEN)
+    second = RawRank(replicas[1].grpc, "forked", 0, 1, token=TOKEN)
+    try:
+        first.connect()
+        for _ in range(3):
+            first.step()
+        with pytest.raises(grpc.RpcError) as refused:
+            second.connect()
+        assert refused.value.code() == grpc.StatusCode.ABORTED, refused.value
+        assert "is held by" in (refused.value.details() or ""), refused.value.details()
+        first.step(peak=10**12)  # the first replica still serves it: a step far over the budget tightens
+        first.close()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                second.connect()
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.ABORTED and time.monotonic() < deadline, err
+                time.sleep(0.2)
+        second.step()
+        second.step(peak=10**12)
+        assert min(second.plan_versions) > max(first.plan_versions), (first.plan_versions, second.plan_versions)
+        plans = http.get("/api/v1/jobs/forked/plans", params={"limit": 1000}).json()["plans"]
+        versions = [p["version"] for p in plans if p["rank"] == 0]
+        assert len(versions) == len(set(versions)), sorted(versions)
+    finally:
+        first.close()
+        second.close()
+        http.close()

@@ -26,7 +26,7 @@ from rematd.server.core.rank_writes import RankWrites, warm_row
 from rematd.server.core.sessions import RankSession, Sessions
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store.rows import LastStepRow, OomRow, StepRow, WarmPlanRow, keys
-from rematd.server.store.store import Store
+from rematd.server.store.store import RankHeldElsewhere, Store
 
 log = logging.getLogger("rematd.server")
 
@@ -121,7 +121,14 @@ class TrainingSide:
             self.controls.reopen(job, now)
             new_plan = (resumed is None or jumped) and not recorded
             row = policy.plan_row(session.sent, len(hello.blocks), hello.profile_shape.seq_len) if new_plan else None
-            self.writes.opened(hello, now, row)
+            try:
+                self.writes.opened(hello, now, row)
+            except RankHeldElsewhere as err:
+                self.metrics.invalid_messages.inc()
+                raise SessionTaken(
+                    f"rank {hello.rank} of job {job!r} is held by {err}, live on another stream; "
+                    "retry once that stream has ended"
+                ) from None
             if new_plan:
                 self.metrics.plans_issued.labels(job).inc()
             with self.sessions.lock:

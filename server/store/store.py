@@ -16,6 +16,7 @@ A slow database, for a test without a mock: a ``before_cursor_execute`` listener
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -73,6 +74,25 @@ _UPSERT_RANK = RANKS.insert()
 _RANKS = f"SELECT job, rank, device, {RANK_STATE} AS state, last_stats FROM ranks"
 _HEARTBEAT = """INSERT INTO holders (holder, seen_at) VALUES (:holder, :now)
     ON CONFLICT(holder) DO UPDATE SET seen_at=excluded.seen_at"""
+_HELD_ELSEWHERE = """SELECT ranks.holder FROM ranks WHERE ranks.job=:job AND ranks.rank=:rank
+    AND ranks.state='connected' AND ranks.holder IS NOT NULL AND ranks.holder <> :holder
+    AND EXISTS (SELECT 1 FROM holders h WHERE h.holder = ranks.holder AND h.seen_at >= :alive)"""
+"""The process, not this one and alive, whose stream holds a rank connected."""
+
+
+class RankHeldElsewhere(Exception):
+    """A hello for a rank that another live process of the service (a worker, a replica) holds on a stream."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"another process of the service ({holder})")
+        self.holder = holder
+
+
+def _rank_lock(job: str, rank: int) -> int:
+    """A PostgreSQL advisory lock's key for one (job, rank): hellos of a rank on two replicas, one at a time."""
+    digest = hashlib.blake2b(f"{job}\0{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
 
 _ADD_PLAN = PLANS.insert()
 _ADD_OOM = OOM_EVENTS.insert()
@@ -302,16 +322,28 @@ class Store:
         device: str = "",
         plan: PlanRow | None = None,
     ) -> None:
-        """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on."""
+        """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on. Raises
+        RankHeldElsewhere, writing nothing, while another live process of the service holds the rank on a
+        stream: two processes that both took it would each number its plans on from the same version."""
         with self._writing(), self._lock, self.engine.begin() as conn:
-            job_row: JobRow = {"job": job, "created_at": now, "updated_at": now, "ended_at": None,
-                               "world_size": world_size, "num_blocks": num_blocks, "budget_bytes": budget_bytes,
-                               "model_fingerprint": fingerprint, "device": device}  # fmt: skip
-            conn.execute(text(_UPSERT_JOB), dict(job_row))
-            rank_row: RankRow = {"job": job, "rank": rank, "device": device, "state": "connected", "last_stats": None}
-            conn.execute(text(_UPSERT_RANK), {**rank_row, "holder": self.holder})
-            if plan is not None:
-                conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
+            if conn.dialect.name == "postgresql":
+                # Held to the transaction's end: a second replica's hello reads the rank once this one's is in.
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _rank_lock(job, rank)})
+            row = conn.execute(text(_HELD_ELSEWHERE), {"job": job, "rank": rank, **self._liveness()}).first()
+            held = str(row[0]) if row is not None and not gone_here(str(row[0])) else None
+            if held is None:
+                job_row: JobRow = {"job": job, "created_at": now, "updated_at": now, "ended_at": None,
+                                   "world_size": world_size, "num_blocks": num_blocks, "budget_bytes": budget_bytes,
+                                   "model_fingerprint": fingerprint, "device": device}  # fmt: skip
+                conn.execute(text(_UPSERT_JOB), dict(job_row))
+                rank_row: RankRow = {"job": job, "rank": rank, "device": device, "state": "connected",
+                                     "last_stats": None}  # fmt: skip
+                conn.execute(text(_UPSERT_RANK), {**rank_row, "holder": self.holder})
+                if plan is not None:
+                    conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
+        if held is not None:
+            # Raised outside the write's tracking: a refusal, not a store that fails.
+            raise RankHeldElsewhere(held)
 
     def set_rank_state(self, *, job: str, rank: int | None = None, state: str) -> None:
         if rank is None:
