@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -137,6 +137,9 @@ class BlockMeasure:
     input_bytes: int = 0
     forward_seconds: float = 0.0
     modes: tuple[ModeCost, ...] = ()
+    kept_needed: dict[Mode, tuple[bool, ...]] = field(default_factory=dict)
+    """Per op policy, of the outputs it keeps in the order the forward makes them, whether backward needs each
+    (an op saves it): the others are let go once the block's backward begins."""
 
 
 class Profiler:
@@ -235,19 +238,30 @@ class Profiler:
                 )
             )
         return BlockMeasure(
-            saved_bytes=store.bytes, input_bytes=inp_size.bytes, forward_seconds=seconds, modes=tuple(modes)
+            saved_bytes=store.bytes,
+            input_bytes=inp_size.bytes,
+            forward_seconds=seconds,
+            modes=tuple(modes),
+            kept_needed=self._kept_needed(),
         )
 
     def _policy_cost(self, mode: Mode, inp: dict[Key, tuple[int, int, int]]) -> ModeCost:
         """An op policy's mode: it keeps the block's input and the outputs its policy keeps; its recomputation
-        runs the other ops again, and its dispatch costs every op twice (forward and recomputation)."""
-        kept = {**inp, **self._entries(self.timer.kept[mode])}
+        runs the other ops again, and its dispatch costs every op twice (forward and recomputation). A kept
+        output that no op saves for backward is let go once the recomputation has used it: by the time the
+        block rematerialises it holds what storing would, and its input."""
+        outputs = self._entries(self.timer.kept[mode])
+        kept = {**inp, **outputs}
         return ModeCost(
             mode=mode,
             kept=_size(kept),
             transient=_size(self.saved, exclude=set(kept)),
             extra_seconds=self.timer.other_seconds[mode] + 2 * self.timer.ops * dispatch_seconds(),
+            released=_size({k: v for k, v in outputs.items() if k not in self.saved and k not in inp}),
         )
+
+    def _kept_needed(self) -> dict[Mode, tuple[bool, ...]]:
+        return {mode: tuple(storage_key(t) in self.saved for t in kept) for mode, kept in self.timer.kept.items()}
 
     def _part_cost(self, mode: Mode) -> ModeCost:
         """A part's mode: the block keeps what storing keeps but what only the part saved, and the part's input;

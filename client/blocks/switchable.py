@@ -326,6 +326,12 @@ class SwitchableBlock:
         if acct is None:
             return
         inputs = tensors_in([args, kwargs])
+        needed = self.measure.kept_needed.get(mode) if self.measure is not None else None
+        if kept and needed is not None and len(needed) == len(kept):
+            # Those backward does not need are let go once the recomputation has used them, as the block's
+            # backward begins (the profile found which, in the forward's order).
+            acct.hold([t for t, need in zip(kept, needed, strict=True) if not need], until_grad_of=tensors_in([output]))
+            kept = [t for t, need in zip(kept, needed, strict=True) if need]
         acct.hold([*inputs, *kept], until_grad_of=inputs)
         acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), inputs)
 
