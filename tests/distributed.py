@@ -44,6 +44,8 @@ def run_ranks(
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world),
             "OMP_NUM_THREADS": "1",
+            # A rank that dies of a signal prints every thread's Python stack first: a native crash says where.
+            "PYTHONFAULTHANDLER": "1",
             "REMATD_CONFIG": json.dumps(config),
             "REMATD_RESULT": str(tmp / f"{worker}-rank{rank}.json"),
         }

@@ -79,10 +79,11 @@ def test_compiled_variants_switch_share_graphs_and_match_eager() -> None:
     for step, (g, e) in enumerate(zip(grads, eager_grads, strict=True)):
         assert _largest_relative_error(g, e) == 0.0, step
     # What the compiled functions save passes the accounting's hooks, so the CPU budget still binds.
-    # The partitioner saves its own choice: measured 5% more than eager autograd under store, up to
-    # 22% less with selective blocks (it keeps only the kept outputs backward reads).
+    # The partitioner saves its own choice: measured 3% more than eager autograd under store, 23% more
+    # with a selective block, whose eager count lets go of the kept outputs no op saves as the block's
+    # backward begins (as torch frees them) where the compiled function's saved set lives to its end.
     for step, (c, e) in enumerate(zip(step_stats, eager_stats, strict=True)):
-        assert 0.5 * e.saved_peak_bytes < c.saved_peak_bytes <= 1.1 * e.saved_peak_bytes, step
+        assert 0.5 * e.saved_peak_bytes < c.saved_peak_bytes <= 1.3 * e.saved_peak_bytes, step
     per_step = [s.recompiles for s in step_stats]
     # Profiling runs eagerly; the next step compiles store, selective and recompute ahead, one graph
     # each for both blocks (a graph per block instance would be 6); the second length recompiles the
@@ -315,5 +316,6 @@ def test_compiled_benchmark_runs_its_strategies_on_the_cpu() -> None:
     rows = bench.rematd_through(setup, [2**30, 1])
     assert [r["graphs"] for r in rows] == [3, 3]
     # A byte fits nothing: the leanest plan recomputes the first block (the last one's stored activations
-    # are released before it rematerialises, so recomputing that one too would keep more).
-    assert rows[0]["modes"] == ".." and rows[1]["modes"] in ("RR", "R.")
+    # are released before it rematerialises, so recomputing that one too would keep more; selective there
+    # lets go of the kept outputs its backward does not read, as recomputing it would).
+    assert rows[0]["modes"] == ".." and rows[1]["modes"] in ("RR", "R.", "Rs")
