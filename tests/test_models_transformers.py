@@ -165,6 +165,9 @@ def vit() -> Case:
     return Case(seeded(lambda: transformers.ViTForImageClassification(cfg)), batch, hf_loss)
 
 
+ROUTER: dict[str, Any] = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+"""The mixtures of experts' routers: each token to its top 2 experts, the router's auxiliary loss in the loss."""
+
 CASES: dict[str, Callable[[], Case]] = {
     "gpt2-eager": lambda: gpt2("eager"),
     "gpt2-sdpa": lambda: gpt2("sdpa"),
@@ -176,36 +179,28 @@ CASES: dict[str, Callable[[], Case]] = {
         "MixtralConfig",
         "MixtralForCausalLM",
         num_local_experts=4,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        router_aux_loss_coef=0.1,
+        **ROUTER,
     ),
     "qwen2-moe": lambda: decoder(
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
         num_experts=4,
-        num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
-        output_router_logits=True,
-        router_aux_loss_coef=0.1,
+        **ROUTER,
     ),
     "qwen3-moe": lambda: decoder(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
         num_experts=4,
-        num_experts_per_tok=2,
         moe_intermediate_size=32,
-        output_router_logits=True,
-        router_aux_loss_coef=0.1,
+        **ROUTER,
     ),
     "olmoe": lambda: decoder(
         "OlmoeConfig",
         "OlmoeForCausalLM",
         num_experts=4,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        router_aux_loss_coef=0.1,
+        **ROUTER,
     ),
     "deepseek-v3": lambda: decoder(
         "DeepseekV3Config",
@@ -228,11 +223,9 @@ CASES: dict[str, Callable[[], Case]] = {
         "GptOssConfig",
         "GptOssForCausalLM",
         num_local_experts=4,
-        num_experts_per_tok=2,
         head_dim=8,
         sliding_window=8,
-        output_router_logits=True,
-        router_aux_loss_coef=0.1,
+        **ROUTER,
     ),
     "bert": bert,
     "t5": t5,

@@ -325,15 +325,16 @@ class SwitchableBlock:
         acct = self._counting()
         if acct is None:
             return
-        inputs = tensors_in([args, kwargs])
+        inputs, outputs = tensors_in([args, kwargs]), tensors_in([output])
         needed = self.measure.kept_needed.get(mode) if self.measure is not None else None
         if kept and needed is not None and len(needed) == len(kept):
             # Those backward does not need are let go once the recomputation has used them, as the block's
             # backward begins (the profile found which, in the forward's order).
-            acct.hold([t for t, need in zip(kept, needed, strict=True) if not need], until_grad_of=tensors_in([output]))
+            unneeded = [t for t, need in zip(kept, needed, strict=True) if not need]
             kept = [t for t, need in zip(kept, needed, strict=True) if need]
+            acct.hold(unneeded, until_grad_of=outputs)
         acct.hold([*inputs, *kept], until_grad_of=inputs)
-        acct.rematerialise(self._transient_bytes(mode), tensors_in([output]), inputs)
+        acct.rematerialise(self._transient_bytes(mode), outputs, inputs)
 
     def count_part(self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """On the CPU's accounting, a part that recomputed: what it brings back in backward (its input is saved
