@@ -4,8 +4,9 @@
 ranks (gloo) over the default group, as a device mesh's group or ZeRO-3's data-parallel group would run it, for a
 model of ``--blocks`` blocks, each rank putting forward modes of its own. It counts, at the dispatcher, the
 collectives each step issues and the bytes each rank hands them, checks that every rank runs, per block, the
-leanest mode any rank put forward, and prints a table. The figures do not grow with the world: one all-reduce of
-a byte per block a step (and, at the first step only, one of two integers that checks the ranks' block counts).
+leanest mode any rank put forward and shows the newest plan version any put forward, and prints a table. The
+figures do not grow with the world: one all-reduce a step of a 32-bit integer per block and one for the version
+(and, at the first step only, one of two integers that checks the ranks' block counts).
 """
 
 from __future__ import annotations
@@ -58,16 +59,23 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     for step in range(args.steps):
         rng = random.Random(1000 * step + rank)
         codes = [rng.choice((0, 2, 4)) for _ in range(args.blocks)]
+        version = rng.randrange(1, 100)
         counted = _Collectives()
         began = time.perf_counter()
         with counted:
-            agreed = agreement.agree(codes)
+            agreed, shown = agreement.agree(codes, version)
         seconds = time.perf_counter() - began
-        everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyone, codes)
-        leanest = [max(column) for column in zip(*everyone, strict=True)]
+        everyone: list[tuple[list[int], int]] = [([], 0) for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, (codes, version))
+        leanest = [max(column) for column in zip(*(c for c, _ in everyone), strict=True)]
+        newest = max(v for _, v in everyone)
         steps.append(
-            {"collectives": counted.count, "bytes": counted.bytes, "seconds": seconds, "ok": agreed == leanest}
+            {
+                "collectives": counted.count,
+                "bytes": counted.bytes,
+                "seconds": seconds,
+                "ok": agreed == leanest and shown == newest,
+            }
         )
     dist.destroy_process_group()
     return {"rank": rank, "world": dist.get_world_size() if dist.is_initialized() else 0, "steps": steps}

@@ -12,8 +12,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_launcher(module: str, args: list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None) -> str:
-    """Run ``python -m <module> <args>`` (a launcher that starts ranks of its own); its standard output.
+def run_launcher(
+    module: str,
+    args: list[str],
+    *,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    with_stderr: bool = False,
+) -> str:
+    """Run ``python -m <module> <args>`` (a launcher that starts ranks of its own); its standard output (and
+    after it its standard error, ``with_stderr``).
 
     It runs in a session of its own: on a timeout the launcher and the ranks it started are killed together."""
     proc = subprocess.Popen(
@@ -32,4 +40,4 @@ def run_launcher(module: str, args: list[str], *, timeout: float = 300.0, env: d
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    return stdout
+    return f"{stdout}\n{stderr}" if with_stderr else stdout

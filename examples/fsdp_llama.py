@@ -7,7 +7,7 @@ torchtitan's order: rematd attaches to the unsharded model (checkpointing each b
 the model are sharded with ``fully_shard``, then the optimizer is made over the sharded parameters and
 handed to the handle. The sequence length grows and shrinks over the run; each rank prints its plan per
 step in rematd's letters (``.`` store, ``R`` recompute; the README's
-table of modes has the rest), the same on every rank.
+table of modes has the rest), the same on every rank, and each new plan's reason.
 
 On the CPU the budget covers what a device would hold: the rank's shards (parameters, gradients, optimizer
 state), the parameters FSDP gathers, and the activations saved for backward.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -55,16 +56,26 @@ def llama(layers: int, hidden: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+_SAID: dict[int, int] = {}
+"""The plan version whose reason each rank printed last."""
+
+
 def say(h: client.Handle, rank: int, step: int, seq: int, budget: int, loss: torch.Tensor) -> None:
-    """One line per step: the plan the rank ran, its peak against the budget."""
+    """One line per step: the plan the rank ran, its peak against the budget; and a plan's reason when a
+    new plan comes into force."""
     memory = h.last_memory  # on CUDA the allocator's peak; on the CPU the accounting's
     peak = (memory.peak_allocated_bytes or memory.saved_peak_bytes) if memory is not None else 0
-    plan = letters(h.modes)  # rematd's letters: README's table of modes
-    print(
-        f"rank {rank} step {step:3d} seq {seq:5d} plan {plan} v{h.plan.version} "
-        f"peak {peak / 2**20:8.1f} MiB budget {budget / 2**20:8.1f} MiB loss {loss.item():.3f}",
-        flush=True,
+    plan = h.plan  # the plan this step ran; the ranks that run one plan show one version
+    said = ""
+    if _SAID.get(rank) != plan.version:
+        _SAID[rank] = plan.version
+        said = f"rank {rank} plan v{plan.version}: {plan.reason}\n"
+    # One write: the ranks share the terminal, and a write of a few KiB lands whole.
+    sys.stdout.write(
+        f"{said}rank {rank} step {step:3d} seq {seq:5d} plan {letters(h.modes)} v{plan.version} "
+        f"peak {peak / 2**20:8.1f} MiB budget {budget / 2**20:8.1f} MiB loss {loss.item():.3f}\n"
     )
+    sys.stdout.flush()
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ The model is split torchtitan's way: every rank builds the whole model, keeps it
 ``ModuleDict`` by layer id, the others deleted) and drops the embedding or the head it does not hold. The
 stages run ``Schedule1F1B``: the first stage holds the activations of as many microbatches as there are stages,
 the last one of one, so at one budget the first stages recompute and the last ones need not. Each rank prints
-its stage's plan per step (``.`` store, ``s`` selective, ``R`` recompute) and its peak against the budget.
+its stage's plan per step (``.`` store, ``s`` selective, ``R`` recompute) and its peak against the budget, and
+each new plan's reason.
 
 On the CPU the budget caps the bytes saved for backward.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -104,6 +106,7 @@ def main() -> None:
     # the schedule keeps alive at once on it. Every rank of the job passes the same job=.
     h = client.attach(schedule, optimizer=opt, budget_bytes=budget, job="llama-pipeline", server=args.server)
     gen = torch.Generator().manual_seed(0)
+    said = -1  # the plan version whose reason was printed last
     for step in range(args.steps):
         batch = torch.randint(0, 4096, (args.microbatches * args.microbatch, args.seq), generator=gen).to(device)
         losses: list[torch.Tensor] = []
@@ -118,11 +121,15 @@ def main() -> None:
         memory = h.last_memory
         peak = (memory.peak_allocated_bytes or memory.saved_peak_bytes) if memory is not None else 0
         loss = f" loss {torch.stack(losses).mean().item():.3f}" if losses else ""
-        print(
-            f"stage {rank} step {step:3d} plan {letters(h.modes)} v{h.plan.version} "
-            f"peak {peak / 2**20:7.1f} MiB budget {budget / 2**20:7.1f} MiB{loss}",
-            flush=True,
+        plan = h.plan  # the plan this step ran
+        reason = f"stage {rank} plan v{plan.version}: {plan.reason}\n" if plan.version != said else ""
+        said = plan.version
+        # One write: the ranks share the terminal, and a write of a few KiB lands whole.
+        sys.stdout.write(
+            f"{reason}stage {rank} step {step:3d} plan {letters(h.modes)} v{plan.version} "
+            f"peak {peak / 2**20:7.1f} MiB budget {budget / 2**20:7.1f} MiB{loss}\n"
         )
+        sys.stdout.flush()
     h.close()
     dist.destroy_process_group()
 

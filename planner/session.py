@@ -32,7 +32,10 @@ class PlannerSession:
         static_bytes: int = 0,
         config: ControllerConfig | None = None,
         first_version: int = 1,
+        budget_note: str = "",
     ) -> None:
+        """``budget_note``: where the budget came from, said after the first plan's reason (a budget nobody
+        gave: the device's memory)."""
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}")
         self.profile = profile
@@ -47,9 +50,10 @@ class PlannerSession:
         self._priced_static = static_bytes
         """The static memory the plan in force was priced for."""
         self._recent: OrderedDict[int, Plan] = OrderedDict()
-        self._plan = self._make(
-            self.controller.initial(budget_bytes=budget_bytes, static_bytes=static_bytes), first_version
-        )
+        first = self.controller.initial(budget_bytes=budget_bytes, static_bytes=static_bytes)
+        if budget_note:
+            first = dataclasses.replace(first, reason=f"{first.reason} ({budget_note})")
+        self._plan = self._make(first, first_version)
 
     @property
     def plan(self) -> Plan:

@@ -126,7 +126,12 @@ def test_an_out_of_memory_error_on_one_rank_tightens_every_rank_at_its_next_step
 
 
 def test_fsdp_memory_is_in_the_plan_on_the_cpu_accounting_path(tmp_path: Path) -> None:
-    for rank, r in enumerate(run_ranks("fsdp_memory", tmp_path, world=2, config={})):
+    results = run_ranks("fsdp_memory", tmp_path, world=2, config={})
+    # The ranks run one plan and name it by one version, step by step.
+    assert [[(s["version"], s["modes"]) for s in r["runs"]] for r in results].count(
+        [(s["version"], s["modes"]) for s in results[0]["runs"]]
+    ) == 2, [r["runs"] for r in results]
+    for rank, r in enumerate(results):
         # FSDP's gathered weights are not activations: the sharded blocks profile as the unsharded ones.
         assert r["sharded_saved"] == r["plain_saved"], rank
         # The rank's shards (half the parameters, then their gradients and Adam's two moments) are static, and
@@ -170,6 +175,8 @@ def test_ranks_on_different_service_workers_run_one_plan(tmp_path: Path) -> None
     assert sorted(r["rank"] for r in job["ranks"]) == [0, 1] and job["world_size"] == 2
     for k in range(1, 6):
         assert results[0]["steps"][k]["modes"] == results[1]["steps"][k]["modes"], f"step {k}"
+        # One plan, one name: each rank's service session numbers its own plans, the ranks show the newest.
+        assert results[0]["steps"][k]["plan_version"] == results[1]["steps"][k]["plan_version"], f"step {k}"
     last = results[1]["steps"][-1]["modes"]
     assert last.count("RECOMPUTE") >= len(last) - 1, "rank 0's leaner plan was not run by rank 1"
     assert results[1]["adopted"] > 0 and results[0]["adopted"] == 0

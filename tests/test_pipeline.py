@@ -153,8 +153,10 @@ def test_the_agreement_costs_the_same_at_every_world_size(tmp_path: Path) -> Non
         assert len(ranks) == int(world)
         for r in ranks:
             assert all(s["ok"] for s in r["steps"]), r
-            # One all-reduce of a byte per block a step; the first adds one of two integers.
-            assert [(s["collectives"], s["bytes"]) for s in r["steps"]] == [(2, 16 + 24), (1, 24), (1, 24)]
+            # One all-reduce a step of a 32-bit integer per block and one for the plan's version; the first
+            # step adds one of two integers.
+            each = 4 * (24 + 1)
+            assert [(s["collectives"], s["bytes"]) for s in r["steps"]] == [(2, 8 + each), (1, each), (1, each)]
             seen.add(json.dumps([(s["collectives"], s["bytes"]) for s in r["steps"]]))
     assert len(seen) == 1
 

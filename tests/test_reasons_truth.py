@@ -29,23 +29,30 @@ def table(plan: Plan) -> tuple[ShapePlan, ...]:
     return plan.shape_plans
 
 
+def check_figures(reason: str) -> int:
+    """Checks the figures ``reason`` quotes against each other; how many it checked."""
+    checked = 0
+    for _seq, peak, target in OVER.findall(reason):
+        assert size(peak) > size(target) * 0.999, reason  # the quoted sizes are rounded to 0.1
+        checked += 1
+    for _seq, peak, target in ROOM.findall(reason):
+        assert size(peak) <= size(target) * 1.001, reason
+        checked += 1
+    for low, high in TRIAL.findall(reason) + FITS.findall(reason):
+        assert size(low) <= size(high) * 1.001, reason
+        checked += 1
+    for budget, leanest in NO_FIT.findall(reason):
+        assert size(leanest) > size(budget) * 0.999, reason
+        checked += 1
+    return checked
+
+
 def check(history: list[Plan]) -> int:
     """Checks each plan's reason against its figures and the plan before it; how many figures it checked."""
     checked = 0
     for before, plan in zip([history[0], *history], history, strict=False):
         reason = plan.reason
-        for _seq, peak, target in OVER.findall(reason):
-            assert size(peak) > size(target) * 0.999, reason  # the quoted sizes are rounded to 0.1
-            checked += 1
-        for _seq, peak, target in ROOM.findall(reason):
-            assert size(peak) <= size(target) * 1.001, reason
-            checked += 1
-        for low, high in TRIAL.findall(reason) + FITS.findall(reason):
-            assert size(low) <= size(high) * 1.001, reason
-            checked += 1
-        for budget, leanest in NO_FIT.findall(reason):
-            assert size(leanest) > size(budget) * 0.999, reason
-            checked += 1
+        checked += check_figures(reason)
         if reason.startswith("loosen"):
             assert recomputes_less(table(before), table(plan)), (before.shape_plans, plan.shape_plans, reason)
             checked += 1
@@ -75,3 +82,23 @@ def test_a_sessions_loosenings_quote_room_under_the_target_they_had() -> None:
     reasons = [p.reason for p in history]
     assert check(history) >= 3, reasons
     assert any(ROOM.search(r) for r in reasons) and any(OVER.search(r) for r in reasons), reasons
+
+
+def test_a_budget_nobody_gave_is_named_as_the_hosts_memory() -> None:
+    import torch
+
+    from rematd import client
+    from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
+
+    model = TinyGPT(GPTConfig(n_layer=2, d_model=32))
+    h = client.attach(model, planner_thread=False)
+    try:
+        for _ in range(2):
+            lm_loss(model, torch.randint(0, 100, (2, 17))).backward()
+            h.step()
+        reason = h.plan.reason
+    finally:
+        h.close()
+    # The target quoted is the host's memory less the margin: the reason says so, and how to set a budget.
+    assert FITS.search(reason) and "no budget given: the budget is the host's memory" in reason, reason
+    assert "attach(budget_bytes=)" in reason

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import pytest
 from bench.launch import ROOT, run_launcher
 
 from .distributed import run_ranks
+from .test_examples import check_example
 
 MODES = ["store", "selective", "recompute", "compress"]
 FINE = ["store", "selective", "titan", "attention", "mlp", "recompute", "compress"]
@@ -111,12 +111,10 @@ def test_the_deepspeed_example_runs_to_the_end_switching_plans(tmp_path: Path) -
         *("--steps", "12", "--layers", "4", "--hidden", "64", "--batch", "2", "--seq", "32", "256", "32"),
         *("--budget-mib", "16"),
     ]  # fmt: skip
-    out = run_launcher("torch.distributed.run", args, timeout=280, env={**DS, "OMP_NUM_THREADS": "1"})
-    # The ranks print at once: a line may hold both.
-    steps = re.findall(r"rank (\d) step +(\d+) seq +\d+ plan (\S+) v\d+", out)
-    assert sorted((int(r), int(s)) for r, s, _ in steps) == [(r, s) for r in (0, 1) for s in range(12)], out
-    by_step = {int(s): plan for r, s, plan in steps if r == "0"}
-    assert all(plan == by_step[int(s)] for _, s, plan in steps), "the ranks ran different plans"
+    out = run_launcher("torch.distributed.run", args, timeout=280, env={**DS, "OMP_NUM_THREADS": "1"}, with_stderr=True)
+    # Every step of both ranks, one plan and version across them, true reasons, a warning for each step over.
+    printed = check_example(out, ranks=2, steps=12, agree=True)
+    by_step = {s: plan for (r, s), (plan, *_) in printed.steps.items() if r == 0}
     # The profiling step recomputes every block, and so do the steps before the planner's first plan is in (its
     # thread plans while they run); then store at 32 tokens; at 256 the budget makes it checkpoint, and back at 32
     # it stores again.

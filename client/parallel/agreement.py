@@ -8,9 +8,11 @@ microbatches.
 
 Each rank puts forward the modes its own planner chose for the step (with its out-of-memory retreat, its pins
 and its profiling), one code per block ordered by how little the mode keeps, and the group runs the leanest
-mode any rank put forward for each block: an all-reduce (maximum) of one byte per block over each of the
-group's process groups (one, or one per dimension of a device mesh), read back once. Its size is the model's,
-not the world's; an out-of-memory error on any rank tightens every rank of the group at its next step.
+mode any rank put forward for each block: an all-reduce (maximum) of one integer per block, and one for the
+plan's version, over each of the group's process groups (one, or one per dimension of a device mesh), read back
+once. Its size is the model's, not the world's; an out-of-memory error on any rank tightens every rank of the
+group at its next step. The ranks show the newest version any of them put forward as the plan's, so ranks that
+run one plan name it by one version.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ a typical block: how parts and op policies compare varies from model to model, a
 runs one plan). A block that profiles puts forward recomputing's code (profiling runs it as recomputing does)."""
 
 MODES = {code: mode for mode, code in CODES.items()}
+
+VERSION_CAP = 2**31 - 1
+"""The largest plan version the agreement carries (its integers are 32-bit)."""
 
 
 def leanest(offer: Collection[Mode]) -> Mode:
@@ -69,7 +74,7 @@ class Agreement:
         return len(self.groups)
 
     def describe(self) -> str:
-        return f"one plan per step over {self.what} ({self.collectives} all-reduce of a byte per block)"
+        return f"one plan per step over {self.what} ({self.collectives} all-reduce of an integer per block)"
 
     def _device(self) -> torch.device:
         import torch.distributed as dist
@@ -79,10 +84,10 @@ class Agreement:
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _max(self, values: Sequence[int], dtype: torch.dtype) -> list[int]:
+    def _max(self, values: Sequence[int]) -> list[int]:
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=dtype, device=self._device())
+        t = torch.tensor(values, dtype=torch.int32, device=self._device())
         Agreement.running = True
         try:
             for group in self.groups:
@@ -91,15 +96,16 @@ class Agreement:
             Agreement.running = False
         return [int(v) for v in t.tolist()]  # the one copy back to the host
 
-    def agree(self, codes: Sequence[int]) -> list[int]:
+    def agree(self, codes: Sequence[int], version: int) -> tuple[list[int], int]:
         """The codes every rank of the group runs this step, from this rank's (one of :data:`CODES` per
-        block): per block, the largest any rank put forward."""
+        block): per block, the largest any rank put forward; and the plan version the group shows, the newest
+        any rank put forward (``version``: this rank's plan's)."""
         if not self.enabled:
-            return list(codes)
+            return list(codes), version
         if not self._checked:
             # Every rank must reduce as many codes: a rank with other blocks turns the agreement off everywhere
             # at once, since every rank sees the largest count and the smallest.
-            most, least = self._max([len(codes), -len(codes)], torch.int64)
+            most, least = self._max([len(codes), -len(codes)])
             self._checked = True
             if most != -least:
                 self.enabled = False
@@ -110,8 +116,8 @@ class Agreement:
                     -least,
                     most,
                 )
-                return list(codes)
-        agreed = self._max(codes, torch.uint8)
+                return list(codes), version
+        *agreed, shown = self._max([*codes, min(version, VERSION_CAP)])
         if agreed != list(codes):
             self.adopted += 1
-        return agreed
+        return agreed, shown

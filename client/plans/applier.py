@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -59,6 +60,9 @@ class PlanApplier:
         self._shown: tuple[tuple[object, ...], Plan] | None = None
         self.ran_why = ""
         """Why the blocks run other modes than the plan's this step, when something after the plan set them."""
+        self.group_version: int | None = None
+        """Where ranks agree on one plan each step: the newest plan version any rank of the group put forward
+        this step, which the plan in force shows as its version (the ranks' planners number their plans apart)."""
 
     def invalidate(self) -> None:
         """The blocks' modes were set by other means (safe mode, a pin): set them at the next step."""
@@ -103,12 +107,24 @@ class PlanApplier:
         pins = self.pinned
         if pins is None:
             ran = tuple(b.mode for b in self.blocks)
-            key = (self.plan.version, self._shape, ran, self._lean, self.ran_why)
+            key = (self.plan.version, self._shape, ran, self._lean, self.ran_why, self.group_version)
             if self._shown is not None and self._shown[0] == key:
                 return self._shown[1]  # read each step (the budget watch): the same again costs nothing
-            plan = self._ran_plan(ran)
+            plan = self._as_group(self._ran_plan(ran))
             self._shown = (key, plan)
             return plan
+        return self._as_group(self._pinned_plan(pins))
+
+    def _as_group(self, plan: Plan) -> Plan:
+        """``plan`` under the version the ranks that agree show (itself where none agree)."""
+        shown = self.group_version
+        if shown is None or shown == plan.version:
+            return plan
+        why = f"v{shown} is the newest plan of the ranks that run one plan (this rank's planner's: v{plan.version})"
+        return dataclasses.replace(plan, version=shown, reason=f"{plan.reason}; {why}")
+
+    def _pinned_plan(self, pins: tuple[Mode, ...]) -> Plan:
+        """:meth:`in_force` under a pin."""
         version = self.plan.version
         cached = self._pin_plan
         if cached is not None and cached.version == version and cached.modes == pins:

@@ -260,7 +260,7 @@ class StepCycle:
         """Run the modes the ranks of the set-up's group agree on (per block the leanest any put forward)."""
         assert self.setup.agreement is not None
         own = [CODES[b.mode] for b in self.blocks]
-        chosen = self.setup.agreement.agree(own)
+        chosen, self.applier.group_version = self.setup.agreement.agree(own, self.applier.plan.version)
         if chosen == own:
             return
         self.applier.ran_why = "the ranks agreed on the leanest mode any put forward"

@@ -47,6 +47,6 @@ class BudgetWatch:
         if version > self._said_no_fit and looked != self._looked:
             self._looked = looked
             plan = in_force()
-            if plan.version > self._said_no_fit and "no plan fits" in plan.reason:
-                self._said_no_fit = plan.version
+            if "no plan fits" in plan.reason:
+                self._said_no_fit = version  # the planner's own version (ranks that agree show the group's)
                 log.warning("rematd: plan v%d: %s", plan.version, plan.reason)

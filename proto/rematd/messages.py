@@ -26,6 +26,7 @@ from rematd.planner import (
     Size,
     StepObservation,
 )
+from rematd.planner.reasons import human_bytes
 from rematd.planner.records import quick
 
 # \Z, not $: "$" also matches before a final newline, which would let "victim\n" pass for a name.
@@ -341,7 +342,17 @@ def open_planner(
         static_bytes=hello.static_bytes,
         config=config,
         first_version=first_version,
+        budget_note=budget_note(hello),
     )
+
+
+def budget_note(hello: Hello) -> str:
+    """Where a rank's budget came from, when nobody gave one: the device's whole memory."""
+    if not hello.device_total_bytes or hello.budget_bytes != hello.device_total_bytes:
+        return ""
+    device = "the GPU's" if hello.memory_source == MEMORY_CUDA else "the host's"
+    total = human_bytes(hello.budget_bytes)
+    return f"no budget given: the budget is {device} memory, {total}; attach(budget_bytes=) sets one"
 
 
 def observation(hello: Hello, stats: StepStats) -> StepObservation:
