@@ -71,11 +71,17 @@ def fd_budget(options: HttpOptions) -> Budget:
 def framing_problem(head: bytes) -> str:
     """Why a request head (as far as it arrived) is refused, or ""."""
     at = head.find(b"\n")
+    hosts = 0
     while at >= 0:
         if at == 0 or head[at - 1] != 0x0D:
             return "a line of the request ends with a bare LF; use CRLF"
         if head[at + 1 : at + 2] in (b" ", b"\t") and head[:at].strip(b"\r\n"):
             return "a header is folded over lines (obsolete line folding)"
+        if head[at + 1 : at + 6].lower() == b"host:":
+            hosts += 1
+            if hosts > 1:
+                # h11 refuses it too, in plain text: said here as every other refusal is, naming the header.
+                return "the host header is given more than once"
         at = head.find(b"\n", at + 1)
     return ""
 
@@ -134,6 +140,12 @@ class GuardedH11(H11Protocol):
         oldest.transport.abort()  # the descriptor is free now, not after a close handshake
         self.connections.discard(oldest)
         return True
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse: refused in JSON, as every other answer is."""
+        self._disarm()
+        self.transport.write(_refusal(400, "Bad Request", msg))
+        self.transport.close()
 
     def waiting(self) -> bool:
         """Neither sending a request nor awaiting its response."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from importlib import resources
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -31,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import to_json
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
 
@@ -45,8 +48,18 @@ from rematd.server.runtime.allocator import give_back_soon
 from rematd.server.store.rows import ControlsRow, ModeName
 from rematd.server.store.store import Store
 from rematd.server.transport.auth import TokenAuth
-from rematd.server.transport.http_guard import bounded, install
-from rematd.server.transport.rest_models import Health, JobList, JobOoms, JobPlans, JobStats, NotReady, Ready
+from rematd.server.transport.http_guard import MAX_BODY_BYTES, bounded, install
+from rematd.server.transport.rest_models import (
+    Health,
+    Invalid,
+    JobList,
+    JobOoms,
+    JobPlans,
+    JobStats,
+    NotReady,
+    Problem,
+    Ready,
+)
 
 DOCS_ASSETS = "/docs-assets"
 RowsLimit = Annotated[int, Query(ge=1, le=MAX_ROWS_PAGE, description="rows a page holds")]
@@ -194,12 +207,32 @@ class TuneBody(BaseModel):
         return self
 
 
-_UNAUTHORIZED: dict[int | str, dict[str, object]] = {401: {"description": "missing or wrong bearer token"}}
-_STORE_AWAY: dict[int | str, dict[str, object]] = {503: {"description": "the store is out of reach (Retry-After)"}}
-_WRITES: dict[int | str, dict[str, object]] = {
+Responses = dict[int | str, dict[str, object]]
+
+
+def _problem(description: str) -> dict[str, object]:
+    return {"model": Problem, "description": description}
+
+
+_EVERY: Responses = {
+    400: _problem(
+        "headers that read two ways: one that says who is asking given twice, or a body framed by both "
+        "Content-Length and Transfer-Encoding"
+    ),
+    500: _problem("the service failed handling this request (its log says why)"),
+}
+"""What any request may be answered besides its route's own."""
+_UNAUTHORIZED: Responses = {401: _problem("missing or wrong bearer token")}
+_STORE_AWAY: Responses = {503: _problem("the store is out of reach, or other large reads are under way (Retry-After)")}
+_NO_JOB: Responses = {404: _problem("no job of that name")}
+_INVALID: Responses = {422: {"model": Invalid, "description": "a parameter or body the service cannot take"}}
+_WRITES: Responses = {
     **_UNAUTHORIZED,
     **_STORE_AWAY,
-    403: {"description": "sent from another site"},
+    **_NO_JOB,
+    **_INVALID,
+    403: _problem("sent from another site, or without a token to a name that is not loopback's"),
+    413: _problem(f"a body over {MAX_BODY_BYTES} bytes"),
 }
 
 
@@ -214,6 +247,7 @@ def create_app(
         summary="Activation-checkpointing plans for training jobs",
         docs_url=None,
         redoc_url=None,
+        responses=_EVERY,
     )
     install(app, auth=auth, on_unauthenticated=core.metrics.unauthenticated.labels("http").inc)
     _map_errors(app, core)
@@ -224,7 +258,9 @@ def create_app(
     def reader(request: Request) -> None:
         auth.check_read(request.headers.get("authorization"))
 
-    app.include_router(_job_reads(core), dependencies=[Depends(reader)], responses={**_UNAUTHORIZED, **_STORE_AWAY})
+    app.include_router(
+        _job_reads(core), dependencies=[Depends(reader)], responses={**_UNAUTHORIZED, **_STORE_AWAY, **_INVALID}
+    )
     app.include_router(_job_controls(core), responses=_WRITES)
     return app
 
@@ -238,7 +274,21 @@ def _map_errors(app: FastAPI, core: AdvisorCore) -> None:
 
     @app.exception_handler(InvalidMessage)
     async def _invalid(request: Request, exc: InvalidMessage) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"detail": bounded(str(exc)), "field": exc.field})
+        # The shape of a parameter the route's own validation refused, and the field named apart.
+        error = {"loc": [exc.field], "msg": bounded(str(exc)), "type": "value_error"}
+        return JSONResponse(status_code=422, content={"detail": [error], "field": exc.field})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code != 405:
+            return await http_exception_handler(request, exc)
+        # Starlette answers with the methods of the first route whose path matched; a path served by several
+        # routes (POST and DELETE of a pin) takes all of theirs, as the API's schema lists them.
+        said = (exc.headers or {}).get("Allow", "")
+        allowed = {m.strip() for m in said.split(",") if m.strip()} | methods.of(request.url.path)
+        return JSONResponse(
+            status_code=405, content={"detail": exc.detail}, headers={"Allow": ", ".join(sorted(allowed))}
+        )
 
     @app.exception_handler(Unauthenticated)
     async def _unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
@@ -250,6 +300,7 @@ def _map_errors(app: FastAPI, core: AdvisorCore) -> None:
         return JSONResponse(status_code=409, content={"detail": str(exc)})
 
     outage = _Outage()
+    methods = _Methods(app)
 
     @app.exception_handler(SQLAlchemyError)
     async def _store_away(request: Request, exc: SQLAlchemyError) -> JSONResponse:
@@ -261,6 +312,23 @@ def _map_errors(app: FastAPI, core: AdvisorCore) -> None:
         )
 
     app.add_middleware(_OutageWatch, outage=outage)
+
+
+class _Methods:
+    """The methods the API's schema serves at a path (read from the schema once, at the first 405)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._app = app
+        self._paths: list[tuple[re.Pattern[str], set[str]]] | None = None
+
+    def of(self, path: str) -> set[str]:
+        if self._paths is None:
+            self._paths = []
+            for template, operations in self._app.openapi().get("paths", {}).items():
+                pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))
+                served = {m.upper() for m in operations}
+                self._paths.append((re.compile(f"{pattern}$"), served | ({"HEAD"} if "GET" in served else set())))
+        return {m for pattern, served in self._paths if pattern.match(path) for m in served}
 
 
 class _OutageWatch:
@@ -406,11 +474,11 @@ def _job_reads(core: AdvisorCore) -> APIRouter:
 
         return lists.answer(read)
 
-    @router.get("/{job}", response_model=JobView)
+    @router.get("/{job}", response_model=JobView, responses=_NO_JOB)
     def job(job: str) -> Response:
         return _json(core.get_job(job))
 
-    @router.get("/{job}/plans", response_model=JobPlans)
+    @router.get("/{job}/plans", response_model=JobPlans, responses=_NO_JOB)
     def plans(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
         def read() -> dict[str, object]:
             page = core.plans_page(job, limit=limit, cursor=cursor)
@@ -418,7 +486,7 @@ def _job_reads(core: AdvisorCore) -> APIRouter:
 
         return lists.answer(read)
 
-    @router.get("/{job}/stats", response_model=JobStats)
+    @router.get("/{job}/stats", response_model=JobStats, responses=_NO_JOB)
     def stats(
         job: str,
         limit: int = Query(STATS_ROWS, ge=1, le=MAX_ROWS_PAGE, description="the latest steps, at most"),
@@ -430,7 +498,7 @@ def _job_reads(core: AdvisorCore) -> APIRouter:
             lambda: {"job": job, "stats": core.job_stats(job, limit=limit, since=since, until=until, rank=rank)}
         )
 
-    @router.get("/{job}/ooms", response_model=JobOoms)
+    @router.get("/{job}/ooms", response_model=JobOoms, responses=_NO_JOB)
     def ooms(job: str, limit: RowsLimit = ROWS_PAGE, cursor: Cursor = None) -> Response:
         def read() -> dict[str, object]:
             page = core.ooms_page(job, limit=limit, cursor=cursor)

@@ -28,6 +28,26 @@ class Ready(_Closed):
     status: Literal["ready"]
 
 
+class Problem(_Closed):
+    """Why a request was refused: what was wrong, in words (and the job it named, where there is none)."""
+
+    detail: str
+    job: str | None = Field(None, description="the job the path names, where it does not exist")
+
+
+class FieldError(_Closed):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Invalid(_Closed):
+    """A request whose parameters or body the service cannot take: each field and what was wrong with it."""
+
+    detail: list[FieldError]
+    field: str | None = Field(None, description="the field, where the service's own checks refused it")
+
+
 class NotReady(_Closed):
     detail: str
     failing_seconds: float | None = Field(None, description="how long the store has refused writes")
