@@ -134,6 +134,49 @@ def test_readiness_fails_while_postgresql_is_unreachable_and_returns_with_it() -
         cluster.remove()
 
 
+def test_readiness_fails_while_postgresql_takes_no_new_connections() -> None:
+    import psycopg
+
+    from bench.postgres import Cluster, pg_bin
+
+    if pg_bin() is None:
+        pytest.skip("PostgreSQL binaries are absent (Debian package 'postgresql', see scripts/system-packages.txt)")
+    # Few connections, none kept for superusers: the test takes every one the service is not holding.
+    cluster = Cluster(str(pg_bin()), "max_connections=10", "superuser_reserved_connections=0")
+    held: list[psycopg.Connection] = []
+    try:
+        cluster.start()
+        srv = launch(cluster.create(), "--log-level", "warning", env={"REMATD_TOKEN": TOKEN})
+        try:
+            with httpx.Client(base_url=srv.http, timeout=20) as http:
+                assert http.get("/readyz").status_code == 200
+                while True:
+                    try:
+                        held.append(psycopg.connect(f"host={cluster.sock} user=postgres dbname=rematd"))
+                    except psycopg.OperationalError as err:
+                        assert "too many clients" in str(err), err
+                        break
+                # The service's pooled connection still writes; a hello that needs another cannot be served.
+                r = _wait_status(http, 503)
+                assert r.status_code == 503 and "too many clients" in r.json()["detail"], r.text
+                time.sleep(2.5)  # several probes later: it stays so
+                assert http.get("/readyz").status_code == 503
+                for conn in held:
+                    conn.close()
+                held.clear()
+                assert _wait_status(http, 200).status_code == 200
+                rank = RawRank(srv.grpc, "after-the-crowd", 0, 1, token=TOKEN)
+                rank.connect()
+                assert rank.plan_version >= 1
+                rank.close()
+        finally:
+            stop(srv.proc)
+    finally:
+        for conn in held:
+            conn.close()
+        cluster.remove()
+
+
 def _wait_status(http: httpx.Client, status: int, seconds: float = 20.0) -> httpx.Response:
     deadline = time.monotonic() + seconds
     while True:

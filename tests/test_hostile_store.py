@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
@@ -22,7 +23,10 @@ from rematd.server.store.schema import SCHEMA_VERSION
 from rematd.server.store.store import Store
 from rematd.server.store.write_probe import PROBE_EVERY_S, PROBE_TIMEOUT_S
 
+from .fleet_helpers import RawRank
 from .test_service_store import new_cluster, postgres_url  # noqa: F401  (a fixture)
+
+TOKEN = "hostile-store-token-0123456789"
 
 
 def _digest(path: Path) -> str:
@@ -237,11 +241,12 @@ def test_reads_while_postgresql_is_away_answer_503_and_say_so_once(tmp_path: Pat
 
 def test_a_frozen_database_turns_readiness_to_503_within_the_probe_timeout() -> None:
     """PostgreSQL stopped (SIGSTOP: its connections open, nothing answering): ``/readyz`` never waits on it,
-    answers 503 saying so once a probe write is overdue, and ready again once the server goes on."""
+    answers 503 saying so once a probe write is overdue, and so do REST reads, while hellos are told to try again
+    (UNAVAILABLE) at once; all serve again once the server goes on."""
     cluster = new_cluster()
     try:
         cluster.start()
-        srv = launch(cluster.create(), "--log-level", "warning")
+        srv = launch(cluster.create(), "--log-level", "warning", env={"REMATD_TOKEN": TOKEN})
         try:
             with httpx.Client(base_url=srv.http, timeout=10) as http:
                 assert http.get("/readyz").status_code == 200
@@ -259,12 +264,25 @@ def test_a_frozen_database_turns_readiness_to_503_within_the_probe_timeout() -> 
                         time.sleep(0.1)
                     assert "has not answered a probe write" in ready.json()["detail"], ready.json()
                     assert http.get("/healthz").status_code == 200
+                    began = time.monotonic()
+                    read = http.get("/api/v1/jobs")
+                    assert read.status_code == 503 and read.headers["retry-after"], read.text
+                    assert "not answering" in read.json()["detail"], read.text
+                    with pytest.raises(grpc.RpcError) as refused:
+                        RawRank(srv.grpc, "while-frozen", 0, 1, token=TOKEN).connect()
+                    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+                    assert "not answering" in str(refused.value.details())
+                    assert time.monotonic() - began < 3.0, "a read or a hello waited on the database"
                 finally:
                     cluster.thaw()
                 deadline = time.monotonic() + 30
                 while http.get("/readyz").status_code != 200:
                     assert time.monotonic() < deadline, "not ready again after the database went on"
                     time.sleep(0.2)
+                assert http.get("/api/v1/jobs").status_code == 200
+                rank = RawRank(srv.grpc, "after-the-freeze", 0, 1, token=TOKEN)
+                rank.connect()
+                rank.close()
         finally:
             stop(srv.proc)
     finally:

@@ -26,7 +26,7 @@ from rematd.planner import Plan
 from rematd.server.config import CoreConfig
 from rematd.server.core import plan_policy as policy
 from rematd.server.core.controls import OperatorControls, PinTarget
-from rematd.server.core.errors import JobNotFound, SessionError
+from rematd.server.core.errors import JobNotFound, SessionError, StoreStalled
 from rematd.server.core.ownership import JobTokens
 from rematd.server.core.paging import JOBS_PAGE, ROWS_PAGE, Page
 from rematd.server.core.plan_policy import (
@@ -94,7 +94,15 @@ class AdvisorCore:
         written before the rank counts as connected: a hello the store refuses leaves no connected
         rank (and no open-stream count) behind.
         """
+        self.store_answers()
         return self.training.open_session(hello)
+
+    def store_answers(self) -> None:
+        """Raise StoreStalled while the store's database is not answering: a hello or a read would wait on it
+        for as long as it is away."""
+        stalled = self.store.stalled()
+        if stalled:
+            raise StoreStalled(f"the service's store is not answering ({stalled})")
 
     def on_stats(self, session: RankSession, stats: StepStats) -> Plan | None:
         """One step's statistics; returns the plan to send when it changes. Never waits for the store: the

@@ -41,3 +41,8 @@ class Unauthenticated(PermissionError):
 
 class ShuttingDown(RuntimeError):
     """The service is draining and takes no new sessions."""
+
+
+class StoreStalled(RuntimeError):
+    """The store's database is not answering (a probe write is overdue): work that would wait on it is
+    refused at once rather than held for as long as the database is away."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import NullPool, StaticPool
 
 STORE_AWAY = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
 """Errors of the database itself being out of reach (a restart, a failover, a full pool), not of what was asked of
@@ -79,6 +79,15 @@ def warm(engine: Engine) -> None:
         conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").close()  # opens the journal and its index
     for conn in held:
         conn.close()
+
+
+PROBE_CONNECT_SECONDS = 5
+"""How long a probe waits for a new connection to a database server (the probe says it is late before)."""
+
+
+def unpooled(engine: Engine) -> Engine:
+    """An engine on ``engine``'s database server that opens a connection for each use and closes it after."""
+    return create_engine(engine.url, poolclass=NullPool, connect_args={"connect_timeout": PROBE_CONNECT_SECONDS})
 
 
 def open_engine(url: str) -> Engine:

@@ -43,7 +43,7 @@ from rematd.server.store.columns import (
     warm_plan_out,
 )
 from rematd.server.store.compaction import compact
-from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, warm, why
+from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, unpooled, warm, why
 from rematd.server.store.file_watch import FileWatch, Keeper, check_journal, sqlite_file
 from rematd.server.store.holders import HOLDER_TIMEOUT_SECONDS, RANK_STATE, gone_here, new_holder
 from rematd.server.store.rows import (
@@ -118,6 +118,9 @@ def _opened(url: str, path: str, lock: threading.RLock) -> Engine:
     return engine
 
 
+_PROBE = "INSERT INTO write_probe VALUES (1, :t) ON CONFLICT(id) DO UPDATE SET written_at = excluded.written_at"
+
+
 class Store:
     """Thread-safe access to the store.
 
@@ -148,8 +151,10 @@ class Store:
         self.on_write_failure: Callable[[], None] | None = None
         """Called once per failed write (the core counts them in a metric)."""
         self._last_probe = 0.0
-        self._server_probe = WriteProbe(self._probe_write) if self.dialect != "sqlite" else None
-        """A database server's probe writes, on a thread of their own (None for SQLite)."""
+        self._probe_engine = unpooled(self.engine) if self.dialect != "sqlite" else None
+        self._server_probe = WriteProbe(self._probe_server) if self.dialect != "sqlite" else None
+        """A database server's probe writes, on a thread of their own, each over a new connection (None for
+        SQLite)."""
         self.lost = ""
         """Why the store's file is not the store any more ("" while it is): writes stop until it is back."""
         self.holder = new_holder()
@@ -177,6 +182,8 @@ class Store:
         self._closed.set()
         if self._server_probe is not None:
             self._server_probe.close()
+        if self._probe_engine is not None:
+            self._probe_engine.dispose()
         self._flusher.join(5)
         pending = self.pending()
         try:
@@ -268,17 +275,24 @@ class Store:
                 self._probe_write()
         return self.failing_since is None
 
+    def stalled(self) -> str:
+        """Why the database server is not answering, known without waiting on it ("" while it answers, and for
+        SQLite): work that would wait on it should not start."""
+        return self._server_probe.late() if self._server_probe is not None else ""
+
     def _probe_write(self) -> None:
         """A write of a new value (SQLite skips a write that leaves a row as it was); its success clears a
         failure."""
         with self._writing(), self._lock, self.engine.begin() as conn:
-            conn.execute(
-                text(
-                    "INSERT INTO write_probe VALUES (1, :t) "
-                    "ON CONFLICT(id) DO UPDATE SET written_at = excluded.written_at"
-                ),
-                {"t": time.time()},
-            )
+            conn.execute(text(_PROBE), {"t": time.time()})
+        self.failing_since = None
+
+    def _probe_server(self) -> None:
+        """:meth:`_probe_write` over a connection opened for it, as a hello needs one when the pool must grow:
+        a server out of connections refuses it while the pool's own still work, and the store is not ready."""
+        assert self._probe_engine is not None
+        with self._writing(), self._probe_engine.begin() as conn:
+            conn.execute(text(_PROBE), {"t": time.time()})
         self.failing_since = None
 
     def _write(self, sql: str, params: Params | list[Params]) -> None:

@@ -52,6 +52,14 @@ class WriteProbe:
             return f"the database has not answered a probe write in {time.monotonic() - since:.1f} s", since
         return self._failure, None
 
+    def late(self) -> str:
+        """Why the database is not answering, without waiting: a probe write in flight past the timeout ("" while
+        none is)."""
+        since = self._since
+        if since is not None and time.monotonic() - since > self.timeout:
+            return f"the database has not answered a probe write in {time.monotonic() - since:.1f} s"
+        return ""
+
     def close(self) -> None:
         self._closed.set()
 

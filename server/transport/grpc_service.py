@@ -26,7 +26,14 @@ from rematd.messages import InvalidMessage, OomReport
 from rematd.planner import Plan
 from rematd.server.config import GrpcOptions
 from rematd.server.core.advisor import AdvisorCore, RankSession
-from rematd.server.core.errors import JobNotFound, SessionError, SessionTaken, ShuttingDown, Unauthenticated
+from rematd.server.core.errors import (
+    JobNotFound,
+    SessionError,
+    SessionTaken,
+    ShuttingDown,
+    StoreStalled,
+    Unauthenticated,
+)
 from rematd.server.runtime.gc_schedule import Collections
 from rematd.server.store.database import is_store_error
 from rematd.server.transport.auth import METADATA_KEY, TokenAuth
@@ -58,14 +65,22 @@ def status_of(err: BaseException) -> grpc.StatusCode:
     if isinstance(err, SessionTaken):
         # Retried by clients: once the other stream has ended, the rank may start a session of its own.
         return grpc.StatusCode.ABORTED
-    if isinstance(err, ShuttingDown):
+    if isinstance(err, (ShuttingDown, StoreStalled)):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(err, InvalidMessage):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
 
 
-_DOMAIN_ERRORS = (InvalidMessage, SessionError, SessionTaken, JobNotFound, Unauthenticated, ShuttingDown)
+_DOMAIN_ERRORS = (
+    InvalidMessage,
+    SessionError,
+    SessionTaken,
+    JobNotFound,
+    Unauthenticated,
+    ShuttingDown,
+    StoreStalled,
+)
 RECONNECT = "server shutting down; reconnect"
 
 

@@ -41,7 +41,7 @@ from rematd import __version__
 from rematd.messages import MAX_BLOCKS, MAX_INT, InvalidMessage
 from rematd.planner import Mode
 from rematd.server.core.advisor import JOB_STATES, AdvisorCore
-from rematd.server.core.errors import JobNotFound, SessionError, Unauthenticated
+from rematd.server.core.errors import JobNotFound, SessionError, StoreStalled, Unauthenticated
 from rematd.server.core.paging import JOBS_PAGE, MAX_JOBS_PAGE, MAX_ROWS_PAGE, ROWS_PAGE
 from rematd.server.core.views import STATS_ROWS, JobView
 from rematd.server.runtime.allocator import give_back_soon
@@ -257,6 +257,7 @@ def create_app(
 
     def reader(request: Request) -> None:
         auth.check_read(request.headers.get("authorization"))
+        core.store_answers()  # a read would wait on a database that does not answer: 503 at once
 
     app.include_router(
         _job_reads(core), dependencies=[Depends(reader)], responses={**_UNAUTHORIZED, **_STORE_AWAY, **_INVALID}
@@ -302,12 +303,14 @@ def _map_errors(app: FastAPI, core: AdvisorCore) -> None:
     outage = _Outage()
     methods = _Methods(app)
 
+    @app.exception_handler(StoreStalled)
     @app.exception_handler(SQLAlchemyError)
-    async def _store_away(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+    async def _store_away(request: Request, exc: Exception) -> JSONResponse:
         outage.failed(exc)
+        said = str(exc) if isinstance(exc, StoreStalled) else "the store is out of reach"
         return JSONResponse(
             status_code=503,
-            content={"detail": "the store is out of reach: reads answer again once it is back"},
+            content={"detail": bounded(f"{said}: reads answer again once it is back")},
             headers={"Retry-After": "5"},
         )
 
