@@ -288,7 +288,8 @@ class Handle:
 
     @property
     def history(self) -> list[Plan]:
-        """Every plan applied, in order."""
+        """Every plan the planner made for this rank, in order: each applied, and each a newer one replaced
+        before a step ran it (the first plan and a correction made at the same step)."""
         return self._applier.history
 
     @property

@@ -71,6 +71,9 @@ def test_the_demos_reasons_agree_with_their_figures() -> None:
     # Each step waits for the planner's answer: the same plans at the same steps, whatever the machine's load.
     history = train(cfg, server=None, job="reasons", sync=True, out=lambda _line: None).history
     reasons = [p.reason for p in history]
+    # Every plan the planner made, the first and any replaced before a step ran it included.
+    assert [p.version for p in history] == list(range(1, len(history) + 1)), [p.version for p in history]
+    assert history[0].reason.startswith("initial plan from profile"), history[0].reason
     assert check(history) >= 6, reasons
     # The longest steps fit no plan, whatever the step times; which loosenings and trials come before them
     # follows the machine's measured times, so the room a loosening quotes is checked by the session below.

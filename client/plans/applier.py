@@ -37,7 +37,10 @@ class PlanApplier:
         self._lock = threading.Lock()
         self.plan = NO_PLAN
         self._pending: Plan | None = None
+        self._superseded: list[Plan] = []
+        """Plans a newer one replaced while they waited for a step: they go into the history with it."""
         self.history: list[Plan] = []
+        """Every plan received, in order: each applied, and each a newer one replaced before a step ran it."""
         self.pinned: tuple[Mode, ...] | None = None
         """Modes fixed by hand (benchmarks, experiments); they win over any plan."""
         self.lean_after: int | None = None
@@ -153,6 +156,8 @@ class PlanApplier:
         """Called by the planner's side (any thread): keep the newest plan for the next step."""
         with self._lock:
             if plan.version > (self._pending or self.plan).version:
+                if self._pending is not None:
+                    self._superseded.append(self._pending)
                 self._pending = plan
 
     def has_pending(self) -> bool:
@@ -164,6 +169,7 @@ class PlanApplier:
         each block's mode for this step's ``shape`` from the plan's table."""
         with self._lock:
             plan, self._pending = self._pending, None
+            superseded, self._superseded = self._superseded, []
             awaiting = self._awaiting
         n = len(self.blocks)
         if plan is not None:
@@ -177,7 +183,7 @@ class PlanApplier:
                 plan = None
         if plan is not None:
             self.plan = plan
-            self.history.append(plan)
+            self.history += [*superseded, plan]
             if self.lean_after is not None and plan.version > self.lean_after:
                 self.lean_after = None  # the planner answered the new budget
         shape = shape or Shape()
