@@ -99,12 +99,18 @@ class GrpcOptions:
     gRPC port, TLS on the HTTPS port."""
     idle_connection_seconds: float = 300.0
     """A connection with no call open this long is closed (a rank's stream keeps its connection busy)."""
+    max_streams_per_connection: int = 100
+    """Calls one connection holds open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a stream over it is
+    refused (REFUSED_STREAM) by the transport before the service sees it, so a flood of streams opened and reset
+    on one connection (rapid reset) cannot take the service from other connections' ranks. A rank needs one."""
     reuse_port: bool = field(default=False, metadata={NO_FLAG: "set by --workers above 1"})
     """SO_REUSEPORT: several worker processes share the port (else a second bind of it fails)."""
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
             raise ValueError(f"max-message-bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_streams_per_connection < 1:
+            raise ValueError(f"max-streams-per-connection must be >= 1, got {self.max_streams_per_connection}")
         for name in (
             "keepalive_seconds",
             "keepalive_timeout_seconds",
@@ -135,6 +141,7 @@ class GrpcOptions:
             ("grpc.http2.max_ping_strikes", 2),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
+            ("grpc.max_concurrent_streams", self.max_streams_per_connection),
         ]
 
 
