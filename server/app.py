@@ -26,12 +26,13 @@ from rematd.server.config import (
 )
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.core.ownership import JobTokens
+from rematd.server.credentials import load_job_tokens
 from rematd.server.metrics import peers
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store.database import STORE_AWAY, database_url, redact_url
 from rematd.server.store.holders import HEARTBEAT_SECONDS
 from rematd.server.store.store import Store
-from rematd.server.transport.auth import load_job_tokens
+from rematd.server.transport.auth import TokenAuth
 from rematd.server.transport.connections import Budget, fd_budget, guarded_protocol
 from rematd.server.transport.grpc_service import AdvisorServicer, Health, build_server
 from rematd.server.transport.rest import create_app
@@ -185,7 +186,9 @@ class Service:
     async def _start(self) -> _Running:
         cfg = self.config
         budget = fd_budget(cfg.http_options)
-        server, servicer, health = build_server(self.core, auth=cfg.auth, options=cfg.grpc, max_connections=budget.grpc)
+        server, servicer, health = build_server(
+            self.core, auth=TokenAuth.serving(cfg), options=cfg.grpc, max_connections=budget.grpc
+        )
         grpc_port = self._bind_grpc(server)
         sock = self._bind_http() if cfg.http else None
         web = self._web(budget) if sock is not None else None
@@ -226,7 +229,7 @@ class Service:
         cfg = self.config
         return _QuietServer(
             uvicorn.Config(
-                create_app(self.core, cfg.auth, serving=lambda: self.serving),
+                create_app(self.core, TokenAuth.serving(cfg), serving=lambda: self.serving),
                 log_level="warning",
                 lifespan="off",
                 access_log=False,

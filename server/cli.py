@@ -14,11 +14,11 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from rematd.server.config import ExposedWithoutToken, ServeConfig
+from rematd.server.credentials import load_token
 from rematd.server.flags import BadOption, Options, Setting, build, from_env, options_model, parse, settings_of
 from rematd.server.run import bad_db, run_one
 from rematd.server.runtime.log_limits import RepeatLimit
 from rematd.server.store.database import StoreError
-from rematd.server.transport.auth import load_token
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 PROG = "rematd serve"

@@ -14,7 +14,7 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rematd.server.transport.auth import TokenAuth, load_job_tokens
+from rematd.server.credentials import load_job_tokens, token_problem
 
 NO_FLAG = "no_flag"
 """Field metadata key: why the setting has no ``rematd serve`` flag of its own."""
@@ -276,7 +276,9 @@ class ServeConfig:
         if self.tls_cert:
             _check_tls_pair(self.tls_cert, self.tls_key)
         load_job_tokens(self.job_tokens_file)  # raises ValueError naming the file and line
-        TokenAuth(token=self.token)  # raises ValueError naming what is wrong with the token
+        problem = token_problem(self.token)
+        if problem:
+            raise ValueError(problem)
         # Here, so that every way of starting the service (the CLI, Service, ServiceThread) refuses it.
         exposed = self._exposed_without_token()
         if exposed:
@@ -299,16 +301,6 @@ class ServeConfig:
     def db_path(self) -> str:
         """The store as given, or the default SQLite file."""
         return self.db or str(default_db_path())
-
-    @property
-    def auth(self) -> TokenAuth:
-        loopback = is_loopback(self.http_host)
-        return TokenAuth(
-            token=self.token,
-            open_reads=self.public_reads or loopback,
-            open_writes=loopback,
-            closed_metrics=self.metrics_need_token,
-        )
 
     @property
     def tls(self) -> bool:

@@ -303,3 +303,46 @@ def test_no_import_cycles() -> None:
 )
 def test_the_cycle_finder_names_each_cycle(edges: dict[str, set[str]], expected: list[list[str]]) -> None:
     assert sorted(_cycles(edges)) == expected
+
+
+SERVER_LAYERS = (
+    ("rematd.server.config", "rematd.server.credentials", "rematd.server.figures"),
+    ("rematd.server.runtime", "rematd.server.store", "rematd.server.metrics"),
+    ("rematd.server.core",),
+    ("rematd.server.transport",),
+)
+"""The service's folders from the bottom up: configuration as plain data (and the figures computed alike
+everywhere), what the core stands on (the store,
+the metrics, the process's runtime), the transport-neutral core, the transports. The modules at the top
+(``app``, ``run``, ``workers``, ``cli``) assemble them all."""
+
+SHARED_ROWS = "rematd.server.store.rows"
+"""The store's row types: what a read returns, shared by every layer that shows one."""
+
+
+def _server_layer(name: str) -> int | None:
+    for level, folders in enumerate(SERVER_LAYERS):
+        if any(_within(name, folder) for folder in folders):
+            return level
+    return None
+
+
+def test_the_servers_folders_import_downwards_only() -> None:
+    upward = []
+    for module in GRAPH.values():
+        level = _server_layer(module.name)
+        if level is None:
+            continue
+        for imp in module.imports:
+            target = _server_layer(imp.target)
+            if target is None:
+                if _within(imp.target, "rematd.server") and imp.target != "rematd.server":
+                    upward.append(f"{module.path.relative_to(ROOT)}:{imp.line}: imports {imp.target} (the top)")
+                continue
+            if target > level:
+                upward.append(f"{module.path.relative_to(ROOT)}:{imp.line}: imports {imp.target}")
+            # The transports reach the store through the core; its row types are shared.
+            is_store = _within(imp.target, "rematd.server.store") and not _within(imp.target, SHARED_ROWS)
+            if is_store and _within(module.name, "rematd.server.transport"):
+                upward.append(f"{module.path.relative_to(ROOT)}:{imp.line}: imports {imp.target} past the core")
+    assert not upward, "server imports against its layers:\n" + "\n".join(upward)

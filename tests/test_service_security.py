@@ -20,7 +20,8 @@ from rematd.server import ServeConfig, ServiceThread
 from rematd.server.app import ExposedWithoutToken
 from rematd.server.cli import main as cli_main
 from rematd.server.core.errors import Unauthenticated
-from rematd.server.transport.auth import TokenAuth, load_token
+from rematd.server.credentials import load_token
+from rematd.server.transport.auth import TokenAuth
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -145,14 +146,15 @@ def test_serve_refuses_to_listen_beyond_loopback_without_a_token(
 
 
 def test_writes_without_a_token_are_open_only_while_http_binds_loopback() -> None:
-    assert ServeConfig().auth.open_writes and ServeConfig(http_host="localhost").auth.open_writes
+    assert TokenAuth.serving(ServeConfig()).open_writes
+    assert TokenAuth.serving(ServeConfig(http_host="localhost")).open_writes
     # A gRPC-only worker names no HTTP address it listens on.
-    worker = ServeConfig(http_host="0.0.0.0", http=False, public_reads=True).auth
+    worker = TokenAuth.serving(ServeConfig(http_host="0.0.0.0", http=False, public_reads=True))
     assert not worker.open_writes and worker.open_reads
     exposed = TokenAuth(open_writes=False)
     with pytest.raises(Unauthenticated, match="writes need a token"):
         exposed.check_write(None)
-    guarded = ServeConfig(http_host="0.0.0.0", token=TOKEN).auth
+    guarded = TokenAuth.serving(ServeConfig(http_host="0.0.0.0", token=TOKEN))
     guarded.check_write(f"Bearer {TOKEN}")
     with pytest.raises(Unauthenticated):
         guarded.check_write(None)

@@ -97,6 +97,23 @@ class AdvisorCore:
         self.store_answers()
         return self.training.open_session(hello)
 
+    def store_failure(self, err: BaseException) -> str:
+        """Why the store fails, where ``err`` is that failure (counted and alerted on by itself, so said in one
+        line); "" where it is anything else."""
+        store = self.store
+        if store.failing_since is not None and is_store_error(err):
+            return store.last_failure or str(err)
+        return ""
+
+    def unwritable(self) -> tuple[str, float] | None:
+        """Why the store takes no writes and for how many seconds it has not (None while it takes them),
+        answered without waiting on it: what readiness reports."""
+        store = self.store
+        if store.writable():
+            return None
+        since = store.failing_since
+        return store.last_failure, (time.monotonic() - since if since is not None else 0.0)
+
     def store_answers(self) -> None:
         """Raise StoreStalled while the store's database is not answering: a hello or a read would wait on it
         for as long as it is away."""

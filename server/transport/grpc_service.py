@@ -35,7 +35,6 @@ from rematd.server.core.errors import (
     Unauthenticated,
 )
 from rematd.server.runtime.gc_schedule import Collections
-from rematd.server.store.database import is_store_error
 from rematd.server.transport.auth import METADATA_KEY, TokenAuth
 from rematd.server.transport.http_guard import bounded
 from rematd.server.transport.message_limits import precheck_hello, precheck_stats
@@ -176,9 +175,9 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         A failing store (counted and alerted on by itself) gets one line per fault; anything else,
         while the store fails too, is still a bug and gets its traceback.
         """
-        store = self.core.store
-        if store.failing_since is not None and is_store_error(err):
-            log.error("handling a %s message failed: the store cannot be written (%s)", kind, store.last_failure)
+        failure = self.core.store_failure(err)
+        if failure:
+            log.error("handling a %s message failed: the store cannot be written (%s)", kind, failure)
         else:
             log.error("handling a %s message failed", kind, exc_info=err)
         self.core.metrics.service_faults.labels(kind).inc()
@@ -218,9 +217,9 @@ class AdvisorServicer(pb_grpc.AdvisorServicer):
         try:
             self.core.close_session(session, ended=ended)
         except Exception as err:
-            store = self.core.store
-            if store.failing_since is not None and is_store_error(err):  # counted and alerted on
-                log.error("recording the end of a stream failed: %s", store.last_failure or err)
+            failure = self.core.store_failure(err)
+            if failure:  # counted and alerted on
+                log.error("recording the end of a stream failed: %s", failure)
             else:
                 log.exception("recording the end of a stream failed")
 

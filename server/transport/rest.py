@@ -46,7 +46,6 @@ from rematd.server.core.paging import JOBS_PAGE, MAX_JOBS_PAGE, MAX_ROWS_PAGE, R
 from rematd.server.core.views import STATS_ROWS, JobView
 from rematd.server.runtime.allocator import give_back_soon
 from rematd.server.store.rows import ControlsRow, ModeName
-from rematd.server.store.store import Store
 from rematd.server.transport.auth import TokenAuth
 from rematd.server.transport.http_guard import MAX_BODY_BYTES, bounded, install
 from rematd.server.transport.rest_models import (
@@ -430,7 +429,7 @@ def _service(core: AdvisorCore, auth: TokenAuth, serving: Callable[[], bool]) ->
             return JSONResponse(
                 status_code=503, content={"detail": "draining: the service is shutting down and takes no new ranks"}
             )
-        return _readiness(core.store)
+        return _readiness(core)
 
     @router.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
@@ -446,16 +445,14 @@ def _service(core: AdvisorCore, auth: TokenAuth, serving: Callable[[], bool]) ->
     return router
 
 
-def _readiness(store: Store) -> JSONResponse:
-    if store.writable():
+def _readiness(core: AdvisorCore) -> JSONResponse:
+    unwritable = core.unwritable()
+    if unwritable is None:
         return JSONResponse({"status": "ready"})
-    since = store.failing_since
+    failure, seconds = unwritable
     return JSONResponse(
         status_code=503,
-        content={
-            "detail": bounded(f"the store cannot be written: {store.last_failure}"),
-            "failing_seconds": round(time.monotonic() - since, 1) if since is not None else 0.0,
-        },
+        content={"detail": bounded(f"the store cannot be written: {failure}"), "failing_seconds": round(seconds, 1)},
     )
 
 
