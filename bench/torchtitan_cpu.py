@@ -285,6 +285,7 @@ def _stats(handle: Any) -> dict[str, Any]:
         "modes": [m.label for m in handle.modes],
         "measured": stats.saved_peak_bytes or stats.peak_allocated_bytes,
         "predicted": ran.predicted_peak_bytes if ran is not None else 0,
+        "in_force": handle.plan.predicted_peak_bytes,
         "budget": stats.budget_bytes,
         "static": stats.static_bytes,
         "reason": ran.reason if ran is not None else "",
