@@ -93,8 +93,9 @@ def attach(
             functions (``torch.compile(loss_fn)``).
         same_plan: whether the ranks that share the model's parameters run one
             plan, per block the leanest any of them chose, agreed at each step's
-            start (one all-reduce of an integer per block over their group: the
-            parameters' device mesh, or the sharded engine's data-parallel group;
+            start (one all-reduce of an integer per block, and one for the
+            plan's version, over their group: the parameters' device mesh, or
+            the sharded engine's data-parallel group;
             never across stages). Default (``None``): where the set-up needs it
             (sharded parameters, tensor parallel: ranks that replay collectives or
             share one memory shape); ``True`` also makes plain or DDP ranks agree

@@ -6,7 +6,7 @@
 rematd attaches to the engine ``deepspeed.initialize`` returns; its step follows ``engine.step()`` at each
 gradient accumulation boundary. The sequence length grows and shrinks over the run; each rank prints its plan
 per step in rematd's letters (``.`` store, ``R`` recompute; the README's
-table of modes has the rest), the same on every rank.
+table of modes has the rest), the same on every rank, and each new plan's reason.
 
 On the CPU the budget covers what a device would hold: the rank's ZeRO-3 partitions (parameters, gradients,
 fp32 master weights, optimizer state), the parameters ZeRO-3 holds gathered, and the activations saved for

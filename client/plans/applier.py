@@ -110,7 +110,7 @@ class PlanApplier:
         pins = self.pinned
         if pins is None:
             ran = tuple(b.mode for b in self.blocks)
-            key = (self.plan.version, self._shape, ran, self._lean, self.ran_why, self.group_version)
+            key = (self.plan.version, self._shape, ran, self._lean, self._lean_why, self.ran_why, self.group_version)
             if self._shown is not None and self._shown[0] == key:
                 return self._shown[1]  # read each step (the budget watch): the same again costs nothing
             plan = self._as_group(self._ran_plan(ran))

@@ -129,6 +129,7 @@ class StepCycle:
         or at a schedule's ``step()``, with the whole batch (``shape``: a microbatch's, when known)."""
         runs_in = self.life.begin_step()
         self.applier.ran_why = ""
+        self.applier.group_version = None  # set again by this step's agreement (a retry runs alone)
         if self.memory is None:
             self._first_step()
             self.memory = memory_source(self.model, self.accounting, args, kwargs)

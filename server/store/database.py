@@ -87,7 +87,10 @@ PROBE_CONNECT_SECONDS = 5
 
 def unpooled(engine: Engine) -> Engine:
     """An engine on ``engine``'s database server that opens a connection for each use and closes it after."""
-    return create_engine(engine.url, poolclass=NullPool, connect_args={"connect_timeout": PROBE_CONNECT_SECONDS})
+    # libpq's option (psycopg's drivers); another driver waits as it does.
+    libpq = engine.url.get_driver_name() in ("psycopg", "psycopg2")
+    connect = {"connect_timeout": PROBE_CONNECT_SECONDS} if libpq else {}
+    return create_engine(engine.url, poolclass=NullPool, connect_args=connect)
 
 
 def open_engine(url: str) -> Engine:

@@ -153,8 +153,8 @@ class Store:
         self._last_probe = 0.0
         self._probe_engine = unpooled(self.engine) if self.dialect != "sqlite" else None
         self._server_probe = WriteProbe(self._probe_server) if self.dialect != "sqlite" else None
-        """A database server's probe writes, on a thread of their own, each over a new connection (None for
-        SQLite)."""
+        """A database server's probe writes, on a thread of their own from the start, each over a new connection
+        (None for SQLite)."""
         self.lost = ""
         """Why the store's file is not the store any more ("" while it is): writes stop until it is back."""
         self.holder = new_holder()
@@ -162,6 +162,8 @@ class Store:
         self._closed = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="rematd-store-flush", daemon=True)
         self._flusher.start()
+        if self._server_probe is not None:
+            self._server_probe.start()  # the store's state is whole: a probe may record a failure in it
 
     def schema_version(self) -> int:
         with self.engine.connect() as conn:

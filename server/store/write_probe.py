@@ -36,42 +36,63 @@ class WriteProbe:
         self._since: float | None = None
         """When (monotonic) the probe in flight began; None between probes."""
         self._failure = ""
+        self._stalled_since: float | None = None
+        """When (monotonic) the database stopped answering, where a probe gave up after the timeout; None once
+        a probe succeeds."""
         self._answered = threading.Event()
         """Set once the first probe came back, either way."""
 
-    def problem(self) -> tuple[str, float | None]:
-        """Why the database does not take writes ("" while it does), and since when (monotonic) it has not.
-        The first call starts the probes and waits for the first one's answer, :attr:`timeout` at most."""
+    def start(self) -> None:
+        """Start the probes (once; a closed probe starts none)."""
         with self._lock:
             if self._thread is None and not self._closed.is_set():
                 self._thread = threading.Thread(target=self._run, name="rematd-store-probe", daemon=True)
                 self._thread.start()
+
+    def problem(self) -> tuple[str, float | None]:
+        """Why the database does not take writes ("" while it does), and since when (monotonic) it has not.
+        The first call waits for the first probe's answer, :attr:`timeout` at most."""
+        self.start()
         self._answered.wait(self.timeout)
-        since = self._since
-        if since is not None and time.monotonic() - since > self.timeout:
-            return f"the database has not answered a probe write in {time.monotonic() - since:.1f} s", since
+        late = self._late()
+        if late is not None:
+            return late
         return self._failure, None
 
     def late(self) -> str:
-        """Why the database is not answering, without waiting: a probe write in flight past the timeout ("" while
-        none is)."""
+        """Why the database is not answering, without waiting ("" while it answers): a probe write in flight past
+        the timeout, or one that gave up after it (a connection attempt that timed out), until a probe succeeds."""
+        late = self._late()
+        return late[0] if late is not None else ""
+
+    def _late(self) -> tuple[str, float] | None:
+        now = time.monotonic()
         since = self._since
-        if since is not None and time.monotonic() - since > self.timeout:
-            return f"the database has not answered a probe write in {time.monotonic() - since:.1f} s"
-        return ""
+        if since is not None and now - since > self.timeout:
+            stalled = self._stalled_since if self._stalled_since is not None else since
+            return f"the database has not answered a probe write in {now - stalled:.1f} s", stalled
+        if self._stalled_since is not None:
+            return f"the database has not answered a probe write in {now - self._stalled_since:.1f} s", (
+                self._stalled_since
+            )
+        return None
 
     def close(self) -> None:
         self._closed.set()
 
     def _run(self) -> None:
         while not self._closed.is_set():
-            self._since = time.monotonic()
+            began = self._since = time.monotonic()
             try:
                 self._probe()
             except Exception as err:
                 self._failure = why(err)
+                if time.monotonic() - began > self.timeout and self._stalled_since is None:
+                    # It gave up only after the database kept it waiting: still not answering, until one succeeds.
+                    self._stalled_since = began
             else:
                 self._failure = ""
+                self._stalled_since = None
             finally:
                 self._since = None
                 self._answered.set()

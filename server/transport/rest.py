@@ -215,8 +215,9 @@ def _problem(description: str) -> dict[str, object]:
 
 _EVERY: Responses = {
     400: _problem(
-        "headers that read two ways: one that says who is asking given twice, or a body framed by both "
-        "Content-Length and Transfer-Encoding"
+        "a request that reads two ways or not at all: a header that says who is asking given twice, a body framed "
+        "by both Content-Length and Transfer-Encoding, a line ending in a bare LF, a folded header, a head over "
+        "64 KiB, or one HTTP cannot parse"
     ),
     500: _problem("the service failed handling this request (its log says why)"),
 }
@@ -254,14 +255,17 @@ def create_app(
     app.include_router(_pages())
     app.include_router(_service(core, auth, serving))
 
+    def store_answers() -> None:
+        core.store_answers()  # a read or a write would wait on a database that does not answer: 503 at once
+
     def reader(request: Request) -> None:
         auth.check_read(request.headers.get("authorization"))
-        core.store_answers()  # a read would wait on a database that does not answer: 503 at once
+        store_answers()
 
     app.include_router(
         _job_reads(core), dependencies=[Depends(reader)], responses={**_UNAUTHORIZED, **_STORE_AWAY, **_INVALID}
     )
-    app.include_router(_job_controls(core), responses=_WRITES)
+    app.include_router(_job_controls(core), dependencies=[Depends(store_answers)], responses=_WRITES)
     return app
 
 
@@ -309,7 +313,7 @@ def _map_errors(app: FastAPI, core: AdvisorCore) -> None:
         said = str(exc) if isinstance(exc, StoreStalled) else "the store is out of reach"
         return JSONResponse(
             status_code=503,
-            content={"detail": bounded(f"{said}: reads answer again once it is back")},
+            content={"detail": bounded(f"{said}: try again once it is back")},
             headers={"Retry-After": "5"},
         )
 
@@ -329,7 +333,7 @@ class _Methods:
             for template, operations in self._app.openapi().get("paths", {}).items():
                 pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))
                 served = {m.upper() for m in operations}
-                self._paths.append((re.compile(f"{pattern}$"), served | ({"HEAD"} if "GET" in served else set())))
+                self._paths.append((re.compile(f"{pattern}$"), served))
         return {m for pattern, served in self._paths if pattern.match(path) for m in served}
 
 
