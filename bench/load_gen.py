@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-RANKS_PER_CHANNEL = 100
+RANKS_PER_CHANNEL = 50
+"""Ranks sharing one connection: well under the service's --max-streams-per-connection (100)."""
 BLOCKS = 24
 MAX_REPLIES = 16
 """Replies read for one report at most (plans, then its ack): a service that sends more is an error."""

@@ -61,9 +61,12 @@ def test_watch_calls_are_bounded_in_number_memory_and_time(tmp_path: Path) -> No
             rounds = 1 + int(flood // IDLE)
             assert len(held) <= MAX_OPEN_CALLS * rounds, f"{len(held)} Watch calls held in {flood:.1f} s"
             assert len(refused) >= 3000 - MAX_OPEN_CALLS * rounds
-            # Refused; HTTP/2 resets some of a flood's streams itself, which the client reads as CANCELLED.
+            # Refused; HTTP/2 resets some of a flood's streams itself, which the client reads as CANCELLED, and the
+            # transport refuses those over --max-streams-per-connection opened before the client knew the bound
+            # (UNAVAILABLE).
             assert grpc.StatusCode.RESOURCE_EXHAUSTED in refused
-            assert set(refused) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+            allowed = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
+            assert set(refused) <= allowed
             # Handling the flood costs some 25-30 MiB on this machine; holding every call took twice that.
             assert grown < 40 << 20, f"the service grew by {grown >> 20} MiB"
             # Each held one ends (OK) after the idle limit, well before the caller's own deadline.

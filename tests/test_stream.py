@@ -244,10 +244,13 @@ def test_fallback_plans_locally_then_hands_back_to_the_service() -> None:
         while not stream.connected and time.monotonic() < deadline:
             time.sleep(0.02)
         assert stream.connected and not stream.planning_locally
-        assert rec.hellos[-1].plan_version == local, "the hello carries the plan in force"
+        # The hello carries the newest plan made in-process: the one in force, or one the local planner made
+        # from the last step's figures after it was read above (a loaded machine's thread answers late).
+        said = rec.hellos[-1].plan_version
+        assert said >= local, "the hello carries the plan in force or a newer local one"
         run_steps(model, opt, 2)
         assert h.flush(5.0)
-        assert h.plan.version == local + 1, "the service's plan continues the versions"
+        assert h.plan.version == said + 1, "the service's plan continues the versions"
         h.close()
     finally:
         server.stop(None)
