@@ -63,13 +63,22 @@ def check_example(out: str, *, ranks: int, steps: int, agree: bool) -> Printed:
     return printed
 
 
+def run_example(script: str, args: list[str], env: dict[str, str] | None = None) -> str:
+    """``torchrun --standalone --nproc-per-node 2 examples/<script> <args>``, as the example's header says (one
+    thread a rank); what it printed, standard error after standard output."""
+    launch = ["--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / script), *args]
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    return run_launcher("torch.distributed.run", launch, timeout=280, env=env, with_stderr=True)
+
+
 def test_the_fsdp_example_prints_one_plan_and_true_reasons() -> None:
-    args = [
-        "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "fsdp_llama.py"),
-        *("--steps", "12", "--layers", "4", "--hidden", "64", "--batch", "2", "--seq", "32", "256", "32"),
-        *("--budget-mib", "12"),
-    ]  # fmt: skip
-    out = run_launcher("torch.distributed.run", args, timeout=280, env={"OMP_NUM_THREADS": "1"}, with_stderr=True)
+    out = run_example(
+        "fsdp_llama.py",
+        [
+            *("--steps", "12", "--layers", "4", "--hidden", "64", "--batch", "2", "--seq", "32", "256", "32"),
+            *("--budget-mib", "12"),
+        ],
+    )
     printed = check_example(out, ranks=2, steps=12, agree=True)
     # The 256-token steps fit no plan at 12 MiB: they warn, and a reason says by how much.
     assert any(s in range(4, 8) for s, _ in printed.warned), out
@@ -77,11 +86,9 @@ def test_the_fsdp_example_prints_one_plan_and_true_reasons() -> None:
 
 
 def test_the_pipeline_example_prints_each_stages_plan_and_true_reasons() -> None:
-    args = [
-        "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "pipeline_llama.py"),
-        *("--steps", "8", "--layers", "4", "--hidden", "64", "--seq", "64", "--budget-mib", "3"),
-    ]  # fmt: skip
-    out = run_launcher("torch.distributed.run", args, timeout=280, env={"OMP_NUM_THREADS": "1"}, with_stderr=True)
+    out = run_example(
+        "pipeline_llama.py", ["--steps", "8", "--layers", "4", "--hidden", "64", "--seq", "64", "--budget-mib", "3"]
+    )
     printed = check_example(out, ranks=2, steps=8, agree=False)
     # The first stage holds more microbatches at once than the last: at one budget it recomputes more.
     first, last = (sum(m != "." for m in printed.steps[stage, 7][0]) for stage in (0, 1))

@@ -18,10 +18,8 @@ from typing import Any
 
 import pytest
 
-from bench.launch import ROOT, run_launcher
-
 from .distributed import run_ranks
-from .test_examples import check_example
+from .test_examples import check_example, run_example
 
 MODES = ["store", "selective", "recompute", "compress"]
 FINE = ["store", "selective", "titan", "attention", "mlp", "recompute", "compress"]
@@ -107,11 +105,10 @@ def test_every_switch_under_fsdp2_trains_to_the_end_bitwise_or_close(tmp_path: P
 @needs_deepspeed
 def test_the_deepspeed_example_runs_to_the_end_switching_plans(tmp_path: Path) -> None:
     args = [
-        "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "deepspeed_llama.py"),
         *("--steps", "12", "--layers", "4", "--hidden", "64", "--batch", "2", "--seq", "32", "256", "32"),
         *("--budget-mib", "16"),
-    ]  # fmt: skip
-    out = run_launcher("torch.distributed.run", args, timeout=280, env={**DS, "OMP_NUM_THREADS": "1"}, with_stderr=True)
+    ]
+    out = run_example("deepspeed_llama.py", args, env=DS)
     # Every step of both ranks, one plan and version across them, true reasons, a warning for each step over.
     printed = check_example(out, ranks=2, steps=12, agree=True)
     by_step = {s: plan for (r, s), (plan, *_) in printed.steps.items() if r == 0}

@@ -67,15 +67,12 @@ class WriteProbe:
 
     def _late(self) -> tuple[str, float] | None:
         now = time.monotonic()
-        since = self._since
-        if since is not None and now - since > self.timeout:
-            stalled = self._stalled_since if self._stalled_since is not None else since
-            return f"the database has not answered a probe write in {now - stalled:.1f} s", stalled
-        if self._stalled_since is not None:
-            return f"the database has not answered a probe write in {now - self._stalled_since:.1f} s", (
-                self._stalled_since
-            )
-        return None
+        stalled, since = self._stalled_since, self._since
+        if stalled is None and since is not None and now - since > self.timeout:
+            stalled = since
+        if stalled is None:
+            return None
+        return f"the database has not answered a probe write in {now - stalled:.1f} s", stalled
 
     def close(self) -> None:
         self._closed.set()
