@@ -19,7 +19,7 @@ from bench.store_rows import more_plans, more_steps
 from rematd import wire
 from rematd.server.core.paging import MAX_ROWS_PAGE
 from rematd.server.core.views import MODES_PER_BLOCK, PAGE_MODES
-from rematd.server.transport import rest
+from rematd.server.transport import rest_reads
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -122,8 +122,8 @@ def test_a_page_of_a_wide_models_plans_holds_fewer_plans_and_says_where_the_next
 
 def test_a_list_read_waits_its_turn_then_is_told_to_try_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """An answer holds its turn until it is delivered (or dropped): the next read waits, then gets 503."""
-    monkeypatch.setattr(rest, "LIST_WAIT_SECONDS", 0.2)
-    lists = rest.Lists(at_once=1)
+    monkeypatch.setattr(rest_reads, "LIST_WAIT_SECONDS", 0.2)
+    lists = rest_reads.Lists(at_once=1)
     first = lists.answer(lambda: {"rows": list(range(10))})
     assert first.status_code == 200
     waited = lists.answer(lambda: {"rows": []})

@@ -24,7 +24,8 @@ from rematd.server.store import rows
 from rematd.server.store.rows import keys
 from rematd.server.store.store import Store
 from rematd.server.store.tables import JOB_CONTROLS, JOBS, STATS, TABLES, Table
-from rematd.server.transport.rest import MODE_COLOURS, create_app, dashboard_page
+from rematd.server.transport.rest import create_app
+from rematd.server.transport.rest_ops import MODE_COLOURS, dashboard_page
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from rematd.messages import InvalidMessage, StepStats
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.core.advisor import RankSession
 from rematd.server.core.errors import JobNotFound, SessionError, ShuttingDown, Unauthenticated
-from rematd.server.transport.grpc_service import status_of
+from rematd.server.transport.grpc_status import status_of
 from rematd.v1 import advisor_pb2 as pb
 
 from .helpers import tiny_model, train_step

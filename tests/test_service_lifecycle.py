@@ -297,9 +297,9 @@ def test_operator_changes_and_a_resume_wait_for_the_ranks_planning(core: Advisor
 def test_a_cancelled_stream_closes_its_session_only_after_its_planning_thread_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rematd.server.transport import grpc_service
+    from rematd.server.transport import grpc_stream
 
-    monkeypatch.setattr(grpc_service, "OFF_LOOP_BLOCKS", 1)  # every step planned on a worker thread
+    monkeypatch.setattr(grpc_stream, "OFF_LOOP_BLOCKS", 1)  # every step planned on a worker thread
     svc = ServiceThread(ServeConfig(grpc_port=0, http_port=0, db=str(tmp_path / "r.db")))
     bound = svc.start()
     core = svc.service.core

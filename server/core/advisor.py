@@ -4,8 +4,9 @@ The gRPC servicer and the HTTP router are thin adapters over ``AdvisorCore``;
 domain errors (``rematd.server.core.errors``) are raised here and mapped once per
 transport. The core is composed of parts that each do one thing: the live
 ranks (``sessions``), what a rank is sent (``plan_policy``), the training side
-(``training``) and its writes (``rank_records``, ``record_writer``), an
-operator's controls (``controls``) and the REST reads (``views``).
+(``hellos``, ``training``) and its writes (``rank_writes``, over the store's
+``writer``), an operator's controls (``controls``) and the REST reads
+(``read_views``, in the shapes of ``views``).
 
 What a rank is sent is the core's decision, not only the planner's: an
 operator's pin, or a warm start from an earlier job of the same model,
@@ -33,9 +34,10 @@ from rematd.server.core.plan_policy import (
     mode_names,
 )
 from rematd.server.core.rank_writes import RankWrites
+from rematd.server.core.read_views import ReadViews
 from rematd.server.core.sessions import RankSession, Sessions
 from rematd.server.core.training import TrainingSide
-from rematd.server.core.views import JOB_STATES, JobView, ReadViews, StatsQuery
+from rematd.server.core.views import JOB_STATES, JobView, StatsQuery
 from rematd.server.metrics.registry import Metrics, RankSample
 from rematd.server.store.database import is_store_error
 from rematd.server.store.retention_clock import RetentionClock

@@ -1,0 +1,166 @@
+"""The store's writes: a rank's hello and its state, a job's end, plans, step statistics, OOM events,
+operator controls, warm-start plans and what a controller learned, this process's heartbeat, and compaction.
+
+Each write goes through the connection's one lock and its tracking of failed writes (``connection``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Collection
+
+from sqlalchemy import text
+
+from rematd.server.store.columns import controls_params, dumps, plan_params, warm_params
+from rematd.server.store.compaction import compact
+from rematd.server.store.connection import StoreConnection
+from rematd.server.store.holders import HOLDER_TIMEOUT_SECONDS, gone_here
+from rematd.server.store.rows import ControlsRow, JobRow, LastStepRow, OomRow, PlanRow, RankRow, WarmPlanRow
+from rematd.server.store.tables import JOB_CONTROLS, JOBS, OOM_EVENTS, PLANS, RANKS, WARM_PLANS
+
+_UPSERT_JOB = JOBS.insert()
+_UPSERT_RANK = RANKS.insert()
+_HEARTBEAT = """INSERT INTO holders (holder, seen_at) VALUES (:holder, :now)
+    ON CONFLICT(holder) DO UPDATE SET seen_at=excluded.seen_at"""
+_HELD_ELSEWHERE = """SELECT ranks.holder FROM ranks WHERE ranks.job=:job AND ranks.rank=:rank
+    AND ranks.state='connected' AND ranks.holder IS NOT NULL AND ranks.holder <> :holder
+    AND EXISTS (SELECT 1 FROM holders h WHERE h.holder = ranks.holder AND h.seen_at >= :alive)"""
+"""The process, not this one and alive, whose stream holds a rank connected."""
+
+
+class RankHeldElsewhere(Exception):
+    """A hello for a rank that another live process of the service (a worker, a replica) holds on a stream."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"another process of the service ({holder})")
+        self.holder = holder
+
+
+def _rank_lock(job: str, rank: int) -> int:
+    """A PostgreSQL advisory lock's key for one (job, rank): hellos of a rank on two replicas, one at a time."""
+    digest = hashlib.blake2b(f"{job}\0{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+_ADD_PLAN = PLANS.insert()
+_ADD_OOM = OOM_EVENTS.insert()
+_SET_CONTROLS = JOB_CONTROLS.insert()
+_REMEMBER_WARM = WARM_PLANS.insert()
+
+_SAVE_LEARNED = """INSERT INTO learned_state (job, rank, state, updated_at) VALUES (:job, :rank, :state, :updated_at)
+    ON CONFLICT(job, rank) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at"""
+
+
+class StoreWrites(StoreConnection):
+    """What the store writes; the reads are ``StoreReads``."""
+
+    def compact(self, now: float | None = None, live: Collection[str] = ()) -> dict[str, int]:
+        """Down-sample old statistics and apply retention, keeping every row of the ``live`` jobs; returns rows
+        deleted by kind."""
+        self.flush()
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            return compact(conn, self.config, time.time() if now is None else now, live, self._liveness())
+
+    def open_rank(
+        self,
+        *,
+        job: str,
+        rank: int,
+        now: float,
+        world_size: int,
+        num_blocks: int,
+        budget_bytes: int,
+        fingerprint: str,
+        device: str = "",
+        plan: PlanRow | None = None,
+    ) -> None:
+        """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on. Raises
+        RankHeldElsewhere, writing nothing, while another live process of the service holds the rank on a
+        stream: two processes that both took it would each number its plans on from the same version."""
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # Held to the transaction's end: a second replica's hello reads the rank once this one's is in.
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _rank_lock(job, rank)})
+            row = conn.execute(text(_HELD_ELSEWHERE), {"job": job, "rank": rank, **self._liveness()}).first()
+            held = str(row[0]) if row is not None and not gone_here(str(row[0])) else None
+            if held is None:
+                job_row: JobRow = {"job": job, "created_at": now, "updated_at": now, "ended_at": None,
+                                   "world_size": world_size, "num_blocks": num_blocks, "budget_bytes": budget_bytes,
+                                   "model_fingerprint": fingerprint, "device": device}  # fmt: skip
+                conn.execute(text(_UPSERT_JOB), dict(job_row))
+                rank_row: RankRow = {"job": job, "rank": rank, "device": device, "state": "connected",
+                                     "last_stats": None}  # fmt: skip
+                conn.execute(text(_UPSERT_RANK), {**rank_row, "holder": self.holder})
+                if plan is not None:
+                    conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
+        if held is not None:
+            # Raised outside the write's tracking: a refusal, not a store that fails.
+            raise RankHeldElsewhere(held)
+
+    def set_rank_state(self, *, job: str, rank: int | None = None, state: str) -> None:
+        if rank is None:
+            self._write("UPDATE ranks SET state=:state WHERE job=:job", {"state": state, "job": job})
+        else:
+            self._write(
+                "UPDATE ranks SET state=:state WHERE job=:job AND rank=:rank",
+                {"state": state, "job": job, "rank": rank},
+            )
+
+    def disconnect_ranks(self, ranks: list[tuple[str, int]]) -> None:
+        """Mark ranks whose process died disconnected, those still marked connected (not ended ones)."""
+        self._write(
+            "UPDATE ranks SET state='disconnected' WHERE job=:job AND rank=:rank AND state='connected'",
+            [{"job": job, "rank": rank} for job, rank in ranks],
+        )
+
+    def end_job(self, job: str, now: float) -> None:
+        self._write("UPDATE jobs SET ended_at=:ended_at WHERE job=:job", {"ended_at": now, "job": job})
+
+    def end_job_if_done(self, job: str, now: float) -> None:
+        """Mark the job ended when every rank the store has of it said goodbye (on any worker or replica)."""
+        self._write(
+            """UPDATE jobs SET ended_at=:ended_at WHERE job=:job AND ended_at IS NULL AND NOT EXISTS
+               (SELECT 1 FROM ranks WHERE ranks.job=:job AND ranks.state <> 'ended')""",
+            {"ended_at": now, "job": job},
+        )
+
+    def heartbeat(self, now: float | None = None) -> list[str]:
+        """Say this process is alive, and forget processes that are not (not seen for the timeout, or gone
+        from this host); returns those forgotten: the ranks they left connected read as lost from now."""
+        now = time.time() if now is None else now
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            conn.execute(text(_HEARTBEAT), {"holder": self.holder, "now": now})
+            others = conn.execute(
+                text("SELECT holder, seen_at FROM holders WHERE holder <> :holder"), {"holder": self.holder}
+            ).all()
+            gone = [h for h, seen in others if seen < now - HOLDER_TIMEOUT_SECONDS or gone_here(h)]
+            for h in gone:
+                conn.execute(text("DELETE FROM holders WHERE holder=:h"), {"h": h})
+        return gone
+
+    def add_plan(self, *, job: str, rank: int, plan: PlanRow, now: float) -> None:
+        self._write(_ADD_PLAN, plan_params(job, rank, plan, now))
+
+    def add_stats(self, *, job: str, rank: int, row: LastStepRow) -> None:
+        """Buffer one step's statistics; written within ``flush_seconds``."""
+        if self.buffer.add(job=job, rank=rank, row=row):
+            self.flush()
+
+    def add_oom(self, *, job: str, rank: int, row: OomRow) -> None:
+        self._write(_ADD_OOM, OOM_EVENTS.values({**row, "job": job, "rank": rank}))
+
+    def set_controls(self, job: str, controls: ControlsRow, now: float) -> int:
+        """Replace a job's operator controls; returns their new revision."""
+        with self._writing(), self._lock, self.engine.begin() as conn:
+            rev = int(conn.execute(text("SELECT COALESCE(MAX(revision), 0) FROM job_controls")).scalar() or 0) + 1
+            conn.execute(text(_SET_CONTROLS), controls_params(job, controls, rev, now))
+            return rev
+
+    def remember_warm_plan(self, row: WarmPlanRow) -> None:
+        """Keep ``row`` as the plan the next job of its model, device and size starts from."""
+        self._write(_REMEMBER_WARM, warm_params(row))
+
+    def save_learned(self, *, job: str, rank: int, state: dict[str, object], now: float) -> None:
+        """What a rank's controller learned, kept beside its plan history for a restarted service."""
+        self._write(_SAVE_LEARNED, {"job": job, "rank": rank, "state": dumps(state), "updated_at": now})
