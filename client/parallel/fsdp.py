@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,29 +122,43 @@ class UnitMemory:
     a shard of the smaller group with an int, nothing when resharded."""
 
 
-def _fsdp_params(unit: nn.Module) -> list[object]:
+def _param_groups(unit: nn.Module) -> list[Any]:
+    """The unit's parameter groups: one, or one per device mesh where ``shard_placement_fn`` gives parameters
+    meshes of their own (torchtitan's experts under expert parallel), which the single-group accessor refuses."""
     state = unit._get_fsdp_state()  # type: ignore[operator]
-    group = state._fsdp_param_group
-    return list(group.fsdp_params) if group is not None else []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group  # torch before per-parameter meshes: one group at most
+    return [group] if group is not None else []
+
+
+def _fsdp_params(unit: nn.Module) -> list[Any]:
+    return [p for group in _param_groups(unit) for p in group.fsdp_params]
+
+
+def _group_memory(group: Any) -> UnitMemory:
+    unsharded = 0
+    for p in group.fsdp_params:
+        dtype = getattr(p, "param_dtype", None) or p.orig_dtype
+        unsharded += int(p._orig_size.numel()) * torch.empty((), dtype=dtype).element_size()
+    if group.post_forward_mesh_info is None:
+        return UnitMemory(unsharded, unsharded)
+    if group.mesh_info == group.post_forward_mesh_info:
+        return UnitMemory(unsharded, 0)
+    size = int(group.post_forward_mesh_info.shard_mesh_size)
+    return UnitMemory(unsharded, unsharded // max(1, size))
 
 
 def unit_memory(unit: nn.Module) -> UnitMemory:
-    """How much the unit's parameters take gathered, and how much of that stays gathered after its forward."""
+    """How much the unit's parameters take gathered, and how much of that stays gathered after its forward
+    (each group of them as its own mesh reshards it)."""
     try:
-        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-        unsharded = 0
-        for p in group.fsdp_params if group is not None else ():
-            dtype = getattr(p, "param_dtype", None) or p.orig_dtype  # type: ignore[attr-defined]
-            unsharded += int(p._orig_size.numel()) * torch.empty((), dtype=dtype).element_size()  # type: ignore[attr-defined]
-        if group is None or group.post_forward_mesh_info is None:
-            return UnitMemory(unsharded, unsharded)
-        if group.mesh_info == group.post_forward_mesh_info:
-            return UnitMemory(unsharded, 0)
-        size = int(group.post_forward_mesh_info.shard_mesh_size)
-        return UnitMemory(unsharded, unsharded // max(1, size))
+        groups = [_group_memory(group) for group in _param_groups(unit)]
     except Exception:  # a torch whose private state differs: the parameters' global sizes stand in
         total = sum(p.numel() * p.element_size() for p in _own_parameters(unit))
         return UnitMemory(int(total), 0)
+    return UnitMemory(sum(g.unsharded_bytes for g in groups), sum(g.kept_after_forward_bytes for g in groups))
 
 
 def _own_parameters(unit: nn.Module) -> Iterable[nn.Parameter]:
@@ -171,7 +186,7 @@ def sharded_parameters(model: nn.Module) -> list[torch.Tensor]:
         if not is_unit(m):
             continue
         try:
-            params.extend(p.sharded_param for p in _fsdp_params(m))  # type: ignore[attr-defined]
+            params.extend(p.sharded_param for p in _fsdp_params(m))
         except Exception:
             continue  # counted below, as the module holds them
         inside.update(id(sub) for sub in m.modules())
