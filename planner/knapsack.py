@@ -14,8 +14,8 @@ later one open where its class stands. The plan costs at most one segment of
 one class of identical blocks more than the relaxation.
 
 Preparing does what does not depend on the target: classes of identical
-blocks, each class's hull for every cap at which its choice widens, every
-segment sorted once by slope, and per cap the bytes and seconds of the
+blocks, each class's hull for every cap at which its choice widens
+(:mod:`rematd.planner.hulls`), every segment sorted once by slope, and per cap the bytes and seconds of the
 cheapest and of the leanest choice. A solve then costs a few scans of the
 sorted segments. The relaxation with every option allowed bounds every cap
 from below and only grows with the cap, which prunes the caps above the
@@ -28,18 +28,19 @@ finds at over 99% of budgets, and is within a few per cent at the others.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
+from rematd.planner.hulls import INF, Opt, classes_of
 from rematd.planner.model import Option
 from rematd.planner.runs import RUN, Runs
 from rematd.planner.spread import place
 from rematd.planner.units import Mode
 
-INF = math.inf
+__all__ = ["INF", "Knapsack", "Solution"]
+
 # Up to this many feasible caps, every one is a candidate.
 SCAN_ALL_CAPS = 24
 # Caps sampled per round of the coarse-to-fine search.
@@ -50,49 +51,10 @@ WINDOW = 8
 LOOKAHEAD = 32
 
 
-# An option as the knapsack sees it: (kept, seconds, transient, mode); tuples sort and compare fast.
-_Opt = tuple[int, float, int, Mode]
 # A hull segment: (seconds per freed byte, bytes freed per block, seconds added per block,
 # blocks in the class, lowest cap it holds at, cap it stops holding at, class, vertex it leaves,
 # its place in slope order, the place of the segment before it on the class's hull or -1).
 _Segment = tuple[float, int, float, int, int, float, int, int, int, int]
-
-
-def hull(opts: Sequence[_Opt]) -> list[_Opt]:
-    """The lower convex hull of (kept, seconds), from most kept (least seconds) to least kept;
-    ``opts`` sorted by (kept, seconds)."""
-    pruned: list[_Opt] = []
-    best = INF
-    for o in opts:
-        if o[1] < best - 1e-15:  # else some option keeps no more and is no slower
-            pruned.append(o)
-            best = o[1]
-    pruned.reverse()
-    out: list[_Opt] = []
-    for o in pruned:
-        while len(out) >= 2:
-            a, b = out[-2], out[-1]
-            # b is on or above the segment a -> o: never worth stopping at.
-            if (b[1] - a[1]) * (a[0] - o[0]) >= (o[1] - a[1]) * (a[0] - b[0]):
-                out.pop()
-            else:
-                break
-        out.append(o)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class _Class:
-    """Blocks with identical byte costs (seconds averaged over them)."""
-
-    blocks: tuple[int, ...]
-    thresholds: tuple[int, ...]
-    """Distinct transients, ascending: state j holds for caps in [thresholds[j], thresholds[j + 1])."""
-    hulls: tuple[tuple[_Opt, ...], ...]
-    """The hull of each state."""
-
-    def state(self, cap: int) -> int:
-        return bisect_right(self.thresholds, cap) - 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,31 +77,9 @@ class Knapsack:
         if not options:
             raise ValueError("the knapsack needs at least one block")
         self.num_blocks = len(options)
-        groups: dict[tuple[tuple[Mode, int, int, int], ...], list[int]] = {}
-        keys: dict[int, tuple[tuple[Mode, int, int, int], ...]] = {}  # equal blocks often share one list
-        for i, opts in enumerate(options):
-            key = keys.get(id(opts))
-            if key is None:
-                key = keys[id(opts)] = tuple([(o.mode, o.kept + o.others, o.transient, o.group) for o in opts])
-            groups.setdefault(key, []).append(i)
-        classes = []
-        for key, idx in groups.items():
-            if len(idx) == 1:
-                merged = [(o.kept + o.others, o.seconds, o.transient, o.mode) for o in options[idx[0]]]
-            else:
-                secs = [sum(options[i][j].seconds for i in idx) / len(idx) for j in range(len(key))]
-                merged = [
-                    (kept, s, transient, mode) for (mode, kept, transient, _group), s in zip(key, secs, strict=True)
-                ]
-            merged.sort()
-            thresholds = tuple(sorted({o[2] for o in merged}))
-            if len(thresholds) == 1:
-                hulls: tuple[tuple[_Opt, ...], ...] = (tuple(hull(merged)),)
-            else:
-                hulls = tuple(tuple(hull([o for o in merged if o[2] <= t])) for t in thresholds)
-            classes.append(_Class(_by_stage(idx, options), thresholds, hulls))
+        classes = classes_of(options)
         self._classes = classes
-        self._hulls: dict[int, list[tuple[_Opt, ...]]] = {}
+        self._hulls: dict[int, list[tuple[Opt, ...]]] = {}
         self.alike = tuple(c.blocks for c in classes if len(c.blocks) > 1)
         """The classes of two blocks or more: the blocks alike in bytes (the solvers arrange modes within them)."""
         # Below the largest of the classes' smallest transients some class has no option at all.
@@ -252,6 +192,16 @@ class Knapsack:
                 modes[i] = mode
         return tuple(modes)
 
+    def feasible(self, budget: int) -> list[int]:
+        """The cap indices under which some choice fits ``budget`` (its leanest choice there does)."""
+        caps = self.caps
+        return [j for j in range(bisect_right(caps, budget)) if self._lean[j] + caps[j] <= budget]
+
+    def greedy(self, j: int, budget: int) -> float:
+        """The rounded greedy's extra seconds at cap index ``j`` with kept bytes within ``budget`` (the cap's
+        own bytes already taken off); INF where it falls short. What :meth:`solve` takes the least of."""
+        return self._scan(j, budget)
+
     def _scan(self, j: int, budget: int, record: list[list[int]] | None = None) -> float:
         """The rounded greedy's extra seconds at cap index ``j``; with ``record``, the number of
         blocks of each class at each hull vertex.
@@ -316,8 +266,7 @@ class Knapsack:
         """The least extra seconds with kept bytes + the largest transient within ``budget``;
         None when no choice fits."""
         caps = self.caps
-        m = bisect_right(caps, budget)
-        feasible = [j for j in range(m) if self._lean[j] + caps[j] <= budget]
+        feasible = self.feasible(budget)
         if not feasible:
             return None
         value: dict[int, float] = {}
@@ -375,7 +324,7 @@ class Knapsack:
             i = picks.index(here)
             lo, hi = picks[max(0, i - 1)], picks[min(len(picks) - 1, i + 1)]
 
-    def _hulls_at(self, cap: int) -> list[tuple[_Opt, ...]]:
+    def _hulls_at(self, cap: int) -> list[tuple[Opt, ...]]:
         """Each class's hull under ``cap``; the last few kept (a solve's widenings come back to the same caps)."""
         hit = self._hulls.get(cap)
         if hit is None:
@@ -402,16 +351,3 @@ class Knapsack:
                 kept += cnt[v] * h[v][0]
                 transient = max(transient, h[v][2])
         return Solution(modes=tuple(modes), seconds=secs, kept=kept, transient=transient)
-
-
-def _by_stage(idx: list[int], options: Sequence[Sequence[Option]]) -> tuple[int, ...]:
-    """A class's blocks in the order modes are placed on them (:func:`rematd.planner.spread.place`): the
-    first block of each pipeline stage, then the second of each, and so on; in block order on one stage.
-    Modes placed first then go to the start of every stage alike, where the fewest kept bytes are held."""
-    seen: dict[int, int] = {}
-    ranked = []
-    for i in idx:
-        stage = options[i][0].stage
-        rank = seen[stage] = seen.get(stage, -1) + 1
-        ranked.append((rank, stage, i))
-    return tuple(i for _rank, _stage, i in sorted(ranked))

@@ -15,10 +15,11 @@ from typing import Any
 
 from rematd.planner.config import ControllerConfig
 from rematd.planner.model import Profile
+from rematd.planner.restoring import whole_number
 from rematd.planner.shapes import at_shape
 from rematd.planner.stepfit import StepPrices
 from rematd.planner.steps import StepObservation
-from rematd.planner.timing import PRICED, BucketTimes, whole_number
+from rematd.planner.timing import PRICED, BucketTimes
 from rematd.planner.units import Mode, Shape
 
 # Steps over which the memory of a target crossing fades by half.

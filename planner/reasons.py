@@ -95,3 +95,18 @@ def initial_reason(choice: Choice, target: int) -> str:
         f"{fit} target {human_bytes(target)}"
     )
     return f"{reason}; {choice.note}" if choice.note else reason
+
+
+def lengths_named(seqs: list[int]) -> str:
+    """Table lengths as a reason names them: "length 64", "lengths 128 and 256", "lengths 64 to 512"."""
+    ordered = sorted(seqs)
+    if len(ordered) == 1:
+        return f"length {ordered[0]}"
+    if len(ordered) == 2:
+        return f"lengths {ordered[0]} and {ordered[1]}"
+    return f"lengths {ordered[0]} to {ordered[-1]}"
+
+
+def target_named(here: int, target: int) -> str:
+    """A length's target as a reason quotes it: the target, or the wider one its settled peaks earned."""
+    return human_bytes(here) if here == target else f"{human_bytes(here)} (its peaks settled: a smaller margin)"

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rematd.planner.timing import MAX_BUCKETS, MAX_SUM, PRICED, restored_by_length, whole_number
+from rematd.planner.restoring import MAX_SUM, restored_by_length, whole_number
+from rematd.planner.timing import MAX_BUCKETS, PRICED
 from rematd.planner.units import Mode
 
 MAX_GAP = 4
@@ -356,7 +357,10 @@ class StepPrices:
                 "(its profile offers other modes)"
             )
         fits = restored_by_length(
-            state.get("buckets", []), "step_prices.buckets", lambda fit, where: StepFit.restored(fit, self.size, where)
+            state.get("buckets", []),
+            "step_prices.buckets",
+            lambda fit, where: StepFit.restored(fit, self.size, where),
+            most=MAX_BUCKETS,
         )
         self._fits, self._posteriors = fits, {}
 

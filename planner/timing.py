@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
+from rematd.planner.restoring import mode_sums, number, restored_by_length, whole_number
 from rematd.planner.shapes import Scales
 from rematd.planner.steps import ModeSeconds
 from rematd.planner.units import Mode
-
-_T = TypeVar("_T")
 
 STEP = 1.1
 """Scales are powers of this."""
@@ -48,10 +47,6 @@ DECAY = 0.9
 """Weight of the past in the running sums, per observation."""
 LIMITS = (0.1, 10.0)
 """A scale stays within these: a measurement far outside them is more likely wrong than the profile."""
-MAX_SUM = 1e12
-"""Bound on a restored decayed sum (seconds or blocks): anything larger is not a measurement."""
-MAX_STEP = 2**53
-"""Bound on a restored step count or length: beyond it a float loses whole numbers."""
 MAX_BUCKETS = 16
 """Length buckets whose timings are kept; the least recently timed is dropped first."""
 PRICED: tuple[Mode, ...] = (
@@ -158,14 +153,14 @@ class TimeScales:
         if not isinstance(state, dict):
             raise ValueError(f"state: {where} must be an object, got {type(state).__name__}")
         remat, forward, profiled, predicted = (
-            _mode_sums(state, k, where, _number) for k in ("remat", "forward", "forward_profiled", "predicted")
+            mode_sums(state, k, where, number) for k in ("remat", "forward", "forward_profiled", "predicted")
         )
-        blocks = {m: int(v) for m, v in _mode_sums(state, "blocks", where, _number).items()}
-        last = _mode_sums(state, "last_step", where, whole_number)
+        blocks = {m: int(v) for m, v in mode_sums(state, "blocks", where, number).items()}
+        last = mode_sums(state, "last_step", where, whole_number)
         base = state.get("base", [0.0, 0.0])
         if not isinstance(base, list) or len(base) != 2:
             raise ValueError(f"state: {where}.base must be [measured, profiled], got {base!r}")
-        base_sums = [_number(v, f"{where}.base") for v in base]
+        base_sums = [number(v, f"{where}.base") for v in base]
         if not set(remat) == set(predicted) == set(forward) == set(profiled) == set(blocks):
             raise ValueError(f"state: {where}'s sums must name the same modes")
         if not set(last) <= set(blocks):
@@ -384,49 +379,4 @@ def _restored_buckets(raw: Any) -> dict[int, TimeScales]:
         restored.restore_state(sums, where)
         return restored
 
-    return restored_by_length(raw, "timing.buckets", bucket)
-
-
-def restored_by_length(raw: Any, where: str, restore: Callable[[Any, str], _T]) -> dict[int, _T]:
-    """A restored list of at most ``MAX_BUCKETS`` [bucket top, sums] pairs, each sums read by ``restore``
-    (given where it is, to name in its errors), the order kept; ValueError naming ``where`` otherwise."""
-    if not isinstance(raw, list) or len(raw) > MAX_BUCKETS:
-        raise ValueError(f"state: {where} must be a list of at most {MAX_BUCKETS} [length, sums] pairs")
-    out: dict[int, _T] = {}
-    for entry in raw:
-        if not isinstance(entry, list) or len(entry) != 2:
-            raise ValueError(f"state: {where} must hold [length, sums] pairs, got {entry!r}")
-        top, sums = entry
-        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_STEP or top in out:
-            raise ValueError(f"state: {where} has a bad or repeated length {top!r}")
-        out[top] = restore(sums, f"{where}[{top}]")
-    return out
-
-
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"state: {what} must be a number, got {value!r}")
-    if (isinstance(value, float) and math.isnan(value)) or not 0 <= value <= MAX_SUM:
-        raise ValueError(f"state: {what} must be a finite number in [0, {MAX_SUM:g}], got {value!r}")
-    return float(value)
-
-
-def whole_number(value: Any, what: str, *, lo: int = 0) -> int:
-    """A restored count, step or length: an integer in [``lo``, ``MAX_STEP``]; ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_STEP:
-        raise ValueError(f"state: {what} must be an integer in [{lo}, {MAX_STEP}], got {value!r}")
-    return value
-
-
-def _mode_sums(state: dict[str, Any], key: str, where: str, parse: Callable[[Any, str], _T]) -> dict[Mode, _T]:
-    """``state[key]``, an object of mode names, each value read by ``parse``."""
-    raw = state.get(key, {})
-    if not isinstance(raw, dict):
-        raise ValueError(f"state: {where}.{key} must be an object of modes, got {raw!r}")
-    out: dict[Mode, _T] = {}
-    for name, value in raw.items():
-        mode = Mode.__members__.get(name.upper()) if isinstance(name, str) else None
-        if mode is None:
-            raise ValueError(f"state: {where}.{key} has an unknown mode {name!r}")
-        out[mode] = parse(value, f"{where}.{key}.{name}")
-    return out
+    return restored_by_length(raw, "timing.buckets", bucket, most=MAX_BUCKETS)

@@ -96,12 +96,12 @@ def test_a_mode_cheap_on_short_steps_and_dear_on_long_ones_is_planned_so_at_each
     controller = session.controller
     target = controller.config.settled_target(session.plan.target_bytes)
     for seq in (SHORT, LONG):
-        assert controller._learned.settled(seq)
+        assert controller.learned.settled(seq)
         for modes in (at_short, at_long):
             assert peak_of(choose(session.profile.options_at(shape(seq)), modes)) <= target
     # What the plans believe: at each length, selective's time as measured there.
-    assert controller._extra(at_short, SHORT) < controller._extra(at_long, SHORT)
-    assert controller._extra(at_long, LONG) < controller._extra(at_short, LONG)
+    assert controller.pricing.extra(at_short, SHORT) < controller.pricing.extra(at_long, SHORT)
+    assert controller.pricing.extra(at_long, LONG) < controller.pricing.extra(at_short, LONG)
 
 
 def test_a_length_never_timed_is_priced_by_the_whole_jobs_measurements() -> None:
@@ -245,16 +245,16 @@ def test_a_length_never_timed_is_repriced_now_and_then_and_refit_to_a_new_budget
     whether they fit (budget, measured peaks) is re-checked at every look."""
     session = PlannerSession(profile(), budget_bytes=BUDGET, config=ControllerConfig())
     controller = session.controller
-    untimed = max(controller._learned.ladder())
+    untimed = max(controller.learned.ladder())
     priced: list[int] = []
-    choose_at = controller._choose
+    choose_at = controller.planner.choose
 
     def counted(at: Shape, target: int, static: int) -> Choice:
         if at.seq_len == untimed:
             priced.append(len(priced))
         return choose_at(at, target, static)
 
-    controller._choose = counted  # type: ignore[method-assign]
+    controller.planner.choose = counted  # type: ignore[method-assign]
     budget = BUDGET
     for step in range(64):
         if step == 48:

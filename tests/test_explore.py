@@ -228,7 +228,7 @@ def test_a_peak_off_the_model_takes_the_margin_back_at_once() -> None:
     # Peaks 3% over the model: still within the budget, but the model is no longer borne out.
     job.peak_factor = 1.03
     job.run(1)
-    assert not job.session.controller._learned.settled(64)
+    assert not job.session.controller.learned.settled(64)
     assert predicted(job.session.profile, job.session.plan.modes, REF) * 1.03 <= nominal
     job.run(30)
     assert max(job.peaks) <= job.budget
@@ -242,7 +242,7 @@ def test_peaks_that_wobble_keep_the_whole_margin() -> None:
     nominal = job.session.plan.target_bytes
     worst = max(job.session.controller.correction(64, pessimistic=True), 1.0)
     assert predicted(job.session.profile, job.session.plan.modes, REF) * worst <= nominal
-    assert not job.session.controller._learned.settled(64)
+    assert not job.session.controller.learned.settled(64)
 
 
 def test_the_plan_uses_the_room_that_measured_peaks_show() -> None:

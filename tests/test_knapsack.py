@@ -37,14 +37,7 @@ blocks_st = st.builds(
 
 def every_cap(knapsack: Knapsack, budget: int) -> float:
     """The rounded greedy with every cap scanned: what the cap search has to find."""
-    return min(
-        (
-            knapsack._scan(j, budget - cap)
-            for j, cap in enumerate(knapsack.caps)
-            if cap <= budget and knapsack._lean[j] + cap <= budget
-        ),
-        default=INF,
-    )
+    return min((knapsack.greedy(j, budget - knapsack.caps[j]) for j in knapsack.feasible(budget)), default=INF)
 
 
 def least_peak_by_brute_force(options: list[list[Option]]) -> int:
@@ -80,9 +73,10 @@ def test_bound_never_exceeds_any_plan_and_plans_fit_when_one_can(blocks: list[Bl
     assert found.kept + found.transient == bound_of(chosen)
     assert knapsack.bound(budget) <= found.seconds + 1e-9
     # Every cap: the bound holds below the rounded greedy there too.
-    for j, cap in enumerate(knapsack.caps):
-        if cap <= budget and knapsack._lean[j] + cap <= budget:
-            assert knapsack.bound(budget - cap) <= knapsack._scan(j, budget - cap) + 1e-9
+    for j in knapsack.feasible(budget):
+        cap = knapsack.caps[j]
+        assert cap <= budget
+        assert knapsack.bound(budget - cap) <= knapsack.greedy(j, budget - cap) + 1e-9
 
 
 def test_cap_search_finds_what_scanning_every_cap_finds() -> None:

@@ -49,6 +49,7 @@ from rematd.planner.plan_trials import (
 )
 from rematd.planner.solvers import solve
 from rematd.planner.stepfit import MIN_PAIRS, Prior, StepFit, StepPrices, counts
+from rematd.planner.trial_search import Candidate
 from rematd.planner.units import MODE_LETTERS
 
 from .alike_blocks import alike_blocks
@@ -300,7 +301,7 @@ def test_no_plan_trials_when_they_are_off_and_the_fit_still_learns() -> None:
     job = new_job(config=ControllerConfig(plan_explore_share=0.0))
     job.run(150, STORING_SLOW)
     assert job.session.controller.plan_trials.trials == 0
-    fit = job.session.controller._learned.steps.fit(STORING_SLOW)
+    fit = job.session.controller.learned.steps.fit(STORING_SLOW)
     assert fit is not None and fit.noise_pairs > 15  # decayed: at most 1 / (1 - NOISE_DECAY)
 
 
@@ -349,7 +350,7 @@ def test_step_prices_survive_a_restart_of_the_planner() -> None:
     fresh.initial(budget_bytes=BUDGET)
     fresh.restore_state(state)
     assert fresh.export_state() == controller.export_state()
-    assert fresh._offsets(STORING_SLOW) == controller._offsets(STORING_SLOW) != ()
+    assert fresh.pricing.step_prices.offsets(STORING_SLOW) == controller.pricing.step_prices.offsets(STORING_SLOW) != ()
     assert fresh.step_shares(STORING_SLOW) == controller.step_shares(STORING_SLOW) != {}
 
 
@@ -563,14 +564,14 @@ def test_looks_that_find_no_plan_worth_a_trial_come_ever_more_rarely() -> None:
     job = new_job(seed=5, noise=0.2)
     controller = job.session.controller
     looked: list[tuple[int, bool]] = []
-    find = controller._best_candidate
+    find = controller.trial_search.best_candidate
 
-    def counted(entry: ShapePlan, target: int, static: int) -> tuple[tuple[Mode, ...], float, float] | None:
+    def counted(entry: ShapePlan, target: int, static: int) -> Candidate | None:
         found = find(entry, target, static)
         looked.append((job.step, found is not None))
         return found
 
-    controller._best_candidate = counted  # type: ignore[method-assign]
+    controller.trial_search.best_candidate = counted  # type: ignore[method-assign]
     job.run(300, STORING_SLOW)
     empty = [step for step, found in looked if not found]
     gaps = [b - a for a, b in itertools.pairwise(empty)]

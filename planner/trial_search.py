@@ -1,0 +1,264 @@
+"""Trials of plans where the step-level prices are unsure: finding a plan worth one at a table entry, and
+each step of the trial in force, to its verdict (:mod:`rematd.planner.plan_trials`)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from rematd.planner.plan import ShapePlan
+from rematd.planner.plan_trials import (
+    MAX_LOSS,
+    MIN_GAIN,
+    SURE,
+    TIGHT,
+    PlanTrial,
+    PlanTrials,
+    trial_over_reason,
+    trial_reason,
+)
+from rematd.planner.pricing import Pricing, as_corrected
+from rematd.planner.reasons import human_bytes
+from rematd.planner.solvers import front_loaded
+from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanner
+from rematd.planner.stepfit import INFLATION, Posterior, group_of
+from rematd.planner.steps import StepObservation
+from rematd.planner.units import Mode, Shape
+
+TRIAL_NOISE_PAIRS = 8.0
+"""Pairs of equal plans (decayed) the bucket's fit has seen before its uncertainty may start a trial."""
+INFORMED = 0.5
+"""A plan is tried only where its trial's differences would carry this much of what the fit already knows
+of it (their precision over the fit's): its uncertainty then shrinks by a fifth or more."""
+RECHECK_STEPS = 8
+"""Steps at one table entry between two looks for a plan worth a trial there (each look solves a few dozen
+times, tens of milliseconds on the training thread of an in-process planner)."""
+MAX_IDLE_LOOKS = 3
+"""Each look at an entry that finds nothing worth a trial doubles the wait before the next, up to this many
+times (``RECHECK_STEPS`` << 3: 64 steps); a look that finds one, or another plan in force there, resets it."""
+
+
+class Look(NamedTuple):
+    """A table entry's last look for a plan worth a trial."""
+
+    step: int
+    modes: tuple[Mode, ...]
+    """The plan in force there then."""
+    idle: int
+    """Looks in a row that found nothing worth a trial with that plan in force."""
+
+
+class Candidate(NamedTuple):
+    """A plan worth a trial, with what the fit expects it to save a step and that saving's standard
+    deviation (fractions of a step)."""
+
+    modes: tuple[Mode, ...]
+    saving: float
+    sd: float
+
+
+class Handed(NamedTuple):
+    """What a step of plan trials hands out: the table in force, the table the steps run, and why."""
+
+    table: tuple[ShapePlan, ...]
+    handed: list[ShapePlan]
+    reason: str
+
+
+class TrialSearch:
+    """The plan trials at the entries of a table priced by ``pricing``, whose plans ``planner`` chose."""
+
+    def __init__(self, pricing: Pricing, planner: StepPlanner) -> None:
+        self._pricing = pricing
+        self._planner = planner
+        self.plans = PlanTrials(pricing.config)
+        """The plan on trial, if any, and what plan trials have cost."""
+        self._looked: dict[int, Look] = {}
+
+    def start(
+        self,
+        obs: StepObservation,
+        entry: ShapePlan | None,
+        target: int,
+        peaks_measured: bool,
+        table: tuple[ShapePlan, ...],
+    ) -> Handed | None:
+        """A trial of the plan that could most be faster than ``entry`` (the one the step ran with, in
+        ``table``), where the fit leaves room for one and trials have not had their share; None otherwise."""
+        pricing, plans = self._pricing, self.plans
+        seq = entry.max_seq_len if entry is not None else 0
+        if entry is None or not peaks_measured or pricing.learned.headroom_steps or not plans.may_start(seq):
+            return None
+        if not self.fit_ready(seq):
+            return None
+        last, modes, idle = self._looked.get(seq, Look(-RECHECK_STEPS, entry.modes, 0))
+        if modes != entry.modes:
+            idle = 0
+        if obs.step - last < RECHECK_STEPS << min(idle, MAX_IDLE_LOOKS):
+            return None
+        found = self.best_candidate(entry, target, obs.static_bytes)
+        self._looked[seq] = Look(obs.step, entry.modes, 0 if found is not None else idle + 1)
+        if found is None:
+            return None
+        tried = pricing.replaced(entry, found.modes, obs.static_bytes)
+        trial = PlanTrial(home=entry, tried=tried, started=plans.steps, saving=found.saving, sd=found.sd)
+        plans.start(trial)
+        here = pricing.target_at(target, seq)
+        # As the candidate was weighed: its prediction as the measured peaks correct it.
+        shown, as_measured = as_corrected(tried.predicted_peak_bytes, obs.static_bytes, pricing.learned.correction(seq))
+        peak = f"predicted {human_bytes(shown)}{as_measured} of the {human_bytes(here)} target"
+        return Handed(table, [tried if e is entry else e for e in table], trial_reason(trial, peak))
+
+    def step(self, obs: StepObservation, target: int, table: tuple[ShapePlan, ...]) -> Handed:
+        """The plan trial in force, a step on: its next turn, or its end (the plan tried kept in ``table``
+        where the steps found it surely faster, else the plan in force put back)."""
+        pricing, plans = self._pricing, self.plans
+        trial = plans.trial
+        assert trial is not None
+        if plans.between or plans.ran_out:
+            saving, sd = pricing.step_prices.contrast(trial.home.modes, trial.modes, trial.seq)
+            level = pricing.step_prices.level(trial.seq) or 1.0
+            # A trial ends early where the plan tried is surely slower, never where it looks surely faster:
+            # a look after every pair would find noise surely faster more often than the 2 standard
+            # deviations say, and a plan kept stays.
+            if plans.ran_out or sd < TIGHT * level or saving < -SURE * sd:
+                plans.stop()
+                shape = pricing.shape(trial.seq)
+                kept = saving > SURE * sd and pricing.fits(trial.modes, shape, target, obs.static_bytes)
+                if kept:
+                    table = tuple(trial.tried if e is trial.home else e for e in table)
+                reason = trial_over_reason(trial, saving / level, sd / level, kept)
+                return Handed(table, list(table), reason)
+        turn = plans.turn
+        handed = [turn if e is trial.home and turn is not None else e for e in table]
+        return Handed(table, handed, trial_reason(trial, "in turn"))
+
+    def fit_ready(self, seq: int) -> bool:
+        """Whether the fit at ``seq``'s bucket has seen enough steps to weigh a plan trial there."""
+        pricing = self._pricing
+        fit = pricing.learned.steps.fit(pricing.bucket_of(seq))
+        return fit is not None and fit.noise_pairs >= TRIAL_NOISE_PAIRS and pricing.step_prices.level(seq) > 0
+
+    def best_candidate(self, entry: ShapePlan, target: int, static: int) -> Candidate | None:
+        """Of the plans that fit for a trial and could be faster than ``entry`` by ``MIN_GAIN`` of a step
+        (their expected saving plus ``SURE`` standard deviations), whose difference from it is not yet
+        known within ``TIGHT`` and which the fit expects slower by no more than ``MAX_LOSS``, one tried
+        least often here, the most promising of those (expected saving plus one standard deviation); None
+        when no plan qualifies."""
+        pricing, prices, steps = self._pricing, self._pricing.step_prices, self._pricing.learned.steps
+        seq = entry.max_seq_len
+        fit = steps.fit(pricing.bucket_of(seq))
+        found = prices.posterior(seq)
+        level = prices.level(seq)
+        if fit is None or found is None or not self.fit_ready(seq):
+            return None
+        shape = pricing.shape(seq)
+        slack = int(target * LOOSEN_SLACK)
+        ceiling = pricing.learned.ceiling(seq)
+        at = pricing.at(shape)
+        # The variance of one difference of steps, as the fit takes it, at this length.
+        noise = INFLATION * fit.noise_var() * prices.from_top(seq) ** 2
+        best: tuple[tuple[bool, int, float], Candidate] | None = None
+        # Plans the fit prices alike (the same modes per position group) are one candidate: the first
+        # of them, front-loaded.
+        seen = {steps.features(entry.modes)}
+        in_force = at.cost(entry.modes)[0]
+        for modes in self._candidates(entry.modes, shape, slack, static, *found, level):
+            kept = at.cost(modes)[0]
+            below = ceiling is None or kept < ceiling
+            # A plan predicted to keep no more than the plan in force risks nothing it does not: it need
+            # only fit as that plan does (a placement of the same modes, when the plan in force was
+            # loosened up to the target).
+            fits = pricing.fits(modes, shape, slack, static, pessimistic=True) or (
+                kept <= in_force and pricing.fits(modes, shape, target, static)
+            )
+            if modes == entry.modes or not below or not fits:
+                continue
+            features = steps.features(modes)
+            if features in seen:
+                continue
+            seen.add(features)
+            saving, sd = prices.contrast(entry.modes, modes, seq)
+            # A plan the fit finds surely faster but whose own steps never ran here is tried whatever
+            # else the fit knows: only its steps may put it in force.
+            confirm = saving > SURE * sd and saving >= MIN_GAIN * level and not self._planner.has_run(modes, seq)
+            if not confirm:
+                if sd < TIGHT * level or saving + SURE * sd < MIN_GAIN * level or saving < -MAX_LOSS * level:
+                    continue
+                # Worth it only where a trial's steps would tell much: on steps too noisy, they cannot.
+                if 2 * pricing.config.plan_trial_steps * sd * sd < INFORMED * noise:
+                    continue
+            # Plans to confirm first, then the plans tried least here (each trial tells of its own
+            # difference more than of the others'), then the most promising by one standard deviation
+            # of optimism: likelier to be faster, and cheaper to try.
+            rank = (confirm, -self.plans.times_tried(seq, modes), saving + sd)
+            if best is None or rank > best[0]:
+                best = (rank, Candidate(modes, saving / level, sd / level))
+        return best[1] if best is not None else None
+
+    def _candidates(
+        self,
+        current: tuple[Mode, ...],
+        shape: Shape,
+        target: int,
+        static: int,
+        post: Posterior,
+        ratio: float,
+        level: float,
+    ) -> list[tuple[Mode, ...]]:
+        """Plans to weigh against ``current``: per position group, ``current`` with one more block
+        recomputed (the first stored one there: a small step towards leaner plans, whose trial says
+        whether storing costs what the per-block prices say); the best that fits ``target`` by the fit's
+        prices; the best were one mode's fitted prices lower on every group at once, or one of them
+        lower or higher, by one and by ``SURE`` standard deviations, where that room is wider than
+        ``TIGHT`` of a step; and ``current`` and each of those front-loaded (placement), those first."""
+        pricing, prices = self._pricing, self._pricing.step_prices
+        found = [*self._one_more(current), pricing.solve(shape, target, static).modes]
+        prior = prices.prior(pricing.bucket_of(shape.seq_len))
+        base = [c - p for c, p in zip(post.mean, prior.mean, strict=True)]
+        usable = self._usable_modes()
+        fitted = pricing.learned.steps.params
+        sd = [math.sqrt(max(0.0, post.cov[k][k])) for k in range(len(fitted))]
+        moves: list[dict[int, float]] = []
+        for mode in usable:
+            # The mode cheaper on every group at once, then on one group, or dearer on one (which moves
+            # its blocks to the other groups).
+            mine = [k for k, (m, _g) in enumerate(fitted) if m == mode and SURE * sd[k] * ratio >= TIGHT * level]
+            for far in (1.0, SURE):
+                if len(mine) > 1:
+                    moves.append({k: -far * sd[k] for k in mine})
+                moves.extend({k: sign * far * sd[k]} for k in mine for sign in (-1.0, 1.0))
+        for move in moves:
+            moved = [d + move.get(k, 0.0) for k, d in enumerate(base)]
+            found.append(pricing.solve(shape, target, static, offsets=prices.as_offsets(moved, ratio)).modes)
+        # Each of them front-loaded too, first: the recomputing blocks first among blocks alike, across
+        # the position groups, then within each. The per-block prices cannot tell placements apart, and
+        # the fit cannot within a group, where the front-loaded plan goes first on a tie: on a CPU the
+        # first blocks' stored activations wait longest and come back from memory, not from cache.
+        flat = pricing.at(shape, per_block=True).options
+        grouped = pricing.at(shape).options
+        out: list[tuple[Mode, ...]] = []
+        for modes in [current, *found]:
+            for variant in (tuple(front_loaded(flat, modes)), tuple(front_loaded(grouped, modes)), modes):
+                if variant not in out:
+                    out.append(variant)
+        return out
+
+    def _one_more(self, current: tuple[Mode, ...]) -> list[tuple[Mode, ...]]:
+        """Per position group, ``current`` with its first stored block there recomputed."""
+        if Mode.RECOMPUTE not in self._usable_modes():
+            return []
+        groups, n = self._pricing.config.price_groups, len(current)
+        out = []
+        for g in range(groups):
+            first = next((i for i, m in enumerate(current) if m == Mode.STORE and group_of(i, n, groups) == g), None)
+            if first is not None:
+                out.append((*current[:first], Mode.RECOMPUTE, *current[first + 1 :]))
+        return out
+
+    def _usable_modes(self) -> frozenset[Mode]:
+        """The modes beyond storing the solver may choose for some block."""
+        profile = self._pricing.profile
+        offered = {o.mode for b in profile.blocks for o in b.mode_costs()} - {Mode.STORE}
+        allowed = self._pricing.config.allowed_modes
+        return frozenset(offered if allowed is None else offered & allowed)
