@@ -494,6 +494,8 @@ class Handle:
             self._clock.leave()
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self._accounting.active:
+            return  # nothing counted this forward (on CUDA, never): nothing to stop
         self._clock.enter()
         try:
             self._cycle.stop_counting()

@@ -109,3 +109,38 @@ def test_past_a_table_that_a_newer_plan_still_does_not_reach_the_longest_entry_r
     assert modes(blocks) == (R, K)
     applier.apply_pending(shape(2048))
     assert modes(blocks) == (K, R), "longer than any step seen past the table: lean again"
+
+
+def test_a_step_of_the_same_shape_object_still_sees_a_plan_a_pin_or_a_cut_answered() -> None:
+    """The steady step's check reads no lock and builds nothing: each change it must not miss, met with the very
+    shape object the last step had (``shape_of`` hands the same one back for a step like the last)."""
+    offer = frozenset({S, K, R})
+    blocks = [CountingBlock(mode=S, offer=offer), CountingBlock(mode=S, offer=offer)]
+    applier = PlanApplier(blocks)  # type: ignore[arg-type]
+    same = shape(32)
+    applier.receive(table_plan(1))
+    applier.apply_pending(same)
+    sets = [b.sets for b in blocks]
+    assert applier.apply_pending(same) is None
+    assert [b.sets for b in blocks] == sets
+
+    # A budget cut the planner's thread has not taken in: the leanest modes, then the plan's once it answers
+    # (answered() flips the flag alone, invalidating nothing).
+    assert applier.hold_until_answered(same, target_bytes=0)
+    applier.apply_pending(same)
+    assert modes(blocks) == (R, R)
+    applier.answered()
+    applier.apply_pending(same)
+    assert modes(blocks) == (S, S)
+
+    applier.pin([K, R])
+    applier.apply_pending(same)
+    assert modes(blocks) == (K, R)
+    applier.pin(None)
+    applier.apply_pending(same)
+    assert modes(blocks) == (S, S)
+
+    newer = dataclasses.replace(table_plan(2), shape_plans=())
+    applier.receive(newer)
+    assert applier.apply_pending(same) == newer
+    assert modes(blocks) == (R, R)

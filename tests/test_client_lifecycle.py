@@ -132,3 +132,16 @@ def test_an_illegal_transition_inside_the_handle_is_logged_and_training_goes_on(
     assert any(not torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True)), "training went on"
     assert h.step_count == 3, "each step still ended"
     h.close()
+
+
+def test_a_planned_step_skips_the_table_only_because_the_table_keeps_it_planned() -> None:
+    """A planned step's start and end leave the phase as it is without a look at the table (they run every
+    step, on the training thread): that holds only while the table says so."""
+    assert TRANSITIONS[(Phase.PLANNED, Event.BEGIN_STEP)] is Phase.PLANNED
+    assert TRANSITIONS[(Phase.PLANNED, Event.END_STEP)] is Phase.PLANNED
+    life = Lifecycle()
+    life.profiled()
+    for _ in range(3):
+        assert life.begin_step() is Phase.PLANNED and life.in_step
+        life.end_step()
+        assert life.phase is Phase.PLANNED and not life.in_step

@@ -167,6 +167,17 @@ class PlanApplier:
     def apply_pending(self, shape: Shape | None = None) -> Plan | None:
         """Called by the training thread at a step boundary: take the newest plan and set
         each block's mode for this step's ``shape`` from the plan's table."""
+        applied = self._applied
+        if (
+            self._pending is None  # read without the lock: a plan that arrives now is taken at the next step
+            and applied is not None
+            and shape is self._shape
+            and applied[1] == self.plan.version
+            and applied[0] is self.pinned
+            and applied[3] == self.lean_after
+            and applied[4] == self._awaiting
+        ):
+            return None  # the modes set for the last step stand: nothing to take, nothing to set
         with self._lock:
             plan, self._pending = self._pending, None
             superseded, self._superseded = self._superseded, []

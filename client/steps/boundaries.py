@@ -19,7 +19,7 @@ from torch import nn
 
 from rematd.client.blocks.switchable import lean_profiling
 from rematd.client.call_shape import shape_of
-from rematd.client.memory.sources import CudaMemory, MemorySample, SavedFigures, SavedTensorMemory, saved_sample
+from rematd.client.memory.sources import CudaMemory, MemorySample, SavedFigures, saved_sample
 from rematd.client.parallel.agreement import CODES, MODES
 from rematd.client.parallel.base import PLAIN, SetUp
 from rematd.client.parallel.pick import Schedule, pick
@@ -77,8 +77,7 @@ class StepCycle:
         self.life = Lifecycle()
         self.memory: Memory | None = None
         """Where the figures come from; chosen at the first step, from where its input is."""
-        self.step = 0
-        self.shape = Shape()
+        self.step, self.shape = 0, Shape()
         self.static = self.carried = 0
         """Static bytes of the step; ``carried``: on the CPU, those saved for backward by earlier steps and still
         held at its start (in ``static`` from the step's end)."""
@@ -108,9 +107,12 @@ class StepCycle:
         self.watch = BudgetWatch()
         """What the log says of the steps' memory."""
         self.run = ModesRun()
+        """The modes the step runs, and whether they are its plan's."""
+        # Whether :attr:`memory` is the CUDA allocator's (else the CPU's saved tensors), once set: read at every
+        # step's start and end, without an isinstance each time.
+        self._cuda: bool | None = None
         # Whether the CPU's steps count saved tensors (off: they run as on CUDA, for benchmarks).
         self.saved_hooks = True
-        """The modes the step runs, and whether they are its plan's."""
 
     def _use(self, parts: BlockParts) -> None:
         """The blocks and what wraps them, as ``attach`` built them."""
@@ -133,6 +135,7 @@ class StepCycle:
         if self.memory is None:
             self._first_step()
             self.memory = memory_source(self.model, self.accounting, args, kwargs)
+            self._cuda = isinstance(self.memory, CudaMemory)
             self.accounting.exclude_module_state(self.model)
             offer_modes(self.blocks, self.memory, self.modes)
         self._shape_seen = shape is None
@@ -170,10 +173,10 @@ class StepCycle:
         self.setup.step_begins(run.rerun)
         self._step_shape()
         self.static = self._static_now()
-        # On the CPU, what the accounting still holds from before the step is there throughout it.
-        self.carried = 0 if self._on_cuda() else self.accounting.live_bytes
         if not self._on_cuda():
-            # The weights the set-up gathers are no activations.
+            # On the CPU, what the accounting still holds from before the step is there throughout it; the
+            # weights the set-up gathers are no activations.
+            self.carried = self.accounting.live_bytes
             self.accounting.gathered = self.setup.weight_storages()
         self.started = time.perf_counter()
 
@@ -242,10 +245,10 @@ class StepCycle:
 
     def counting(self) -> bool:
         """Whether the step counts saved tensors (on the CPU, unless :attr:`saved_hooks` is off)."""
-        return self.saved_hooks and isinstance(self.memory, SavedTensorMemory)
+        return self.saved_hooks and self._cuda is False
 
     def _on_cuda(self) -> bool:
-        return isinstance(self.memory, CudaMemory)
+        return self._cuda is True
 
     def _first_step(self) -> None:
         """What can only be seen at the first step: the parallel set-up (a model may be sharded after attach)."""

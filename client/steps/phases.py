@@ -124,7 +124,8 @@ class Lifecycle:
         if self.in_step:
             raise IllegalTransition("rematd lifecycle: begin_step while a step is running")
         runs_in = self.phase
-        self._fire(Event.BEGIN_STEP)
+        if runs_in is not Phase.PLANNED:  # planned steps stay planned: no look at the table, every step
+            self._fire(Event.BEGIN_STEP)
         self.in_step = True
         return runs_in
 
@@ -132,7 +133,8 @@ class Lifecycle:
         """The running step ended normally."""
         if not self.in_step:
             raise IllegalTransition("rematd lifecycle: end_step without a running step")
-        self._fire(Event.END_STEP)
+        if self.phase is not Phase.PLANNED:
+            self._fire(Event.END_STEP)
         self.in_step = False
 
     def profiled(self) -> None:
