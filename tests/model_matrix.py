@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rematd import client
+from rematd.client import introspect
 from rematd.planner import Mode
 
 Inputs = dict[str, Any]
@@ -161,7 +162,7 @@ def train_side_by_side(
             opt_ref.zero_grad(set_to_none=True)
             opt.zero_grad(set_to_none=True)
             h.step()
-        hello = h._backend.hello  # type: ignore[attr-defined]
+        hello = introspect.hello(h)
         offered = {mc.mode for mc in hello.blocks[0].modes}
         assert (Mode.OFFLOAD in offered) == (device == "cuda"), f"offload offered: {offered} on {device}"
     finally:

@@ -10,6 +10,7 @@ import copy
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.steps.modes_run import STORE_TIMED_EVERY
 from rematd.planner import Mode
 
@@ -17,7 +18,7 @@ from .helpers import tiny_model, train_step
 
 
 def _wrapped(h: client.Handle) -> list[bool]:
-    return ["forward" in b.module.__dict__ for b in h._blocks]
+    return ["forward" in b.module.__dict__ for b in introspect.blocks(h)]
 
 
 def test_storing_blocks_run_bare_between_timed_steps_and_train_as_the_plain_model() -> None:
@@ -26,7 +27,7 @@ def test_storing_blocks_run_bare_between_timed_steps_and_train_as_the_plain_mode
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     h = client.attach(model, optimizer=opt, budget_bytes=2**40)
-    h._cycle.saved_hooks = False  # as on CUDA
+    introspect.cycle(h).saved_hooks = False  # as on CUDA
     seen = []
     for step in range(3 * STORE_TIMED_EVERY):
         assert train_step(model, opt, 32, seed=step) == train_step(plain, plain_opt, 32, seed=step), step

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
+from rematd.client.plans.background import ThreadedBackend
 from rematd.planner import Mode
 
 from .helpers import live_server, tiny_model, train_step
@@ -27,7 +29,7 @@ def test_one_mode_pins_every_block_and_a_list_pins_each() -> None:
     h.pin_modes("recompute")
     train_step(model, opt, 32, seed=1)
     assert h.modes == (Mode.RECOMPUTE,) * 4
-    assert all(b.checkpointed for b in h._blocks), "the blocks really recompute"
+    assert all(b.checkpointed for b in introspect.blocks(h)), "the blocks really recompute"
     h.pin_modes(Mode.SELECTIVE)
     train_step(model, opt, 32, seed=2)
     assert h.modes == (Mode.SELECTIVE,) * 4
@@ -105,8 +107,9 @@ def test_with_the_planner_on_its_thread_a_budget_cut_holds_the_next_step_within_
     assert h.last_stats is not None and h.plan.blocks == ()
     free_peak = h.last_stats.saved_peak_bytes
     # The planner is busy (as with a long search): the cut reaches it only after the next step.
-    backend = h._backend
-    with backend._planning:  # type: ignore[attr-defined]
+    backend = introspect.backend(h)
+    assert isinstance(backend, ThreadedBackend)
+    with introspect.planning_lock(backend):
         h.budget_bytes = int(free_peak * 0.6)
         train_step(model, opt, 64, seed=4)
         assert h.modes == (Mode.RECOMPUTE,) * 4, "every block at its leanest until the planner has taken the cut in"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.planner import Mode
 
@@ -18,12 +19,13 @@ def test_plans_never_switch_between_micro_batches_of_one_step() -> None:
     h = client.attach(model, optimizer=opt, budget_bytes=10**12)
     modes: list[tuple[int, int, tuple[bool, ...]]] = []  # (step, micro-batch, checkpointed per block)
     micro = 0
+    switchable = introspect.blocks(h)
 
     def spy(module: torch.nn.Module, args: object) -> None:
-        if module is h._blocks[0].module:
-            modes.append((h.step_count, micro, tuple(b.checkpointed for b in h._blocks)))
+        if module is switchable[0].module:
+            modes.append((h.step_count, micro, tuple(b.checkpointed for b in switchable)))
 
-    spies = [b.module.register_forward_pre_hook(spy) for b in h._blocks]
+    spies = [b.module.register_forward_pre_hook(spy) for b in switchable]
     n = len(h.blocks)
     for step in range(6):
         for micro in range(4):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from rematd import client, wire
+from rematd.client import introspect
 from rematd.client.blocks import compiled as compiled_module
 from rematd.client.demo.tiny_gpt import TinyGPT, lm_loss
 from rematd.client.errors import UnsupportedModel
@@ -91,7 +92,8 @@ def test_compiled_variants_switch_share_graphs_and_match_eager() -> None:
     # under the offloader's hooks) compile nothing.
     assert per_step == [0, 3, 0, 3, 0, 0, 0]
     # The compiled offloaded block went through the side-stream offloader, fetched back ahead of its backward.
-    assert h._offloader.prefetched >= 1 and h._offloader.late == 0
+    off = introspect.offloader(h)
+    assert off.prefetched >= 1 and off.late == 0
     stats = h.compile_stats
     assert stats is not None
     assert stats.graphs == 6
@@ -212,7 +214,7 @@ def test_compiled_steps_report_no_compile_time_and_scales_stay_sane() -> None:
         timed = {m.mode for m in s.mode_seconds}
         assert not timed & {Mode.SELECTIVE, Mode.RECOMPUTE}, (s.step, s.mode_seconds)
     assert any(m.mode == Mode.STORE for s in step_stats for m in s.mode_seconds), "stored forwards still timed"
-    session = h._backend.session  # type: ignore[attr-defined]
+    session = introspect.session(h)
     assert session is not None
     scales = dict(session.controller.timing.scales)
     assert Mode.SELECTIVE not in scales, "no mode's price was learnt from compile time"

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rematd import client, wire
+from rematd.client import introspect
 from rematd.client.blocks import quantize as quantize_module
 from rematd.client.blocks.compress import CompressConfig, Compressor, pack_tensor
 from rematd.client.blocks.quantize import RESTORE, Kernel, dequantize, quantize
@@ -186,7 +187,7 @@ def test_integers_booleans_parameters_constants_and_small_tensors_are_kept_as_th
 
 def test_blocks_keep_the_compressed_bytes_as_the_profile_predicts() -> None:
     model, h = attached()
-    profile = h._backend.hello.profile()  # type: ignore[attr-defined]
+    profile = introspect.hello(h).profile()
     costs = {m.mode: m for m in profile.blocks[0].mode_costs()}
     assert costs[Mode.COMPRESS].kept.bytes <= 0.35 * costs[Mode.STORE].kept.bytes
     assert costs[Mode.COMPRESS].extra_seconds > 0, "priced from a measured compress and restore"
@@ -269,7 +270,7 @@ def test_a_job_that_did_not_enable_compress_is_never_planned_to() -> None:
     model = tiny_model(d_model=64, seed=3)
     h = client.attach(model, budget_bytes=10**12)
     grads_after(model, h, seed=0)
-    assert all(m.mode != Mode.COMPRESS for b in h._blocks for m in (b.measure.modes if b.measure else ()))
+    assert all(m.mode != Mode.COMPRESS for b in introspect.blocks(h) for m in (b.measure.modes if b.measure else ()))
     h.budget_bytes = 200_000  # tight: every block must keep less
     for seed in range(1, 4):
         grads_after(model, h, seed=seed)

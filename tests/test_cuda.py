@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 from rematd.client.memory.sources import CudaMemory
 from rematd.planner import Mode, Shape, predict_peak_bytes
@@ -47,12 +48,12 @@ def test_the_handle_reads_the_cuda_allocator() -> None:
     h = client.attach(model, optimizer=opt, budget_bytes=2**40, modes=ALL)
     for i in range(3):
         train_step(model, opt, 256, i)
-    assert isinstance(h._cycle.memory, CudaMemory)
+    assert isinstance(introspect.cycle(h).memory, CudaMemory)
     m = h.last_memory
     assert m is not None and m.peak_allocated_bytes > m.allocated_bytes > 0
     assert m.peak_reserved_bytes >= m.peak_allocated_bytes and 0 < m.free_bytes <= m.total_bytes
     assert h.last_stats is not None and h.last_stats.static_bytes > 0, "weights and optimizer state at step start"
-    assert Mode.OFFLOAD in {mc.mode for mc in h._backend.hello.blocks[0].modes}, "a host link: offload offered"  # type: ignore[attr-defined]
+    assert Mode.OFFLOAD in {mc.mode for mc in introspect.hello(h).blocks[0].modes}, "a host link: offload offered"
     h.close()
 
 
@@ -80,7 +81,7 @@ def test_every_mode_computes_what_plain_training_computes(mode: Mode) -> None:
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), f"{mode.name}: {name}"
         ref.zero_grad()
         model.zero_grad()
-    assert all(b.mode == mode for b in h._blocks)
+    assert all(m == mode for m in h.modes)
     h.close()
 
 
@@ -122,7 +123,7 @@ def test_a_real_out_of_memory_error_is_recovered_from() -> None:
     train_step(model, opt, 256)
     torch.cuda.synchronize()
     static = torch.cuda.memory_allocated()
-    profile = h._backend.hello.profile()  # type: ignore[attr-defined]
+    profile = introspect.hello(h).profile()
     long = Shape(batch=4, seq_len=4096, tokens=4 * 4096)
     store_all = predict_peak_bytes(profile, frozenset(), shape=long)
     # A cap on this process's share of the device: half of what storing everything at 4096 tokens saves.

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.planner import (
     BlockCost,
     Controller,
@@ -253,7 +254,7 @@ def test_on_cuda_the_peak_outside_the_blocks_is_measured_and_predicted_within_10
     h = client.attach(model, optimizer=opt, budget_bytes=2**40)
     for i in range(4):
         train_step(model, opt, 256, i)
-    hello = h._backend.hello  # type: ignore[attr-defined]
+    hello = introspect.hello(h)
     assert hello.other_activations.bytes > 0, "logits, the loss, gradients: outside the blocks"
     assert h.last_stats is not None and h.modes == (S,) * 4
     predicted = h.last_stats.static_bytes + hello.other_activations.bytes + sum(b.saved_bytes for b in hello.blocks)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.planner import Mode
 
@@ -73,7 +74,7 @@ def test_a_second_error_in_a_row_is_raised() -> None:
         h.run_step(step_fn, model, opt, 64, 1)  # does not fit even with every block recomputed
     assert h.oom_count == 2
     assert all(p.grad is None for p in model.parameters()), "the failed step's gradients were dropped"
-    assert h._accounting.live_bytes == 0, "the failed step's graph was freed"
+    assert introspect.accounting(h).live_bytes == 0, "the failed step's graph was freed"
     h.close()
 
 

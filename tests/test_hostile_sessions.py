@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rematd import client, wire
+from rematd.client import introspect
 from rematd.client.service.stream import StreamBackend
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.app import Bound
@@ -133,9 +134,9 @@ def test_the_client_keeps_the_secret_and_presents_it(service: Bound) -> None:
         assert h.flush(10.0)
         stream = h.stream
         assert isinstance(stream, StreamBackend)
-        secret = stream._current_hello().session_secret
+        secret = introspect.hello(h).session_secret
         assert len(secret) >= 24
-        assert secret not in repr(stream._current_hello()), "the secret stays out of logs and reprs"
+        assert secret not in repr(introspect.hello(h)), "the secret stays out of logs and reprs"
     finally:
         h.close()
 

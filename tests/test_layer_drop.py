@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,7 +47,7 @@ def test_blocks_dropped_while_profiling_borrow_the_largest_profile() -> None:
     h = client.attach(model, optimizer=opt, budget_bytes=10**7, planner_thread=False)
     _step(model, opt, 0)
     assert 0 < len(ran) < len(layers), f"the profiling step dropped some blocks and ran others: {sorted(ran)}"
-    measures = [b.measure for b in h._blocks]
+    measures = [b.measure for b in introspect.blocks(h)]
     assert all(m is not None for m in measures), "every block has a profile after the first step"
     largest = max((measures[i] for i in ran), key=lambda m: m.saved_bytes)  # type: ignore[union-attr]
     assert all(measures[i] == largest for i in range(len(layers)) if i not in ran), "the dropped ones borrowed it"
@@ -61,10 +62,10 @@ def test_a_profiling_step_that_ran_no_block_profiles_again() -> None:
     h = client.attach(model, optimizer=opt, budget_bytes=10**7, planner_thread=False)
     _step(model, opt, 0)
     _step(model, opt, 1)
-    assert h.plan.version == 0 and all(b.measure is None for b in h._blocks), "nothing to plan from yet"
+    assert h.plan.version == 0 and all(b.measure is None for b in introspect.blocks(h)), "nothing to plan from yet"
     model.model.decoder.layerdrop = 0.0
     _step(model, opt, 2)
-    assert all(b.measure is not None for b in h._blocks)
+    assert all(b.measure is not None for b in introspect.blocks(h))
     _step(model, opt, 3)
     assert h.plan.version >= 1
     h.close()

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rematd.client import introspect
 from rematd.client.memory.sources import CudaMemory, outside_blocks
 from rematd.messages import MEMORY_CUDA
 from rematd.planner import Mode, Shape, Size, Term
@@ -116,12 +117,12 @@ def test_a_cuda_model_reports_allocator_figures_every_step_and_recovers_from_cud
     assert h.last_stats is not None and h.last_stats.peak_allocated_bytes == 501
     assert h.last_memory is not None and h.last_memory.inactive_split_bytes == 64
     assert h.budget_bytes == 4000, "the default budget is the device's capacity"
-    offered = {m.mode for b in h._blocks if b.measure for m in b.measure.modes}
+    offered = {m.mode for b in introspect.blocks(h) if b.measure for m in b.measure.modes}
     assert h.plan.version == 0 and offered, "the profile completed"
     assert Mode.OFFLOAD not in offered and Mode.RECOMPUTE in offered
     h.run_step(step)  # fails once, is retried with every block recomputed
     assert calls == 3 and h.oom_count == 1 and emptied, "the cache was emptied after the error"
-    assert h._accounting.active is False, "no saved-tensor hooks on CUDA"
+    assert introspect.accounting(h).active is False, "no saved-tensor hooks on CUDA"
     h.close()
 
 

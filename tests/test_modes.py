@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.planner import Mode, Shape
 from rematd.planner.cost import choose, peak_of
@@ -43,7 +44,7 @@ def test_gradients_bitwise_equal_under_every_mode(mode: Mode) -> None:
             assert torch.equal(p.grad, q.grad), f"{mode.name}: {name}"
         ref.zero_grad()
         model.zero_grad()
-    assert all(b.mode == mode for b in h._blocks)
+    assert all(m == mode for m in h.modes)
     h.close()
 
 
@@ -57,7 +58,7 @@ def test_measured_saved_bytes_match_the_prediction(mode: Mode, seq: int) -> None
     model = tiny_model(n_layer=4, d_model=48, seed=2)
     h = client.attach(model, budget_bytes=10**12)
     step(model, h, 32, 0)  # profile at seq 32; seq 80 is predicted from the shape terms
-    profile = h._backend.hello.profile()  # type: ignore[attr-defined]
+    profile = introspect.hello(h).profile()
     h.pin_modes(mode)
     step(model, h, seq, 1)
     measured = h.last_stats.saved_peak_bytes if h.last_stats else 0
@@ -171,7 +172,7 @@ def test_profile_offers_modes_with_shape_terms() -> None:
     model = tiny_model(n_layer=2, d_model=48)
     h = client.attach(model, budget_bytes=10**12, modes=["recompute"])
     step(model, h, 40, 0)
-    hello = h._backend.hello  # type: ignore[attr-defined]
+    hello = introspect.hello(h)
     offered = [m.mode for m in hello.blocks[0].modes]
     assert offered == [Mode.STORE, Mode.RECOMPUTE], "only the modes asked for (and STORE) are offered"
     store = hello.blocks[0].modes[0].kept

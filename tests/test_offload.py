@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.blocks import offload
 from rematd.planner import Mode
 
@@ -23,7 +24,7 @@ def test_offloaded_blocks_train_exactly_as_stored_ones_and_come_back_before_thei
     ref = tiny_model(dropout=0.2, seed=5)
     model = tiny_model(dropout=0.2, seed=5)
     h = client.attach(model, budget_bytes=10**12, modes=["store", "recompute", "offload"])
-    assert Mode.OFFLOAD not in h._blocks[0].offer, "no host link to measure on the CPU: not offered"
+    assert Mode.OFFLOAD not in introspect.blocks(h)[0].offer, "no host link to measure on the CPU: not offered"
     lm_loss(model, batch(24)).backward()  # the profiling step
     h.step()
     model.zero_grad()
@@ -41,9 +42,9 @@ def test_offloaded_blocks_train_exactly_as_stored_ones_and_come_back_before_thei
             assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad), name
         ref.zero_grad()
         model.zero_grad()
-    off = h._offloader
+    off = introspect.offloader(h)
     assert (off.prefetched, off.late) == (8, 0), "every block fetched when the gradient reached its output"
-    assert off._groups == [], "nothing left behind"
+    assert introspect.offload_groups(off) == 0, "nothing left behind"
     assert h.last_stats is not None
     (timed,) = h.last_stats.mode_seconds
     assert timed.mode == Mode.OFFLOAD and timed.blocks == 4
@@ -84,10 +85,10 @@ def test_groups_of_forwards_without_backward_go_at_the_step_end(monkeypatch: pyt
         _ = (x @ w).sin().sum()  # evaluated, never backpropagated
     host = weakref.ref(unused.saved[0].host)
     del unused, _
-    assert len(off._groups) == 3
+    assert introspect.offload_groups(off) == 3
     off.end_step()
     gc.collect()
-    assert off._groups == [] and host() is None, "the unused forward's host copies are gone"
+    assert introspect.offload_groups(off) == 0 and host() is None, "the unused forward's host copies are gone"
     pending.backward()  # the pending backward still has what it saved
     assert off.prefetched == 2 and off.late == 0
     grads = x.grad.clone(), w.grad.clone()  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.demo.tiny_gpt import lm_loss
 from rematd.client.steps.oom import OomPolicy, is_oom, oom_message
 
@@ -147,7 +148,7 @@ def test_a_planner_failing_on_the_oom_report_still_leaves_safe_mode_in_force(mon
     with h.guard() as g:
         step()
     assert g.oom and h.safe_mode, "the plan that ran out of memory is not left in force"
-    assert all(b.checkpointed for b in h._blocks)
+    assert all(b.checkpointed for b in introspect.blocks(h))
     h.hard_limit_bytes = None
     h.run_step(step)
     h.close()

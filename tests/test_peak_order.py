@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 from rematd.planner import Mode, Shape
 from rematd.planner.cost import choose, peak_of
@@ -45,7 +46,7 @@ def test_predicted_peaks_are_within_5_percent_of_the_accounting(seq: int) -> Non
     model = TinyGPT(GPTConfig(n_layer=N, d_model=64, n_head=4, max_seq_len=128))
     h = client.attach(model, budget_bytes=10**12)
     step(model, h, 48, 0)
-    profile = h._backend.hello.profile()  # type: ignore[attr-defined]
+    profile = introspect.hello(h).profile()
     assert not profile.other_in_backward, "the CPU accounting frees the head's saved tensors first"
     shape = Shape(batch=4, seq_len=seq, tokens=4 * seq)
     options = profile.options_at(shape)

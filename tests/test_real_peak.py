@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.common import profiled_peak
 from rematd import client
+from rematd.client import introspect
 from rematd.client.demo.tiny_gpt import lm_loss
 from tests.helpers import batch, tiny_model
 
@@ -107,7 +108,7 @@ def test_kept_outputs_backward_does_not_need_are_priced_and_counted_as_let_go(mo
         lm_loss(model, data).backward()  # the profiling step
         h.step()
         hidden = SIZE * SEQ * WIDTH * 4
-        measure = h._blocks[0].measure
+        measure = introspect.blocks(h)[0].measure
         assert measure is not None
         cost = next(m for m in measure.modes if m.mode == MODES_BY_LABEL[mode])
         if mode == "selective":

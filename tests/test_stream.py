@@ -16,6 +16,7 @@ import torch
 
 from bench.served import stop
 from rematd import client
+from rematd.client import introspect
 from rematd.client.service.stream import StreamBackend, StreamConfig
 from rematd.messages import StepStats
 
@@ -178,7 +179,7 @@ def test_token_is_sent_as_bearer_metadata_and_env_is_the_default(monkeypatch: py
         assert h.plan.version == 0 and h.step_count == 5 and stream.reconnects == 0
         assert not h.flush(5.0), "the refused steps will never be answered"
         attempts = len(rec.metadata)
-        thread = stream._thread
+        thread = introspect.stream_thread(stream)
         assert thread is not None
         thread.join(5)  # the refusal stops the stream thread: once it has ended, nothing can try again
         assert not thread.is_alive(), "the stream thread goes on after UNAUTHENTICATED"
@@ -304,9 +305,11 @@ def test_token_and_tls_against_the_real_service(tmp_path: Path) -> None:
         )
         run_steps(model, opt, 3)
         stream = h.stream
-        assert stream is not None and stream._thread is not None
-        stream._thread.join(10.0)
-        assert not stream._thread.is_alive(), "a refused stream ends"
+        assert stream is not None
+        thread = introspect.stream_thread(stream)
+        assert thread is not None
+        thread.join(10.0)
+        assert not thread.is_alive(), "a refused stream ends"
         assert stream.last_error is not None and stream.last_error.startswith("UNAUTHENTICATED"), stream.last_error
         run_steps(model, opt, 2)
         assert h.step_count == 5 and h.plan.version == 0 and stream.reconnects == 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.service.stream import FALLBACK_MAX_FAILURES, StreamBackend
 from rematd.planner import PlannerSession
 from rematd.v1 import advisor_pb2 as pb
@@ -44,7 +45,7 @@ def test_an_oom_reported_while_away_reaches_the_fallback_planner_with_its_shape(
     h.report_oom("the step at length 64 ran out of memory")
 
     def answer() -> str:
-        pending = h._applier._pending  # the planner's answer, waiting for the next step
+        pending = introspect.pending_plan(h)  # the planner's answer, waiting for the next step
         return pending.reason if pending is not None and "out-of-memory" in pending.reason else ""
 
     assert wait_for(lambda: bool(answer())), "the fallback planner answered the OOM with a tighter plan"
@@ -78,7 +79,8 @@ def test_a_failing_fallback_planner_is_logged_counted_and_given_up_and_the_strea
         assert wait_for(lambda: stream.reconnects >= tries + 2), f"{stream.reconnects - tries} reconnects, not 2"
     assert len(calls) == FALLBACK_MAX_FAILURES, "a planner that keeps failing is given up"
     assert stream.errors == FALLBACK_MAX_FAILURES
-    assert stream._thread is not None and stream._thread.is_alive()
+    thread = introspect.stream_thread(stream)
+    assert thread is not None and thread.is_alive()
     failures = [r for r in caplog.records if "in-process planner failed (" in r.getMessage()]
     assert len(failures) == 1, "repeated failures are logged once, not once each"
     assert any("plan in force stays" in r.getMessage() for r in caplog.records)
@@ -122,7 +124,8 @@ def test_a_stream_the_service_ends_is_reconnected() -> None:
         run_steps(model, opt, 2)
         stream = stream_of(h)
         assert wait_for(lambda: len(rec.hellos) >= 2), "the client came back after the service ended its stream"
-        assert stream.reconnects >= 1 and stream._thread is not None and stream._thread.is_alive()
+        thread = introspect.stream_thread(stream)
+        assert stream.reconnects >= 1 and thread is not None and thread.is_alive()
         run_steps(model, opt, 2)
         assert h.flush(10.0), "and the service answers it"
         h.close()

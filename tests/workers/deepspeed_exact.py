@@ -21,6 +21,7 @@ import torch
 
 from bench.collectives import counting
 from rematd import client
+from rematd.client import introspect
 from rematd.client.parallel.zero import Zero3
 from rematd.planner import Mode
 from tests.model_matrix import Rematerialised
@@ -113,14 +114,14 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
             pinned=[m.name for m in pinned] if pinned else None, modes=[m.name for m in h.modes], rerun=counter.take()
         )
         steps.append(record)
-    zero = h._cycle.setup
+    zero = introspect.cycle(h).setup
     result = {
         "case": case,
         "steps": steps,
         "step_count": h.step_count,
         "blocks": h.blocks,
         "restarts": zero.restarts if isinstance(zero, Zero3) else None,
-        "agreed": h._cycle.setup.agreement is not None,
+        "agreed": introspect.cycle(h).setup.agreement is not None,
         "static": h.last_stats.static_bytes if h.last_stats is not None else None,
     }
     counter.remove()

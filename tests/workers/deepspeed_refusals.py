@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.parallel.zero import Zero3
 from tests.workers.deepspeed_models import VOCAB, build, ds_config
 from tests.workers.rank import finish, settings
@@ -55,7 +56,7 @@ def memory() -> dict[str, Any]:
     h = client.attach(engine)
     for seed in range(2):
         step(engine, seed)
-    zero = h._cycle.setup
+    zero = introspect.cycle(h).setup
     assert isinstance(zero, Zero3) and h.last_stats is not None
     names = dict(engine.module.named_modules())
     out = {

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.parallel.fsdp import Fsdp
 from tests.workers.fsdp_exact import VOCAB, build, shard
 from tests.workers.rank import finish, start
@@ -35,7 +36,7 @@ def main() -> None:
     opt: torch.optim.Optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     h.optimizer = opt
     step(plain, opt, rank, 0)
-    result["plain_saved"] = [b.saved_bytes for b in h._backend.hello.blocks]  # type: ignore[attr-defined]
+    result["plain_saved"] = [b.saved_bytes for b in introspect.hello(h).blocks]
     h.close()
 
     model = build("llama")
@@ -45,11 +46,11 @@ def main() -> None:
     h.optimizer = opt
     step(model, opt, rank, 0)
     # The hello as the profiling step made it (the first step after it corrects its static memory).
-    first_static = h._backend.hello.static_bytes  # type: ignore[attr-defined]
+    first_static = introspect.hello(h).static_bytes
     for n in range(1, 3):
         step(model, opt, rank, n)
-    hello = h._backend.hello  # type: ignore[attr-defined]
-    sharded = h._cycle.setup
+    hello = introspect.hello(h)
+    sharded = introspect.cycle(h).setup
     assert isinstance(sharded, Fsdp)
     stats = h.last_stats
     assert stats is not None

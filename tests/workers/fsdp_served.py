@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from tests.workers.fsdp_exact import VOCAB, build, shard
 from tests.workers.rank import finish, settings, start
 
@@ -30,7 +31,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         assert h.flush(30.0), "the service did not answer"
         steps.append({"modes": [m.name for m in h.modes], "plan_version": h.plan.version})
-    agreement = h._cycle.setup.agreement
+    agreement = introspect.cycle(h).setup.agreement
     result = {"steps": steps, "adopted": agreement.adopted if agreement is not None else -1, "rank": h.rank}
     h.close()
     finish(result)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rematd import client
+from rematd.client import introspect
 from tests.workers.fsdp_exact import build, shard
 from tests.workers.fsdp_memory import step
 from tests.workers.rank import run_cases
@@ -64,7 +65,7 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
     except torch.OutOfMemoryError as err:
         raised = str(err)
     result = {"case": config, "budget": budget, "leanest": peak, "steps": steps, "raised": raised}
-    result["errors"] = h._cycle.errors
+    result["errors"] = introspect.cycle(h).errors
     h.close()
     return result
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from bench.collectives import counting
 from rematd import client
+from rematd.client import introspect
 from rematd.planner import Mode
 from tests.workers.fsdp_exact import VOCAB, all_equal, build, schedule
 from tests.workers.rank import finish, settings, start
@@ -100,7 +101,7 @@ def main() -> None:
                 "recomputed": sum(m != Mode.STORE for m in h.modes),
             }
         )
-    agreement = h._cycle.setup.agreement
+    agreement = introspect.cycle(h).setup.agreement
     result = {"steps": steps, "adopted": agreement.adopted if agreement is not None else -1}
     h.close()
     finish(result)

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from bench.collectives import counting
 from bench.pipeline_models import gpt2, hand_stage, llama, loss_fn, titan_stage
 from rematd import client
+from rematd.client import introspect
 from rematd.planner import Mode
 from tests.model_matrix import Rematerialised
 from tests.workers.fsdp_exact import all_equal
@@ -155,7 +156,7 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
                 "seconds": time.perf_counter() - began,
             }
         )
-    agreement = h._cycle.setup.agreement
+    agreement = introspect.cycle(h).setup.agreement
     result = {
         "case": config,
         "rank": rank,
@@ -164,10 +165,10 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
         "blocks": h.blocks,
         "steps": rows,
         "step_count": h.step_count,
-        "errors": h._cycle.errors,
+        "errors": introspect.cycle(h).errors,
         "adopted": agreement.adopted if agreement is not None else -1,
         "agreement": agreement.describe() if agreement is not None else None,
-        "in_flight": list(h._cycle.setup.in_flight(len(h.blocks))),
+        "in_flight": list(introspect.cycle(h).setup.in_flight(len(h.blocks))),
     }
     counter.remove()
     h.close()

@@ -18,6 +18,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from bench.pipeline_models import llama, loss_fn, titan_stage
 from rematd import client
+from rematd.client import introspect
 from rematd.planner import Mode
 from rematd.planner.plan import entry_for
 from tests.workers.rank import run_cases
@@ -84,7 +85,7 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
         stats = h.last_stats
         assert stats is not None
         entry = entry_for(h.plan.shape_plans, h.last_shape)
-        session = h._backend.session  # type: ignore[attr-defined]
+        session = introspect.session(h)
         planned.append(
             {
                 "modes": [m.name for m in h.modes],
@@ -98,12 +99,12 @@ def run_case(config: dict[str, Any], rank: int) -> dict[str, Any]:
         "case": config,
         "rank": rank,
         "blocks": n,
-        "in_flight": list(h._cycle.setup.in_flight(n)),
+        "in_flight": list(introspect.cycle(h).setup.in_flight(n)),
         "found_schedule": found,
         "static_peaks": static_peaks,
         "budget": h.budget_bytes,
         "planned": planned,
-        "errors": h._cycle.errors,
+        "errors": introspect.cycle(h).errors,
     }
     h.close()
     return result
