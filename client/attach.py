@@ -8,9 +8,20 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from rematd.client.arguments import check_flag, check_server
-from rematd.client.blocks.compress import CompressConfig
+from rematd.client.arguments import (
+    check_bytes,
+    check_compile,
+    check_flag,
+    check_job,
+    check_margin,
+    check_optimizer,
+    check_optional_flag,
+    check_server,
+    parse_modes,
+)
+from rematd.client.blocks.compress import CompressConfig, check_compress
 from rematd.client.handle import Handle
+from rematd.client.options import AttachOptions
 from rematd.client.service.stream_config import StreamConfig
 from rematd.planner import Mode
 
@@ -114,29 +125,24 @@ def attach(
             thinks on). With ``server`` the service plans: ``False`` is refused.
     """
     server = check_server(server)
-    stream = (
-        StreamConfig.build(
+    options = AttachOptions(
+        server=server,
+        stream=None
+        if server is None
+        else StreamConfig.build(
             token=token,
             tls=check_flag("tls", tls),
             root_certificates=root_certificates,
             fallback_after_s=fallback_after_s,
-        )
-        if server is not None
-        else None
+        ),
+        job=check_job(job),
+        budget_bytes=check_bytes("budget_bytes", budget_bytes),
+        margin_ratio=check_margin(margin_ratio),
+        modes=parse_modes(modes),
+        hard_limit_bytes=check_bytes("hard_limit_bytes", hard_limit_bytes),
+        compile_backend=check_compile(compile),
+        same_plan=check_optional_flag("same_plan", same_plan),
+        compress=None if compress is None else check_compress(compress),
+        planner_thread=check_flag("planner_thread", planner_thread),
     )
-    return Handle(
-        model,
-        server=server,
-        job=job,
-        budget_bytes=budget_bytes,
-        blocks=blocks,
-        optimizer=optimizer,
-        margin_ratio=margin_ratio,
-        modes=modes,
-        stream=stream,
-        hard_limit_bytes=hard_limit_bytes,
-        compile=compile,
-        same_plan=same_plan,
-        compress=compress,
-        planner_thread=planner_thread,
-    )
+    return Handle(model, options, blocks=blocks, optimizer=check_optimizer(optimizer))

@@ -12,24 +12,18 @@ from torch.utils.hooks import RemovableHandle
 
 from rematd.client.arguments import (
     check_bytes,
-    check_compile,
-    check_flag,
     check_hard_limit,
-    check_job,
     check_margin,
     check_optimizer,
-    check_optional_flag,
-    check_server,
-    parse_modes,
     pin_sequence,
 )
 from rematd.client.assembly import build_parts
 from rematd.client.attached_hooks import AttachedHook
 from rematd.client.blocks.compiled import CompileStats
-from rematd.client.blocks.compress import CompressConfig, check_compress
 from rematd.client.blocks.discovery import find_stage_blocks, model_fingerprint
 from rematd.client.errors import UnsupportedModel
 from rematd.client.memory.sources import MemorySample
+from rematd.client.options import AttachOptions
 from rematd.client.parallel.pick import (
     StepStart,
     check_blocks,
@@ -44,7 +38,6 @@ from rematd.client.plans.background import ThreadedBackend
 from rematd.client.plans.sources import Backend, EmbeddedBackend
 from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.stream import StreamBackend
-from rematd.client.service.stream_config import StreamConfig
 from rematd.client.steps.boundaries import StepCycle
 from rematd.client.steps.oom import Guard, OomPolicy
 from rematd.messages import StepStats
@@ -61,40 +54,13 @@ class Handle:
     def __init__(
         self,
         model: nn.Module,
+        options: AttachOptions,
         *,
-        server: str | None,
-        job: str | None,
-        budget_bytes: int | None,
         blocks: Sequence[nn.Module] | nn.ModuleDict | None,
         optimizer: torch.optim.Optimizer | None,
-        margin_ratio: float,
-        modes: Sequence[str | Mode] | None = None,
-        stream: StreamConfig | None = None,
-        hard_limit_bytes: int | None = None,
-        compile: bool | str = False,
-        same_plan: bool | None = None,
-        compress: CompressConfig | str | None = None,
-        planner_thread: bool = True,
     ) -> None:
-        # Every argument is checked before anything is hooked: a bad one leaves the model untouched.
-        server = check_server(server)
-        check_job(job)
-        budget = check_bytes("budget_bytes", budget_bytes)
-        margin = check_margin(margin_ratio)
-        offered = parse_modes(modes)
-        hard_limit = check_bytes("hard_limit_bytes", hard_limit_bytes)
-        optimizer = check_optimizer(optimizer)
-        backend = check_compile(compile)
-        same = check_optional_flag("same_plan", same_plan)
-        compressing = check_compress(compress)
-        threaded = check_flag("planner_thread", planner_thread)
-        if server is not None and not threaded:
-            raise ValueError(
-                "planner_thread=False plans in this process, on the training thread; with server= the service "
-                "plans: drop one of them"
-            )
-        if compress is not None and Mode.COMPRESS not in offered:
-            raise ValueError("compress= configures the 'compress' mode, which modes= does not enable: add 'compress'")
+        """``options`` as :func:`attach` checked them; ``blocks`` and ``optimizer`` as it was given them."""
+        offered = options.modes
         self._offered = offered
         target = resolve(model)
         engine, model = target.engine, target.model
@@ -103,31 +69,31 @@ class Handle:
         found = find_stage_blocks(model, target.roots, blocks, stages=target.schedule is not None)
         check_blocks(model, found)  # sharded already; a model sharded after attach is checked at its first step
         self._parts = parts = build_parts(
-            model, found, hard_limit_bytes=hard_limit, compile_backend=backend, compress=compressing
+            model,
+            found,
+            hard_limit_bytes=options.hard_limit_bytes,
+            compile_backend=options.compile_backend,
+            compress=options.compress,
         )
         self._accounting, self._blocks, self._applier = parts.accounting, parts.blocks, parts.applier
         self._clock = parts.accounting.clock
         self._offloader, self._compiled = parts.offloader, parts.compiled
         self._backend: Backend = (
-            StreamBackend(server, self._applier.receive, stream)
-            if server
+            StreamBackend(options.server, self._applier.receive, options.stream)
+            if options.server
             else ThreadedBackend(self._applier.receive, self._applier.answered)
-            if threaded
+            if options.planner_thread
             else EmbeddedBackend(self._applier.receive)
         )
         self._applier.price = self._backend.plan_of
-        self.server = server
+        self.server = options.server
         self._cycle = StepCycle(
             model,
+            options,
             optimizer=optimizer,
             parts=parts,
             backend=self._backend,
-            job=job,
             fingerprint=model_fingerprint(found),
-            margin_ratio=margin,
-            modes=offered,
-            budget_bytes=budget,
-            same_plan=same,
             group=target.group,
         )
         self._life = self._cycle.life

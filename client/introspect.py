@@ -107,3 +107,8 @@ def pending_plan(h: Handle) -> Plan | None:
 def stream_thread(stream: StreamBackend) -> threading.Thread | None:
     """The thread that talks to the service (None before the stream opens): it ends only when the stream does."""
     return stream._thread
+
+
+def queued(source: ThreadedBackend) -> int:
+    """Calls and steps' figures waiting for the planner's thread."""
+    return len(source._queue)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.plans.background import MAX_QUEUED, THREAD_NAME, ThreadedBackend
 from rematd.client.plans.sources import EmbeddedBackend
 from rematd.client.service.step_record import StepRecord
@@ -82,7 +83,7 @@ def _recorded_run() -> list[tuple[str, tuple[object, ...], dict[str, object]]]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     h = client.attach(model, optimizer=opt, budget_bytes=3 * 2**20, planner_thread=False)
     calls: list[tuple[str, tuple[object, ...], dict[str, object]]] = []
-    backend = h._backend
+    backend = introspect.backend(h)
     assert isinstance(backend, EmbeddedBackend)
     for name in ("open", "send_stats", "update_hello"):
         original = getattr(backend, name)
@@ -133,7 +134,7 @@ def test_a_planner_behind_folds_steady_steps_and_bounds_its_queue() -> None:
     try:
         shapes = list(dict.fromkeys(s.shape for s in stats))
         assert len(shapes) == 2, shapes
-        with b._planning:  # the planner is busy: calls queue up
+        with introspect.planning_lock(b):  # the planner is busy: calls queue up
             b.open(*opened)
             steady = stats[-1]
             for k in range(50):
@@ -144,7 +145,7 @@ def test_a_planner_behind_folds_steady_steps_and_bounds_its_queue() -> None:
                 step = StepStats(**{**_fields(steady), "step": steady.step + 100 + k, "shape": shape})
                 b.send_stats(StepRecord.of(step))
             assert b.dropped > 0
-            assert len(b._queue) <= MAX_QUEUED
+            assert introspect.queued(b) <= MAX_QUEUED
         assert b.flush(30.0)
         assert b.folded >= 49, "a step like the one queued before it joins it"
         assert b.errors == 0

@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +43,7 @@ from rematd.planner import Mode, Shape
 
 if TYPE_CHECKING:
     from rematd.client.assembly import BlockParts
+    from rematd.client.options import AttachOptions
 
 log = logging.getLogger("rematd.client")
 
@@ -54,26 +54,24 @@ class StepCycle:
     def __init__(
         self,
         model: nn.Module,
+        options: AttachOptions,
         *,
         optimizer: torch.optim.Optimizer | None,
         parts: BlockParts,
         backend: Backend,
-        job: str | None,
         fingerprint: str,
-        margin_ratio: float,
-        modes: Collection[Mode],
-        budget_bytes: int | None,
-        same_plan: bool | None = None,
         group: object | None = None,
     ) -> None:
         self.model, self.optimizer, self.backend = model, optimizer, backend
         self._use(parts)
         self.who = Identity(
-            job=job or f"job-{uuid.uuid4().hex[:8]}", fingerprint=fingerprint, margin_ratio=margin_ratio
+            job=options.job or f"job-{uuid.uuid4().hex[:8]}",
+            fingerprint=fingerprint,
+            margin_ratio=options.margin_ratio,
         )
-        self.job_given = job is not None
-        self.modes = modes
-        self.budget_bytes = budget_bytes
+        self.job_given = options.job is not None
+        self.modes = options.modes
+        self.budget_bytes = options.budget_bytes
         self.life = Lifecycle()
         self.memory: Memory | None = None
         """Where the figures come from; chosen at the first step, from where its input is."""
@@ -91,7 +89,7 @@ class StepCycle:
         self.errors = 0
         """Failures of rematd's bookkeeping caught on the training thread; training went on after each."""
         self._counting: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._agreeing = (same_plan, group)
+        self._agreeing = (options.same_plan, group)
         """Whether the ranks agree on one plan each step (None: as the set-up says), and the process group plain
         ranks agree over with ``same_plan=True`` (DDP's; None: the default group)."""
         self.setup: SetUp = PLAIN

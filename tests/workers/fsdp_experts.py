@@ -21,6 +21,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, Shard
 from torch.distributed.tensor import Shard
 
 from rematd import client
+from rematd.client import introspect
 from rematd.client.memory.accounting import storage_id
 from rematd.client.parallel.fsdp import Fsdp
 from tests.workers.rank import finish, start
@@ -113,7 +114,7 @@ def main() -> None:
                 "modes": [m.name for m in h.modes],
             }
         )
-    setup = h._cycle.setup  # type: ignore[attr-defined]
+    setup = introspect.cycle(h).setup
     assert isinstance(setup, Fsdp)
     weights = setup.weight_storages()
     expert_bytes = sum(p.numel() for layer in model.layers for p in layer.experts.parameters()) * 2
