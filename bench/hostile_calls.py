@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.rejected_streams import rss_bytes
 from bench.store_rows import more_plans, more_steps
 from rematd import wire
-from rematd.messages import BlockProfile, Hello, StepStats
 from rematd.planner import Shape
+from rematd.planner.messages import BlockProfile, Hello, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

@@ -24,8 +24,8 @@ import httpx
 
 from bench.served import served
 from rematd import wire
-from rematd.messages import MAX_BLOCKS, BlockProfile, Hello, StepStats
 from rematd.planner import Mode, ModeCost, Shape, Size
+from rematd.planner.messages import MAX_BLOCKS, BlockProfile, Hello, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

@@ -25,8 +25,8 @@ import grpc
 
 from bench.served import served
 from rematd import wire
-from rematd.messages import BlockProfile, Hello
 from rematd.planner import Shape
+from rematd.planner.messages import BlockProfile, Hello
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

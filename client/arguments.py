@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from rematd.messages import JOB_ID_RE
 from rematd.planner import MODES_BY_LABEL, Mode
+from rematd.planner.messages import JOB_ID_RE
 
 ACCEPTED_MODES = ", ".join(repr(n) for n in MODES_BY_LABEL)
 

@@ -40,8 +40,8 @@ from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.stream import StreamBackend
 from rematd.client.steps.boundaries import StepCycle
 from rematd.client.steps.oom import Guard, OomPolicy
-from rematd.messages import StepStats
 from rematd.planner import Mode, Plan, Shape
+from rematd.planner.messages import StepStats
 
 log = logging.getLogger("rematd.client")
 

@@ -20,8 +20,8 @@ from rematd.client.plans.background import ThreadedBackend
 from rematd.client.plans.sources import Backend, EmbeddedBackend
 from rematd.client.service.stream import StreamBackend
 from rematd.client.steps.boundaries import StepCycle
-from rematd.messages import Hello
 from rematd.planner import Plan, PlannerSession
+from rematd.planner.messages import Hello
 
 __all__ = [
     "accounting",

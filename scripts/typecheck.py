@@ -1,6 +1,6 @@
 """Type-check rematd with mypy.
 
-The source folders (proto/rematd, planner, client, server) map onto one
+The source folders (proto/rematd, cli, planner, client, server, integrations) map onto one
 package, ``rematd``, which mypy cannot see through an editable install; this
 lays the package out under build/typecheck with symbolic links and checks it.
 """
@@ -14,7 +14,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / "build" / "typecheck"
-SUBPACKAGES = {"planner": "planner", "client": "client", "server": "server", "integrations": "integrations"}
+SUBPACKAGES = {
+    "cli": "cli",
+    "planner": "planner",
+    "client": "client",
+    "server": "server",
+    "integrations": "integrations",
+}
 
 
 def stage() -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rematd.messages import JOB_ID_RE
+from rematd.planner.messages import JOB_ID_RE
 
 TOKEN_ENV = "REMATD_TOKEN"
 

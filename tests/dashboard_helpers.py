@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rematd import client, wire
-from rematd.messages import Hello, StepStats
 from rematd.planner import Shape
+from rematd.planner.messages import Hello, StepStats
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

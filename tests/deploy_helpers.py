@@ -12,7 +12,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rematd.messages import OomReport
+from rematd.planner.messages import OomReport
 from rematd.server.metrics.registry import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import torch
 
 from bench.served import launch
 from rematd import wire
-from rematd.messages import open_planner
+from rematd.planner.messages import open_planner
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

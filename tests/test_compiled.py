@@ -23,8 +23,8 @@ from rematd.client.blocks import compiled as compiled_module
 from rematd.client.demo.tiny_gpt import TinyGPT, lm_loss
 from rematd.client.errors import UnsupportedModel
 from rematd.client.service.folding import fold
-from rematd.messages import BlockProfile, Hello, InvalidMessage, StepStats
 from rematd.planner import Mode, Shape
+from rematd.planner.messages import BlockProfile, Hello, InvalidMessage, StepStats
 from rematd.planner.timing import FORWARD_LIKE
 from rematd.server import ServeConfig, ServiceThread
 from rematd.v1 import advisor_pb2 as pb

@@ -18,10 +18,10 @@ from rematd.client.blocks import quantize as quantize_module
 from rematd.client.blocks.compress import CompressConfig, Compressor, pack_tensor
 from rematd.client.blocks.quantize import RESTORE, Kernel, dequantize, quantize
 from rematd.client.demo.tiny_gpt import lm_loss
-from rematd.messages import BlockProfile, Hello, StepStats
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, PlannerSession, Profile, Shape, ShapePlan, Size
 from rematd.planner.config import ControllerConfig
 from rematd.planner.cost import choose, peak_of
+from rematd.planner.messages import BlockProfile, Hello, StepStats
 from rematd.planner.model import BlockCost
 
 from .distributed import run_ranks

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.rejected_streams import measure
-from rematd.messages import BlockProfile, Hello
 from rematd.planner import Shape, shapes
+from rematd.planner.messages import BlockProfile, Hello
 from rematd.server.core import sessions as sessions_mod
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.metrics.registry import Metrics

@@ -12,8 +12,8 @@ import pytest
 from bench.rejected_streams import packed_hello
 from rematd import wire
 from rematd.client.arguments import check_job
-from rematd.messages import OomReport
 from rematd.planner import Mode, Plan, Shape, ShapePlan
+from rematd.planner.messages import OomReport
 from rematd.server import ServiceThread
 from rematd.server.core.rate import OOM_BURST as RATE_BURST
 from rematd.v1 import advisor_pb2 as pb

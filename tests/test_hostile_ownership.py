@@ -17,8 +17,8 @@ import torch
 
 from rematd import client, wire
 from rematd.client.service.credential import JOB_TOKEN_ENV
-from rematd.messages import Hello, OomReport
 from rematd.planner import Shape
+from rematd.planner.messages import Hello, OomReport
 from rematd.server import ServeConfig, ServiceThread
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc

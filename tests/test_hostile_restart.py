@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rematd.messages import observation, open_planner
 from rematd.planner import Controller, ControllerConfig
+from rematd.planner.messages import observation, open_planner
 from rematd.server.core.advisor import AdvisorCore, RankSession
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store.store import Store

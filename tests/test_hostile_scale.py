@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.registry import Collector
 
-from rematd.messages import OomReport
 from rematd.planner import Shape
+from rematd.planner.messages import OomReport
 from rematd.server import ServeConfig, ServiceThread
 
 from .test_service import hello, stats

@@ -8,10 +8,10 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rematd.messages import BlockProfile, Hello
 from rematd.planner import Mode
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.knapsack import Knapsack
+from rematd.planner.messages import BlockProfile, Hello
 from rematd.planner.model import BlockCost, ModeCost, Profile, Size
 from rematd.planner.solvers import solve_prepared
 

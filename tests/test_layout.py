@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The folders of the package, as pyproject.toml's package-dir maps them, and bench/.
 SOURCES = {
     "rematd": ROOT / "proto" / "rematd",
+    "rematd.cli": ROOT / "cli",
     "rematd.planner": ROOT / "planner",
     "rematd.client": ROOT / "client",
     "rematd.server": ROOT / "server",
@@ -179,7 +180,15 @@ class Holder:
 
 def test_the_walk_finds_every_layer() -> None:
     # A moved folder would leave a rule below checking nothing.
-    for package in ("rematd", "rematd.planner", "rematd.client", "rematd.server", "rematd.integrations", "bench"):
+    for package in (
+        "rematd",
+        "rematd.cli",
+        "rematd.planner",
+        "rematd.client",
+        "rematd.server",
+        "rematd.integrations",
+        "bench",
+    ):
         assert package in GRAPH, f"{package} not found under {SOURCES[package]}"
     assert "rematd.server.metrics" in GRAPH and "rematd.server.core" in GRAPH
     assert len(GRAPH) > 100, sorted(GRAPH)

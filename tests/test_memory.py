@@ -5,8 +5,8 @@ import torch
 
 from rematd.client import introspect
 from rematd.client.memory.sources import CudaMemory, outside_blocks
-from rematd.messages import MEMORY_CUDA
 from rematd.planner import Mode, Shape, Size, Term
+from rematd.planner.messages import MEMORY_CUDA
 
 
 class FakeCuda:

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from rematd.messages import MAX_INT, BlockProfile, Hello, InvalidMessage, open_planner
 from rematd.planner import Mode, Plan, PlannerSession, Shape, ShapePlan
+from rematd.planner.messages import MAX_INT, BlockProfile, Hello, InvalidMessage, open_planner
 from rematd.server.core import plan_policy as policy
 
 N = 6

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import re
 
-from rematd.messages import open_planner
 from rematd.planner import Mode, Plan, Shape, ShapePlan, StepObservation
+from rematd.planner.messages import open_planner
 from rematd.planner.reasons import recomputes_less, what_changed
 
 from .test_plan_rows import modes_hello

@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from rematd.messages import BlockProfile, Hello, StepStats
 from rematd.planner import MODES_BY_LABEL, Mode, ModeCost, Shape, Size
+from rematd.planner.messages import BlockProfile, Hello, StepStats
 from rematd.server.core.advisor import AdvisorCore, RankSession, mode_names
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store.store import Store

@@ -17,8 +17,8 @@ from rematd.client.plans.background import MAX_QUEUED, THREAD_NAME, ThreadedBack
 from rematd.client.plans.sources import EmbeddedBackend
 from rematd.client.service.step_record import StepRecord
 from rematd.client.thread_cost import ThreadClock
-from rematd.messages import StepStats
 from rematd.planner import Mode, Plan, PlannerSession, Shape
+from rematd.planner.messages import StepStats
 from rematd.server import ServeConfig, ServiceThread
 
 from .helpers import tiny_model, train_step

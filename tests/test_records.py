@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rematd.messages import StepStats
 from rematd.planner import ModeSeconds, Shape, StepObservation
+from rematd.planner.messages import StepStats
 from rematd.planner.records import quick
 
 calls: list[str] = []

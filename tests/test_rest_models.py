@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 
-from rematd.messages import OomReport, Shape
+from rematd.planner.messages import OomReport, Shape
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.core.views import JobView
 from rematd.server.metrics.registry import Metrics

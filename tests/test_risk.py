@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rematd.messages import MEMORY_CUDA, BlockProfile, Hello, StepStats, observation
 from rematd.planner import BlockCost, Mode, PlannerSession, Profile, Shape, StepObservation
+from rematd.planner.messages import MEMORY_CUDA, BlockProfile, Hello, StepStats, observation
 from rematd.planner.risk import GRAIN, device_room_bytes, fragmented_bytes, oom_risk, usable_bytes
 
 DATA = json.loads((Path(__file__).parent / "data" / "h100_gpt2.json").read_text())

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy import inspect
 
-from rematd.messages import StepStats
 from rematd.planner import MODE_LETTERS, MODES_BY_LABEL, Mode
+from rematd.planner.messages import StepStats
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.core.training import REPORTED
 from rematd.server.core.views import BucketPrice, InForce, JobView, ModePrice, RankView

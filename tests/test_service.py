@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rematd import wire
-from rematd.messages import BlockProfile, Hello, InvalidMessage, StepStats
 from rematd.planner import Shape
+from rematd.planner.messages import BlockProfile, Hello, InvalidMessage, StepStats
 from rematd.server import ServiceThread
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.metrics.registry import Metrics

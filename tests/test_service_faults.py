@@ -15,7 +15,7 @@ import torch
 from sqlalchemy import exc as sa_exc
 
 from rematd import client, wire
-from rematd.messages import InvalidMessage, StepStats
+from rematd.planner.messages import InvalidMessage, StepStats
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.core.advisor import RankSession
 from rematd.server.core.errors import JobNotFound, SessionError, ShuttingDown, Unauthenticated

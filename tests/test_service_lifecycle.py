@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from rematd import wire
-from rematd.messages import Hello, StepStats
 from rematd.planner import Plan
+from rematd.planner.messages import Hello, StepStats
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.config import CoreConfig, StoreConfig
 from rematd.server.core.advisor import AdvisorCore, RankSession

@@ -15,8 +15,8 @@ from sqlalchemy import text
 
 from bench.postgres import Cluster, pg_bin
 from rematd import wire
-from rematd.messages import BlockProfile, Hello
 from rematd.planner import Mode
+from rematd.planner.messages import BlockProfile, Hello
 from rematd.server.config import StoreConfig
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.metrics.registry import Metrics

@@ -14,8 +14,8 @@ import grpc
 from sqlalchemy import event
 
 from rematd import wire
-from rematd.messages import OomReport
 from rematd.planner import Shape
+from rematd.planner.messages import OomReport
 from rematd.server import ServeConfig, ServiceThread
 from rematd.server.store.store import Store
 from rematd.v1 import advisor_pb2 as pb

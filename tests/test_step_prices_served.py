@@ -16,9 +16,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from rematd import wire
-from rematd.messages import Hello, StepStats
 from rematd.planner import ControllerConfig, Mode, ModeSeconds, Shape, letters
 from rematd.planner.cost import choose, peak_of
+from rematd.planner.messages import Hello, StepStats
 from rematd.planner.plan_trials import allowance
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc

@@ -18,7 +18,7 @@ from bench.served import stop
 from rematd import client
 from rematd.client import introspect
 from rematd.client.service.stream import StreamBackend, StreamConfig
-from rematd.messages import StepStats
+from rematd.planner.messages import StepStats
 
 from .helpers import tiny_model, train_step
 from .stream_helpers import Recorder, free_port, make_cert, run_steps, serve_recorder, start_serve

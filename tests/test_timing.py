@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from rematd import client, wire
-from rematd.messages import InvalidMessage, StepStats
 from rematd.planner import (
     Controller,
     ControllerConfig,
@@ -20,6 +19,7 @@ from rematd.planner import (
     Shape,
     StepObservation,
 )
+from rematd.planner.messages import InvalidMessage, StepStats
 from rematd.planner.timing import HOLD, MIN_BLOCKS, STEP, TimeScales, scales_of
 
 from .alike_blocks import alike_blocks

@@ -12,8 +12,8 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
 from rematd import wire
-from rematd.messages import MEMORY_CUDA, BlockProfile, Hello, InvalidMessage, OomReport, StepStats
 from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
+from rematd.planner.messages import MEMORY_CUDA, BlockProfile, Hello, InvalidMessage, OomReport, StepStats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,7 +162,7 @@ def test_every_stats_count_is_validated() -> None:
 def test_the_wheel_builds_without_warnings_and_holds_every_module_and_data_file(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     tree.mkdir()
-    for part in ("pyproject.toml", "README.md", "proto", "planner", "client", "server", "integrations"):
+    for part in ("pyproject.toml", "README.md", "proto", "cli", "planner", "client", "server", "integrations"):
         src = ROOT / part
         if src.is_dir():
             shutil.copytree(src, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
@@ -180,7 +180,7 @@ def test_the_wheel_builds_without_warnings_and_holds_every_module_and_data_file(
     assert "warning" not in (out.stdout + out.stderr).lower(), out.stdout + out.stderr
     (wheel,) = (tree / "dist").glob("rematd-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    roots = {"proto/rematd": "rematd", "planner": "rematd/planner", "client": "rematd/client"}
+    roots = {"proto/rematd": "rematd", "cli": "rematd/cli", "planner": "rematd/planner", "client": "rematd/client"}
     roots |= {"server": "rematd/server", "integrations": "rematd/integrations"}
     expected = {"rematd/py.typed", "rematd/v1/advisor.proto", "rematd/v1/advisor_pb2.pyi"}
     for src, dest in roots.items():

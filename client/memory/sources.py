@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from rematd.client.memory.accounting import SavedTensorAccounting
-from rematd.messages import MEMORY_CUDA, MEMORY_SAVED
 from rematd.planner import AllocatorFigures, Size, Term
+from rematd.planner.messages import MEMORY_CUDA, MEMORY_SAVED
 from rematd.planner.records import quick
 
 

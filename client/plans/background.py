@@ -31,8 +31,8 @@ from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.folding import Folder, fold, steady
 from rematd.client.service.mailbox import IDLE_S, MAX_POLL_S, MIN_POLL_S
 from rematd.client.service.step_record import StepRecord
-from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Plan, PlannerSession, Shape
+from rematd.planner.messages import Hello, OomReport, StepStats
 from rematd.planner.quiet import QUIET_STEPS, report_interval
 
 log = logging.getLogger("rematd.client")

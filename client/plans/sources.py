@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.step_record import StepRecord
-from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
 from rematd.planner import Mode, Plan, PlannerSession, Shape
+from rematd.planner.messages import Hello, OomReport, StepStats, observation, open_planner
 
 log = logging.getLogger("rematd.client")
 

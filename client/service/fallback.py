@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from rematd.messages import Hello, OomReport, StepStats, observation, open_planner
 from rematd.planner import Plan, PlannerSession
+from rematd.planner.messages import Hello, OomReport, StepStats, observation, open_planner
 
 log = logging.getLogger("rematd.client")
 

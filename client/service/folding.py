@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rematd.messages import StepStats
 from rematd.planner import Mode, ModeSeconds
+from rematd.planner.messages import StepStats
 from rematd.planner.risk import GRAIN, device_room_bytes
 
 PEAK_BAND = 0.02

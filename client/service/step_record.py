@@ -1,6 +1,6 @@
 """A step's figures as the training thread leaves them at the step's end, made into the planner's record later.
 
-Building :class:`~rematd.messages.StepStats` (two dozen validated fields, a record per mode timed) costs tens of
+Building :class:`~rematd.planner.messages.StepStats` (two dozen validated fields, a record per mode timed) costs tens of
 microseconds on a training thread whose caches the step just filled with the model's work. The step's end keeps
 the raw figures instead; whoever reads the statistics first (the planner's thread, the stream's, or
 ``h.last_stats``) builds them once.
@@ -12,8 +12,8 @@ import threading
 
 from rematd.client.blocks.mode_timing import Timed, mode_seconds
 from rematd.client.memory.sources import MemorySample, SavedFigures, saved_sample
-from rematd.messages import StepStats
 from rematd.planner import Mode, Shape
+from rematd.planner.messages import StepStats
 
 _BUILDING = threading.RLock()
 """Held while a record's statistics (or memory sample) are built: whichever thread asks first builds them once."""

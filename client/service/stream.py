@@ -37,8 +37,8 @@ from rematd.client.service.mailbox import Mailbox
 from rematd.client.service.step_record import StepRecord
 from rematd.client.service.stream_config import CHANNEL_OPTIONS, StreamConfig
 from rematd.client.service.throttle import Throttled
-from rematd.messages import Hello, OomReport, StepStats, open_planner
 from rematd.planner import Mode, Plan, PlannerSession, Shape
+from rematd.planner.messages import Hello, OomReport, StepStats, open_planner
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 

@@ -38,8 +38,8 @@ from rematd.client.steps.modes_run import ModesRun
 from rematd.client.steps.oom import free_after_oom, oom_message
 from rematd.client.steps.phases import Lifecycle, Phase
 from rematd.client.steps.watch import BudgetWatch
-from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Mode, Shape
+from rematd.planner.messages import Hello, OomReport, StepStats
 
 if TYPE_CHECKING:
     from rematd.client.assembly import BlockParts

@@ -19,8 +19,8 @@ from rematd.client.blocks.switchable import SwitchableBlock
 from rematd.client.memory.accounting import SavedTensorAccounting, local_part, tensors_in
 from rematd.client.memory.sources import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
 from rematd.client.service.credential import job_credential
-from rematd.messages import BlockProfile, Hello
 from rematd.planner import Mode, Option, Shape, Size, Term, peak_of
+from rematd.planner.messages import BlockProfile, Hello
 
 log = logging.getLogger("rematd.client")
 

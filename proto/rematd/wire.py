@@ -19,7 +19,8 @@ from typing import Any, cast
 
 from google.protobuf.message import Message
 
-from rematd.messages import (
+from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
+from rematd.planner.messages import (
     MAX_BLOCKS,
     MEMORY_CUDA,
     MEMORY_SAVED,
@@ -29,7 +30,6 @@ from rematd.messages import (
     OomReport,
     StepStats,
 )
-from rematd.planner import Mode, ModeCost, ModeSeconds, Plan, Shape, ShapePlan, Size, Term
 from rematd.v1 import advisor_pb2 as pb
 
 WIRE_RECORDS: Mapping[type, type[Message]] = {

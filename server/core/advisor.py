@@ -22,8 +22,8 @@ from collections.abc import Mapping
 
 from typing_extensions import Unpack
 
-from rematd.messages import Hello, OomReport, StepStats
 from rematd.planner import Plan
+from rematd.planner.messages import Hello, OomReport, StepStats
 from rematd.server.config import CoreConfig
 from rematd.server.core import plan_policy as policy
 from rematd.server.core.controls import OperatorControls, PinTarget

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from typing_extensions import TypedDict, Unpack
 
-from rematd.messages import JOB_ID_RE, InvalidMessage
 from rematd.planner import ControllerConfig, Mode, Plan, PlannerSession
+from rematd.planner.messages import JOB_ID_RE, InvalidMessage
 from rematd.server.core.errors import JobNotFound
 from rematd.server.core.plan_policy import mode_names, modes_of, pinned_plan
 from rematd.server.core.sessions import ENDED, RankSession, Sessions

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rematd.messages import InvalidMessage
+from rematd.planner.messages import InvalidMessage
 
 __all__ = [
     "InvalidMessage",

@@ -13,8 +13,8 @@ import dataclasses
 import logging
 import time
 
-from rematd.messages import MAX_INT, Hello, InvalidMessage, open_planner
 from rematd.planner import Plan, PlannerSession
+from rematd.planner.messages import MAX_INT, Hello, InvalidMessage, open_planner
 from rematd.server.config import CoreConfig
 from rematd.server.core import plan_policy as policy
 from rematd.server.core.controls import OperatorControls, tune_planner

@@ -20,7 +20,7 @@ import hmac
 import time
 from collections.abc import Mapping
 
-from rematd.messages import Hello
+from rematd.planner.messages import Hello
 from rematd.server.core.errors import SessionTaken, Unauthenticated
 from rematd.server.core.sessions import RankSession
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from rematd.messages import InvalidMessage
+from rematd.planner.messages import InvalidMessage
 
 JOBS_PAGE = 500
 """Jobs a page holds unless it asks for another number (at most ``MAX_JOBS_PAGE``)."""

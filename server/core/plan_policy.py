@@ -12,7 +12,6 @@ from typing import cast
 
 from typing_extensions import TypedDict
 
-from rematd.messages import MAX_INT, InvalidMessage
 from rematd.planner import (
     MODES_BY_LABEL,
     Mode,
@@ -24,6 +23,7 @@ from rematd.planner import (
     letters,
 )
 from rematd.planner.cost import overhead_ratio
+from rematd.planner.messages import MAX_INT, InvalidMessage
 
 # The rule folds a rank's steady steps alike in the service and in the training process.
 from rematd.planner.quiet import QUIET_RISK as QUIET_RISK

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from rematd.messages import Hello
+from rematd.planner.messages import Hello
 from rematd.server.core.plan_policy import mode_names, shape_bucket, shape_plan_row
 from rematd.server.core.sessions import DISCONNECTED, ENDED, RankSession
 from rematd.server.store.rows import LastStepRow, OomRow, PlanRow, WarmPlanRow

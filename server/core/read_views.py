@@ -12,8 +12,8 @@ from typing import TypeVar, cast
 
 from typing_extensions import Unpack
 
-from rematd.messages import InvalidMessage
 from rematd.planner import Plan, Shape
+from rematd.planner.messages import InvalidMessage
 from rematd.server.core.controls import require_job
 from rematd.server.core.paging import JOBS_PAGE, ROWS_PAGE, Page, decode, encode
 from rematd.server.core.plan_policy import entry_in_force, mode_names

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
-from rematd.messages import Hello
 from rematd.planner import Plan, PlannerSession, Profile
+from rematd.planner.messages import Hello
 from rematd.planner.shapes import forget as forget_prepared
 from rematd.server.core.rate import Bucket
 from rematd.server.metrics.registry import Metrics, RankSample

@@ -14,8 +14,8 @@ import dataclasses
 import time
 from typing import cast
 
-from rematd.messages import MAX_INT, InvalidMessage, OomReport, StepStats, observation
 from rematd.planner import Plan, StepObservation
+from rematd.planner.messages import MAX_INT, InvalidMessage, OomReport, StepStats, observation
 from rematd.server.core import plan_policy as policy
 from rematd.server.core.errors import JobEnded
 from rematd.server.core.hellos import HelloSide

@@ -20,8 +20,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from rematd import wire
-from rematd.messages import InvalidMessage
 from rematd.planner import Plan
+from rematd.planner.messages import InvalidMessage
 from rematd.server.config import GrpcOptions
 from rematd.server.core.advisor import AdvisorCore, RankSession
 from rematd.server.core.errors import ShuttingDown

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from rematd.messages import InvalidMessage
+from rematd.planner.messages import InvalidMessage
 from rematd.server.core.errors import (
     JobNotFound,
     SessionError,

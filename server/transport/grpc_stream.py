@@ -18,8 +18,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from rematd import wire
-from rematd.messages import InvalidMessage, OomReport
 from rematd.planner import Plan
+from rematd.planner.messages import InvalidMessage, OomReport
 from rematd.server.core.advisor import RankSession
 from rematd.server.core.errors import SessionError
 from rematd.server.transport.grpc_status import DOMAIN_ERRORS

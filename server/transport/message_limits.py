@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rematd.messages import JOB_ID_RE, MAX_BLOCKS, MAX_TERMS, InvalidMessage
+from rematd.planner.messages import JOB_ID_RE, MAX_BLOCKS, MAX_TERMS, InvalidMessage
 from rematd.server.transport.http_guard import bounded
 from rematd.v1 import advisor_pb2 as pb
 

@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rematd.messages import InvalidMessage
+from rematd.planner.messages import InvalidMessage
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.core.errors import JobNotFound, SessionError, StoreStalled, Unauthenticated
 from rematd.server.transport.http_guard import bounded

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic_core import to_json
 from starlette.types import Receive, Scope, Send
 
-from rematd.messages import MAX_INT
+from rematd.planner.messages import MAX_INT
 from rematd.server.core.advisor import JOB_STATES, AdvisorCore
 from rematd.server.core.paging import JOBS_PAGE, MAX_JOBS_PAGE, MAX_ROWS_PAGE, ROWS_PAGE
 from rematd.server.core.views import STATS_ROWS, JobView

@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from rematd.messages import MAX_BLOCKS, MAX_INT
+from rematd.planner.messages import MAX_BLOCKS, MAX_INT
 from rematd.server.core.advisor import AdvisorCore
 from rematd.server.core.views import JobView
 from rematd.server.store.rows import ControlsRow, ModeName

@@ -30,14 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(rest)
     if command == "demo":
         try:
-            from rematd.demo import main as demo_main
+            from rematd.cli.demo import main as demo_main
         except ImportError as err:
             print(f"rematd demo needs the client extra (torch): {err}", file=sys.stderr)
             return 1
         return demo_main(rest)
     print(f"rematd: unknown command {command!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m rematd.cli``: the ``rematd`` command."""
+
+import sys
+
+from rematd.cli import main
+
+sys.exit(main())
