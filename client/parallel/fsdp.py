@@ -21,6 +21,7 @@ is private: where it cannot be read, the parameters' own sizes stand in.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ try:  # torch >= 2.6 exports FSDP2 here; older builds have it under _composable
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - depends on the torch build
     FSDPModule = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger("rematd.client")
 
 
 def is_unit(m: nn.Module) -> bool:
@@ -137,6 +140,27 @@ def _fsdp_params(unit: nn.Module) -> list[Any]:
     return [p for group in _param_groups(unit) for p in group.fsdp_params]
 
 
+_UNREADABLE: set[str] = set()
+"""The kinds of FSDP state already said to be unreadable: said once each, not at every step."""
+
+
+def _unreadable(unit: nn.Module, err: Exception) -> None:
+    """FSDP's private state of ``unit`` could not be read (a torch whose internals differ): the figures fall back
+    to the parameters' own sizes, and the log says so once, as the CPU's count may then take gathered weights
+    in as activations."""
+    kind = f"{type(unit).__name__}: {type(err).__name__}"
+    if kind in _UNREADABLE:
+        return
+    _UNREADABLE.add(kind)
+    log.warning(
+        "rematd: cannot read FSDP's parameter groups of a %s (%s: %s); on the CPU its gathered weights may be "
+        "counted as activations",
+        type(unit).__name__,
+        type(err).__name__,
+        err,
+    )
+
+
 def _group_memory(group: Any) -> UnitMemory:
     unsharded = 0
     for p in group.fsdp_params:
@@ -155,7 +179,8 @@ def unit_memory(unit: nn.Module) -> UnitMemory:
     (each group of them as its own mesh reshards it)."""
     try:
         groups = [_group_memory(group) for group in _param_groups(unit)]
-    except Exception:  # a torch whose private state differs: the parameters' global sizes stand in
+    except Exception as err:  # a torch whose private state differs: the parameters' global sizes stand in
+        _unreadable(unit, err)
         total = sum(p.numel() * p.element_size() for p in _own_parameters(unit))
         return UnitMemory(int(total), 0)
     return UnitMemory(sum(g.unsharded_bytes for g in groups), sum(g.kept_after_forward_bytes for g in groups))
@@ -187,7 +212,8 @@ def sharded_parameters(model: nn.Module) -> list[torch.Tensor]:
             continue
         try:
             params.extend(p.sharded_param for p in _fsdp_params(m))
-        except Exception:
+        except Exception as err:
+            _unreadable(m, err)
             continue  # counted below, as the module holds them
         inside.update(id(sub) for sub in m.modules())
     for m in model.modules():
@@ -225,7 +251,8 @@ def gathered_storages(model: nn.Module) -> frozenset[int]:
             continue
         try:
             params = _fsdp_params(m)
-        except Exception:
+        except Exception as err:
+            _unreadable(m, err)
             continue
         for p in params:
             tensors.extend(getattr(p, "all_gather_outputs", None) or ())
