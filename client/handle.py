@@ -8,37 +8,19 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from rematd.client.arguments import (
-    check_bytes,
-    check_hard_limit,
-    check_margin,
-    check_optimizer,
-    pin_sequence,
-)
-from rematd.client.assembly import build_parts
-from rematd.client.attached_hooks import AttachedHook
+from rematd.client.arguments import check_bytes, check_hard_limit, check_margin, check_optimizer, pin_sequence
 from rematd.client.blocks.compiled import CompileStats
-from rematd.client.blocks.discovery import find_stage_blocks, model_fingerprint
 from rematd.client.errors import UnsupportedModel
+from rematd.client.handle_setup import set_up
 from rematd.client.memory.sources import MemorySample
 from rematd.client.options import AttachOptions
-from rematd.client.parallel.pick import (
-    StepStart,
-    check_blocks,
-    check_engine,
-    follow_engine,
-    read_schedule,
-    resolve,
-    running_schedule,
-)
+from rematd.client.parallel.pick import check_engine, read_schedule
 from rematd.client.parallel.ranks import dist_rank
-from rematd.client.plans.background import ThreadedBackend
-from rematd.client.plans.sources import Backend, EmbeddedBackend
+from rematd.client.plans.sources import Backend
 from rematd.client.service.budget_hold import BudgetHold
 from rematd.client.service.stream import StreamBackend
-from rematd.client.steps.boundaries import StepCycle
+from rematd.client.step_triggers import StepTriggers, check_stages, find_running_schedule
 from rematd.client.steps.oom import Guard, OomPolicy
 from rematd.planner import Mode, Plan, Shape
 from rematd.planner.messages import StepStats
@@ -60,59 +42,24 @@ class Handle:
         optimizer: torch.optim.Optimizer | None,
     ) -> None:
         """``options`` as :func:`attach` checked them; ``blocks`` and ``optimizer`` as it was given them."""
-        offered = options.modes
-        self._offered = offered
-        target = resolve(model)
-        engine, model = target.engine, target.model
-        self.model = model
-        self._roots = target.roots
-        found = find_stage_blocks(model, target.roots, blocks, stages=target.schedule is not None)
-        check_blocks(model, found)  # sharded already; a model sharded after attach is checked at its first step
-        self._parts = parts = build_parts(
-            model,
-            found,
-            hard_limit_bytes=options.hard_limit_bytes,
-            compile_backend=options.compile_backend,
-            compress=options.compress,
-        )
+        made = set_up(model, options, blocks=blocks, optimizer=optimizer)
+        target, parts, self._cycle = made.target, made.parts, made.cycle
+        engine, self.model, self._roots = target.engine, target.model, target.roots
+        self._offered = options.modes
+        self._parts = parts
         self._accounting, self._blocks, self._applier = parts.accounting, parts.blocks, parts.applier
         self._clock = parts.accounting.clock
         self._offloader, self._compiled = parts.offloader, parts.compiled
-        self._backend: Backend = (
-            StreamBackend(options.server, self._applier.receive, options.stream)
-            if options.server
-            else ThreadedBackend(self._applier.receive, self._applier.answered)
-            if options.planner_thread
-            else EmbeddedBackend(self._applier.receive)
-        )
-        self._applier.price = self._backend.plan_of
+        self._backend: Backend = made.backend
         self.server = options.server
-        self._cycle = StepCycle(
-            model,
-            options,
-            optimizer=optimizer,
-            parts=parts,
-            backend=self._backend,
-            fingerprint=model_fingerprint(found),
-            group=target.group,
-        )
         self._life = self._cycle.life
         self._oom = OomPolicy(self._cycle.recover, closed=lambda: self._life.closed)
-        self._hooks: list[RemovableHandle | StepStart] = []
-        for root in target.roots:
-            self._hooks += [
-                # Before a sharded engine's own pre-hooks (after them otherwise): a plan switch must restart its
-                # parameter-fetch trace before the step's first fetch.
-                root.register_forward_pre_hook(
-                    AttachedHook(self._pre_forward), with_kwargs=True, prepend=engine is not None
-                ),
-                root.register_forward_hook(AttachedHook(self._post_forward), always_call=True),
-            ]
+        # Before a sharded engine's own pre-hooks (after them otherwise): a plan switch must restart its
+        # parameter-fetch trace before the step's first fetch.
+        self._triggers = StepTriggers(target.roots, self._pre_forward, self._post_forward, prepend=engine is not None)
         if target.schedule is not None:
             self._follow_schedule(target.schedule)
-        self._optimizer_hook: RemovableHandle | None = None
         self.optimizer = optimizer
-        self._unfollow: Callable[[], None] | None = None
         self.engine = engine
 
     # -- public -----------------------------------------------------------
@@ -143,12 +90,8 @@ class Handle:
     @optimizer.setter
     def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         optimizer = check_optimizer(optimizer)
-        if self._optimizer_hook is not None:
-            self._optimizer_hook.remove()
-            self._optimizer_hook = None
         self._cycle.optimizer = optimizer
-        if optimizer is not None:
-            self._optimizer_hook = optimizer.register_step_post_hook(AttachedHook(self._optimizer_stepped))
+        self._triggers.follow_optimizer(optimizer, self._optimizer_stepped)
 
     @property
     def engine(self) -> nn.Module | None:
@@ -160,12 +103,10 @@ class Handle:
     @engine.setter
     def engine(self, engine: nn.Module | None) -> None:
         check_engine(engine)
-        if self._unfollow is not None:
-            self._unfollow()
-            self._unfollow = None
+        self._triggers.unfollow_engine()
         self._cycle.engine = engine
         if engine is not None:
-            self._unfollow = follow_engine(engine, self.step)
+            self._triggers.follow_engine(engine, self.step)
 
     @property
     def pipeline(self) -> object | None:
@@ -180,44 +121,18 @@ class Handle:
             raise ValueError("pipeline: this handle follows a schedule already; attach a new handle for another")
         if self._cycle.memory is not None:
             raise ValueError("pipeline: set h.pipeline before the first step (the plan is made for its microbatches)")
-        self._check_stages(read)
+        check_stages(read, self._roots)
         self._follow_schedule(read)
-
-    def _check_stages(self, read: Any) -> None:
-        """ValueError unless ``read``'s stages on this rank are the modules rematd is attached to."""
-        modules = [s.module for s in read.stages]
-        if len(modules) != len(self._roots) or any(a is not b for a, b in zip(modules, self._roots, strict=False)):
-            raise ValueError(
-                f"pipeline: the schedule runs {len(modules)} stage(s) on this rank "
-                f"({', '.join(type(m).__name__ for m in modules)}), not the module rematd is attached to; attach to "
-                "the schedule instead: client.attach(schedule)"
-            )
 
     def _find_schedule(self) -> None:
-        """At the first step of a handle attached to a module without ``h.pipeline``: when a pipeline schedule's
-        ``step()`` runs the module, follow it as ``h.pipeline = schedule`` would, so that each stage is planned for
-        the microbatches it holds at once; a schedule rematd cannot follow stops the step with an error saying so."""
-        schedule = running_schedule()
-        if schedule is None:
-            return
-        try:
-            read = read_schedule(schedule)
-            self._check_stages(read)
-        except ValueError as err:
-            raise UnsupportedModel(
-                f"{err} (a pipeline schedule runs the module rematd is attached to: set h.pipeline = schedule before "
-                "the first step, or attach to the schedule)"
-            ) from err
-        log.info(
-            "rematd: a pipeline schedule runs this module (%s); each stage is planned for the microbatches it "
-            "holds at once (h.pipeline = schedule says so before the first step)",
-            read.describe(),
-        )
-        self._follow_schedule(read)
+        """Follow the pipeline schedule that runs the attached module, if one does (:func:`find_running_schedule`)."""
+        read = find_running_schedule(self._roots)
+        if read is not None:
+            self._follow_schedule(read)
 
     def _follow_schedule(self, schedule: Any) -> None:
         self._cycle.schedule = schedule
-        self._hooks.append(StepStart(schedule.schedule, AttachedHook(self._schedule_step)))
+        self._triggers.follow_schedule(schedule.schedule, self._schedule_step)
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -403,10 +318,9 @@ class Handle:
         """
         if not self._life.close():
             return
-        for h in (*self._hooks, *self._parts.hooks, *([self._optimizer_hook] if self._optimizer_hook else [])):
+        self._triggers.remove()
+        for h in self._parts.hooks:
             h.remove()
-        if self._unfollow is not None:
-            self._unfollow()
         for b in self._blocks:
             b.restore()
         try:

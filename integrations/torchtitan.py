@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +67,7 @@ from torchtitan.tools import utils as titan_utils  # noqa: E402
 from torchtitan.tools.logging import init_logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from rematd.client import Handle, attach  # noqa: E402
+from rematd.client import attach  # noqa: E402
 from rematd.client.arguments import (  # noqa: E402
     check_bytes,
     check_job,
@@ -78,21 +77,16 @@ from rematd.client.arguments import (  # noqa: E402
     pin_sequence,
 )
 from rematd.client.blocks.compress import check_compress  # noqa: E402
+from rematd.integrations.torchtitan_parts import (  # noqa: E402
+    FLAG,
+    Attached,
+    attach_options,
+    find_layers,
+    pin_layers,
+)
 from rematd.planner import Mode  # noqa: E402
 
 log = logging.getLogger("rematd.torchtitan")
-
-FLAG = "--activation-checkpoint"
-
-
-@dataclass(slots=True)
-class Attached:
-    """A handle and the model parts whose blocks it switches."""
-
-    parts: list[nn.Module]
-    handle: Handle
-    logged: int = -1
-    """The version of the last plan logged."""
 
 
 @dataclass(slots=True)
@@ -182,75 +176,16 @@ class RematdCheckpointing(ActivationCheckpointing):  # type: ignore[misc]
                 "activation-checkpoint:rematd needs rematd's trainer, which follows the optimizer and closes "
                 "rematd with the run: start training with python -m rematd.integrations.torchtitan"
             )
-        layers = _layers(model)
+        layers = find_layers(model)
         if building.pipeline:
             building.stages.append((model, layers))
             return
         if not layers:
             log.info("rematd: this model part holds no layers; nothing to checkpoint in it")
             return
-        handle = attach(model, blocks=[block for _, block in layers], **_attach_options(self.config))
+        handle = attach(model, blocks=[block for _, block in layers], **attach_options(self.config))
         building.attached.append(Attached([model], handle))
-        _pin(handle, self.config, [key for key, _ in layers])
-
-
-def _attach_options(c: RematdCheckpointing.Config) -> dict[str, Any]:
-    return {
-        "budget_bytes": c.budget_bytes,
-        "margin_ratio": c.margin,
-        "modes": c.modes,
-        "server": c.server,
-        "job": c.job or _run_job(),
-        "compress": c.compress,
-        "compile": c.compile,
-        # In-process, the planner runs on the training thread here: under tensor parallel a plan arriving a
-        # step late on one rank measured over the budget (steps before the first plan), not yet understood.
-        **({} if c.server else {"planner_thread": False}),
-    }
-
-
-def _pin(handle: Handle, c: RematdCheckpointing.Config, keys: Sequence[str]) -> None:
-    if c.pin:
-        handle.pin_modes(_part_pins(c.pin, keys))
-    log.info("rematd: attached to %d layers (%s)", len(keys), ", ".join(keys))
-
-
-def _run_job() -> str | None:
-    """One job name for every rank of a torchrun launch: its run id (none outside torchrun, or when the run id is
-    torchrun's placeholder)."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    try:
-        return None if run == "none" else check_job(f"torchtitan-{run}"[:128])
-    except ValueError:
-        return None
-
-
-def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model part's transformer blocks by key, as torchtitan's own checkpointing finds them."""
-    try:
-        layers = model.get_submodule("layers")
-    except AttributeError as err:
-        raise ValueError(
-            f"activation-checkpoint:rematd checkpoints a model's 'layers' (as torchtitan's own modes do); "
-            f"{type(model).__name__} has none"
-        ) from err
-    return list(layers.named_children())
-
-
-def _part_pins(pin: Sequence[str], keys: Sequence[str]) -> list[str]:
-    """The pins of one model part: one mode for every block, or each block's entry by its layer number."""
-    if len(pin) == 1:
-        return [pin[0]] * len(keys)
-    out = []
-    for key in keys:
-        index = int(key) if key.isdigit() else -1
-        if not 0 <= index < len(pin):
-            raise ValueError(
-                f"{FLAG}.pin has {len(pin)} modes, one per layer, and layer {key!r} has none: give one mode for "
-                "every layer of the model, or a single mode"
-            )
-        out.append(pin[index])
-    return out
+        pin_layers(handle, self.config, [key for key, _ in layers])
 
 
 CheckpointingChoice: TypeAlias = (
@@ -315,9 +250,9 @@ class RematdTrainer(Trainer):  # type: ignore[misc]
         """One handle for the rank's pipeline stages, following torchtitan's schedule: its ``step()`` starts a
         step, and each stage's plan counts the microbatches the schedule keeps alive on it."""
         layers = sorted(((key, block) for _, part in stages for key, block in part), key=lambda kb: int(kb[0]))
-        handle = attach(self.pp_schedule, blocks=[block for _, block in layers], **_attach_options(c))
+        handle = attach(self.pp_schedule, blocks=[block for _, block in layers], **attach_options(c))
         self.rematd.append(Attached([module for module, _ in stages], handle))
-        _pin(handle, c, [key for key, _ in layers])
+        pin_layers(handle, c, [key for key, _ in layers])
 
     def _follow_optimizers(self) -> None:
         """End each handle's step after the step of the last optimizer that owns its parts' parameters."""

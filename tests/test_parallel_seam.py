@@ -19,9 +19,9 @@ BACKEND = re.compile(
 )
 """A backend's name in a word: ``SavedTensor`` names no DTensor, ``zero_grad`` and ``zeros`` no ZeRO."""
 WORD = re.compile(r"\w+(?:[.-]\w+)*")
-PUBLIC = {"handle.py": frozenset({"pipeline"})}
+PUBLIC = {"handle.py": frozenset({"pipeline"}), "step_triggers.py": frozenset({"pipeline"})}
 """Words a module may use because the public API spells them so: ``h.pipeline`` (the README's and docs'),
-which its setter's errors name as the setting to change."""
+which its setter's errors (and the handle's check of the schedule it finds) name as the setting to change."""
 
 
 def named(path: Path, root: Path = CLIENT) -> list[str]:

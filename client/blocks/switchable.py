@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any, Protocol
@@ -19,13 +18,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rematd.client.blocks.compress import Compressor, CompressProbe, constant_storages
+from rematd.client.blocks.checkpoint_counting import count_checkpoint
+from rematd.client.blocks.compress import Compressor, constant_storages
 from rematd.client.blocks.kv_caches import holds_cache
 from rematd.client.blocks.mode_timing import RecomputeTimer
 from rematd.client.blocks.offload import Offloader
 from rematd.client.blocks.parts import PART_MODES, SwitchablePart, SwitchedForward, find_parts, router_shapes
-from rematd.client.blocks.profiling import BlockMeasure, Profiler
-from rematd.client.blocks.selective import Decide, TitanPolicy, megatron_policy, selective_context
+from rematd.client.blocks.profiled_forward import profiled
+from rematd.client.blocks.profiling import BlockMeasure
+from rematd.client.blocks.selective import TitanPolicy, megatron_policy, selective_context
 from rematd.client.memory.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.parallel.base import PLAIN, SetUp
 from rematd.client.thread_cost import ThreadClock
@@ -316,27 +317,8 @@ class SwitchableBlock:
                 output = checkpoint(functools.partial(self._run, mode), *args, use_reentrant=False, **kwargs)
         finally:
             self._in_forward = False
-        self._count_checkpoint(mode, args, kwargs, output, kept or [])
+        count_checkpoint(self, mode, args, kwargs, output, kept or [])
         return output
-
-    def _count_checkpoint(
-        self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, kept: list[torch.Tensor]
-    ) -> None:
-        """On the CPU's accounting: what a checkpoint keeps lives outside autograd's saved variables, and what
-        it brings back in backward is made under hooks of its own: both counted by hand."""
-        acct = self._counting()
-        if acct is None:
-            return
-        inputs, outputs = tensors_in([args, kwargs]), tensors_in([output])
-        needed = self.measure.kept_needed.get(mode) if self.measure is not None else None
-        if kept and needed is not None and len(needed) == len(kept):
-            # Those backward does not need are let go once the recomputation has used them, as the block's
-            # backward begins (the profile found which, in the forward's order).
-            unneeded = [t for t, need in zip(kept, needed, strict=True) if not need]
-            kept = [t for t, need in zip(kept, needed, strict=True) if need]
-            acct.hold(unneeded, until_grad_of=outputs)
-        acct.hold([*inputs, *kept], until_grad_of=inputs)
-        acct.rematerialise(self._transient_bytes(mode), outputs, inputs)
 
     def count_part(self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """On the CPU's accounting, a part that recomputed: what it brings back in backward (its input is saved
@@ -404,120 +386,5 @@ class SwitchableBlock:
         return cost.transient.at(self.profile_shape, self.step_shape) if cost is not None else 0
 
     def _profiled(self, *args: Any, **kwargs: Any) -> Any:
-        """The block's forward, measured for the profile. Leanly where it can (:meth:`_profiled_lean`): as
-        recomputing keeps it, so that the profiling step needs no more memory than recomputing every block;
-        else storing, every saved tensor seen by hooks of its own."""
-        acct = self._accounting
-        excluded = acct.excluded if acct is not None else frozenset()
-        inputs = tensors_in([args, kwargs])
-        cuda = any(t.is_cuda for t in inputs)
-        gathered = self.setup.block_weights(self.module)
-        probe = (
-            CompressProbe(self.compressor.config, constant_storages(inputs), cuda)
-            if self.compressor is not None and Mode.COMPRESS in self.offer
-            else None
-        )
-        profiler = Profiler(self.profile_shape, excluded, cuda, gathered, probe, self._policies())
-        counting = self._counting()
-        if counting is not None and gathered:
-            counting.gathered |= gathered
-        lean = self.mode == Mode.RECOMPUTE and not self._keeps_for_cache(args, kwargs)
-        for part in self.parts.values():
-            part.recorder = profiler
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        try:
-            if lean:
-                output = self._profiled_lean(profiler, args, kwargs)
-            else:
-                output = self._profiled_storing(profiler, counting, args, kwargs)
-        except BaseException:
-            # The outputs it collected hold the failed step's graph: let it go with the error.
-            profiler.timer.clear()
-            raise
-        finally:
-            for part in self.parts.values():
-                part.recorder = None
-        if cuda:
-            torch.cuda.synchronize()
-        self.measure = profiler.result(inputs, time.perf_counter() - start, self.offer, self.host_bandwidth)
-        profiler.timer.clear()
-        self.profiling = False
-        if lean:
-            self._count_checkpoint(Mode.RECOMPUTE, args, kwargs, output, [])
-        return output
-
-    def _policies(self) -> dict[Mode, Decide]:
-        """The op policies of the modes this block offers, each a fresh pass's decider, for the profile."""
-        made: dict[Mode, Callable[[], Decide]] = {Mode.SELECTIVE: megatron_policy, Mode.TITAN: self.titan}
-        return {mode: make() for mode, make in made.items() if mode in self.offer}
-
-    def _profiled_storing(
-        self,
-        profiler: Profiler,
-        counting: SavedTensorAccounting | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """The block's forward storing everything, each saved tensor measured as autograd keeps it."""
-        is_weight = self.setup.is_weight
-
-        def pack(t: torch.Tensor) -> Any:
-            if is_weight is not None and is_weight(t):
-                return t  # a weight the set-up gathered for this forward
-            profiler.record(t)
-            return counting.pack(t) if counting is not None else t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, SavedTensorAccounting.unpack), profiler.timer:
-            return self._original(*args, **kwargs)
-
-    def _profiled_lean(self, profiler: Profiler, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The block's forward as recomputing runs it (a checkpoint that keeps its input only), each tensor the
-        checkpoint's first pass would save measured on its way to the checkpoint, which keeps none of them:
-        the profile a storing forward gives, at the memory of recomputing. Backward rematerialises the block,
-        exactly as the recompute mode does."""
-        is_weight = self.setup.is_weight
-
-        def recording(*a: Any, **kw: Any) -> Any:
-            hooks = top_saved_tensors_hooks()
-            if hooks is None:
-                raise RuntimeError("rematd: a checkpoint's first pass runs without its saved-tensor hooks")
-            keep, give_back = hooks
-
-            def pack(t: torch.Tensor) -> Any:
-                if is_weight is None or not is_weight(t):
-                    profiler.record(t)
-                    # Held until the block's forward ends, as its rematerialisation holds them in backward: a
-                    # storage freed at once would be reused, and counted once for two (keys are addresses).
-                    alive.append(t)
-                return keep(t)
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, give_back), profiler.timer:
-                return self._original(*a, **kw)
-
-        alive: list[torch.Tensor] = []
-        self._recording = recording
-        self._in_forward = True
-        try:
-            return checkpoint(functools.partial(self._run, Mode.RECOMPUTE), *args, use_reentrant=False, **kwargs)
-        finally:
-            self._in_forward = False
-            self._recording = None
-            alive.clear()
-
-
-def top_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
-    """The saved-tensor hooks in force (a checkpoint's, inside its region), or None; None as well where this
-    torch cannot tell (the profile then stores: :func:`lean_profiling`)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return None
-    found = top(False)
-    return None if found is None else (found[0], found[1])
-
-
-def lean_profiling() -> bool:
-    """Whether this torch lets a profile measure what a checkpoint's first pass saves (it reads the hooks in
-    force, which torch exposes since 2.5): without, the profiling step stores every block."""
-    return hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+        """The block's forward, measured for the profile (:func:`~rematd.client.blocks.profiled_forward.profiled`)."""
+        return profiled(self, args, kwargs)

@@ -36,39 +36,20 @@ from rematd.client.service.folding import Folder
 from rematd.client.service.mailbox import Mailbox
 from rematd.client.service.step_record import StepRecord
 from rematd.client.service.stream_config import CHANNEL_OPTIONS, StreamConfig
+from rematd.client.service.stream_local import STOP, plan_locally
+from rematd.client.service.stream_status import StreamEndings, rpc_status
 from rematd.client.service.throttle import Throttled
 from rematd.planner import Mode, Plan, PlannerSession, Shape
-from rematd.planner.messages import Hello, OomReport, StepStats, open_planner
+from rematd.planner.messages import Hello, OomReport, open_planner
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
-__all__ = ["FALLBACK_MAX_FAILURES", "TERMINAL", "StreamBackend", "StreamConfig"]
+__all__ = ["FALLBACK_MAX_FAILURES", "StreamBackend", "StreamConfig"]
 
 log = logging.getLogger("rematd.client")
 
-# The service will never accept this stream as it is: stop and keep the plan in force. Any other
-# status, and a stream the service ends normally, is retried after a pause: the service may come back.
-TERMINAL = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.OUT_OF_RANGE,
-        grpc.StatusCode.ALREADY_EXISTS,
-    }
-)
-
-# How the service words a stream it ends because an operator ended the job.
-ENDED_BY_OPERATOR = "was ended by an operator"
-HELD_BY = "is held by"
-"""What the service says of a rank another process holds (it names that process)."""
-
 # The longest report interval taken from a service; anything else is taken as 0 (report every step).
 MAX_INTERVAL_S = 3600.0
-_STOP = object()
 
 
 class StreamBackend:
@@ -97,8 +78,8 @@ class StreamBackend:
         self._plan_version = 0
         self._plan_in_force: Plan | None = None
         self._session_secret = ""
-        self._told_held = False
         """What proves this rank's next stream is its own; never logged."""
+        self._endings = StreamEndings(target)
         self._last_blocks: tuple[int, ...] | None = None
         self._folder = Folder()
         self._call: Any = None
@@ -203,7 +184,7 @@ class StreamBackend:
         # owed to a service known to be away.
         if self._reachable() and not self._stopping.is_set():
             self._wait_acked(timeout, lambda: not self._reachable())
-        self._put(_STOP)
+        self._put(STOP)
         self._closing.set()
         thread.join(timeout)
         self._stop()
@@ -261,7 +242,7 @@ class StreamBackend:
                 if report is not None:
                     yield pb.ClientMessage(stats=wire.stats_to_pb(report))
                 continue
-            if item is _STOP:
+            if item is STOP:
                 # What was folded goes out before the goodbye (a close that could not wait for its answer).
                 folded = folder.due(time.monotonic(), force=True)
                 if folded is not None:
@@ -327,29 +308,12 @@ class StreamBackend:
                 self.last_error = "the service ended the stream"
                 log.warning("rematd: the service at %s ended the stream; reconnecting", self.target)
         except grpc.RpcError as err:
-            code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-            detail = err.details() if hasattr(err, "details") else str(err)
+            code, detail = rpc_status(err)
             self.last_error = f"{code.name}: {detail}"
             if self._stopping.is_set():
                 return answered
-            if code == grpc.StatusCode.FAILED_PRECONDITION and ENDED_BY_OPERATOR in (detail or ""):
-                # Not a fault: an operator's decision, which the training job's log must show.
-                log.warning(
-                    "rematd: an operator ended this job at %s (%s); reports stop, the plan in force stays",
-                    self.target,
-                    detail,
-                )
+            if self._endings.final(code, detail, self.last_error, delay):
                 self._stop()
-            elif code in TERMINAL:
-                log.error("rematd service refused the stream (%s); keeping the plan in force", self.last_error)
-                self._stop()
-            elif code == grpc.StatusCode.ABORTED and HELD_BY in (detail or ""):
-                # Another process holds this rank: said once, then retried quietly while training goes on.
-                level = logging.DEBUG if self._told_held else logging.WARNING
-                self._told_held = True
-                log.log(level, "rematd: the service refused this rank (%s); training goes on, retrying", detail)
-            else:
-                log.warning("rematd stream to %s lost (%s); retrying in %.1fs", self.target, self.last_error, delay)
         finally:
             done.set()
             self._ended()
@@ -382,38 +346,9 @@ class StreamBackend:
                 return
             after = self.config.fallback_after_s
             if after is not None and not self._local.given_up and time.monotonic() - self._lost_at >= after:
-                self._plan_locally(min(left, 0.1))
+                plan_locally(self, min(left, 0.1))
             else:
                 self._closing.wait(min(left, 0.1))
-
-    def _plan_locally(self, timeout: float) -> None:
-        try:
-            self._plan_one(timeout)
-        except Exception as err:
-            self._fault("the in-process planner", err)
-            self._local.failed()
-        else:
-            self._local.succeeded()
-
-    def _plan_one(self, timeout: float) -> None:
-        if not self._local.active:
-            first = self._local.start(self._current_hello(), next_version=self._plan_version + 1)
-            log.warning("rematd service unreachable for %.0fs; planning in-process", time.monotonic() - self._lost_at)
-            self._deliver(first, only_if_changed=True)
-        try:
-            item = self._folder.due(time.monotonic(), force=True) or self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return
-        if item is _STOP:
-            self._stop()
-            return
-        if isinstance(item, StepRecord | StepStats | OomReport):
-            record = item.stats() if isinstance(item, StepRecord) else item
-            plan = self._local.take(record, self._current_hello())
-            if isinstance(record, StepStats):
-                self._ack(record.step)
-            if plan is not None:
-                self._deliver(plan)
 
     def _deliver(self, plan: Plan, *, only_if_changed: bool = False) -> None:
         if only_if_changed and plan.blocks == self._last_blocks:

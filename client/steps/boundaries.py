@@ -7,7 +7,6 @@ planner once the profile is complete, and reports the step's statistics.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -16,19 +15,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from rematd.client.blocks.switchable import lean_profiling
+from rematd.client.blocks.profiled_forward import lean_profiling
 from rematd.client.call_shape import shape_of
 from rematd.client.memory.sources import CudaMemory, MemorySample, SavedFigures, saved_sample
 from rematd.client.parallel.agreement import CODES, MODES
 from rematd.client.parallel.base import PLAIN, SetUp
 from rematd.client.parallel.pick import Schedule, pick
-from rematd.client.parallel.ranks import dist_rank
 from rematd.client.plans.sources import Backend
 from rematd.client.service.step_record import StepRecord
+from rematd.client.steps.cycle_hello import profiled_hello
 from rematd.client.steps.hello import (
     Identity,
     Memory,
-    build_hello,
     complete_profile,
     fresh_grad_bytes,
     memory_source,
@@ -210,15 +208,6 @@ class StepCycle:
             static += self.setup.static_bytes(self.optimizer, self.engine)
         return static
 
-    def _persisted(self) -> int:
-        """Static memory the profiling step created and kept for the steps after it, read at its end: optimizer
-        state made at the first ``optimizer.step()``, and gradients (kept by ``zero_grad(set_to_none=False)``,
-        torchtitan's default; counted whatever the loop does, as it cannot be known yet). On CUDA the gradients
-        the step created are priced as a constant beside the blocks already (:func:`other_activations`), so they
-        are left out here. ``self.static`` holds what the step carried in from earlier steps by now."""
-        grown = self._static_now() - (self.static - self.carried)
-        return max(0, grown - self.fresh_grads if self._on_cuda() else grown)
-
     def forward_seen(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A forward inside a step that began before any (a schedule's ``step()``): the first shows the
         microbatches' shape, where the step's start could not (a stage that receives activations)."""
@@ -339,41 +328,8 @@ class StepCycle:
         return record.stats() if record is not None else None
 
     def _hello(self, sample: MemorySample) -> Hello:
-        assert self.memory is not None and self.budget_bytes is not None
-        # Read now, not at attach: the process group is often set up after the model is attached.
-        rank, world_size = self.ranks = dist_rank()
-        # In-process every rank plans alone and no service shows jobs: only a stream has a job to split.
-        if world_size > 1 and not self.job_given and self.backend.served:
-            log.warning(
-                "rematd: rank %d of %d was attached without job=, so it streams as job %r and every rank "
-                "appears as a separate job; pass the same job= on every rank",
-                rank,
-                world_size,
-                self.who.job,
-            )
-        hello = build_hello(
-            self.who,
-            self.blocks,
-            self.memory,
-            sample,
-            rank=rank,
-            world_size=world_size,
-            shape=self.shape,
-            budget_bytes=self.budget_bytes,
-            static=self.static,
-            fresh_grads=self.fresh_grads,
-            # On CUDA the gathered parameters are in the allocator's peak, beside the blocks; on the CPU they
-            # are part of the static bytes already.
-            gathered=self.setup.gathered_at_peak if self._on_cuda() else 0,
-            in_flight=self.setup.in_flight(len(self.blocks)),
-            other_in_flight=self.setup.other_in_flight,
-            stages=self.setup.stages(len(self.blocks)),
-            ran=self.run.ran or tuple(b.mode for b in self.blocks),
-        )
-        # The first plan is made for the steps after profiling, which start with what profiling left behind.
-        static = hello.static_bytes + self._persisted()
-        self._hello_static = static
-        return dataclasses.replace(hello, static_bytes=static)
+        """The hello the planner opens with (:func:`~rematd.client.steps.cycle_hello.profiled_hello`)."""
+        return profiled_hello(self, sample)
 
     # -- saved-tensor accounting around the model's forward -------------------
 
