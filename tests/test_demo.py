@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rematd import demo
+from rematd.cli import demo
 from rematd.planner import MODE_LETTERS
 
 from .helpers import live_server
