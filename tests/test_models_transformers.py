@@ -10,6 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from rematd import client
+from rematd.planner import Mode
+
 from .model_matrix import Case, hf_loss, train_side_by_side
 
 transformers = pytest.importorskip("transformers")
@@ -299,8 +302,6 @@ def test_blocks_called_by_keyword_returning_model_outputs() -> None:
 
 def test_an_encoder_decoder_of_unequal_depths_gets_every_block() -> None:
     """distilbart-12-6, distil-whisper-32-2: a shorter decoder's blocks are planned too, in the order they run."""
-    from rematd import client
-
     cfg = transformers.BartConfig(
         vocab_size=VOCAB,
         d_model=32,
@@ -319,3 +320,74 @@ def test_an_encoder_decoder_of_unequal_depths_gets_every_block() -> None:
     h.step()
     assert h.last_stats is not None and h.last_stats.step == 0
     h.close()
+
+
+BUDGETED: dict[str, Callable[[], Case]] = {
+    "qwen3-moe": lambda: decoder(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_hidden_layers=4, num_experts=4, moe_intermediate_size=32, **ROUTER
+    ),
+    "mixtral-moe": lambda: decoder(
+        "MixtralConfig", "MixtralForCausalLM", num_hidden_layers=4, num_local_experts=4, **ROUTER
+    ),
+}
+"""Mixtures of experts deep enough (4 blocks) that a budget between recomputing and storing every block leaves the
+planner a choice."""
+
+
+def saved_peaks(case: Case) -> dict[Mode, int]:
+    """The bytes a step saves for backward with every block recomputed, and with every block stored."""
+    model = case.build().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    h = client.attach(model, optimizer=opt)
+    peaks = {}
+    for step, mode in enumerate((None, Mode.RECOMPUTE, Mode.STORE)):
+        if mode is not None:
+            h.pin_modes(mode)
+        case.loss(model, case.batch(step)).backward()
+        opt.step()  # ends the handle's step
+        opt.zero_grad(set_to_none=True)
+        assert h.last_stats is not None
+        if mode is not None:
+            peaks[mode] = h.last_stats.saved_peak_bytes
+    h.close()
+    return peaks
+
+
+@pytest.mark.parametrize("name", list(BUDGETED))
+def test_a_mixture_of_experts_trains_bitwise_under_a_budget_between_recomputing_and_storing(name: str) -> None:
+    case = BUDGETED[name]()
+    peaks = saved_peaks(case)
+    assert peaks[Mode.RECOMPUTE] < peaks[Mode.STORE], peaks
+    budget = (peaks[Mode.RECOMPUTE] + peaks[Mode.STORE]) // 2
+    ref, model = case.build().train(), case.build().train()
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # On the CPU a step whose saved bytes would cross the hard limit raises, as the device would run out; planned
+    # on the training thread, the first plan is in force at the step after profiling on every run.
+    h = client.attach(model, optimizer=opt, budget_bytes=budget, hard_limit_bytes=budget, planner_thread=False)
+    ran, measured = [], []
+    try:
+        for step in range(3):
+            inputs = case.batch(step)
+            losses = []
+            for m, o in ((ref, opt_ref), (model, opt)):
+                torch.manual_seed(100 + step)  # dropout draws the same numbers in both
+                loss = case.loss(m, inputs if m is model else {**inputs, "use_cache": False})
+                loss.backward()
+                losses.append(loss.detach())
+                if m is model:
+                    ran.append(list(h.modes))  # the modes of the step that ends at the optimizer's step
+                o.step()
+                o.zero_grad(set_to_none=True)
+            assert h.last_stats is not None and h.last_stats.step == step
+            measured.append(h.last_stats.saved_peak_bytes)
+            assert torch.equal(losses[0], losses[1]), f"step {step} ({ran[-1]}): loss {losses[0]} != {losses[1]}"
+            for (n, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+                assert torch.equal(p, q), f"step {step} ({ran[-1]}): parameter {n}"
+    finally:
+        h.close()
+    blocks = len(h.blocks)
+    assert ran[0] == [Mode.RECOMPUTE] * blocks, "the first step profiles, every block recomputed"
+    assert ran[1] not in ([Mode.RECOMPUTE] * blocks, [Mode.STORE] * blocks), f"the plan uses the room: {ran}"
+    over = [(step, m) for step, m in enumerate(measured) if m > budget]
+    assert not over, f"steps over the budget of {budget}: {over}"
+    assert all(p.predicted_peak_bytes <= budget for p in h.history), [(p.version, p.reason) for p in h.history]

@@ -1,21 +1,23 @@
-"""rematd as torchtitan's ``activation-checkpoint:rematd``: its debug Llama trained by torchtitan's own trainer
+"""rematd as torchtitan's ``activation-checkpoint:rematd``: its debug models trained by torchtitan's own trainer
 on CPU ranks (gloo), through ``python -m rematd.integrations.torchtitan`` with torchtitan's own arguments.
 
-On 1 rank, on 2 ranks with FSDP and on 2 ranks with tensor parallel, torchtitan without checkpointing is the
-reference; rematd with a pinned
-plan (recompute, selective and store, two blocks each) and rematd under its planner, at a budget between
-that plan's measured peak (leaner than none, looser than full checkpointing) and no checkpointing, must give
-bitwise the same losses and parameters; the planned run's measured peaks stay under the budget from its first
-planned step, whose prediction counts what the profiling step left behind (gradients torchtitan keeps
-allocated, optimizer state). The stand-ins torchtitan needs on the CPU are in ``bench/torchtitan_cpu.py``.
+The debug Llama on 1 rank, on 2 ranks with FSDP and on 2 ranks with tensor parallel, and the mixtures of experts
+``qwen3_moe_debug`` and ``deepseek_v3_debugmodel`` on 2 ranks with expert parallel 2: torchtitan without
+checkpointing is the reference; rematd with a pinned plan (recompute, selective and store by turns) and rematd
+under its planner, at a budget between that plan's measured peak (leaner than none, looser than full
+checkpointing) and every block stored, must give bitwise the same losses and parameters; the planned run's
+measured peaks stay under the budget from its first planned step, whose prediction counts what the profiling
+step left behind (gradients torchtitan keeps allocated, optimizer state), and the ranks run one plan. The
+stand-ins torchtitan needs on the CPU are in ``bench/torchtitan_cpu.py``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -32,6 +34,30 @@ PIN = ["recompute", "selective", "store"] * 2
 MIB = 2**20
 
 
+class Model(NamedTuple):
+    """A torchtitan model and the run the tests train it for."""
+
+    args: tuple[str, ...]
+    layers: int
+    seq: int = 128
+    steps: int = STEPS
+
+    def pin(self) -> list[str]:
+        """Recompute, selective and store by turns, one mode per layer."""
+        return [PIN[i % 3] for i in range(self.layers)]
+
+
+LLAMA = Model(("--module", "llama3", "--config", "llama3_debugmodel"), 6)
+# The mixtures of experts: an attention and a mixture of experts a block (deepseek_v3's first block dense), the
+# router sending tokens to other ranks' experts through all-to-all under expert parallel. Shorter runs (a step
+# of qwen3's 64 experts costs seconds on the CPU): the profiling step, the first plan's, and one after it.
+QWEN3_MOE = Model(("--module", "qwen3", "--config", "qwen3_moe_debug", "--training.disable-cuda-graphs"), 8, 64, 3)
+DEEPSEEK_V3 = Model(
+    ("--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--training.disable-cuda-graphs"), 6, 64, 3
+)
+EXPERT_PARALLEL = ("--parallelism.expert-parallel-degree", "2")
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_assets(tmp_path_factory.mktemp("titan_assets"))
@@ -45,17 +71,19 @@ def train(
     module: str,
     checkpointing: list[str],
     parallelism: tuple[str, ...] = (),
-    steps: int = STEPS,
+    model: Model = LLAMA,
+    steps: int | None = None,
 ) -> list[Any]:
-    """Train the debug model ``steps`` steps; what each rank recorded (losses, rematd's steps, parameters)."""
+    """Train ``model`` ``steps`` steps (default: the model's); what each rank recorded (losses, rematd's steps,
+    parameters)."""
     record = tmp / f"record-{len(list(tmp.iterdir()))}"
     record.mkdir()
     tokenizer, data = assets
     titan_args = [
-        *("--module", "llama3", "--config", "llama3_debugmodel"),
+        *model.args,
         *("--hf-assets-path", str(tokenizer), "--dataloader.dataset-path", str(data)),
-        *("--dump-folder", str(record / "out"), "--training.steps", str(steps)),
-        *("--training.seq-len", "128", "--training.local-batch-size", "2", "--debug.seed", "0"),
+        *("--dump-folder", str(record / "out"), "--training.steps", str(steps or model.steps)),
+        *("--training.seq-len", str(model.seq), "--training.local-batch-size", "2", "--debug.seed", "0"),
         # torch releases shard torchtitan's default spmd_types parameters only from a nightly on.
         *("--parallelism.spmd-backend", "partial_dtensor"),
         *parallelism,
@@ -67,45 +95,74 @@ def train(
         timeout=400,
         env={RECORD: str(record), "OMP_NUM_THREADS": "1"},
     )
-    return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+    return [_read(record / f"rank{r}.pt") for r in range(ranks)]
+
+
+def _read(path: Path) -> Any:
+    """A rank's record, its parameters as digests of their bytes: each rank records the whole model (qwen3's MoE
+    1.2 GB of it), which the runs a test compares would otherwise hold in memory and on disk together."""
+    recorded = torch.load(path, weights_only=False, mmap=True)
+    recorded["params"] = {name: digest(p) for name, p in recorded["params"].items()}
+    path.unlink()
+    return recorded
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def assert_bitwise(reference: list[Any], run: list[Any], what: str) -> None:
     for rank, (ref, got) in enumerate(zip(reference, run, strict=True)):
-        assert len(got["losses"]) == len(ref["losses"]) == STEPS
+        assert len(got["losses"]) == len(ref["losses"])
         for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
             assert torch.equal(a, b), f"{what}: rank {rank} step {step + 1} loss {b.item()} != {a.item()}"
         assert ref["params"].keys() == got["params"].keys()
-        differ = [n for n, p in ref["params"].items() if not torch.equal(p, got["params"][n])]
+        differ = [n for n, p in ref["params"].items() if p != got["params"][n]]
         assert not differ, f"{what}: rank {rank} parameters differ: {differ[:5]}"
 
 
 @pytest.mark.parametrize(
-    ("ranks", "parallelism"),
-    [(1, ()), (2, ()), (2, ("--parallelism.tensor-parallel-degree", "2"))],
-    ids=["1-rank", "2-ranks-fsdp", "2-ranks-tensor-parallel"],
+    ("model", "ranks", "parallelism"),
+    [
+        (LLAMA, 1, ()),
+        (LLAMA, 2, ()),
+        (LLAMA, 2, ("--parallelism.tensor-parallel-degree", "2")),
+        (QWEN3_MOE, 2, EXPERT_PARALLEL),
+        (DEEPSEEK_V3, 2, EXPERT_PARALLEL),
+    ],
+    ids=[
+        "1-rank",
+        "2-ranks-fsdp",
+        "2-ranks-tensor-parallel",
+        "qwen3-moe-expert-parallel",
+        "deepseek-v3-expert-parallel",
+    ],
 )
 def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
-    tmp_path: Path, assets: tuple[Path, Path], ranks: int, parallelism: tuple[str, ...]
+    tmp_path: Path, assets: tuple[Path, Path], model: Model, ranks: int, parallelism: tuple[str, ...]
 ) -> None:
     reference = train(
         tmp_path, assets, ranks=ranks, module="torchtitan.train", checkpointing=["activation-checkpoint:none"],
-        parallelism=parallelism,
+        parallelism=parallelism, model=model,
     )  # fmt: skip
     rematd = ["activation-checkpoint:rematd", "--activation-checkpoint.margin", "0.02"]
+    pin, recomputing = model.pin(), ["recompute"] * model.layers
 
     pinned = train(
         tmp_path, assets, ranks=ranks, module="rematd.integrations.torchtitan",
-        checkpointing=[*rematd, "--activation-checkpoint.pin", ",".join(PIN)], parallelism=parallelism,
+        checkpointing=[*rematd, "--activation-checkpoint.pin", ",".join(pin)], parallelism=parallelism, model=model,
     )  # fmt: skip
     assert_bitwise(reference, pinned, "pinned plan")
+    assert len(reference[0]["losses"]) == model.steps
     profiled, *later = pinned[0]["steps"]
     # The profiling step recomputes every block: no more memory than the leanest plan.
-    assert [s[0]["modes"] for s in pinned[0]["steps"]] == [["recompute"] * 6] + [PIN] * (STEPS - 1)
+    assert [s[0]["modes"] for s in pinned[0]["steps"]] == [recomputing] + [pin] * (model.steps - 1)
     assert later[0][0]["static"] > profiled[0]["static"], "gradients and optimizer state persist from step 2 on"
-    # What a later step would peak at with every block stored, as the planner prices it.
-    storing = later[0][0]["storing"]
-    mixed = max(s[0]["measured"] for s in later)
+    # What a later step would peak at with every block stored, as the planner prices it. Under expert parallel
+    # each rank's experts take the tokens the router sends them: the figures differ by rank, the budget is
+    # between them all.
+    storing = min(record["steps"][1][0]["storing"] for record in pinned)
+    mixed = max(s[0]["measured"] for record in pinned for s in record["steps"][1:])
     assert profiled[0]["measured"] - profiled[0]["static"] < mixed - later[0][0]["static"] < storing
     budget = (mixed + storing) // 2
 
@@ -116,18 +173,22 @@ def test_rematd_mode_trains_as_torchtitan_and_holds_the_budget(
     planned = train(
         tmp_path, assets, ranks=ranks, module="rematd.integrations.torchtitan",
         checkpointing=[*rematd, *block_modes, "--activation-checkpoint.budget-bytes", str(budget)],
-        parallelism=parallelism,
+        parallelism=parallelism, model=model,
     )  # fmt: skip
     assert_bitwise(reference, planned, "planned")
     for rank, record in enumerate(planned):
         steps = [s[0] for s in record["steps"]]
-        assert steps[0]["modes"] == ["recompute"] * 6, "the first step profiles, every block recomputed"
+        assert steps[0]["modes"] == recomputing, "the first step profiles, every block recomputed"
         first = steps[1]
-        assert first["plan_version"] >= 1 and first["modes"] != ["store"] * 6, first
+        # Planned between the leanest and the loosest: neither what the profiling step ran nor every block stored.
+        assert first["plan_version"] >= 1 and first["modes"] not in (recomputing, ["store"] * model.layers), first
         # The first plan counted what persists from the profiling step: measured within 2% of its prediction.
         assert abs(first["measured"] - first["predicted"]) <= 0.02 * first["measured"], first
         over = [(s["step"], s["measured"] / MIB) for s in steps if s["measured"] > budget]
         assert not over, f"rank {rank}: steps over the budget of {budget / MIB:.1f} MiB: {over}"
+    # The ranks' parameters are sharded: they run one plan, step for step.
+    ran = [[s[0]["modes"] for s in record["steps"]] for record in planned]
+    assert all(modes == ran[0] for modes in ran), ran
 
 
 def test_rematd_mode_holds_a_budget_just_above_the_leanest_plan(tmp_path: Path, assets: tuple[Path, Path]) -> None:
