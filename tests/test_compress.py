@@ -402,14 +402,14 @@ def test_a_compress_plan_in_force_is_lossy_pinned_in_process_or_by_an_operator(t
         h.pin_modes(None)
         pinned = httpx.post(f"{url}/pin", json={"modes": ["compress", "store", "store", "store"]}, timeout=10)
         assert pinned.status_code == 200, pinned.text
-        before = h.history[-1].version
         # The pin comes with the answer to a step reported after it, and runs from the step boundary after that
-        # answer arrives (a step or more later, by the stream's and the service's timing).
+        # answer arrives (a step or more later, by the stream's and the service's timing; on a loaded machine the
+        # service's first plan may still be on its way, so the pin is told by its reason, not by a version).
         for seed in range(3, 40):
             train_step(model, opt, 32, seed=seed)
-            if h.plan.version > before and seed >= 5:
+            if "pinned by an operator" in h.plan.reason and seed >= 5:
                 break
-        assert h.plan.version > before, "the operator's pin never reached the rank"
+        assert "pinned by an operator" in h.plan.reason, "the operator's pin never reached the rank"
         train_step(model, opt, 32, seed=40)  # a step that ran it, reported
         assert h.flush(10.0)
         job = httpx.get(url, timeout=10).json()
