@@ -125,6 +125,7 @@ def attach(
             thinks on). With ``server`` the service plans: ``False`` is refused.
     """
     server = check_server(server)
+    optimizer = check_optimizer(optimizer)
     options = AttachOptions(
         server=server,
         stream=None
@@ -145,4 +146,4 @@ def attach(
         compress=None if compress is None else check_compress(compress),
         planner_thread=check_flag("planner_thread", planner_thread),
     )
-    return Handle(model, options, blocks=blocks, optimizer=check_optimizer(optimizer))
+    return Handle(model, options, blocks=blocks, optimizer=optimizer)

@@ -69,3 +69,34 @@ def test_with_saved_tensors_counted_every_block_stays_wrapped() -> None:
             assert _wrapped(h) == [True, True], step
             stats = h.last_stats
             assert stats is not None and stats.saved_peak_bytes > 0
+
+
+def test_a_block_class_with_its_own_setattr_sees_its_forward_swapped() -> None:
+    """Blocks whose class keeps nn.Module's ``__setattr__`` have their forward swapped in their dict (the fast
+    way); a class of its own ``__setattr__`` is sent each swap through it."""
+    model = tiny_model(n_layer=2, d_model=32)
+    block_class = type(model.h[0])
+    swaps: list[object] = []
+
+    class Watched(block_class):  # type: ignore[misc, valid-type]
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == "forward":
+                swaps.append(value)
+            super().__setattr__(name, value)
+
+    for block in model.h:
+        block.__class__ = Watched
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    h = client.attach(model, optimizer=opt, budget_bytes=2**40)
+    introspect.cycle(h).saved_hooks = False  # as on CUDA: storing blocks run bare between timed steps
+    before = len(swaps)
+    for step in range(2 * STORE_TIMED_EVERY + 1):
+        train_step(model, opt, 32, seed=step)
+        if step == 1:
+            assert h.flush(10.0)
+    assert len(swaps) > before, "the swaps to and from running bare went through the class's __setattr__"
+    stats = h.last_stats
+    assert stats is not None
+    on_timed_step = stats.step % STORE_TIMED_EVERY == 0
+    assert _wrapped(h) == [on_timed_step] * 2, "wrapped on timed steps only, as with nn.Module's own __setattr__"
+    h.close()

@@ -147,7 +147,7 @@ class SwitchableBlock:
 
     def _own_forward(self) -> None:
         if self._had_instance_forward:
-            self.module.__dict__["forward"] = self._original
+            self._set_forward(self._original)
         else:
             self.module.__dict__.pop("forward", None)
 
@@ -179,9 +179,15 @@ class SwitchableBlock:
         if on:
             self._own_forward()
         else:
+            self._set_forward(self._switched_forward)
+
+    def _set_forward(self, forward: Callable[..., Any]) -> None:
+        if type(self.module).__setattr__ is nn.Module.__setattr__:
             # Straight into the instance's dict: nn.Module's __setattr__ looks the name up among parameters,
             # buffers and submodules first, for every block twice in each timed step.
-            self.module.__dict__["forward"] = self._switched_forward
+            self.module.__dict__["forward"] = forward
+        else:
+            self.module.forward = forward  # a class of its own __setattr__ sees the change
 
     def _counting(self) -> SavedTensorAccounting | None:
         acct = self._accounting

@@ -200,6 +200,7 @@ class PlanApplier:
         shape = shape or Shape()
         key = (self.pinned, self.plan.version, shape, self.lean_after, awaiting)
         if key == self._applied:
+            self._shape = shape  # an equal shape in a new object: the next step's check finds it by identity
             return plan
         self._applied = key
         self._shape, self._lean = shape, None
