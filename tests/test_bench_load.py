@@ -39,7 +39,8 @@ def test_the_curve_runs_and_stops_past_the_limit(tmp_path: Path, capsys: pytest.
     assert [r["ranks"] for r in levels] == [6, 12]
     for r in levels:
         assert r["live"] == r["ranks"] and r["errors"] == 0 and r["acked"] > 0
-        assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] + 0.05  # the maximum is rounded to 0.1 ms
+        # The maximum is rounded to 0.1 ms and the percentiles to 0.01 ms: 0.05 + 0.005 apart at most.
+        assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] + 0.06
         assert r["gen_cpu_cores"] > 0 and r["server_cpu_cores"] > 0
         assert not r["latency_ok"] and not r["ok"]
         # The server's loop was watched (bench.load_probe): a 10 ms sleep wakes late by something, not by seconds.
