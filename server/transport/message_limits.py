@@ -18,10 +18,11 @@ MAX_NAME_CHARS = 256
 """Longest name (device, model fingerprint, client version, secret, block name) a hello may carry."""
 MAX_MODES = len(pb.Mode.values())
 """Most entries of a list with one entry per mode."""
-TERMS_PER_BLOCK = 5 * (MAX_MODES - 1)
-"""Size terms a block's modes carry together, at most: each mode a kept, a transient and a released size of
-a term or two (linear, quadratic in the sequence). Each term is an object once converted, so a hello packed
-with them cost 16 times its bytes before it was refused."""
+TERMS_PER_BLOCK = 12 * (MAX_MODES - 1)
+"""Size terms a block's modes carry together, at most: each mode a kept, a transient and a released size, each
+a term per way its tensors scale (constant, with the batch, the sequence, both, the sequence squared: a block
+with masks, attention scores, activations and constants of its own has four or five in one size). Each term is
+an object once converted, so a hello packed with them cost 16 times its bytes before it was refused."""
 MAX_SHAPE_PLANS = 64
 """Most entries of a plan's per-length table (the planner makes at most 16 by default)."""
 MAX_TEXT_CHARS = 4096
