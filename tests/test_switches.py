@@ -29,6 +29,8 @@ PARTS = ["store", "titan", "attention", "mlp", "recompute", "compress"]
 """Under ZeRO-3, whose steps cost most, the finer modes with store and recompute: selective's switches are
 the released case's, and FSDP2's circuit takes all 30."""
 DS = {"DS_ACCELERATOR": "cpu"}
+LR = 1e-2
+"""The workers' AdamW learning rate."""
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not installed (scripts/setup.sh installs it: DS_BUILD_OPS=0, --no-build-isolation)",
@@ -49,9 +51,14 @@ def check_matrix(result: dict[str, Any]) -> None:
         else:
             # Compress keeps the forward exact and the gradients close: the runs drift apart only a little.
             assert math.isfinite(ours) and abs(ours - plain) <= 0.02 * abs(plain), (where, plain, ours)
-            # Adam moves each parameter by up to its learning rate (0.01) a step whatever the gradient's size: a
-            # near-zero gradient entry of the other sign puts it a few of those away, no more.
-            assert step["max_diff"] <= 0.05, (where, step["max_diff"])
+            # Adam moves each parameter by about its learning rate a step whatever the gradient's size. The tiny
+            # models' query and key weights have gradients (~1e-5) as small as compress's error: where their signs
+            # differ the runs part by up to that a step, and keep parting while compress runs (ZeRO-3 with
+            # parameters kept, 22 compressing steps: 0.005-0.012 a step, 0.14 at the end; plain training without
+            # DeepSpeed alike). A fixed bound fails the longest circuit however it trains; a step of Adam's apart
+            # per compressing step does not (the worst case, opposite full steps, is two).
+            lossy_steps = k - lossy_from + 1
+            assert step["max_diff"] <= LR * lossy_steps, (where, step["max_diff"], lossy_steps)
     # The matrix is what it claims: every block made every switch between distinct modes, after its forward's
     # trace was established (each pin held two steps).
     modes = [s["modes"] for s in steps[1:]]
