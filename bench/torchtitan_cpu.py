@@ -18,9 +18,14 @@ torchtitan targets NVIDIA GPUs and a torch nightly. On the CPU build of a releas
 ``bench/`` would shadow the torchtitan and deepspeed packages) installs them and runs ``python -m MODULE
 ARGS...``: ``torchtitan.train`` or ``rematd.integrations.torchtitan``, with torchtitan's own arguments. With
 ``REMATD_TITAN_RECORD=dir`` each rank writes ``dir/rank<N>.pt``: every step's loss, rematd's statistics per
-step (when attached), each step's seconds and the parameters at the end, gathered whole; with
+step (when attached), each step's seconds and the parameters at the end, gathered whole (with
+``REMATD_TITAN_DIGESTS=1`` only a digest of each rank's own part of each, :func:`digest`: a mixture of experts'
+whole parameters are gigabytes a rank, which a comparison of runs alike sharded need not gather, write and read
+back); with
 ``REMATD_TITAN_PROFILE_STEP=k`` also step k's peak of CPU memory above its start, from torch's memory profiler
-(that step is slowed by it).
+(that step is slowed by it); with ``REMATD_TITAN_SKEW=k,l,...`` the routers of a mixture of experts send every
+token to the same experts (the first ``top_k``, all on the first expert-parallel rank) on those steps (counted
+from 1), as a batch all of one kind of token would.
 
 :func:`make_assets` writes a tokenizer and a small text data set (nothing is downloaded).
 """
@@ -28,6 +33,7 @@ step (when attached), each step's seconds and the parameters at the end, gathere
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import json
 import os
@@ -46,6 +52,8 @@ from rematd.planner import Mode
 
 RECORD = "REMATD_TITAN_RECORD"
 PROFILE_STEP = "REMATD_TITAN_PROFILE_STEP"
+SKEW = "REMATD_TITAN_SKEW"
+DIGESTS = "REMATD_TITAN_DIGESTS"
 
 
 def make_assets(where: Path, *, documents: int = 200, seed: int = 0) -> tuple[Path, Path]:
@@ -256,7 +264,8 @@ def _record(where: Path) -> None:
         steps.append([_stats(part.handle) for part in getattr(self, "rematd", [])])
 
     def recorded_close(self: Any) -> None:
-        params = {name: _whole(p) for m in self.model_parts for name, p in m.named_parameters()}
+        keep = digest if os.environ.get(DIGESTS) == "1" else _whole
+        params = {name: keep(p) for m in self.model_parts for name, p in m.named_parameters()}
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         record = {"losses": losses, "steps": steps, "params": params, "seconds": seconds, "peaks": peaks}
         torch.save(record, where / f"rank{rank}.pt")
@@ -270,6 +279,17 @@ def _record(where: Path) -> None:
 def _whole(p: torch.Tensor) -> torch.Tensor:
     full = getattr(p, "full_tensor", None)
     return (full() if callable(full) else p).detach().clone()
+
+
+def digest(p: torch.Tensor) -> str:
+    """This rank's part of a parameter (all of it unless sharded), as its placement, dtype, shape and a hash of its
+    bytes. Two runs sharded alike have bitwise the same parameters when every rank's digests are equal: every
+    element is some rank's."""
+    to_local = getattr(p, "to_local", None)
+    t = (to_local() if callable(to_local) else p).detach().contiguous()
+    placements = getattr(p, "placements", ())
+    data = hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    return f"{placements} {t.dtype} {tuple(t.shape)} {data}"
 
 
 def _stats(handle: Any) -> dict[str, Any]:
@@ -289,11 +309,43 @@ def _stats(handle: Any) -> dict[str, Any]:
         "budget": stats.budget_bytes,
         "static": stats.static_bytes,
         "reason": ran.reason if ran is not None else "",
+        "ran": "".join(m.letter for m in stats.modes),
+        "ran_reason": handle.plan.reason,
+        "routed": stats.routed_bytes,
     }
+
+
+def _skew(steps: set[int]) -> None:
+    """On training steps ``steps`` (from 1), every router gate's scores favour its first ``top_k`` experts by a
+    margin no token's own scores overturn."""
+    from torchtitan.trainer import Trainer
+
+    train_step = Trainer.train_step
+    now = [0]
+
+    def skewed(_m: torch.nn.Module, _args: Any, scores: torch.Tensor, top_k: int) -> torch.Tensor | None:
+        if now[0] not in steps:
+            return None
+        favoured = torch.zeros(scores.shape[-1], dtype=scores.dtype, device=scores.device)
+        favoured[:top_k] = 50.0
+        return scores + favoured
+
+    def counted_train_step(self: Any, data_iterator: Any) -> None:
+        if not now[0]:
+            for part in self.model_parts:
+                for name, m in part.named_modules():
+                    if name.endswith("router") and hasattr(m, "gate"):
+                        m.gate.register_forward_hook(functools.partial(skewed, top_k=int(m.top_k)))
+        now[0] += 1
+        train_step(self, data_iterator)
+
+    Trainer.train_step = counted_train_step
 
 
 def main() -> None:
     install()
+    if os.environ.get(SKEW):
+        _skew({int(k) for k in os.environ[SKEW].split(",") if k})
     if os.environ.get(RECORD):
         _record(Path(os.environ[RECORD]))
     module, *args = sys.argv[1:]
