@@ -227,10 +227,12 @@ class Controller:
             self.learned.learn_seconds(self.profile, obs, modes)
         self.planner.learn(obs, measured_modes)
         if predicted > 0 and obs.peak_bytes > 0 and shape.seq_len:
-            activations = max(0, obs.peak_bytes - obs.static_bytes)
+            # What the router's choices added is the step's, not the model's: the next step routes anew.
+            peak = max(obs.static_bytes, obs.peak_bytes - obs.routed_bytes)
+            activations = peak - obs.static_bytes
             cfg = self.config
             ratio = min(cfg.max_correction, max(cfg.min_correction, activations / predicted))
-            crossed = obs.peak_bytes > self.pricing.target_at(target, shape.seq_len)
+            crossed = peak > self.pricing.target_at(target, shape.seq_len)
             self.learned.bucket(shape.seq_len).record(ratio, crossed=crossed, step=obs.step, floor=cfg.min_correction)
 
     def _moves(self, target: int, static: int) -> Moves:

@@ -274,6 +274,9 @@ class StepStats(AllocatorFigures):
     thread_seconds: float = 0.0
     """Seconds rematd's own code ran on the training thread over the steps covered (its hooks and wrappers; the
     model's and torch's work excluded): what rematd cost the step."""
+    routed_bytes: int = 0
+    """Bytes a mixture of experts' routing added to the step's peak beyond a balanced router's, by the profile's
+    measure (the largest of the steps covered): the planner leaves them out of what the peak teaches it."""
 
     def validate(self) -> None:
         if len(self.modes) > MAX_BLOCKS:
@@ -372,6 +375,7 @@ def observation(hello: Hello, stats: StepStats) -> StepObservation:
         shape=stats.shape,
         mode_seconds=stats.mode_seconds,
         modes=stats.modes,
+        routed_bytes=stats.routed_bytes,
         # A step that compiled a block's variant timed the compile, not the plan.
         step_seconds=0.0 if stats.recompiles else stats.step_seconds,
         **stats.allocator_figures(),

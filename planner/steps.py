@@ -89,6 +89,9 @@ class StepObservation(AllocatorFigures):
     step_seconds: float = 0.0
     """The step's wall-clock seconds, from its first forward to its end (a mean over steps folded into one
     report); 0 where not measured. What the step-level prices are fitted to."""
+    routed_bytes: int = 0
+    """Bytes a mixture of experts' routing added to the peak beyond a balanced router's (the client's measure):
+    not an error of the planner's prediction."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:

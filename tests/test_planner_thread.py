@@ -225,7 +225,12 @@ def test_a_steps_statistics_are_built_once_whichever_thread_asks_first() -> None
     """The training thread leaves raw figures; the planner's thread and ``h.last_stats`` may ask at once, and get
     the same object (a caller tells a new step by identity)."""
     record = StepRecord(
-        3, Shape(batch=2, seq_len=4, tokens=8), 100, 7, (5, 1, 2, 1000), (0.1, 1, ((2, 0.25), None), 0, 0.0, (), 1e-4)
+        3,
+        Shape(batch=2, seq_len=4, tokens=8),
+        100,
+        7,
+        (5, 1, 2, 1000),
+        (0.1, 1, ((2, 0.25), None), 0, 0.0, (), 1e-4, 0),
     )
     built: list[StepStats] = []
     threads = [threading.Thread(target=lambda: built.append(record.stats())) for _ in range(8)]

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rematd.client.blocks.checkpoint_counting import count_checkpoint
 from rematd.client.blocks.compress import Compressor, CompressProbe, constant_storages
+from rematd.client.blocks.experts import rows_of
 from rematd.client.blocks.parts import SwitchablePart
 from rematd.client.blocks.profiling import BlockMeasure, Profiler
 from rematd.client.blocks.selective import Decide, TitanPolicy, megatron_policy
@@ -35,6 +36,7 @@ class Profiled(Protocol):
     profiling: bool
     parts: dict[Mode, SwitchablePart]
     measure: BlockMeasure | None
+    bank: nn.Module | None
     host_bandwidth: float | None
     titan: TitanPolicy
     _accounting: SavedTensorAccounting | None
@@ -69,6 +71,11 @@ def profiled(block: Profiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     lean = block.mode == Mode.RECOMPUTE and not block._keeps_for_cache(args, kwargs)
     for part in block.parts.values():
         part.recorder = profiler
+    bank = (
+        block.bank.register_forward_pre_hook(lambda _m, a: profiler.enter_bank(rows_of(a)))
+        if block.bank is not None
+        else None
+    )
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -84,6 +91,8 @@ def profiled(block: Profiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     finally:
         for part in block.parts.values():
             part.recorder = None
+        if bank is not None:
+            bank.remove()
     if cuda:
         torch.cuda.synchronize()
     block.measure = profiler.result(inputs, time.perf_counter() - start, block.offer, block.host_bandwidth)

@@ -140,6 +140,11 @@ class BlockMeasure:
     kept_needed: dict[Mode, tuple[bool, ...]] = field(default_factory=dict)
     """Per op policy, of the outputs it keeps in the order the forward makes them, whether backward needs each
     (an op saves it): the others are let go once the block's backward begins."""
+    routed_rows: int = 0
+    """The token rows the block's expert bank received in this forward (0: the block has no experts)."""
+    routed: dict[Mode, tuple[int, int]] = field(default_factory=dict)
+    """Per mode, the bytes it keeps and holds in its recomputation (kept, transient) that have a row per token
+    the experts received: what grows with the rows the router sends this rank's experts."""
 
 
 class Profiler:
@@ -175,6 +180,11 @@ class Profiler:
         """Per storage saved, when it was first saved."""
         self._ended: dict[Mode, int] = {}
         """Per part, when its forward last ended."""
+        self._rows = 0
+        """The rows the block's expert bank received, once it has run (:meth:`enter_bank`)."""
+        self._routed: set[Key] = set()
+        """Storages with a row per token the experts received: saved in the bank, or after it with its rows."""
+        self._routed_of: dict[Mode, tuple[int, int]] = {}
 
     def record(self, t: torch.Tensor) -> None:
         if self.gathered and storage_id(t) in self.gathered:
@@ -184,11 +194,30 @@ class Profiler:
             return
         if self.probe is not None:
             self.probe.record(key, t)
+        rows = self._rows
+        routed = rows > 0 and t.dim() >= 1 and t.shape[0] == rows
         if key not in self.saved:
-            self.saved[key] = (storage_bytes(t), *exponents(t, self.shape))
+            # Rows of routed tokens scale with the tokens, whatever the batch and length they came from.
+            self.saved[key] = (storage_bytes(t), 1, 1) if routed else (storage_bytes(t), *exponents(t, self.shape))
             self._clock += 1
             self._first[key] = self._clock
         self._where.setdefault(key, set()).add(self._parts[-1] if self._parts else None)
+        if routed:
+            self._routed.add(key)
+
+    def enter_bank(self, rows: int) -> None:
+        """The block's expert bank starts its forward on ``rows`` token rows: from now on a saved tensor with a
+        row per token it received is routed (the bank's own, and the combine's after it)."""
+        self._rows = self._rows or rows
+
+    def _note_routed(self, mode: Mode, kept: Any, transient: Any) -> None:
+        """The routed bytes of what ``mode`` keeps and holds while it recomputes (key collections)."""
+        routed = self._routed
+        if routed:
+            self._routed_of[mode] = (
+                sum(self.saved[k][0] for k in kept if k in routed),
+                sum(self.saved[k][0] for k in transient if k in routed),
+            )
 
     def enter_part(self, mode: Mode, inputs: list[torch.Tensor]) -> None:
         """A part of the block (:mod:`rematd.client.blocks.parts`) starts its forward on ``inputs``."""
@@ -204,10 +233,11 @@ class Profiler:
         self._ended[mode] = self._clock
 
     def _entries(self, tensors: list[torch.Tensor]) -> dict[Key, tuple[int, int, int]]:
+        saved = self.saved
         return {
-            storage_key(t): (storage_bytes(t), *exponents(t, self.shape))
+            key: saved.get(key) or (storage_bytes(t), *exponents(t, self.shape))
             for t in tensors
-            if storage_key(t) not in self.excluded and not (self.gathered and storage_id(t) in self.gathered)
+            if (key := storage_key(t)) not in self.excluded and not (self.gathered and storage_id(t) in self.gathered)
         }
 
     def result(
@@ -217,6 +247,7 @@ class Profiler:
         store = _size(self.saved)
         inp_size = _size(inp)
         modes = [ModeCost(mode=Mode.STORE, kept=store)]
+        self._note_routed(Mode.STORE, self.saved, ())
         for mode in self.timer.policies:
             if mode in offer:
                 modes.append(self._policy_cost(mode, inp))
@@ -225,6 +256,7 @@ class Profiler:
                 modes.append(self._part_cost(mode))
         if Mode.RECOMPUTE in offer:
             modes.append(ModeCost(mode=Mode.RECOMPUTE, kept=inp_size, transient=store, extra_seconds=seconds))
+            self._note_routed(Mode.RECOMPUTE, inp, self.saved)
         if self.probe is not None and Mode.COMPRESS in offer:
             modes.append(self._compress_cost())
         if Mode.OFFLOAD in offer and host_bandwidth:
@@ -237,12 +269,15 @@ class Profiler:
                     extra_seconds=2 * store.bytes / host_bandwidth,
                 )
             )
+            self._note_routed(Mode.OFFLOAD, (), [*self.saved, *self.saved])
         return BlockMeasure(
             saved_bytes=store.bytes,
             input_bytes=inp_size.bytes,
             forward_seconds=seconds,
             modes=tuple(modes),
             kept_needed=self._kept_needed(),
+            routed_rows=self._rows if self._routed else 0,
+            routed=dict(self._routed_of),
         )
 
     def _policy_cost(self, mode: Mode, inp: dict[Key, tuple[int, int, int]]) -> ModeCost:
@@ -252,6 +287,7 @@ class Profiler:
         block rematerialises it holds what storing would, and its input."""
         outputs = self._entries(self.timer.kept[mode])
         kept = {**inp, **outputs}
+        self._note_routed(mode, kept, [k for k in self.saved if k not in kept])
         return ModeCost(
             mode=mode,
             kept=_size(kept),
@@ -272,6 +308,7 @@ class Profiler:
         # What was first saved after the part ran is freed by the backward of what saved it, which runs first.
         ended = self._ended.get(mode, self._clock)
         released = {k: v for k, v in kept.items() if self._first.get(k, 0) > ended}
+        self._note_routed(mode, kept, inside)
         return ModeCost(
             mode=mode,
             kept=_size(kept),
@@ -288,6 +325,13 @@ class Profiler:
 
         def sized(nbytes: dict[Key, int]) -> Size:
             return _size({k: (n, *self.saved[k][1:]) for k, n in nbytes.items() if k in self.saved})
+
+        routed = self._routed
+        if routed:
+            self._routed_of[Mode.COMPRESS] = (
+                sum(n for k, n in price.kept.items() if k in routed),
+                sum(n for k, n in price.transient.items() if k in routed),
+            )
 
         return ModeCost(
             mode=Mode.COMPRESS, kept=sized(price.kept), transient=sized(price.transient), extra_seconds=price.seconds

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rematd.client.blocks.checkpoint_counting import count_checkpoint
 from rematd.client.blocks.compress import Compressor, constant_storages
+from rematd.client.blocks.experts import expert_bank
 from rematd.client.blocks.kv_caches import holds_cache
 from rematd.client.blocks.mode_timing import RecomputeTimer
 from rematd.client.blocks.offload import Offloader
@@ -123,8 +124,9 @@ class SwitchableBlock:
         self._parts_on = bool(self.parts)
         """Whether the parts' forwards are switched (:meth:`SwitchablePart.engage`): while profiling, or in a part
         mode."""
-        self.titan = TitanPolicy(router_shapes(module))
-        """torchtitan's selective policy, for this block's router gates."""
+        # torchtitan's selective policy, for this block's router gates; the block's mixture of experts' expert bank
+        # (:mod:`rematd.client.blocks.experts`), where it has one (eager blocks only).
+        self.titan, self.bank = TitanPolicy(router_shapes(module)), expert_bank(module) if parts else None
         self._had_instance_forward = "forward" in module.__dict__
         self._original: Callable[..., Any] = module.forward
         module.forward = self._switched_forward = SwitchedForward(self)

@@ -45,6 +45,7 @@ def steady(step: StepStats, reported: StepStats) -> bool:
         and step.budget_bytes == reported.budget_bytes
         and step.alloc_retries == reported.alloc_retries
         and step.oom_count == reported.oom_count
+        and step.routed_bytes == reported.routed_bytes
         and _near(step.peak_allocated_bytes, reported.peak_allocated_bytes)
         and _near(step.saved_peak_bytes, reported.saved_peak_bytes)
         and _room_held(step, reported)
@@ -76,6 +77,7 @@ def fold(earlier: StepStats, later: StepStats) -> StepStats:
         recompiles=earlier.recompiles + later.recompiles,
         compile_seconds=earlier.compile_seconds + later.compile_seconds,
         thread_seconds=earlier.thread_seconds + later.thread_seconds,
+        routed_bytes=max(earlier.routed_bytes, later.routed_bytes),
     )
 
 

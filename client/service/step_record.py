@@ -31,7 +31,7 @@ class StepRecord:
         budget_bytes: int,
         static_bytes: int,
         memory: MemorySample | SavedFigures,
-        figures: tuple[float, int, Timed, int, float, tuple[Mode, ...], float] | None,
+        figures: tuple[float, int, Timed, int, float, tuple[Mode, ...], float, int] | None,
     ) -> None:
         self.step = step
         self.shape = shape
@@ -41,7 +41,8 @@ class StepRecord:
         """The step's memory sample, or on the CPU the figures it is made of."""
         self._figures = figures
         """The step seconds, plan version, what the timer took, recompiles and their seconds, the
-        modes run when not the plan's, and rematd's seconds on the training thread."""
+        modes run when not the plan's, rematd's seconds on the training thread, and the bytes the router's
+        choices added to the peak."""
         self._stats: StepStats | None = None
 
     @classmethod
@@ -81,7 +82,7 @@ class StepRecord:
     def _build(self) -> StepStats:
         assert self._figures is not None, "a record made of statistics has them"
         sample = self.memory()
-        elapsed, version, timed, recompiles, compile_seconds, modes, thread = self._figures
+        elapsed, version, timed, recompiles, compile_seconds, modes, thread, routed = self._figures
         return StepStats(
             step=self.step,
             peak_allocated_bytes=sample.peak_allocated_bytes,
@@ -96,5 +97,6 @@ class StepRecord:
             compile_seconds=compile_seconds,
             modes=modes,
             thread_seconds=thread,
+            routed_bytes=routed,
             **sample.allocator_figures(),
         )

@@ -35,6 +35,7 @@ from rematd.client.steps.hello import (
 from rematd.client.steps.modes_run import ModesRun
 from rematd.client.steps.oom import free_after_oom, oom_message
 from rematd.client.steps.phases import Lifecycle, Phase
+from rematd.client.steps.router_guard import RouterGuard
 from rematd.client.steps.watch import BudgetWatch
 from rematd.planner import Mode, Shape
 from rematd.planner.messages import Hello, OomReport, StepStats
@@ -119,6 +120,8 @@ class StepCycle:
         self.timer = parts.timer
         self.offloader = parts.offloader
         self.compiled = parts.compiled
+        self.router = RouterGuard(self) if any(b.bank is not None for b in self.blocks) else None
+        """Where the blocks hold mixtures of experts: what their routers do to the step's memory."""
 
     # -- a step's start and end ----------------------------------------------
 
@@ -168,6 +171,7 @@ class StepCycle:
         run.run_bare(self.blocks, step=self.step, counting=self.counting())
         self.setup.step_begins(run.rerun)
         self._step_shape()
+        self._follow_router(runs_in)
         self.static = self._static_now()
         if not self._on_cuda():
             # On the CPU, what the accounting still holds from before the step is there throughout it; the
@@ -175,6 +179,13 @@ class StepCycle:
             self.carried = self.accounting.live_bytes
             self.accounting.gathered = self.setup.weight_storages()
         self.started = time.perf_counter()
+
+    def _follow_router(self, runs_in: Phase) -> None:
+        """A planned step whose modes no pin fixed follows what its experts' routers do."""
+        if self.router is not None:
+            armed = runs_in is Phase.PLANNED and self.applier.pinned is None
+            # The ranks that agreed at the step's start decide together after the first bank (a retry runs alone).
+            self.router.step_begins(armed, self.setup.agreement is not None and runs_in is not Phase.RETRY)
 
     def begin_schedule_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The schedule's ``step()`` starts, with the whole batch on the first stage (nothing on the others,
@@ -301,6 +312,7 @@ class StepCycle:
                     self.unsent_oom = None
         # The raw figures only: the statistics are built off this thread (or by ``h.last_stats``).
         version = self.applier.plan.version
+        routed = self.router.step_ends(peak) if self.router is not None else 0
         timed = self.timer.take()
         record = StepRecord(
             self.step,
@@ -308,7 +320,7 @@ class StepCycle:
             self.budget_bytes,
             self.static,
             figures,
-            (elapsed, version, timed, recompiles, compile_seconds, self.run.ran, self.clock.take()),
+            (elapsed, version, timed, recompiles, compile_seconds, self.run.ran, self.clock.take(), routed),
         )
         self.last_record = record
         self.step += 1

@@ -163,6 +163,7 @@ class TrainingSide(HelloSide):
                 oom_risk=session.planner.oom_risk,
                 recompiles_total=session.recompiles,
                 thread_seconds=stats.thread_seconds / stats.steps,
+                routed_bytes=stats.routed_bytes,
                 **own,
             ),
         )

@@ -55,6 +55,15 @@ class LastStepRow(StepRow):
             ),
         ]
     ]
+    routed_bytes: NotRequired[
+        Annotated[
+            int,
+            Field(
+                description="bytes a mixture of experts' routing added to the step's peak beyond the rows its experts "
+                "typically receive (the client's measure from its profile; 0 for a balanced step or no experts)"
+            ),
+        ]
+    ]
     modes: NotRequired[
         Annotated[
             list[ModeName],

@@ -138,7 +138,7 @@ class Hello(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockProfile, _Mapping]]] = ..., profile_shape: _Optional[_Union[Shape, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., memory_source: _Optional[_Union[MemorySource, str]] = ..., margin_ratio: _Optional[float] = ..., client_version: _Optional[str] = ..., plan_version: _Optional[int] = ..., other_activations: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., session_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., other_in_flight: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes", "reserved_bytes", "alloc_retries", "oom_count", "free_bytes", "total_bytes", "step_seconds", "plan_version", "shape", "saved_peak_bytes", "budget_bytes", "static_bytes", "inactive_split_bytes", "steps", "mode_seconds", "recompiles", "compile_seconds", "block_modes", "thread_seconds")
+    __slots__ = ("step", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes", "reserved_bytes", "alloc_retries", "oom_count", "free_bytes", "total_bytes", "step_seconds", "plan_version", "shape", "saved_peak_bytes", "budget_bytes", "static_bytes", "inactive_split_bytes", "steps", "mode_seconds", "recompiles", "compile_seconds", "block_modes", "thread_seconds", "routed_bytes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PEAK_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class StepStats(_message.Message):
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_MODES_FIELD_NUMBER: _ClassVar[int]
     THREAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     step: int
     peak_allocated_bytes: int
     peak_reserved_bytes: int
@@ -183,7 +184,8 @@ class StepStats(_message.Message):
     compile_seconds: float
     block_modes: _containers.RepeatedScalarFieldContainer[Mode]
     thread_seconds: float
-    def __init__(self, step: _Optional[int] = ..., peak_allocated_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., oom_count: _Optional[int] = ..., free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., saved_peak_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., inactive_split_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., mode_seconds: _Optional[_Iterable[_Union[ModeSeconds, _Mapping]]] = ..., recompiles: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., block_modes: _Optional[_Iterable[_Union[Mode, str]]] = ..., thread_seconds: _Optional[float] = ...) -> None: ...
+    routed_bytes: int
+    def __init__(self, step: _Optional[int] = ..., peak_allocated_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., oom_count: _Optional[int] = ..., free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., saved_peak_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., static_bytes: _Optional[int] = ..., inactive_split_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., mode_seconds: _Optional[_Iterable[_Union[ModeSeconds, _Mapping]]] = ..., recompiles: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., block_modes: _Optional[_Iterable[_Union[Mode, str]]] = ..., thread_seconds: _Optional[float] = ..., routed_bytes: _Optional[int] = ...) -> None: ...
 
 class ModeSeconds(_message.Message):
     __slots__ = ("mode", "blocks", "seconds", "forward_seconds")
