@@ -10,8 +10,9 @@ skewed steps (``--skew``) every router sends every token to experts 0-2 (``bench
 ``REMATD_TITAN_SKEW``), all on rank 0, which then receives twice its usual rows while rank 1 receives none: a
 batch all of one kind of token.
 
-The budget is rematd's own measure halfway from every block recomputed to every block stored, on balanced steps
-(two pinned runs). Then, each a run of its own under that budget and the same skew:
+The budget is rematd's own measure three quarters of the way (``--budget-at``) from every block recomputed to
+every block stored, on balanced steps (two pinned runs). Then, each a run of its own under that budget and the
+same skew:
 
 - rematd planning, its plans following the router (``rematd.client.steps.router_guard``);
 - rematd pinned to the plan it ran on the last balanced step before the first skew: the static plan that fits
@@ -50,9 +51,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=16, help="training steps a run (the first profiles)")
     p.add_argument("--skew", default="8,11,12,15", help="steps (from 1) whose routers are skewed")
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument(
+        "--budget-at", type=float, default=0.75, help="the budget's place from all-recompute (0) to all-store (1)"
+    )
     p.add_argument("--titan", action=argparse.BooleanOptionalAction, default=True, help="torchtitan's modes too")
     p.add_argument("--out", default="artifacts/moe.json", help="where the JSON goes")
     args = p.parse_args(argv)
+    if not 0 < args.budget_at < 1:
+        p.error("--budget-at must lie between 0 (every block recomputed) and 1 (every block stored)")
     args.skewed = sorted({int(k) for k in args.skew.split(",") if k})
     if not args.skewed or min(args.skewed) < 4 or max(args.skewed) > args.steps:
         p.error(f"--skew must name steps from 4 to --steps ({args.steps}): a plan must settle before the first")
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             for pin in ("recompute", "store")
         }
         low, high = (measured(pinned[p], skewed=False, args=args) for p in ("recompute", "store"))
-        budget = (low + high) // 2
+        budget = low + int(args.budget_at * (high - low))
         planned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.budget-bytes", str(budget)])
         before = args.skewed[0] - 1  # the last balanced step before the first skewed one (from 1)
         static = "".join(_plan_letters(planned[0]["steps"][before - 1][0]))
