@@ -11,8 +11,8 @@ the point halfway from the plan's target to the budget, the blocks that have not
 of their profile's (the most bytes for the least recomputation first) until the projection is back under the
 target; the next step starts from the plan again.
 
-Ranks that run one plan (FSDP, ZeRO-3, tensor parallel, and so expert parallel inside them) decide together, at
-the first expert bank of every step: each puts forward its own modes and all run the leanest any rank put forward
+Ranks that run one plan (sharded ranks, and so expert parallel inside them) decide together, after the first
+expert bank's block of every step: each puts forward its own modes and all run the leanest any rank put forward
 (the same fixed-size all-reduce as at the step's start), so a recomputation replays every all-to-all on every
 rank. Ranks that plan alone look at every bank. A pin is left as it is. The step's report carries the bytes the
 routing added, so the planner does not take a skewed step for an error of its own.
