@@ -321,6 +321,8 @@ class Handle:
         self._triggers.remove()
         for h in self._parts.hooks:
             h.remove()
+        if self._cycle.router is not None:
+            self._cycle.router.remove()
         for b in self._blocks:
             b.restore()
         try:

@@ -197,3 +197,14 @@ def test_a_service_plans_the_same_and_shows_what_the_routing_added(tmp_path: Pat
         rank = httpx.get(f"http://{bound.http}/api/v1/jobs/moe-skew", timeout=10).json()["ranks"][0]
         assert rank["last_stats"]["routed_bytes"] == h.last_stats.routed_bytes
         assert "the router sent" in reason or skewed.modes == ()
+
+
+def test_closing_the_handle_takes_the_routers_hooks_off() -> None:
+    model = TinyMoE(layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    h = client.attach(model, optimizer=opt, budget_bytes=2**40)
+    loss_of(model, DATA).backward()
+    opt.step()
+    h.close()
+    for block in model.blocks:
+        assert not block._forward_hooks and not block.moe.experts._forward_hooks

@@ -89,8 +89,6 @@ class RouterGuard:
         """Whether some bank received skewed rows this step (:data:`SKEWED`)."""
         self.routed_bytes = 0
         """What the step's routing added to its peak, by the profile's measure, under the modes that ran."""
-        self.switched_steps = 0
-        """Steps whose blocks switched to leaner modes for their routing."""
         self._failed = False
         self._decided = False
         """Whether the ranks decided this step (the first bank's block runs again in a later microbatch)."""
@@ -111,6 +109,13 @@ class RouterGuard:
         # After each bank's block has run (its forward hook, before the next block is called): the blocks still
         # to come may switch. A block's hook fires whether or not its bank received any rows.
         self.hooks += [blocks[i].module.register_forward_hook(functools.partial(self._ran, i)) for i in self.banks]
+
+    def remove(self) -> None:
+        """Take the hooks off the banks and blocks (the handle closes): no later forward reaches the guard."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.armed = self.agreeing = False
 
     def step_begins(self, armed: bool, agreeing: bool) -> None:
         """``armed``: the step may switch blocks; ``agreeing``: its ranks decide together (the step's start
@@ -364,7 +369,6 @@ class RouterGuard:
         cycle.setup.step_begins(run.rerun)
         cycle.applier.ran_why = why
         cycle.applier.invalidate()  # the next step sets its modes from the plan again
-        self.switched_steps += 1
         log.info("rematd: step %d: %s", cycle.step, why)
 
 
