@@ -180,3 +180,11 @@ def test_titan_holds_what_torchtitans_selective_holds(block: type[Block]) -> Non
         h.close()
     hidden = x.numel() * x.element_size()
     assert peaks[0] <= peaks[1] + hidden // 4, (peaks, hidden)
+
+
+def test_the_compute_intensive_ops_named_are_the_compilers():
+    """The policy names the partitioner's list rather than importing it (which imports dynamo); the two agree."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    theirs = {getattr(op, "default", op) for op in get_default_op_list().compute_intensive_ops}
+    assert set(rematd_selective._compute_intensive()) == theirs

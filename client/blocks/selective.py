@@ -73,13 +73,31 @@ Decide = Callable[[Any, Any, Any], bool]
 order (the forward, or the recomputation: each pass has its own, so a policy that counts counts alike)."""
 
 
-def _compute_intensive() -> frozenset[Any]:
-    try:
-        from torch._functorch.partitioners import get_default_op_list
+COMPUTE_INTENSIVE = (
+    "mm",
+    "addmm",
+    "bmm",
+    "convolution",
+    "convolution_backward",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "upsample_bilinear2d",
+    "_scaled_mm",
+)
+"""The compiler's compute-intensive ops (``torch._functorch.partitioners.get_default_op_list``), named here because
+importing the partitioner imports dynamo and inductor: seconds in every process that imports rematd. A test holds
+the two lists equal."""
 
-        return frozenset(getattr(op, "default", op) for op in get_default_op_list().compute_intensive_ops)
-    except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
-        return _ops("mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention")
+
+def _compute_intensive() -> frozenset[Any]:
+    found = set()
+    for name in COMPUTE_INTENSIVE:
+        packet = getattr(aten, name, None)
+        if packet is not None and "default" in packet.overloads():
+            found.add(packet.default)
+    return frozenset(found)
 
 
 def _titan_save_ops() -> frozenset[Any]:
