@@ -11,6 +11,11 @@ torchtitan targets NVIDIA GPUs and a torch nightly. On the CPU build of a releas
 - gloo's ``PREMUL_SUM`` (FSDP divides gradients with it when a divide factor is set, as torchtitan sets
   one): FSDP reduces with SUM and divides itself, as it does on MTIA;
 - ``torch.distributed.set_timeout`` (a torch nightly's): a no-op;
+- with ``REMATD_TITAN_FLOAT_EXPERTS=1``, bfloat16 expert matmuls: the experts' grouped matmul casts the weights
+  and tokens to bfloat16, which CPUs without bfloat16 instructions run several times slower than float32 (a step
+  of ``qwen3_moe_debug``'s 64 experts took 17 s on 2 ranks, 5 s without the casts); with it the experts run in
+  their parameters' dtype (the tests' runs, compared with each other; what the casts keep is in
+  docs/torchtitan.md);
 - pipeline schedules that take micro-batches (a nightly's ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``):
   they go to the schedule's ``_step_microbatches``, which a release has.
 
@@ -54,6 +59,7 @@ RECORD = "REMATD_TITAN_RECORD"
 PROFILE_STEP = "REMATD_TITAN_PROFILE_STEP"
 SKEW = "REMATD_TITAN_SKEW"
 DIGESTS = "REMATD_TITAN_DIGESTS"
+FLOAT_EXPERTS = "REMATD_TITAN_FLOAT_EXPERTS"
 
 
 def make_assets(where: Path, *, documents: int = 200, seed: int = 0) -> tuple[Path, Path]:
@@ -170,6 +176,20 @@ def _dense_flex_attention(
     return out, None
 
 
+def _experts_in_their_dtype(self: Any, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``GroupedExperts.forward`` without the casts to bfloat16: SwiGLU over each expert's rows."""
+    from torch.distributed.tensor import DTensor
+
+    w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+
+    def grouped(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(a, w.to(a.dtype).transpose(-2, -1), offs=offsets)
+
+    hidden = torch.nn.functional.silu(grouped(x, w1)) * grouped(x, w3)
+    return grouped(hidden, w2).type_as(x)
+
+
 def _sum_reduction_on_gloo() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
@@ -232,6 +252,10 @@ def install() -> None:
 
     attention.FlexAttention._compiled_flex_attn = staticmethod(_dense_flex_attention)
     attention._compiled_create_block_mask = create_block_mask
+    if os.environ.get(FLOAT_EXPERTS) == "1":
+        from torchtitan.models.common import moe
+
+        moe.GroupedExperts.forward = _experts_in_their_dtype
 
 
 # -- recording ---------------------------------------------------------------

@@ -26,7 +26,7 @@ if sys.version_info < (3, 11):
 import torch
 
 from bench.launch import run_launcher
-from bench.torchtitan_cpu import DIGESTS, RECORD, make_assets
+from bench.torchtitan_cpu import DIGESTS, FLOAT_EXPERTS, RECORD, make_assets
 
 STEPS = 4
 PIN = ["recompute", "selective", "store"] * 2
@@ -40,6 +40,9 @@ class Model(NamedTuple):
     layers: int
     seq: int = 128
     steps: int = STEPS
+    params: str = "float32"
+    """Mixed precision's parameter dtype: torchtitan's default (bfloat16) is many times slower on CPUs without
+    bfloat16 matmul instructions, so one case keeps it and the others train in float32."""
 
     def pin(self) -> list[str]:
         """Recompute, selective and store by turns, one mode per layer."""
@@ -47,6 +50,7 @@ class Model(NamedTuple):
 
 
 LLAMA = Model(("--module", "llama3", "--config", "llama3_debugmodel"), 6)
+LLAMA_BF16 = LLAMA._replace(params="bfloat16")
 # The mixtures of experts: an attention and a mixture of experts a block (deepseek_v3's first block dense), the
 # router sending tokens to other ranks' experts through all-to-all under expert parallel. Shorter runs (a step
 # of qwen3's 64 experts costs seconds on the CPU): the profiling step, the first plan's, and one after it.
@@ -55,8 +59,8 @@ DEEPSEEK_V3 = Model(
     ("--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--training.disable-cuda-graphs"), 6, 64, 3
 )
 EXPERT_PARALLEL = ("--parallelism.expert-parallel-degree", "2")
-# Three runs of a mixture of experts take 3-4 minutes on a quiet 2-core machine (its bf16 expert matmuls are slow
-# on CPUs without bf16 instructions), past the default timeout when other tests share the cores.
+# Three runs of qwen3's 64 experts a block (a 1.2 GB model) take 2-3 minutes on a 2-core machine, past the default
+# timeout when other tests share the cores.
 LONG = pytest.mark.timeout(600)
 
 
@@ -86,6 +90,7 @@ def train(
         *("--hf-assets-path", str(tokenizer), "--dataloader.dataset-path", str(data)),
         *("--dump-folder", str(record / "out"), "--training.steps", str(steps or model.steps)),
         *("--training.seq-len", str(model.seq), "--training.local-batch-size", "2", "--debug.seed", "0"),
+        *("--training.mixed-precision-param", model.params),
         # torch releases shard torchtitan's default spmd_types parameters only from a nightly on.
         *("--parallelism.spmd-backend", "partial_dtensor"),
         *parallelism,
@@ -97,7 +102,8 @@ def train(
         timeout=400,
         # Each rank's parameters as digests of its own parts' bytes: the runs compared are sharded alike, and the
         # whole model (qwen3's MoE 1.2 GB of it) would otherwise be gathered, written and read back for each rank.
-        env={RECORD: str(record), DIGESTS: "1", "OMP_NUM_THREADS": "1"},
+        # The experts' matmuls in float32, as the rest: bfloat16's are slow on CPUs without its instructions.
+        env={RECORD: str(record), DIGESTS: "1", FLOAT_EXPERTS: "1", "OMP_NUM_THREADS": "1"},
     )
     return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
 
@@ -115,7 +121,7 @@ def assert_bitwise(reference: list[Any], run: list[Any], what: str) -> None:
 @pytest.mark.parametrize(
     ("model", "ranks", "parallelism"),
     [
-        (LLAMA, 1, ()),
+        (LLAMA_BF16, 1, ()),
         (LLAMA, 2, ()),
         (LLAMA, 2, ("--parallelism.tensor-parallel-degree", "2")),
         pytest.param(QWEN3_MOE, 2, EXPERT_PARALLEL, marks=LONG),
