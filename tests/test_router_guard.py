@@ -114,11 +114,17 @@ def test_skewed_steps_keep_less_and_stay_under_the_budget_bitwise() -> None:
     # The steps after a skewed one start from the plan again.
     assert any(not rows[k]["ran"] for k in (11, 12, 15, 16, 17))
 
-    # The plan made from balanced steps, pinned (a pin is left as it is), crosses on a skewed step.
-    balanced = rows[9]["plan"].modes
-    pinned = train(budget=budget, steps=steps, pin=balanced)[:-1]
-    assert max(pinned[k]["peak"] for k in SKEWED) > budget
-    assert max(pinned[k]["peak"] for k in range(2, 10)) <= budget
+    # A static plan made from balanced steps, pinned (a pin is left as it is): the loosest that fits them crosses
+    # on the first skewed step. (Chosen from measured runs, not the planner's plan: which plan the planner holds
+    # at a given step depends on its timing.)
+    first = SKEWED[0]
+    for stored in range(LAYERS, -1, -1):
+        plan = (Mode.STORE,) * stored + (Mode.RECOMPUTE,) * (LAYERS - stored)
+        pinned = train(budget=budget, steps=first + 1, pin=plan)[:-1]
+        if max(r["peak"] for r in pinned[1:first]) <= budget:
+            break
+    assert 0 < stored < LAYERS, stored
+    assert pinned[first]["peak"] > budget, (plan, pinned[first]["peak"], budget)
 
 
 def test_what_the_routing_added_is_not_taken_for_an_error_of_the_model() -> None:
