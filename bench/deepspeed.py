@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 with rematd: all-gathers per step, and step time, against plain ZeRO-3.
 
     python -m bench.deepspeed            # 2 CPU ranks (gloo, DS_ACCELERATOR=cpu), a stock Llama config
-    python -m bench.deepspeed --quick    # a small model, for a smoke run
+    python -m bench.deepspeed --quick    # a small model and three engines a configuration, for a smoke run
 
 Each rank trains one model under two ZeRO-3 configurations: parameters released after every use (each use is
 an all-gather) and DeepSpeed's defaults with no parameter persistent (prefetching along its recorded fetch
@@ -29,6 +29,8 @@ from bench.zero3 import LIVE, RELEASED
 
 CONFIGS = {"released": RELEASED, "live": LIVE}
 CONTENDERS = ("plain", "recompute", "switch", "switch, trace left alone")
+QUICK_CONTENDERS = CONTENDERS[:3]
+"""``--quick`` leaves out the switch whose trace is left alone (the contrast the full run's table draws)."""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="counted steps per engine (default 8)")
     p.add_argument("--switch-at", type=int, default=4, help="the step the switching engine starts recomputing")
     p.add_argument("--timed", type=int, default=6, help="timed steps of plain and all-recompute (default 6)")
-    p.add_argument("--quick", action="store_true", help="a small model and few steps")
+    p.add_argument("--quick", action="store_true", help="a small model, few steps, three engines a configuration")
     p.add_argument("--out", default="artifacts/deepspeed.json", help="where the JSON goes")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -117,7 +119,7 @@ class Run:
 def configuration(args: argparse.Namespace, zero: dict[str, Any], batches: list[Any]) -> dict[str, Any]:
     """Every contender's counted steps, then plain and all-recompute timed in turn, step by step (the
     machine's load drifts alike for both)."""
-    runs = {c: Run(args, zero, c) for c in CONTENDERS}
+    runs = {c: Run(args, zero, c) for c in (QUICK_CONTENDERS if args.quick else CONTENDERS)}
     for run in runs.values():
         run.count(batches[: args.steps])
     for ids in batches[args.steps :]:
@@ -149,8 +151,7 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
     ]
     for name, contenders in results[0]["configs"].items():
         base = contenders["plain"]["step_seconds"]
-        for c in CONTENDERS:
-            row = contenders[c]
+        for c, row in contenders.items():
             sec = row["step_seconds"]
             timing = f"{1000 * sec:.1f} | {sec / base:.2f}" if sec and base else "- | -"
             lines.append(f"| {name} | {c} | {' '.join(map(str, row['gathers']))} | {timing} |")
