@@ -14,7 +14,9 @@ float32``, ``REMATD_TITAN_FLOAT_EXPERTS``): bfloat16's are several times slower 
 The static plan is one a user would pick: the first blocks recomputed and the last ``--stored`` (default half)
 stored, pinned through rematd. Its run, skewed like the others, sets the budget: its most on balanced steps
 (rematd's measure, either rank) and ``--headroom`` (default 2%) above it, a budget sized to the static plan as a
-user sizes one to the steps they have seen. Then, each a run of its own under that budget and the same skew:
+user sizes one to the steps they have seen. rematd plans to a target ``--margin`` (default 1%) under the budget,
+less than the headroom, so the static plan itself is among the plans that meet it. Then, each a run of its own
+under that budget and the same skew:
 
 - rematd pinned to the static plan (a pin is left as it is): over the budget where the skew adds more than
   the headroom;
@@ -57,7 +59,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--stored", type=int, default=3, help="the static plan's last blocks stored (of 6)")
     p.add_argument("--headroom", type=float, default=0.02, help="the budget above the static plan's balanced most")
-    p.add_argument("--margin", type=float, default=0.02, help="rematd's margin under the budget (its flag's)")
+    p.add_argument("--margin", type=float, default=0.01, help="rematd's margin under the budget (its flag's)")
     p.add_argument("--titan", action=argparse.BooleanOptionalAction, default=True, help="torchtitan's modes too")
     p.add_argument("--out", default="artifacts/moe.json", help="where the JSON goes")
     args = p.parse_args(argv)
