@@ -17,7 +17,7 @@ when the block runs selectively.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -91,31 +91,29 @@ importing the partitioner imports dynamo and inductor: seconds in every process 
 the two lists equal."""
 
 
+def _defaults(names: Iterable[str]) -> frozenset[Any]:
+    """The default overload of each named aten op this torch build has (where :func:`_ops` takes them all)."""
+    packets = (getattr(aten, name, None) for name in names)
+    return frozenset(p.default for p in packets if p is not None and "default" in p.overloads())
+
+
 def _compute_intensive() -> frozenset[Any]:
-    found = set()
-    for name in COMPUTE_INTENSIVE:
-        packet = getattr(aten, name, None)
-        if packet is not None and "default" in packet.overloads():
-            found.add(packet.default)
-    return frozenset(found)
+    return _defaults(COMPUTE_INTENSIVE)
 
 
 def _titan_save_ops() -> frozenset[Any]:
     """torchtitan's save list: the compiler's compute-intensive ops, the attention kernels it names, ``max``
     (a quantisation's scale), ``linear``, ``topk`` (an MoE router's choice), FlexAttention, and the collectives
     that move tokens (reduce-scatter, all-to-all)."""
-    found = set(_compute_intensive())
-    for name in (
+    named = (
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_attention_math",
         "_scaled_dot_product_fused_attention_overrideable",
         "max",
         "linear",
         "topk",
-    ):
-        packet = getattr(aten, name, None)
-        if packet is not None and "default" in packet.overloads():
-            found.add(packet.default)
+    )
+    found = set(_compute_intensive() | _defaults(named))
     flex = getattr(getattr(torch, "_higher_order_ops", None), "flex_attention", None)
     if flex is not None:
         found.add(flex)
