@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> None:
         assets = make_assets(where / "assets")
         runs = where / "runs"
         runs.mkdir()
-        static = "R" * (BLOCKS - args.stored) + "." * args.stored
-        pin = ",".join(["recompute"] * (BLOCKS - args.stored) + ["store"] * args.stored)
-        fixed = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.pin", pin])
+        pin = ["recompute"] * (BLOCKS - args.stored) + ["store"] * args.stored
+        static = "".join(MODES_BY_LABEL[label].letter for label in pin)
+        fixed = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.pin", ",".join(pin)])
         fits = measured(fixed, skewed=False, args=args)
         budget = int(fits * (1 + args.headroom))
         planned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.budget-bytes", str(budget)])
