@@ -165,6 +165,12 @@ class Learned:
         cfg = self.config
         return min(cfg.max_correction, max(cfg.min_correction, robust) * bucket.boost)
 
+    def spread_sets_pessimistic(self, seq: int) -> bool:
+        """Whether the pessimistic correction at ``seq``'s bucket is its largest recent ratio (their spread)
+        rather than a remembered crossing of the target (or a bucket never measured)."""
+        bucket = self.buckets.get(self.bucket_of(seq))
+        return bucket is not None and bool(bucket.ratios) and bucket.crossing <= max(bucket.ratios)
+
     def settled(self, seq: int) -> bool:
         """Whether the measured peaks at ``seq``'s bucket have settled on the model: a full window of
         measured/predicted ratios within ``settled_spread`` of each other, no remembered crossing of the

@@ -264,6 +264,18 @@ class Pricing:
             reason=reason,
         )
 
+    def pessimistic_limit(self, target: int, seq: int, static: int) -> int:
+        """The target under which a plan chosen by the ordinary correction at ``seq`` also fits ``target``
+        under the pessimistic one (both as :meth:`target_at` moves them); ``target`` where they agree."""
+        ordinary = self._learned.correction(seq)
+        pessimistic = self._learned.correction(seq, pessimistic=True)
+        if pessimistic <= ordinary or target <= 0:
+            return target
+        at = self.target_at(target, seq)
+        # target_at scales a target by a constant where the length settled: undo it on the narrowed one.
+        scale = at / target
+        return int((static + (at - static) * ordinary / pessimistic) / scale)
+
     def keeps_less(self, new: tuple[Mode, ...], old: tuple[Mode, ...], shape: Shape) -> bool:
         """Whether ``new`` is predicted to keep less than ``old`` at ``shape``."""
         at = self.at(shape)

@@ -58,8 +58,13 @@ def weigh(
         # measurements would undo it is never adopted. Short of that, the best plan that does fit.
         if not leaner and not pricing.fits(entry.modes, old_shape, slack, static, pessimistic=True):
             goal = slack
-            entry = pricing.entry(seq, planner.choose(old_shape, slack, static), static)
-            per_block = not planner.by_steps(entry.modes, seq, slack, static)
+            # Chosen under the ordinary correction, a plan may fit the slack only under it. Where the
+            # ratios' spread sets the pessimistic one, choose under a limit narrowed by the two's ratio (a
+            # remembered crossing instead waits to fade: the plan that crossed is not to come back early).
+            if pricing.learned.spread_sets_pessimistic(seq):
+                goal = pricing.pessimistic_limit(slack, seq, static)
+            entry = pricing.entry(seq, planner.choose(old_shape, goal, static), static)
+            per_block = not planner.by_steps(entry.modes, seq, goal, static)
             if entry.modes == old.modes:
                 continue
             if not pricing.fits(entry.modes, old_shape, slack, static, pessimistic=True):

@@ -212,6 +212,27 @@ def test_tightens_at_once_and_loosens_after_dwell() -> None:
     assert len(session.plan.blocks) < len(tight.blocks)
 
 
+def test_loosens_where_the_ratios_spread_apart() -> None:
+    """Peaks that wobble between 0.96 and 1.00 of the model set the pessimistic correction above the
+    ordinary one: a raised budget still loosens, to the loosest plan that fits under the pessimistic one."""
+    cycle = [1.0, 0.97, 0.96, 0.98, 0.96, 0.97, 0.96, 0.97]
+    low, budget = 30_000, 70_000
+    config = ControllerConfig(loosen_after_steps=3)
+    session = PlannerSession(uniform(8, saved=10_000, kept=1_000), budget_bytes=low, config=config)
+    for step in range(16):
+        observe(session, step, 64, int(measured(session, 64) * cycle[step % 8]), low)
+    tight = session.plan.blocks
+    assert len(tight) == 6
+    learned = session.controller.learned
+    assert learned.correction(64) < learned.correction(64, pessimistic=True)
+    for step in range(16, 80):
+        observe(session, step, 64, int(measured(session, 64) * cycle[step % 8]), budget)
+        assert measured(session, 64) <= session.plan.target_bytes
+    assert session.plan.blocks == (0, 1, 2), f"stuck at {session.plan.blocks} with room under the raised budget"
+    # The next looser plan fits only under the ordinary correction: it is not taken.
+    assert 62_000 * learned.correction(64, pessimistic=True) > 0.97 * session.plan.target_bytes
+
+
 def test_unseen_longer_sequence_gets_a_plan_before_it_runs() -> None:
     session = PlannerSession(uniform(8), budget_bytes=1000)
     plan = session.plan
