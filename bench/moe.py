@@ -20,13 +20,17 @@ under that budget and the same skew:
 
 - rematd pinned to the static plan (a pin is left as it is): over the budget where the skew adds more than
   the headroom;
+- rematd pinned to the next leaner static plan, one block more recomputed: the plan a user who had seen the
+  skewed steps would pick, the one rematd's recomputation on balanced steps is weighed against;
 - rematd planning, its plans following the router (``rematd.client.steps.router_guard``);
 - with ``--titan`` (the default), torchtitan's ``none``, ``full`` and ``selective``, for their step times (rematd
   measures no memory there; its pinned modes hold what torchtitan's do, docs/torchtitan.md).
 
-Per contender: steps over the budget (rematd's measure, either rank), the most a step held, blocks recomputing on
-balanced and on skewed steps (their median over the steps after the profiling one), and the median step's
-seconds on each. Prints a table; writes JSON (``--out``).
+Per contender: steps over the budget (rematd's measure, either rank), the most a step held, blocks recomputing
+whole and in part on balanced steps, what the modes run recompute as the ranks' planners price them from their
+profiles (a fraction of a forward: a part recomputed costs less than a block), on balanced and on skewed steps
+(medians over the steps after the profiling one), and the median step's seconds on each. Prints a table and
+rematd planning's standing against the two static plans; writes JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -41,15 +45,18 @@ import torch
 
 from bench.common import table, write_json
 from bench.launch import run_launcher
-from bench.torchtitan_cpu import DIGESTS, FLOAT_EXPERTS, RECORD, SKEW, make_assets
+from bench.torchtitan_cpu import DIGESTS, FLOAT_EXPERTS, PRICE, RECORD, SKEW, make_assets
 from rematd.planner import MODES_BY_LABEL
 
 MiB = 2**20
 RANKS = 2
 BLOCKS = 6
 """deepseek_v3_debugmodel's blocks."""
-RECOMPUTING = set("RsmatO")
-"""Modes (by letter) that run some of a block's forward again in backward."""
+WHOLE = set("R")
+"""Modes (by letter) that run a block's whole forward again in backward."""
+PART = set("smat")
+"""Modes (by letter) that run part of a block's forward again in backward (its pointwise ops, its MLP or experts,
+its attention, torchtitan's policy)."""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +70,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--titan", action=argparse.BooleanOptionalAction, default=True, help="torchtitan's modes too")
     p.add_argument("--out", default="artifacts/moe.json", help="where the JSON goes")
     args = p.parse_args(argv)
-    if not 0 < args.stored < BLOCKS:
-        p.error(f"--stored must lie between 1 and {BLOCKS - 1}: a static plan that stores some blocks, not all")
+    if not 1 < args.stored < BLOCKS:
+        # The static plan stores some blocks, not all, and the leaner one compared stores one fewer.
+        p.error(f"--stored must lie between 2 and {BLOCKS - 1}: the static plan's stored blocks, of {BLOCKS}")
     if not 0 <= args.headroom < 1:
         p.error("--headroom must lie in [0, 1): the budget's fraction above the static plan's balanced most")
     args.skewed = sorted({int(k) for k in args.skew.split(",") if k})
@@ -73,8 +81,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, assets: tuple[Path, Path], where: Path, module: str, ac: list[str]) -> list[Any]:
-    """One training run on two ranks with expert parallel 2, skewed on ``args.skewed``; what each rank recorded."""
+def run(
+    args: argparse.Namespace, assets: tuple[Path, Path], where: Path, module: str, ac: list[str], price: str = ""
+) -> list[Any]:
+    """One training run on two ranks with expert parallel 2, skewed on ``args.skewed``; what each rank recorded
+    (with the plans ``price`` names, comma-separated, priced by its planner at each step)."""
     record = where / f"run{len(list(where.iterdir()))}"
     record.mkdir()
     tokenizer, data = assets
@@ -88,7 +99,7 @@ def run(args: argparse.Namespace, assets: tuple[Path, Path], where: Path, module
     ]
     launcher = ["--standalone", "--nproc-per-node", str(RANKS), "-m", "bench.torchtitan_cpu"]
     skew = ",".join(map(str, args.skewed))
-    env = {RECORD: str(record), DIGESTS: "1", SKEW: skew, FLOAT_EXPERTS: "1", "OMP_NUM_THREADS": "1"}
+    env = {RECORD: str(record), DIGESTS: "1", SKEW: skew, FLOAT_EXPERTS: "1", "OMP_NUM_THREADS": "1", PRICE: price}
     run_launcher("torch.distributed.run", [*launcher, module, *titan, *ac], timeout=3600, env=env)
     return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]
 
@@ -114,12 +125,20 @@ def summary(name: str, records: list[Any], args: argparse.Namespace, budget: int
         row["held_mib"] = max(measured(records, skewed=False, args=args), measured(records, skewed=True, args=args))
         row["held_mib"] /= MiB
         for label, skewed in (("balanced", False), ("skewed", True)):
-            ran = [
-                sum(c in RECOMPUTING for c in _ran(s[0]))
-                for k, s in enumerate(stats[1:], start=2)
-                if (k in args.skewed) == skewed
-            ]
-            row[f"{label}_recomputing"] = statistics.median(ran)
+            later = [s[0] for k, s in enumerate(stats[1:], start=2) if (k in args.skewed) == skewed]
+            whole = statistics.median(sum(c in WHOLE for c in _ran(s)) for s in later)
+            part = statistics.median(sum(c in PART for c in _ran(s)) for s in later)
+            row[f"{label}_recomputing"] = f"{whole:g} + {part:g}"
+            # Priced by either rank's planner from its profile, the larger: the ranks run the same modes.
+            ks = [k for k in range(2, len(stats) + 1) if (k in args.skewed) == skewed]
+            row[f"{label}_recompute"] = max(
+                statistics.median(r["steps"][k - 1][0]["overhead"] for k in ks) for r in records
+            )
+            # The plans the run was asked to price, by the same planners: a comparison free of profiles' noise.
+            row[f"{label}_priced"] = {
+                plan: max(statistics.median(r["steps"][k - 1][0]["priced"][plan] for k in ks) for r in records)
+                for plan in stats[-1][0].get("priced", {})
+            }
         row["last_plan"] = "".join(_plan_letters(stats[-1][0]))
         row["steps"] = [
             {
@@ -154,6 +173,11 @@ def _plan_letters(step: dict[str, Any]) -> list[str]:
     return [MODES_BY_LABEL[m].letter for m in step["modes"]]
 
 
+def static_pin(stored: int) -> list[str]:
+    """The static plan a user would pick: the first blocks recomputed, the last ``stored`` stored."""
+    return ["recompute"] * (BLOCKS - stored) + ["store"] * stored
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     titan, rematd = "torchtitan.train", "rematd.integrations.torchtitan"
@@ -164,13 +188,25 @@ def main(argv: list[str] | None = None) -> None:
         assets = make_assets(where / "assets")
         runs = where / "runs"
         runs.mkdir()
-        pin = ["recompute"] * (BLOCKS - args.stored) + ["store"] * args.stored
-        static = "".join(MODES_BY_LABEL[label].letter for label in pin)
-        fixed = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.pin", ",".join(pin)])
+
+        def pinned(stored: int) -> tuple[str, list[Any]]:
+            pin = static_pin(stored)
+            letters = "".join(MODES_BY_LABEL[label].letter for label in pin)
+            ac = [*ours, "--activation-checkpoint.pin", ",".join(pin)]
+            return letters, run(args, assets, runs, rematd, ac, price)
+
+        price = ",".join(
+            "".join(MODES_BY_LABEL[m].letter for m in static_pin(k)) for k in (args.stored, args.stored - 1)
+        )
+        static, fixed = pinned(args.stored)
         fits = measured(fixed, skewed=False, args=args)
         budget = int(fits * (1 + args.headroom))
-        planned = run(args, assets, runs, rematd, [*ours, "--activation-checkpoint.budget-bytes", str(budget)])
         rows.append(summary(f"rematd pinned to {static}", fixed, args, budget))
+        # The static plan a user would need for the skewed steps too: one block more recomputed.
+        leaner, records = pinned(args.stored - 1)
+        rows.append(summary(f"rematd pinned to {leaner}", records, args, budget))
+        planning = [*ours, "--activation-checkpoint.budget-bytes", str(budget)]
+        planned = run(args, assets, runs, rematd, planning, price)
         rows.append(summary("rematd planning", planned, args, budget))
         if args.titan:
             for mode in ("none", "full", "selective"):
@@ -188,15 +224,34 @@ def main(argv: list[str] | None = None) -> None:
                 ("contender", "contender", "s"),
                 ("over", "steps over the budget", "d"),
                 ("held_mib", "most held (MiB)", ".1f"),
-                ("balanced_recomputing", "blocks recomputing, balanced", ".1f"),
-                ("skewed_recomputing", "skewed", ".1f"),
+                ("balanced_recomputing", "blocks recomputing whole + in part, balanced", "s"),
+                ("balanced_recompute", "recompute (of a forward), balanced", ".1%"),
+                ("skewed_recompute", "skewed", ".1%"),
                 ("balanced_s", "step (s), balanced", ".3f"),
                 ("skewed_s", "skewed", ".3f"),
                 ("last_plan", "last plan", "s"),
             ],
         )
     )
+    print(verdict(rows))
     write_json(args.out, {"args": vars(args), "budget_bytes": budget, "rows": rows})
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """rematd planning against the static plans: the first fitting on balanced steps only, the second on all."""
+    made, fitting, planning = rows[0], rows[1], rows[2]
+    leaner = fitting["contender"].removeprefix("rematd pinned to ")
+    same = planning["balanced_priced"].get(leaner)
+    priced = f" ({leaner} {same:.1%} as the same planners price it)" if same is not None else ""
+    lines = [
+        f"steps over the budget: {made['contender']} {made['over']}, {fitting['contender']} {fitting['over']}, "
+        f"rematd planning {planning['over']}",
+        f"recompute on balanced steps, as the planners price it: rematd planning "
+        f"{planning['balanced_recompute']:.1%} of a forward{priced}, {fitting['contender']} "
+        f"{fitting['balanced_recompute']:.1%}; balanced step {planning['balanced_s'] / fitting['balanced_s']:.3f}x "
+        f"{fitting['contender']}'s",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,11 @@ ARGS...``: ``torchtitan.train`` or ``rematd.integrations.torchtitan``, with torc
 step (when attached), each step's seconds and the parameters at the end, gathered whole (with
 ``REMATD_TITAN_DIGESTS=1`` only a digest of each rank's own part of each, :func:`digest`: a mixture of experts'
 whole parameters are gigabytes a rank, which a comparison of runs alike sharded need not gather, write and read
-back); with
-``REMATD_TITAN_PROFILE_STEP=k`` also step k's peak of CPU memory above its start, from torch's memory profiler
-(that step is slowed by it); with ``REMATD_TITAN_SKEW=k,l,...`` the routers of a mixture of experts send every
-token to the same experts (the first ``top_k``, all on the first expert-parallel rank) on those steps (counted
+back); with ``REMATD_TITAN_PROFILE_STEP=k`` also step k's peak of CPU memory above its start, from torch's memory
+profiler (that step is slowed by it); with ``REMATD_TITAN_PRICE=RRRR..,...`` also what those plans (a letter a
+block) would recompute, as each step's planner prices them, beside what the modes run do; with
+``REMATD_TITAN_SKEW=k,l,...`` the routers of a mixture of experts send every token to the same experts (the first
+``top_k``, all on the first expert-parallel rank) on those steps (counted
 from 1), as a batch all of one kind of token would.
 
 :func:`make_assets` writes a tokenizer and a small text data set (nothing is downloaded).
@@ -60,6 +61,7 @@ PROFILE_STEP = "REMATD_TITAN_PROFILE_STEP"
 SKEW = "REMATD_TITAN_SKEW"
 DIGESTS = "REMATD_TITAN_DIGESTS"
 FLOAT_EXPERTS = "REMATD_TITAN_FLOAT_EXPERTS"
+PRICE = "REMATD_TITAN_PRICE"
 
 
 def make_assets(where: Path, *, documents: int = 200, seed: int = 0) -> tuple[Path, Path]:
@@ -322,6 +324,12 @@ def _stats(handle: Any) -> dict[str, Any]:
     ran = next((p for p in handle.history if p.version == stats.plan_version), None)
     # Every block stored, as the rank's planner prices it (the profiling step recomputes them all).
     storing = handle._applier.price(tuple(Mode.STORE for _ in handle.modes), stats.plan_version, "", None)
+    # What the modes run recompute, as the rank's planner prices them from its profile: a fraction of a forward.
+    running = handle._applier.price(tuple(stats.modes), stats.plan_version, "", None) if stats.modes else None
+    priced = {}
+    for plan in filter(None, os.environ.get(PRICE, "").split(",")):
+        other = handle._applier.price(tuple(_BY_LETTER[c] for c in plan), stats.plan_version, "", None)
+        priced[plan] = other.predicted_overhead_ratio if other is not None else 0.0
     return {
         "storing": storing.predicted_peak_bytes if storing is not None else 0,
         "step": stats.step,
@@ -336,7 +344,12 @@ def _stats(handle: Any) -> dict[str, Any]:
         "ran": "".join(m.letter for m in stats.modes),
         "ran_reason": handle.plan.reason,
         "routed": stats.routed_bytes,
+        "overhead": running.predicted_overhead_ratio if running is not None else 0.0,
+        "priced": priced,
     }
+
+
+_BY_LETTER = {m.letter: m for m in Mode}
 
 
 def _skew(steps: set[int]) -> None:
