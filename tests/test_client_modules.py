@@ -6,6 +6,8 @@ line limit for every module is in ``test_module_size.py``."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 CLIENT = Path(__file__).resolve().parent.parent / "client"
@@ -89,3 +91,31 @@ def test_no_import_cycle_in_the_client() -> None:
     assert "steps.oom" in graph and "handle" in graph["__init__"], "the client's modules were found"
     assert "parallel.pick" in graph["handle"], "the parallel package's modules were found"
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def test_importing_the_client_leaves_torchs_heavy_packages_unimported() -> None:
+    """Every process that attaches rematd imports it: Dynamo, DTensor's ops and the pipelines cost a second or more
+    of start-up each, and rematd recognises their objects without importing them."""
+    heavy = ("torch._dynamo", "torch._inductor", "torch.distributed.tensor", "torch.distributed.pipelining")
+    code = f"import sys, rematd.client; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_sharded_and_pipelined_objects_are_recognised_once_their_packages_are_imported() -> None:
+    import torch
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.tensor import DTensor
+
+    from rematd.client.parallel.base import imported
+    from rematd.client.parallel.fsdp import is_unit
+    from rematd.client.parallel.pipeline import is_schedule
+    from rematd.client.parallel.tensor import dtensor
+
+    assert dtensor() is DTensor and imported("torch.distributed.fsdp", "FSDPModule") is not None
+    assert imported("rematd.not_a_module", "Anything") is None
+    assert imported("torch", "float32") is None, "only classes are looked up"
+    # A schedule's own class, its stages left out (built bare: a real one needs a process group).
+    schedule_class = type("Schedule", (_PipelineSchedule,), {"step": None, "_step_microbatches": None})
+    assert is_schedule(schedule_class.__new__(schedule_class)) and not is_schedule(object())
+    assert not is_unit(torch.nn.Linear(2, 2))

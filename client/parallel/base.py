@@ -10,6 +10,7 @@ all-reduce a recomputation never replays); each backend's module derives its own
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -17,6 +18,14 @@ import torch
 from torch import nn
 
 from rematd.client.parallel.agreement import Agreement
+
+
+def imported(module: str, name: str) -> type | None:
+    """The class ``name`` of ``module`` where that module was imported, else None: an object of a class no one
+    imported cannot exist, and importing torch's distributed packages to check costs every process a second or
+    more of start-up (DTensor's and the pipelines' import Dynamo and SymPy)."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
 
 
 class SetUp:

@@ -31,20 +31,22 @@ from torch import nn
 
 from rematd.client.errors import UnsupportedModel
 from rematd.client.memory.accounting import local_part, storage_id
-from rematd.client.parallel.base import SetUp
+from rematd.client.parallel.base import SetUp, imported
 from rematd.client.parallel.tensor import mesh_agreement
 
-try:  # torch >= 2.6 exports FSDP2 here; older builds have it under _composable
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - depends on the torch build
-    FSDPModule = None  # type: ignore[assignment,misc]
+
+def fsdp_module() -> type | None:
+    """FSDP2's ``FSDPModule``, where a process sharded with it (see :func:`imported`)."""
+    return imported("torch.distributed.fsdp", "FSDPModule")
+
 
 log = logging.getLogger("rematd.client")
 
 
 def is_unit(m: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``m`` (FSDP2 swaps its class for an ``FSDP<Class>`` subclass)."""
-    return FSDPModule is not None and isinstance(m, FSDPModule)
+    cls = fsdp_module()
+    return cls is not None and isinstance(m, cls)
 
 
 def block_class(m: nn.Module) -> type[nn.Module]:
@@ -52,8 +54,9 @@ def block_class(m: nn.Module) -> type[nn.Module]:
     cls = type(m)
     if not is_unit(m):
         return cls
+    unit = fsdp_module()
     for base in cls.__mro__[1:]:
-        if base is not FSDPModule and issubclass(base, nn.Module) and not issubclass(base, FSDPModule):
+        if base is not unit and issubclass(base, nn.Module) and not (unit and issubclass(base, unit)):
             return base
     return cls
 

@@ -26,20 +26,16 @@ from typing import Any
 
 from torch import nn
 
-from rematd.client.parallel.base import SetUp
+from rematd.client.parallel.base import SetUp, imported
 from rematd.planner import Shape
 
 SUPPORTED = "ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B"
 
-try:
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
-except ImportError:  # pragma: no cover - depends on the torch build
-    _PipelineSchedule = None  # type: ignore[assignment,misc]
-
 
 def is_schedule(obj: object) -> bool:
     """Whether ``obj`` is a ``torch.distributed.pipelining`` schedule."""
-    return _PipelineSchedule is not None and isinstance(obj, _PipelineSchedule)
+    base = imported("torch.distributed.pipelining.schedules", "_PipelineSchedule")
+    return base is not None and isinstance(obj, base)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,26 +15,27 @@ from typing import Any
 from torch import nn
 
 from rematd.client.parallel.agreement import Agreement
-from rematd.client.parallel.base import SetUp
+from rematd.client.parallel.base import SetUp, imported
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = None  # type: ignore[assignment,misc]
+
+def dtensor() -> type | None:
+    """torch's ``DTensor``, where a process made distributed tensors (see :func:`imported`)."""
+    return imported("torch.distributed.tensor", "DTensor")
 
 
 def has_dtensors(model: nn.Module) -> bool:
     """Whether parameters are distributed tensors (FSDP2 or tensor parallel): the ranks share the work."""
-    return DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters())
+    cls = dtensor()
+    return cls is not None and any(isinstance(p, cls) for p in model.parameters())
 
 
 def _widest_mesh(model: nn.Module) -> Any:
     """The device mesh of the parameters that spans the most ranks (a 2-D mesh over a 1-D one: under FSDP2
     over tensor parallel the norms are sharded on the data dimension alone)."""
-    best = None
+    best, cls = None, dtensor()
     for p in model.parameters():
-        if DTensor is not None and isinstance(p, DTensor):
-            mesh = p.device_mesh
+        if cls is not None and isinstance(p, cls):
+            mesh = p.device_mesh  # type: ignore[attr-defined]  # a DTensor's (its class looked up, not imported)
             if best is None or mesh.size() > best.size():
                 best = mesh
     return best
