@@ -34,7 +34,7 @@ typecheck: setup
 	$(BIN)/python scripts/typecheck.py
 
 test: proto-check lint typecheck
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

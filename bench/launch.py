@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,3 +44,57 @@ def run_launcher(
             proc.communicate()
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
     return f"{stdout}\n{stderr}" if with_stderr else stdout
+
+
+def run_ranks(
+    ranks: int, module: str, args: list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> str:
+    """Run ``python -m <module> <args>`` as ``ranks`` local ranks of one process group, without torchrun's agent
+    (it costs each launch seconds, its own start-up and its rendezvous): each rank gets the environment torchrun
+    gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and a free
+    ``MASTER_PORT`` on 127.0.0.1). As torchrun does, a rank that fails stops the others; so does the timeout.
+    The ranks' standard output, rank by rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    common.update(WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0")
+    with tempfile.TemporaryDirectory(prefix="rematd-ranks-") as tmp:
+        logs = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(ranks)]
+        procs = []
+        for rank, (out, err) in enumerate(logs):
+            with out.open("w") as stdout, err.open("w") as stderr:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", module, *args],
+                        cwd=ROOT,
+                        stdout=stdout,
+                        stderr=stderr,
+                        start_new_session=True,
+                        env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = any(p.returncode not in (None, 0) for p in procs)
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        codes = [p.returncode for p in procs]
+        stdout = "".join(out.read_text() for out, _ in logs)
+        if any(codes):
+            tails = "".join(
+                f"--- rank {r} (exit {c}):\n{err.read_text()[-3000:]}"
+                for r, ((_, err), c) in enumerate(zip(logs, codes, strict=True))
+            )
+            timed_out = " (killed at the timeout)" if time.monotonic() > deadline else ""
+            raise AssertionError(
+                f"python -m {module} failed on {ranks} ranks{timed_out}: exit codes {codes}\n{stdout[-2000:]}{tails}"
+            )
+        return stdout

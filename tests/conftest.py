@@ -31,6 +31,24 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+FIRST = (
+    "test_torchtitan.py",
+    "test_switches.py",
+    "test_bench_deepspeed.py",
+    "test_pipeline.py",
+    "test_fsdp.py",
+    "test_deepspeed.py",
+    "test_torchtitan_pipeline.py",
+)
+"""Modules of multi-rank runs of a minute or more a test, run first: started last, one of them would keep one
+worker busy for minutes after the other had run out of tests."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: k for k, name in enumerate(FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
 class _Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.ERROR)

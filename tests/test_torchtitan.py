@@ -25,7 +25,7 @@ if sys.version_info < (3, 11):
 
 import torch
 
-from bench.launch import run_launcher
+from bench.launch import run_launcher, run_ranks
 from bench.torchtitan_cpu import DIGESTS, FLOAT_EXPERTS, RECORD, make_assets
 
 STEPS = 4
@@ -95,10 +95,12 @@ def train(
         *("--parallelism.spmd-backend", "partial_dtensor"),
         *parallelism,
     ]
-    launcher = ["--standalone", "--nproc-per-node", str(ranks), "-m", "bench.torchtitan_cpu"]
-    run_launcher(
-        "torch.distributed.run",
-        [*launcher, module, *titan_args, *checkpointing],
+    # The ranks started directly rather than by torchrun, whose agent adds seconds to each of the many launches
+    # here; torchrun itself runs the documented commands (tests/test_examples.py) and the benchmarks.
+    run_ranks(
+        ranks,
+        "bench.torchtitan_cpu",
+        [module, *titan_args, *checkpointing],
         timeout=400,
         # Each rank's parameters as digests of its own parts' bytes: the runs compared are sharded alike, and the
         # whole model (qwen3's MoE 1.2 GB of it) would otherwise be gathered, written and read back for each rank.
