@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from bench.common import profiled_peak
-from rematd.planner import Mode
+from rematd.planner import MODES_BY_LETTER, Mode
 
 RECORD = "REMATD_TITAN_RECORD"
 PROFILE_STEP = "REMATD_TITAN_PROFILE_STEP"
@@ -328,7 +328,7 @@ def _stats(handle: Any) -> dict[str, Any]:
     running = handle._applier.price(tuple(stats.modes), stats.plan_version, "", None) if stats.modes else None
     priced = {}
     for plan in filter(None, os.environ.get(PRICE, "").split(",")):
-        other = handle._applier.price(tuple(_BY_LETTER[c] for c in plan), stats.plan_version, "", None)
+        other = handle._applier.price(tuple(MODES_BY_LETTER[c] for c in plan), stats.plan_version, "", None)
         priced[plan] = other.predicted_overhead_ratio if other is not None else 0.0
     return {
         "storing": storing.predicted_peak_bytes if storing is not None else 0,
@@ -347,9 +347,6 @@ def _stats(handle: Any) -> dict[str, Any]:
         "overhead": running.predicted_overhead_ratio if running is not None else 0.0,
         "priced": priced,
     }
-
-
-_BY_LETTER = {m.letter: m for m in Mode}
 
 
 def _skew(steps: set[int]) -> None:

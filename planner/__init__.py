@@ -19,10 +19,11 @@ from rematd.planner.solvers import (
     solve_min_recompute,
 )
 from rematd.planner.steps import AllocatorFigures, ModeSeconds, StepObservation
-from rematd.planner.units import MODE_LETTERS, MODES_BY_LABEL, Mode, Shape, letters
+from rematd.planner.units import MODE_LETTERS, MODES_BY_LABEL, MODES_BY_LETTER, Mode, Shape, letters
 
 __all__ = [
     "MODES_BY_LABEL",
+    "MODES_BY_LETTER",
     "MODE_LETTERS",
     "AllocatorFigures",
     "BlockCost",

@@ -64,6 +64,8 @@ MODE_LETTERS = {
 """The mode vocabulary's letters, the one place they are defined."""
 MODES_BY_LABEL = {m.label: m for m in Mode}
 """Each mode by the name people read it by (``Mode.label``)."""
+MODES_BY_LETTER = {letter: m for m, letter in MODE_LETTERS.items()}
+"""Each mode by its letter (``Mode.letter``), as plans are printed."""
 
 
 def letters(modes: tuple[Mode, ...] | list[Mode]) -> str:

@@ -50,7 +50,7 @@ from rematd.planner.plan_trials import (
 from rematd.planner.solvers import solve
 from rematd.planner.stepfit import MIN_PAIRS, Prior, StepFit, StepPrices, counts
 from rematd.planner.trial_search import Candidate
-from rematd.planner.units import MODE_LETTERS
+from rematd.planner.units import MODES_BY_LETTER
 
 from .alike_blocks import alike_blocks
 
@@ -483,7 +483,6 @@ def test_a_plan_is_kept_only_after_every_pair_of_its_trial_and_nothing_loosens_m
 def test_the_steps_put_in_force_only_a_plan_whose_own_steps_ran_at_that_length() -> None:
     # The fit's prices extrapolate to plans never run; a plan they choose must have run (on trial) at
     # that length before it is put in force, so that an extrapolation from a few noisy pairs moves no plan.
-    by_letter = {v: k for k, v in MODE_LETTERS.items()}
     overruled = 0
     for seed in range(4):
         job = new_job(seed, noise=0.02)
@@ -500,11 +499,11 @@ def test_the_steps_put_in_force_only_a_plan_whose_own_steps_ran_at_that_length()
         assert max(job.peaks[-59:]) <= job.budget
         modes, _since = job.in_force_since(HIDDEN)
         assert true_seconds(modes, HIDDEN) < true_seconds((R, R, R, R, S, S, S, S), HIDDEN), letters(modes)
-        overruled += _check_overruled(job, by_letter)
+        overruled += _check_overruled(job)
     assert overruled
 
 
-def _check_overruled(job: Job, by_letter: dict[str, Mode]) -> int:
+def _check_overruled(job: Job) -> int:
     """Asserts that every plan the step times put in force over the per-block prices ran at its length
     before; how many there were."""
     overruled = 0
@@ -512,7 +511,7 @@ def _check_overruled(job: Job, by_letter: dict[str, Mode]) -> int:
         found = re.search(r"step times overrule the per-block prices at lengths up to (\d+): (\S+) measured", reason)
         if found is None or reason.startswith("trial of a plan"):
             continue
-        seq, chosen = int(found[1]), tuple(by_letter[c] for c in found[2])
+        seq, chosen = int(found[1]), tuple(MODES_BY_LETTER[c] for c in found[2])
         ran = {counts(m, 2) for s, q, m in job.history if q == seq and s < at}
         assert counts(chosen, 2) in ran, (at, letters(chosen), reason)
         overruled += 1
