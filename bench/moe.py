@@ -46,7 +46,7 @@ import torch
 from bench.common import table, write_json
 from bench.launch import run_launcher
 from bench.torchtitan_cpu import DIGESTS, FLOAT_EXPERTS, PRICE, RECORD, SKEW, make_assets
-from rematd.planner import MODES_BY_LABEL
+from rematd.planner import MODES_BY_LABEL, Mode, letters
 
 MiB = 2**20
 RANKS = 2
@@ -173,9 +173,9 @@ def _plan_letters(step: dict[str, Any]) -> list[str]:
     return [MODES_BY_LABEL[m].letter for m in step["modes"]]
 
 
-def static_pin(stored: int) -> list[str]:
+def static_plan(stored: int) -> tuple[Mode, ...]:
     """The static plan a user would pick: the first blocks recomputed, the last ``stored`` stored."""
-    return ["recompute"] * (BLOCKS - stored) + ["store"] * stored
+    return (Mode.RECOMPUTE,) * (BLOCKS - stored) + (Mode.STORE,) * stored
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,14 +190,11 @@ def main(argv: list[str] | None = None) -> None:
         runs.mkdir()
 
         def pinned(stored: int) -> tuple[str, list[Any]]:
-            pin = static_pin(stored)
-            letters = "".join(MODES_BY_LABEL[label].letter for label in pin)
-            ac = [*ours, "--activation-checkpoint.pin", ",".join(pin)]
-            return letters, run(args, assets, runs, rematd, ac, price)
+            plan = static_plan(stored)
+            ac = [*ours, "--activation-checkpoint.pin", ",".join(m.label for m in plan)]
+            return letters(plan), run(args, assets, runs, rematd, ac, price)
 
-        price = ",".join(
-            "".join(MODES_BY_LABEL[m].letter for m in static_pin(k)) for k in (args.stored, args.stored - 1)
-        )
+        price = ",".join(letters(static_plan(k)) for k in (args.stored, args.stored - 1))
         static, fixed = pinned(args.stored)
         fits = measured(fixed, skewed=False, args=args)
         budget = int(fits * (1 + args.headroom))
