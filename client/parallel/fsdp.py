@@ -51,12 +51,11 @@ def is_unit(m: nn.Module) -> bool:
 
 def block_class(m: nn.Module) -> type[nn.Module]:
     """The class a block was defined with: for an FSDP unit, the class ``fully_shard`` derived its own from."""
-    cls = type(m)
-    if not is_unit(m):
+    cls, unit = type(m), fsdp_module()
+    if unit is None or not isinstance(m, unit):
         return cls
-    unit = fsdp_module()
     for base in cls.__mro__[1:]:
-        if base is not unit and issubclass(base, nn.Module) and not (unit and issubclass(base, unit)):
+        if issubclass(base, nn.Module) and not issubclass(base, unit):
             return base
     return cls
 
