@@ -46,6 +46,13 @@ def run_launcher(
     return f"{stdout}\n{stderr}" if with_stderr else stdout
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_ranks(
     ranks: int, module: str, args: list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None
 ) -> str:
@@ -54,10 +61,7 @@ def run_ranks(
     gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and a free
     ``MASTER_PORT`` on 127.0.0.1). As torchrun does, a rank that fails stops the others; so does the timeout.
     The ranks' standard output, rank by rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    common = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    common = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     common.update(WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0")
     with tempfile.TemporaryDirectory(prefix="rematd-ranks-") as tmp:
         logs = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(ranks)]

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,13 +17,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from bench.launch import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 NATIVE_CRASHES = (-signal.SIGSEGV, -signal.SIGABRT)
