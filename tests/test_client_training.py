@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -56,6 +58,7 @@ def test_hundred_steps_with_dropout_and_switches_match_a_run_without_rematd_bitw
     # Planned on the training thread: a new budget's plan runs at the very next step, whatever the machine's load.
     h = client.attach(model, optimizer=opt, budget_bytes=10**12, planner_thread=False)
     free_peak = 0
+    ran: list[tuple[Mode, ...]] = []
     for step in range(100):
         seq = 32 if (step // 7) % 2 else 16
         if step == 1:
@@ -81,11 +84,13 @@ def test_hundred_steps_with_dropout_and_switches_match_a_run_without_rematd_bitw
             o.step()
             o.zero_grad(set_to_none=True)
         assert torch.equal(losses[0], losses[1]), f"step {step}: {losses[0].item()} != {losses[1].item()}"
+        ran.append(tuple(h.modes))
     for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q), name
-    plans = {p.blocks for p in h.history}
-    assert len(h.history) >= 6 and len(plans) >= 3, [(p.version, p.blocks) for p in h.history]
-    assert any(p.blocks for p in h.history) and any(not p.blocks for p in h.history)
+    # The switches that ran (which modes the tight budget's plans use follows this machine's step times).
+    switches = sum(a != b for a, b in itertools.pairwise(ran[1:]))
+    assert len(h.history) >= 6 and switches >= 6, (switches, [(p.version, p.modes) for p in h.history])
+    assert any(set(r) == {Mode.STORE} for r in ran[1:]) and any(set(r) != {Mode.STORE} for r in ran[1:]), ran
     h.close()
 
 
