@@ -9,8 +9,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench import warm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,29 +68,11 @@ def run_ranks(
         logs = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(ranks)]
         procs = []
         for rank, (out, err) in enumerate(logs):
-            with out.open("w") as stdout, err.open("w") as stderr:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", module, *args],
-                        cwd=ROOT,
-                        stdout=stdout,
-                        stderr=stderr,
-                        start_new_session=True,
-                        env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    )
-                )
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = any(p.returncode not in (None, 0) for p in procs)
-                if failed or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            out.touch()
+            err.touch()
+            env_rank = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            procs.append(warm.start(module, args, env=env_rank, cwd=ROOT, stdout=out, stderr=err))
+        in_time = warm.wait_all(procs, timeout, stop_on_failure=True)
         codes = [p.returncode for p in procs]
         stdout = "".join(out.read_text() for out, _ in logs)
         if any(codes):
@@ -97,7 +80,7 @@ def run_ranks(
                 f"--- rank {r} (exit {c}):\n{err.read_text()[-3000:]}"
                 for r, ((_, err), c) in enumerate(zip(logs, codes, strict=True))
             )
-            timed_out = " (killed at the timeout)" if time.monotonic() > deadline else ""
+            timed_out = "" if in_time else " (killed at the timeout)"
             raise AssertionError(
                 f"python -m {module} failed on {ranks} ranks{timed_out}: exit codes {codes}\n{stdout[-2000:]}{tails}"
             )

@@ -10,13 +10,11 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+from bench import warm
 from bench.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +47,7 @@ def _launch(
     for r in range(world):
         (tmp / f"{worker}-rank{r}.json").unlink(missing_ok=True)  # a crashed run's results are not this one's
     port = free_port()
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[warm.Rank | warm.ColdRank] = []
     # Each rank writes to a file of its own: through pipes read one rank after another, a rank whose output
     # filled its pipe (a library's warnings every step) would block there while its peers wait for it.
     logs = [tmp / f"{worker}-rank{rank}.log" for rank in range(world)]
@@ -68,29 +66,12 @@ def _launch(
             "REMATD_CONFIG": json.dumps(config),
             "REMATD_RESULT": str(tmp / f"{worker}-rank{rank}.json"),
         }
-        with open(logs[rank], "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", f"tests.workers.{worker}"],
-                    cwd=ROOT,
-                    env=rank_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-    deadline = time.monotonic() + timeout  # one for all ranks: a hung rank fails the test in ``timeout``
-    hung = False
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        hung = True
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        logs[rank].write_text("")
+        procs.append(
+            warm.start(f"tests.workers.{worker}", [], env=rank_env, cwd=ROOT, stdout=logs[rank], stderr=logs[rank])
+        )
+    # One deadline for all ranks: a hung rank fails the test in ``timeout``.
+    hung = not warm.wait_all(procs, timeout, stop_on_failure=False)
     outputs = [log.read_text(errors="replace") for log in logs]
     assert not hung, f"the ranks of {worker} did not end in {timeout:.0f} s:\n" + "\n\n".join(
         f"rank {rank}:\n{out[-2000:]}" for rank, out in enumerate(outputs)
