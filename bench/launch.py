@@ -68,8 +68,6 @@ def run_ranks(
         logs = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(ranks)]
         procs = []
         for rank, (out, err) in enumerate(logs):
-            out.touch()
-            err.touch()
             env_rank = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             procs.append(warm.start(module, args, env=env_rank, cwd=ROOT, stdout=out, stderr=err))
         in_time = warm.wait_all(procs, timeout, stop_on_failure=True)

@@ -70,7 +70,7 @@ class Rank:
         return self._process.exitcode
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self.returncode
 
     def kill(self) -> None:
         """SIGKILL the rank and what it started (it leads a session of its own)."""
@@ -106,10 +106,10 @@ def start(
     module: str, args: list[str], *, env: dict[str, str], cwd: Path, stdout: Path, stderr: Path
 ) -> Rank | ColdRank:
     """Start ``python -m module args`` with ``env`` (the whole environment) in ``cwd``, in a session of its own,
-    its output appended to the files (one file for both where they are the same): forked warm where
+    its output written afresh to the files (one file for both where they are the same): forked warm where
     :func:`enabled`, else a fresh interpreter."""
     if not enabled():
-        with stdout.open("a") as out, stderr.open("a") as err:
+        with stdout.open("w") as out, stderr.open("w") as err:
             return ColdRank(
                 subprocess.Popen(
                     [sys.executable, "-m", module, *args],
@@ -133,7 +133,7 @@ def _run(module: str, args: list[str], env: dict[str, str], cwd: str, stdout: st
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     out = os.open(stdout, flags, 0o644)
     err = out if stderr == stdout else os.open(stderr, flags, 0o644)
     os.dup2(out, 1)

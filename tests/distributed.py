@@ -66,7 +66,6 @@ def _launch(
             "REMATD_CONFIG": json.dumps(config),
             "REMATD_RESULT": str(tmp / f"{worker}-rank{rank}.json"),
         }
-        logs[rank].write_text("")
         procs.append(
             warm.start(f"tests.workers.{worker}", [], env=rank_env, cwd=ROOT, stdout=logs[rank], stderr=logs[rank])
         )
