@@ -5,6 +5,8 @@ fresh interpreters with the same interface."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,7 @@ def test_a_rank_starts_as_a_fresh_interpreter_would(
         "cwd": str(ROOT),
         "torch_before": forked,
         "main": "__main__",
+        "launcher_imported": None,
     }
     assert err.read_text() == "to standard error\n"
     both = (tmp_path / "out3").read_text()  # one file for both streams
@@ -57,3 +60,16 @@ def test_the_wait_kills_ranks_still_running_at_its_timeout(tmp_path: Path) -> No
     sleeper = warm.start("tests.workers.sleep", [], env={"PATH": "/usr/bin:/bin"}, cwd=ROOT, stdout=log, stderr=log)
     assert not warm.wait_all([sleeper], 1.0, stop_on_failure=True)
     assert sleeper.returncode == -9
+
+
+def test_a_rank_runs_its_own_module_and_not_the_launchers_main() -> None:
+    """A script that launches ranks, even one without a main guard, is not run again in them."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "workers" / "launch_unguarded.py")],
+        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "REMATD_DESCRIBE": "once"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines.count("launcher imported") == 1, done.stdout
+    seen = json.loads(lines[-2])
+    assert seen["setting"] == "once" and seen["main"] == "__main__" and seen["launcher_imported"] is None, seen

@@ -16,6 +16,8 @@ def main() -> None:
         "cwd": os.getcwd(),
         "torch_before": "torch" in sys.modules,
         "main": __name__,
+        # multiprocessing names a main module it imports for a child "__mp_main__"
+        "launcher_imported": getattr(sys.modules.get("__mp_main__"), "__file__", None),
     }
     print(json.dumps(seen))
     print("to standard error", file=sys.stderr)
