@@ -31,7 +31,8 @@ profiler (that step is slowed by it); with ``REMATD_TITAN_PRICE=RRRR..,...`` als
 block) would recompute, as each step's planner prices them, beside what the modes run do; with
 ``REMATD_TITAN_SKEW=k,l,...`` the routers of a mixture of experts send every token to the same experts (the first
 ``top_k``, all on the first expert-parallel rank) on those steps (counted
-from 1), as a batch all of one kind of token would.
+from 1), as a batch all of one kind of token would. With ``REMATD_TITAN_QWEN3_EXPERTS=N,K`` qwen3's
+mixtures of experts are built with N experts a block, K chosen a token (the tests' smaller runs).
 
 :func:`make_assets` writes a tokenizer and a small text data set (nothing is downloaded).
 """
@@ -61,6 +62,7 @@ PROFILE_STEP = "REMATD_TITAN_PROFILE_STEP"
 SKEW = "REMATD_TITAN_SKEW"
 DIGESTS = "REMATD_TITAN_DIGESTS"
 FLOAT_EXPERTS = "REMATD_TITAN_FLOAT_EXPERTS"
+QWEN3_EXPERTS = "REMATD_TITAN_QWEN3_EXPERTS"
 PRICE = "REMATD_TITAN_PRICE"
 
 
@@ -258,6 +260,26 @@ def install() -> None:
         from torchtitan.models.common import moe
 
         moe.GroupedExperts.forward = _experts_in_their_dtype
+    if os.environ.get(QWEN3_EXPERTS):
+        _qwen3_experts(os.environ[QWEN3_EXPERTS])
+
+
+def _qwen3_experts(spec: str) -> None:
+    """qwen3's mixtures of experts built with ``N,K``: N experts a layer, the router choosing K of them."""
+    try:
+        experts, top_k = (int(n) for n in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"{QWEN3_EXPERTS}={spec!r}: expected two integers, experts and top_k (say 16,4)") from None
+    if not 0 < top_k <= experts:
+        raise SystemExit(f"{QWEN3_EXPERTS}={spec!r}: top_k must be between 1 and the number of experts")
+    from torchtitan.models import qwen3
+
+    build = qwen3._build_qwen3_moe_layers
+
+    def fewer(**kwargs: Any) -> Any:
+        return build(**{**kwargs, "num_experts": experts, "top_k": top_k})
+
+    qwen3._build_qwen3_moe_layers = fewer
 
 
 # -- recording ---------------------------------------------------------------

@@ -1,14 +1,14 @@
-"""rematd as torchtitan's ``activation-checkpoint:rematd``: its debug models trained by torchtitan's own trainer
-on CPU ranks (gloo), through ``python -m rematd.integrations.torchtitan`` with torchtitan's own arguments.
+"""rematd as torchtitan's ``activation-checkpoint:rematd``: its debug models trained by torchtitan's own trainer on
+CPU ranks (gloo), through ``python -m rematd.integrations.torchtitan`` with torchtitan's own arguments.
 
 The debug Llama on 1 rank, on 2 ranks with FSDP and on 2 ranks with tensor parallel, and the mixtures of experts
-``qwen3_moe_debug`` and ``deepseek_v3_debugmodel`` on 2 ranks with expert parallel 2: torchtitan without
-checkpointing is the reference; rematd with a pinned plan (recompute, selective and store by turns) and rematd
-under its planner, at a budget between that plan's measured peak (leaner than none, looser than full
-checkpointing) and every block stored, must give bitwise the same losses and parameters; the planned run's
-measured peaks stay under the budget from its first planned step, whose prediction counts what the profiling
-step left behind (gradients torchtitan keeps allocated, optimizer state), and the ranks run one plan. The
-stand-ins torchtitan needs on the CPU are in ``bench/torchtitan_cpu.py``.
+``qwen3_moe_debug`` (with 16 experts a block) and ``deepseek_v3_debugmodel`` on 2 ranks with expert parallel 2:
+torchtitan without checkpointing is the reference; rematd with a pinned plan (recompute, selective and store by
+turns) and rematd under its planner, at a budget between that plan's measured peak (leaner than none, looser than
+full checkpointing) and every block stored, must give bitwise the same losses and parameters; the planned run's
+measured peaks stay under the budget from its first planned step, whose prediction counts what the profiling step
+left behind (gradients torchtitan keeps allocated, optimizer state), and the ranks run one plan. The stand-ins
+torchtitan needs on the CPU are in ``bench/torchtitan_cpu.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if sys.version_info < (3, 11):
 import torch
 
 from bench.launch import run_launcher, run_ranks
-from bench.torchtitan_cpu import DIGESTS, FLOAT_EXPERTS, RECORD, make_assets
+from bench.torchtitan_cpu import DIGESTS, FLOAT_EXPERTS, QWEN3_EXPERTS, RECORD, make_assets
 
 STEPS = 4
 PIN = ["recompute", "selective", "store"] * 2
@@ -43,6 +43,8 @@ class Model(NamedTuple):
     params: str = "float32"
     """Mixed precision's parameter dtype: torchtitan's default (bfloat16) is many times slower on CPUs without
     bfloat16 matmul instructions, so one case keeps it and the others train in float32."""
+    env: tuple[tuple[str, str], ...] = ()
+    """What the launcher is given besides (``bench/torchtitan_cpu.py``'s settings)."""
 
     def pin(self) -> list[str]:
         """Recompute, selective and store by turns, one mode per layer."""
@@ -50,17 +52,24 @@ class Model(NamedTuple):
 
 
 LLAMA = Model(("--module", "llama3", "--config", "llama3_debugmodel"), 6)
-LLAMA_BF16 = LLAMA._replace(params="bfloat16")
+# bfloat16 matmuls are ten times float32's on CPUs without its instructions: a shorter run.
+LLAMA_BF16 = LLAMA._replace(params="bfloat16", seq=64, steps=3)
 # The mixtures of experts: an attention and a mixture of experts a block (deepseek_v3's first block dense), the
-# router sending tokens to other ranks' experts through all-to-all under expert parallel. Shorter runs (a step
-# of qwen3's 64 experts costs seconds on the CPU): the profiling step, the first plan's, and one after it.
-QWEN3_MOE = Model(("--module", "qwen3", "--config", "qwen3_moe_debug", "--training.disable-cuda-graphs"), 8, 64, 3)
+# router sending tokens to other ranks' experts through all-to-all under expert parallel. Shorter runs: the
+# profiling step, the first plan's, and one after it. qwen3's debug model with 16 experts a block, 4 chosen a
+# token, instead of 64 and 8: its 1.2 GB of parameters (and twice that of optimizer state) made a step seconds
+# of memory traffic on the CPU, and what is checked (the router, the all-to-all, the experts split between the
+# ranks) does not depend on their number.
+QWEN3_MOE = Model(
+    ("--module", "qwen3", "--config", "qwen3_moe_debug", "--training.disable-cuda-graphs"), 8, 64, 3,
+    env=((QWEN3_EXPERTS, "16,4"),),
+)  # fmt: skip
 DEEPSEEK_V3 = Model(
     ("--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--training.disable-cuda-graphs"), 6, 64, 3
 )
 EXPERT_PARALLEL = ("--parallelism.expert-parallel-degree", "2")
-# Three runs of qwen3's 64 experts a block (a 1.2 GB model) take 2-3 minutes on a 2-core machine, past the default
-# timeout when other tests share the cores.
+# Three runs of a mixture of experts take 1-3 minutes on a 2-core machine, past the default timeout when other
+# tests share the cores.
 LONG = pytest.mark.timeout(600)
 
 
@@ -105,7 +114,7 @@ def train(
         # Each rank's parameters as digests of its own parts' bytes: the runs compared are sharded alike, and the
         # whole model (qwen3's MoE 1.2 GB of it) would otherwise be gathered, written and read back for each rank.
         # The experts' matmuls in float32, as the rest: bfloat16's are slow on CPUs without its instructions.
-        env={RECORD: str(record), DIGESTS: "1", FLOAT_EXPERTS: "1", "OMP_NUM_THREADS": "1"},
+        env={RECORD: str(record), DIGESTS: "1", FLOAT_EXPERTS: "1", "OMP_NUM_THREADS": "1", **dict(model.env)},
     )
     return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
 
@@ -249,3 +258,11 @@ def test_command_line_shows_and_refuses(tmp_path: Path) -> None:
     }
     assert out["outside_trainer"]["error"] == "RuntimeError"
     assert "python -m rematd.integrations.torchtitan" in out["outside_trainer"]["message"]
+
+
+@pytest.mark.parametrize("spec", ["16", "x,4", "4,8", "4,0"])
+def test_the_launchers_expert_count_is_refused_unless_two_fitting_integers(spec: str) -> None:
+    from bench.torchtitan_cpu import _qwen3_experts
+
+    with pytest.raises(SystemExit, match=f"{QWEN3_EXPERTS}={spec!r}"):
+        _qwen3_experts(spec)
