@@ -21,14 +21,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench import warm
+from bench.launch import free_port
 
 MiB = 2**20
 CONTENDERS = ("none", "full", "rematd")
@@ -180,33 +183,34 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def launch(args: argparse.Namespace, argv: list[str], module: str = "bench.fsdp") -> list[dict[str, Any]]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Run ``args.ranks`` ranks of ``module`` (``--worker``), forked from a process that has imported torch
+    (:mod:`bench.warm`); their results, rank by rank. Their output is printed after them, rank by rank; a rank
+    that fails stops the others, as torchrun does."""
     out = Path(args.out).with_suffix("")
-    procs = []
-    for rank in range(args.ranks):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(args.ranks),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "REMATD_BENCH_RESULT": f"{out}-rank{rank}.json",
-        }
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv, "--worker"], env=env))
-    try:
-        codes = [p.wait(timeout=3600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(codes):
-        raise SystemExit(f"a rank failed: exit codes {codes}")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="rematd-bench-") as tmp:
+        logs = [Path(tmp) / f"rank{rank}.log" for rank in range(args.ranks)]
+        procs = []
+        for rank, log in enumerate(logs):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(args.ranks),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "REMATD_BENCH_RESULT": f"{out}-rank{rank}.json",
+            }
+            procs.append(warm.start(module, [*argv, "--worker"], env=env, cwd=Path.cwd(), stdout=log, stderr=log))
+        in_time = warm.wait_all(procs, 3600, stop_on_failure=True)
+        for rank, log in enumerate(logs):
+            said = log.read_text()
+            if said:
+                print(f"--- rank {rank}:\n{said}", end="" if said.endswith("\n") else "\n", file=sys.stderr)
+    codes = [p.returncode for p in procs]
+    if any(codes) or not in_time:
+        raise SystemExit(f"a rank failed: exit codes {codes}" + ("" if in_time else " (killed at the timeout)"))
     return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in range(args.ranks)]
 
 

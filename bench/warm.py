@@ -34,18 +34,28 @@ PRELOAD = (
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
     "torch.distributed.pipelining",
-    "torch._inductor.compile_fx",
-    "datasets",
-    "transformers",
 )
 """What the fork server imports before forking: torch, and its packages that ranks of FSDP2, tensor parallel and
-pipeline schedules import (DTensor's SymPy, the pipelines' Dynamo: 2.5 s more), Inductor and Hugging Face's
-``datasets`` (torchtitan's ranks import both) and ``transformers`` (the stock models'): 4.3 s more. What these
-read from the environment as they are imported (``TORCH_LOGS``, ``TORCHINDUCTOR_*``, ``HF_*``) the ranks take
-from the launching process, whatever environment they are given; a package that is not installed is left out."""
+pipeline schedules import (DTensor's SymPy, the pipelines' Dynamo: 2.5 s more). What these read from the
+environment as they are imported (``TORCH_LOGS``, say) the ranks take from the launching process, whatever
+environment they are given."""
+
+LIBRARIES = ("torch._inductor.compile_fx", "datasets", "transformers")
+"""What a process that starts many ranks of many kinds preloads as well (:func:`also_preload`; the tests do):
+Inductor and Hugging Face's ``datasets`` (torchtitan's ranks import both) and ``transformers`` (the stock
+models'), 4.3 s more for the server, as much less for each rank that imports them. As :data:`PRELOAD`, they
+read ``TORCHINDUCTOR_*`` and ``HF_*`` from the launching process's environment."""
 
 _lock = threading.Lock()
 _context: ForkServerContext | None = None
+_extra: list[str] = []
+
+
+def also_preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` beside :data:`PRELOAD`: where called before the first rank starts
+    (the server starts with it, once a process); one that is not installed is left out."""
+    with _lock:
+        _extra.extend(m for m in modules if m not in _extra)
 
 
 def enabled() -> bool:
@@ -58,7 +68,7 @@ def _forkserver() -> ForkServerContext:
     with _lock:
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(list(PRELOAD))
+            ctx.set_forkserver_preload([*PRELOAD, *_extra])
             _context = ctx
         return _context
 

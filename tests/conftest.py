@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from bench import warm
+
 if TYPE_CHECKING:
     from rematd.server import ServiceThread
 
@@ -20,6 +22,10 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # the planner and server tests run without torch
     torch = None  # type: ignore[assignment]
+
+# The tests start hundreds of ranks, torchtitan's and the stock models' among them: the fork they start from
+# imports those libraries once a worker.
+warm.also_preload(*warm.LIBRARIES)
 
 ALLOW_CLIENT_ERRORS = "allow_client_errors"
 
