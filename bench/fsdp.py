@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,8 +29,7 @@ from typing import Any
 
 import torch
 
-from bench import warm
-from bench.launch import free_port
+from bench.launch import run_ranks
 
 MiB = 2**20
 CONTENDERS = ("none", "full", "rematd")
@@ -183,34 +181,16 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def launch(args: argparse.Namespace, argv: list[str], module: str = "bench.fsdp") -> list[dict[str, Any]]:
-    """Run ``args.ranks`` ranks of ``module`` (``--worker``), forked from a process that has imported torch
-    (:mod:`bench.warm`); their results, rank by rank. Their output is printed after them, rank by rank; a rank
-    that fails stops the others, as torchrun does."""
+    """Run ``args.ranks`` ranks of ``module`` (``--worker``) through :func:`bench.launch.run_ranks` (forked warm;
+    a rank that fails stops the others, as torchrun does); their results, rank by rank. Their standard output is
+    printed after them."""
     out = Path(args.out).with_suffix("")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="rematd-bench-") as tmp:
-        logs = [Path(tmp) / f"rank{rank}.log" for rank in range(args.ranks)]
-        procs = []
-        for rank, log in enumerate(logs):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(args.ranks),
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                "REMATD_BENCH_RESULT": f"{out}-rank{rank}.json",
-            }
-            procs.append(warm.start(module, [*argv, "--worker"], env=env, cwd=Path.cwd(), stdout=log, stderr=log))
-        in_time = warm.wait_all(procs, 3600, stop_on_failure=True)
-        for rank, log in enumerate(logs):
-            said = log.read_text()
-            if said:
-                print(f"--- rank {rank}:\n{said}", end="" if said.endswith("\n") else "\n", file=sys.stderr)
-    codes = [p.returncode for p in procs]
-    if any(codes) or not in_time:
-        raise SystemExit(f"a rank failed: exit codes {codes}" + ("" if in_time else " (killed at the timeout)"))
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "REMATD_BENCH_RESULT": str(out)}
+    try:
+        said = run_ranks(args.ranks, module, [*argv, "--worker"], timeout=3600, env=env)
+    except AssertionError as failed:  # which ranks failed, and the end of each one's standard error
+        raise SystemExit(str(failed)) from None
+    print(said, end="", file=sys.stderr)
     return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in range(args.ranks)]
 
 
@@ -258,7 +238,8 @@ def run_bench(
     args = parse(argv)
     if args.worker:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        Path(os.environ["REMATD_BENCH_RESULT"]).write_text(json.dumps(worker(args)))
+        result = Path(f"{os.environ['REMATD_BENCH_RESULT']}-rank{os.environ['RANK']}.json")
+        result.write_text(json.dumps(worker(args)))
         return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     rest = [a for a in argv if a != "--worker"]
