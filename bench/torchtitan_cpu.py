@@ -16,6 +16,7 @@ torchtitan targets NVIDIA GPUs and a torch nightly. On the CPU build of a releas
   of ``qwen3_moe_debug``'s 64 experts took 17 s on 2 ranks, 5 s without the casts); with it the experts run in
   their parameters' dtype (the tests' runs, compared with each other; what the casts keep is in
   docs/torchtitan.md);
+- the 2 s rank 0 sleeps after the last step, for other ranks' devices to finish: left out;
 - pipeline schedules that take micro-batches (a nightly's ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``):
   they go to the schedule's ``_step_microbatches``, which a release has.
 
@@ -262,6 +263,16 @@ def install() -> None:
         moe.GroupedExperts.forward = _experts_in_their_dtype
     if os.environ.get(QWEN3_EXPERTS):
         _qwen3_experts(os.environ[QWEN3_EXPERTS])
+    _no_sleep_at_the_end()
+
+
+def _no_sleep_at_the_end() -> None:
+    """torchtitan's rank 0 sleeps 2 s after its last step "for other ranks to complete" (their devices' queued
+    work); CPU ranks have run theirs by the step's last collective, and a launch that leaves it out is 2 s
+    shorter (the tests launch dozens)."""
+    from torchtitan import trainer
+
+    trainer.time = types.SimpleNamespace(**{**vars(time), "sleep": lambda seconds: None})  # type: ignore[assignment]
 
 
 def _qwen3_experts(spec: str) -> None:

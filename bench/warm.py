@@ -40,7 +40,13 @@ pipeline schedules import (DTensor's SymPy, the pipelines' Dynamo: 2.5 s more). 
 environment as they are imported (``TORCH_LOGS``, say) the ranks take from the launching process, whatever
 environment they are given."""
 
-LIBRARIES = ("torch._inductor.compile_fx", "datasets", "transformers")
+LIBRARIES = (
+    "torch._inductor.compile_fx",
+    "datasets",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+)
 """What a process that starts many ranks of many kinds preloads as well (:func:`also_preload`; the tests do):
 Inductor and Hugging Face's ``datasets`` (torchtitan's ranks import both) and ``transformers`` (the stock
 models'), 4.3 s more for the server, as much less for each rank that imports them. As :data:`PRELOAD`, they

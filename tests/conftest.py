@@ -24,8 +24,10 @@ except ImportError:  # the planner and server tests run without torch
     torch = None  # type: ignore[assignment]
 
 # The tests start hundreds of ranks, torchtitan's and the stock models' among them: the fork they start from
-# imports those libraries once a worker.
-warm.also_preload(*warm.LIBRARIES)
+# imports those libraries once a worker. DeepSpeed picks its accelerator as it is imported: its ranks here run
+# on the CPU, as ``DS_ACCELERATOR`` says.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+warm.also_preload(*warm.LIBRARIES, *(("deepspeed",) if os.environ["DS_ACCELERATOR"] == "cpu" else ()))
 
 ALLOW_CLIENT_ERRORS = "allow_client_errors"
 
