@@ -49,8 +49,9 @@ LIBRARIES = (
 )
 """What a process that starts many ranks of many kinds preloads as well (:func:`also_preload`; the tests do):
 Inductor and Hugging Face's ``datasets`` (torchtitan's ranks import both) and ``transformers`` (the stock
-models'), 4.3 s more for the server, as much less for each rank that imports them. As :data:`PRELOAD`, they
-read ``TORCHINDUCTOR_*`` and ``HF_*`` from the launching process's environment."""
+models'), 4.3 s more for the server, as much less for each rank that imports them; and the GPT-2 and Llama
+modules of ``transformers``, which its top level imports only when a model is built (1.7 s a rank that builds
+one). As :data:`PRELOAD`, they read ``TORCHINDUCTOR_*`` and ``HF_*`` from the launching process's environment."""
 
 _lock = threading.Lock()
 _context: ForkServerContext | None = None
