@@ -5,7 +5,7 @@ any tool can run the same planner anywhere.
 """
 
 from rematd.planner.controller import Controller, ControllerConfig
-from rematd.planner.cost import peak_of, predict_overhead_ratio, predict_peak_bytes
+from rematd.planner.cost import peak_in_order, peak_of, predict_overhead_ratio, predict_peak_bytes
 from rematd.planner.model import BlockCost, ModeCost, Option, Profile, Size, Term
 from rematd.planner.plan import Plan, ShapePlan, blocks_of
 from rematd.planner.risk import oom_risk
@@ -48,6 +48,7 @@ __all__ = [
     "frequency_of",
     "letters",
     "oom_risk",
+    "peak_in_order",
     "peak_of",
     "predict_overhead_ratio",
     "predict_peak_bytes",

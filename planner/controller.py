@@ -232,6 +232,10 @@ class Controller:
             activations = peak - obs.static_bytes
             cfg = self.config
             ratio = min(cfg.max_correction, max(cfg.min_correction, activations / predicted))
+            if obs.routed_bytes and ratio < self.learned.correction(shape.seq_len):
+                # What the routing added is the client's estimate, high where a recomputation's rows set the
+                # peak: such a step may show the model short, never long.
+                return
             crossed = peak > self.pricing.target_at(target, shape.seq_len)
             self.learned.bucket(shape.seq_len).record(ratio, crossed=crossed, step=obs.step, floor=cfg.min_correction)
 

@@ -25,16 +25,29 @@ def peak_of(
     hold what they keep (``Option.others``) at every moment of it; on a rank that runs several stages
     (``Option.stage``) the backward runs through the later stages first, so while it runs in one stage the
     others' blocks hold what they keep (the later ones, released, are kept by as many other microbatches)."""
+    moments = [(o.kept, o.transient, o.others, o.stage) for o in chosen]
+    return peak_in_order(moments, static_bytes, outside_bytes=outside_bytes, outside_in_backward=outside_in_backward)
+
+
+Moment = tuple[int, int, int, int]
+"""One block's part in :func:`peak_in_order`: (kept, transient, others, stage), as :class:`Option`'s fields."""
+
+
+def peak_in_order(
+    moments: Sequence[Moment], static_bytes: int = 0, *, outside_bytes: int = 0, outside_in_backward: float = True
+) -> int:
+    """:func:`peak_of` on plain tuples, one per block: for a caller that sizes blocks at other rows or shapes
+    than an :class:`Option` holds (the client's guard on a step's routed rows)."""
     before = worst = others = 0
-    stage, done = chosen[0].stage if chosen else 0, NO_MOMENT
-    for o in chosen:
-        if o.stage != stage:
+    stage, done = moments[0][3] if moments else 0, NO_MOMENT
+    for kept, transient, other, at in moments:
+        if at != stage:
             # A stage's moments hold what every stage after it keeps: counted from where it ended.
-            done, worst, stage = max(done, worst - before) if worst else done, 0, o.stage
-        if o.transient:
-            worst = max(worst, before + o.kept + o.transient)
-        before += o.kept
-        others += o.others
+            done, worst, stage = max(done, worst - before) if worst else done, 0, at
+        if transient:
+            worst = max(worst, before + kept + transient)
+        before += kept
+        others += other
     worst = max(worst, before + done)
     backward = worst + int(outside_bytes * outside_in_backward)
     return static_bytes + others + max(before + outside_bytes, backward)

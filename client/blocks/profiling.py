@@ -195,7 +195,9 @@ class Profiler:
         if self.probe is not None:
             self.probe.record(key, t)
         rows = self._rows
-        routed = rows > 0 and t.dim() >= 1 and t.shape[0] == rows
+        # Any dimension: a bank's batched matmuls save its rows behind a leading one of experts (or of one). A
+        # size that only matches the rows by chance is taken to grow with them: the guard then projects more.
+        routed = rows > 0 and rows in t.shape
         if key not in self.saved:
             # Rows of routed tokens scale with the tokens, whatever the batch and length they came from.
             self.saved[key] = (storage_bytes(t), 1, 1) if routed else (storage_bytes(t), *exponents(t, self.shape))

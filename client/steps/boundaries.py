@@ -312,7 +312,7 @@ class StepCycle:
                     self.unsent_oom = None
         # The raw figures only: the statistics are built off this thread (or by ``h.last_stats``).
         version = self.applier.plan.version
-        routed = self.router.step_ends(peak) if self.router is not None else 0
+        routed = self._router_ends(peak, figures)
         timed = self.timer.take()
         record = StepRecord(
             self.step,
@@ -326,6 +326,17 @@ class StepCycle:
         self.step += 1
         self.watch.step_ended(record, peak, version, self.applier.in_force)
         self.backend.send_stats(record)
+
+    def _router_ends(self, peak: int, figures: MemorySample | SavedFigures) -> int:
+        """The router guard's step ends (what the step's routing added to its peak; 0 without experts). On the
+        CPU the memory outside the blocks is counted apart, and backward holds the share the other microbatches
+        alive at once keep of it (as the planner models it); on CUDA it is held throughout."""
+        if self.router is None:
+            return 0
+        if isinstance(figures, MemorySample):
+            return self.router.step_ends(peak)
+        flights = max(1, self.setup.other_in_flight)
+        return self.router.step_ends(peak, figures[2], (flights - 1) / flights)
 
     @property
     def last_memory(self) -> MemorySample | None:

@@ -6,10 +6,13 @@ inside it: the rows the router sends each rank's experts (:mod:`rematd.client.bl
 parallel a batch whose tokens pick one expert sends the rank holding it up to the whole group's tokens. The
 profile measured, per block and mode, the bytes with a row per routed token; each bank's forward hook reads the
 rows it received, and the step's projected peak is the plan's prediction with those bytes at the rows seen (a
-block still to come at the most any block has seen this step, over its typical rows: the median of recent steps'). Past
-the point halfway from the plan's target to the budget, the blocks that have not run yet switch to leaner modes
-of their profile's (the most bytes for the least recomputation first) until the projection is back under the
-target; the next step starts from the plan again.
+block still to come at the most any block has seen this step, over its typical rows: the median of recent steps').
+The projection follows the planner's model of a peak in backward order (:func:`rematd.planner.peak_in_order`), and
+what it leaves out (static memory, the model's error for these modes) is the larger of the plan's figure and the
+steps': those that ran these modes, or for modes not run yet (a new plan's first step) the most any recent step
+left out. Past the point halfway from the plan's target to the budget, the blocks that have not run yet switch to
+leaner modes of their profile's (the most bytes for the least recomputation first) until the projection is back
+under the target; the next step starts from the plan again.
 
 Ranks that run one plan (sharded ranks, and so expert parallel inside them) decide together, after the first
 expert bank's block of every step: each puts forward its own modes and all run the leanest any rank put forward
@@ -35,7 +38,7 @@ from rematd.client.parallel.agreement import CODES, MODES
 from rematd.client.parallel.base import SetUp
 from rematd.client.plans.applier import PlanApplier
 from rematd.client.steps.modes_run import RERUN, ModesRun
-from rematd.planner import Mode, ModeCost, Shape, letters
+from rematd.planner import Mode, ModeCost, Shape, letters, peak_in_order
 
 log = logging.getLogger("rematd.client")
 
@@ -62,6 +65,11 @@ a block still to come is then projected at the most rows any bank received this 
 of one kind of token sends each layer's router the same way), and the step reports what its routing added."""
 SPREAD = 4.0
 """Robust standard deviations (1.4826 times the median absolute deviation) above typical that skewed rows pass."""
+TYPICAL = -1.0
+"""The load that sizes every block at its typical rows, whether or not it has run (:meth:`RouterGuard._rows`); a
+load of None sizes them at the profile's, as the planner does."""
+RESIDUALS = 64
+"""Modes whose steps' residuals (:meth:`RouterGuard.step_ends`) are kept at once; past it they start again."""
 SLACK = 0.5
 """How far past the plan's target, as a share of the way to the budget, a projection must go before blocks switch:
 the margin below the target absorbs the ordinary spread of a balanced router's rows from step to step."""
@@ -88,7 +96,9 @@ class RouterGuard:
         self.skewed = False
         """Whether some bank received skewed rows this step (:data:`SKEWED`)."""
         self.routed_bytes = 0
-        """What the step's routing added to its peak, by the profile's measure, under the modes that ran."""
+        """What the step's routing added to its peak over typical rows, by the profile's measure, under the modes
+        that ran (an estimate, high rather than low where the peak is in backward: a planner learns from such a
+        step only that its model is short)."""
         self._failed = False
         self._decided = False
         """Whether the ranks decided this step (the first bank's block runs again in a later microbatch)."""
@@ -97,8 +107,15 @@ class RouterGuard:
         self._sized_shape: Shape | None = None
         self._most = 0
         """The most rows any bank received this step."""
-        self._measured: tuple[Shape, int] | None = None
-        """The last step's shape, and its peak less what its routing added and its blocks' activations."""
+        self._outside = (0, 1.0)
+        """The last step's memory outside the blocks where the planner models it apart (0 where it is held
+        throughout backward, as on CUDA: then it is in the residual), and the share of it backward holds."""
+        self._placed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        """Per block, the microbatches alive at once at the peak and the stage of the rank's it runs in."""
+        self._residuals: dict[tuple[Shape, tuple[Mode, ...]], deque[int]] = {}
+        """Per shape and modes run, the recent steps' peaks less their projection at the rows they received."""
+        self._recent: deque[tuple[Shape, int]] = deque(maxlen=HISTORY)
+        """The recent steps' shapes and residuals, whatever their modes."""
         self.history: dict[int, deque[float]] = {i: deque(maxlen=HISTORY) for i in self.banks}
         """Per bank, the rows it received per token of the step, over the last steps."""
         self._typical: dict[int, tuple[float, float]] = {}
@@ -132,22 +149,23 @@ class RouterGuard:
             rows[i] = 0
             seen[i] = False
 
-    def step_ends(self, peak: int) -> int:
-        """The step ended at ``peak`` (what the budget caps); returns the bytes its routing added to it over a
-        typical step's (0 where no bank received more than it typically does)."""
+    def step_ends(self, peak: int, outside: int = 0, in_backward: float = 1.0) -> int:
+        """The step ended at ``peak`` (what the budget caps), ``outside`` of it outside the blocks (where counted
+        apart), ``in_backward`` of that held while their backward runs; returns :attr:`routed_bytes`."""
         if self._failed:
             return 0
         try:
+            self._outside = (outside, in_backward)
             modes = tuple(b.mode for b in self.cycle.blocks)
             self.skewed = self.skewed or any(self._skewed(i) for i in self.banks if self._seen[i])
-            if self.skewed:
-                # Only a skewed step's: the ordinary spread of the rows, above typical and below, is the planner's
-                # to learn like any other.
-                self.routed_bytes = max(0, self._project(modes, max(self.load, 1.0)) - self._project(modes, None))
-            # What the step's peak holds besides the blocks' activations, measured: the projection's base where
-            # the planner's prediction leaves less (its corrections learn over several steps).
-            if peak and all(b.measure is not None for b in self.cycle.blocks):
-                self._measured = (self.cycle.shape, peak - self.routed_bytes - self._project(modes, None))
+            if all(b.measure is not None for b in self.cycle.blocks):
+                projected = self._project(modes, max(self.load, 1.0))
+                if self.skewed:
+                    # Only a skewed step's: the ordinary spread of the rows, above typical and below, is the
+                    # planner's to learn like any other.
+                    self.routed_bytes = max(0, projected - self._project(modes, TYPICAL))
+                if peak:
+                    self._note_residual(modes, peak - projected)
             tokens = self.cycle.shape.tokens
             if tokens:
                 for i in self.banks:
@@ -181,6 +199,29 @@ class RouterGuard:
         except Exception:
             self._fail()
 
+    def _note_residual(self, modes: tuple[Mode, ...], residual: int) -> None:
+        """What the step's peak held beyond the projection of ``modes`` at the rows its banks received: static
+        memory, and the model's error for these modes (which differs from modes to modes by a share of it)."""
+        shape = self.cycle.shape
+        key = (shape, modes)
+        kept = self._residuals.get(key)
+        if kept is None:
+            if len(self._residuals) >= RESIDUALS:
+                self._residuals.clear()
+            kept = self._residuals[key] = deque(maxlen=HISTORY)
+        kept.append(residual)
+        self._recent.append((shape, residual))
+
+    def _residual(self, modes: tuple[Mode, ...]) -> int | None:
+        """What a step of ``modes`` at this shape holds beyond their projection, by the steps: the most the
+        recent ones that ran them left out, or, where none did, the most any recent step left out (a plan's
+        first step: its modes' own error is not known yet). None before any step of this shape."""
+        shape = self.cycle.shape
+        own = self._residuals.get((shape, modes))
+        if own:
+            return max(own)
+        return max((r for s, r in self._recent if s == shape), default=None)
+
     def _fail(self) -> None:
         self._failed, self.armed = True, False
         self.cycle.errors += 1
@@ -191,21 +232,17 @@ class RouterGuard:
     def _expected(self, index: int) -> float:
         """The rows block ``index``'s bank receives on a typical step of this shape: the median, per token, of
         the last :data:`HISTORY` steps' (the profile's before it has seen any)."""
-        b = self.cycle.blocks[index]
         now = self.cycle.shape.tokens
         typical = self._typical.get(index)
         if typical is not None and now:
             return typical[0] * now
-        assert b.measure is not None
-        profiled = b.profile_shape.tokens
-        return b.measure.routed_rows * (now / profiled if profiled and now else 1.0)
+        return self._profiled_rows(index)
 
     def _cost(self, measure: BlockMeasure, mode: Mode) -> ModeCost | None:
         return next((c for c in measure.modes if c.mode is mode), None)
 
     def _block(self, index: int, mode: Mode, load: float | None) -> tuple[int, int]:
-        """(kept, held while recomputing) bytes of block ``index`` in ``mode``: at its rows seen, or at ``load``
-        times its typical rows where it has not run yet; at its typical rows with ``load`` None."""
+        """(kept, held while recomputing) bytes of block ``index`` in ``mode`` at the rows :meth:`_rows` gives."""
         b = self.cycle.blocks[index]
         measure = b.measure
         assert measure is not None
@@ -216,25 +253,58 @@ class RouterGuard:
         if sized is None:
             cost = self._cost(measure, mode)
             profiled = b.profile_shape
-            sized = (cost.kept.at(profiled, now), cost.transient.at(profiled, now)) if cost is not None else (0, 0)
+            if cost is None:
+                sized = (0, 0)
+            else:
+                # While it rematerialises the block holds its transient less what its backward has released.
+                held = cost.transient.at(profiled, now) - cost.released.at(profiled, now)
+                sized = (cost.kept.at(profiled, now), max(0, held))
             self._sized[(index, mode)] = sized
         kept, held = sized
         if load is None or not measure.routed_rows:
             return kept, held
-        expected = self._expected(index)
-        rows = self.rows[index] if self._seen[index] else max(expected * load, self._most if self.skewed else 0)
-        extra = max(0.0, rows - expected) / measure.routed_rows
+        # The profile's sizes hold its rows, scaled with the tokens: the rows the planner's model assumes.
+        extra = (self._rows(index, load) - self._profiled_rows(index)) / measure.routed_rows
         routed_kept, routed_held = measure.routed.get(mode, (0, 0))
-        return kept + int(routed_kept * extra), held + int(routed_held * extra)
+        return max(0, kept + int(routed_kept * extra)), max(0, held + int(routed_held * extra))
+
+    def _profiled_rows(self, index: int) -> float:
+        """The rows the profile's sizes of block ``index`` hold at this step's shape."""
+        b = self.cycle.blocks[index]
+        assert b.measure is not None
+        profiled, now = b.profile_shape.tokens, self.cycle.shape.tokens
+        return b.measure.routed_rows * (now / profiled if profiled and now else 1.0)
+
+    def _rows(self, index: int, load: float) -> float:
+        """The rows block ``index`` is sized at: its typical rows with ``load`` :data:`TYPICAL`; otherwise those
+        it received this step, or where it has not run yet ``load`` times its typical rows (at least them, and
+        on a skewed step at least the most any bank received)."""
+        expected = self._expected(index)
+        if load == TYPICAL:
+            return expected
+        if self._seen[index]:
+            return self.rows[index]
+        return max(expected * max(load, 1.0), self._most if self.skewed else 0)
 
     def _project(self, modes: tuple[Mode, ...], load: float | None) -> int:
-        """Activation bytes at the peak under ``modes``: those kept, and the largest recomputation's."""
-        kept = held = 0
+        """The step's peak under ``modes`` less static memory, by the planner's model of a peak in backward
+        order: the blocks' bytes (at ``load`` as :meth:`_block` sizes them) and the memory outside them."""
+        flights, stages = self._placement()
+        moments = []
         for i, mode in enumerate(modes):
-            k, h = self._block(i, mode, load)
-            kept += k
-            held = max(held, h)
-        return kept + held
+            kept, held = self._block(i, mode, load)
+            moments.append((kept, held, (flights[i] - 1) * kept, stages[i]))
+        outside, in_backward = self._outside
+        return peak_in_order(moments, outside_bytes=outside, outside_in_backward=in_backward)
+
+    def _placement(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per block, the microbatches alive at once at the peak, and the stage of the rank's it runs in."""
+        placed = self._placed
+        if placed is None:
+            count = len(self.cycle.blocks)
+            setup = self.cycle.setup
+            placed = self._placed = (setup.in_flight(count), setup.stages(count))
+        return placed
 
     # -- the decision ---------------------------------------------------------
 
@@ -301,9 +371,9 @@ class RouterGuard:
             return modes, ""
         target = min(target or budget, budget)
         other = predicted - self._project(modes, None)
-        measured = self._measured
-        if measured is not None and measured[0] == self.cycle.shape:
-            other = max(other, measured[1])
+        residual = self._residual(modes)
+        if residual is not None:
+            other = max(other, residual)
         before = other + self._project(modes, self.load)
         if before <= target + SLACK * (budget - target):
             return modes, ""
