@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematd import client
 from rematd.client.demo.tiny_gpt import lm_loss
-from rematd.client.memory.accounting import SavedTensorAccounting
+from rematd.client.memory.accounting import SavedTensorAccounting, storage_id
 from rematd.planner import Mode
 
 from .helpers import batch, tiny_model, train_step
@@ -121,6 +121,30 @@ def test_accounting_frees_what_backward_releases() -> None:
     del y
     assert acct.live_bytes == 0
     assert acct.take_peak() >= 64 * 64 * 4
+
+
+def test_an_activation_at_a_gathered_parameters_old_address_is_counted() -> None:
+    """A sharded set-up frees the storage it gathers a parameter into between uses; the allocator may then give
+    its address to an activation. Two storages over one buffer stand for that: the same address, another storage."""
+    memory = bytearray(64 * 64 * 4)
+    model = nn.Linear(64, 64, bias=False)
+    model.weight = nn.Parameter(torch.frombuffer(memory, dtype=torch.float32).view(64, 64))
+    activation = torch.frombuffer(memory, dtype=torch.float32).view(64, 64)
+    assert activation.data_ptr() == model.weight.data_ptr()
+
+    plain = SavedTensorAccounting()
+    plain.exclude_module_state(model)
+    held = plain.pack(model.weight)
+    assert plain.live_bytes == 0, "a parameter is no activation"
+
+    sharded = SavedTensorAccounting()
+    gathered = frozenset({storage_id(model.weight)})
+    sharded.exclude_module_state(model, gathered)
+    sharded.gathered = gathered
+    held = [sharded.pack(model.weight), sharded.pack(activation)]
+    assert sharded.live_bytes == 64 * 64 * 4, "the gathered weight is not counted, the activation at its address is"
+    del held
+    assert sharded.live_bytes == 0
 
 
 def test_step_without_forward_is_harmless_and_close_is_idempotent() -> None:

@@ -117,8 +117,13 @@ class SavedTensorAccounting:
         """Live bytes saved outside the blocks (the embeddings, the head, the loss), and their peak since
         :meth:`take_step`: measured apart, whatever the blocks keep."""
 
-    def exclude_module_state(self, module: torch.nn.Module) -> None:
-        state = (*module.parameters(), *module.buffers())
+    def exclude_module_state(self, module: torch.nn.Module, gathered: frozenset[int] = frozenset()) -> None:
+        """Leave ``module``'s parameters and buffers out of the count, known by their addresses (a cheap test on
+        the hot path), except those in storages a sharded set-up gathers into (``gathered``: identities). The
+        set-up frees such a storage between uses and gathers into it anew at another address, which the allocator
+        may meanwhile hand to an activation: kept, the address would hide that activation. :attr:`gathered`
+        tells them apart by identity."""
+        state = [t for t in (*module.parameters(), *module.buffers()) if storage_id(t) not in gathered]
         self.excluded = frozenset(storage_key(t) for t in state)
         self._excluded_fast = frozenset(_fast_key(t) for t in state)
 

@@ -135,7 +135,8 @@ class StepCycle:
             self._first_step()
             self.memory = memory_source(self.model, self.accounting, args, kwargs)
             self._cuda = isinstance(self.memory, CudaMemory)
-            self.accounting.exclude_module_state(self.model)
+            # A sharded set-up may have gathered the root's parameters already: known by storage, not by address.
+            self.accounting.exclude_module_state(self.model, self.setup.weight_storages())
             offer_modes(self.blocks, self.memory, self.modes)
         self._shape_seen = shape is None
         self.shape = shape_of(args, kwargs) if shape is None else shape
