@@ -279,12 +279,11 @@ class RouterGuard:
         """The rows block ``index`` is sized at: its typical rows with ``load`` :data:`TYPICAL`; otherwise those
         it received this step, or where it has not run yet ``load`` times its typical rows (at least them, and
         on a skewed step at least the most any bank received)."""
-        expected = self._expected(index)
         if load == TYPICAL:
-            return expected
+            return self._expected(index)
         if self._seen[index]:
             return self.rows[index]
-        return max(expected * max(load, 1.0), self._most if self.skewed else 0)
+        return max(self._expected(index) * max(load, 1.0), self._most if self.skewed else 0)
 
     def _project(self, modes: tuple[Mode, ...], load: float | None) -> int:
         """The step's peak under ``modes`` less static memory, by the planner's model of a peak in backward
