@@ -81,6 +81,7 @@ def budgets_table(
                 "peak_mib": s["max_peak"] / MiB,
                 "planner_ms": _median_of(s, "planner_ms"),
                 "thread_ms": _median_of(s, "thread_ms"),
+                "modes": s.get("modes"),
             }
             for s in results
         ],

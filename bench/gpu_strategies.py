@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,14 +73,16 @@ def _every3(ctx: Context) -> None:
 
 
 @register("rematd")
-def _rematd(ctx: Context) -> None:
+def _rematd(ctx: Context, **options: Any) -> None:
+    """rematd planning at the job's budget; ``options``: more of ``attach``'s arguments (the job's modes by
+    default)."""
     job = ctx.job
     ctx.handle = client.attach(
         ctx.model,
         budget_bytes=job.budget_bytes or 2**50,
         optimizer=ctx.opt,
         margin_ratio=job.margin,
-        modes=job.modes or None,
+        **{"modes": job.modes or None, **options},
     )
 
 
@@ -90,6 +93,25 @@ def _rematd_recompute(ctx: Context) -> None:
     _rematd(ctx)
     assert ctx.handle is not None
     ctx.handle.pin_modes("recompute")
+
+
+def _rematd_offload(ctx: Context, *, pool: bool) -> None:
+    _rematd(ctx, modes=["store", "selective", "recompute", "offload"], offload=client.OffloadConfig(pool=pool))
+    assert ctx.handle is not None
+    ctx.handle.pin_modes("offload")
+
+
+@register("rematd-offload")
+def _rematd_offload_pool(ctx: Context) -> None:
+    """Every block pinned to offload, its copies into the reused pinned pool: beside ``hf-full``, what moving
+    every block's activations to the host costs a step where the copies hide behind compute and where not."""
+    _rematd_offload(ctx, pool=True)
+
+
+@register("rematd-offload-fresh")
+def _rematd_offload_fresh(ctx: Context) -> None:
+    """As ``rematd-offload``, with a fresh pinned host tensor per copy: what the pool saves a step."""
+    _rematd_offload(ctx, pool=False)
 
 
 STATIC_STRATEGIES = ("none", "hf-full", "every-2nd", "every-3rd")

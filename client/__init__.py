@@ -8,6 +8,7 @@ from rematd.client.attach import attach
 from rematd.client.blocks.compiled import CompileStats
 from rematd.client.blocks.compress import CompressConfig
 from rematd.client.blocks.discovery import BlockDiscoveryError, find_blocks
+from rematd.client.blocks.offload import OffloadConfig
 from rematd.client.errors import OutOfMemory, UnsupportedModel
 from rematd.client.handle import Handle
 from rematd.client.service.stream_config import StreamConfig
@@ -20,6 +21,7 @@ __all__ = [
     "CompressConfig",
     "Guard",
     "Handle",
+    "OffloadConfig",
     "OutOfMemory",
     "Plan",
     "StreamConfig",

@@ -14,7 +14,7 @@ from rematd.client.blocks.compiled import CompiledBlocks
 from rematd.client.blocks.compress import CompressConfig, Compressor
 from rematd.client.blocks.kv_caches import train_without_cache
 from rematd.client.blocks.mode_timing import RecomputeTimer
-from rematd.client.blocks.offload import Offloader
+from rematd.client.blocks.offload import OffloadConfig, Offloader
 from rematd.client.blocks.switchable import SwitchableBlock
 from rematd.client.memory.accounting import SavedTensorAccounting
 from rematd.client.plans.applier import PlanApplier
@@ -43,6 +43,7 @@ def build_parts(
     hard_limit_bytes: int | None,
     compile_backend: str | None,
     compress: CompressConfig | None = None,
+    offload: OffloadConfig | None = None,
 ) -> BlockParts:
     """Wrap each block found; ``compile_backend`` (a ``torch.compile`` backend) compiles their variants."""
     accounting = SavedTensorAccounting()
@@ -51,7 +52,7 @@ def build_parts(
     parts = compile_backend is None
     blocks = [SwitchableBlock(i, name, m, accounting, parts=parts) for i, (name, m) in enumerate(found)]
     timer = RecomputeTimer()
-    offloader = Offloader(timer)
+    offloader = Offloader(timer, offload)
     compressor = Compressor(compress or CompressConfig(), accounting, timer)
     compiled = CompiledBlocks(compile_backend) if compile_backend is not None else None
     for b in blocks:

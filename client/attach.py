@@ -20,6 +20,7 @@ from rematd.client.arguments import (
     parse_modes,
 )
 from rematd.client.blocks.compress import CompressConfig, check_compress
+from rematd.client.blocks.offload import OffloadConfig, check_offload
 from rematd.client.handle import Handle
 from rematd.client.options import AttachOptions
 from rematd.client.service.stream_config import StreamConfig
@@ -44,6 +45,7 @@ def attach(
     compile: bool | str = False,
     same_plan: bool | None = None,
     compress: CompressConfig | str | None = None,
+    offload: OffloadConfig | None = None,
     planner_thread: bool = True,
 ) -> Handle:
     """Attach rematd to ``model`` and return the handle that applies its plans.
@@ -116,6 +118,10 @@ def attach(
             :class:`rematd.client.CompressConfig`, or its format's name
             (``"int8"``, the default, ``"fp8"`` or ``"bf16"``); only with
             ``"compress"`` in ``modes``.
+        offload: how the ``"offload"`` mode moves activations: a
+            :class:`rematd.client.OffloadConfig` (blocks fetched back ahead of
+            their backward, the smallest tensor worth a copy, the reused host
+            pool); only with ``"offload"`` in ``modes``.
         planner_thread: planning in this process (no ``server``), whether the
             planner runs on a thread of its own (the default: the training
             thread only hands over each step's figures, and a plan is swapped
@@ -144,6 +150,7 @@ def attach(
         compile_backend=check_compile(compile),
         same_plan=check_optional_flag("same_plan", same_plan),
         compress=None if compress is None else check_compress(compress),
+        offload=None if offload is None else check_offload(offload),
         planner_thread=check_flag("planner_thread", planner_thread),
     )
     return Handle(model, options, blocks=blocks, optimizer=optimizer)

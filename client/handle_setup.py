@@ -58,6 +58,7 @@ def set_up(
         hard_limit_bytes=options.hard_limit_bytes,
         compile_backend=options.compile_backend,
         compress=options.compress,
+        offload=options.offload,
     )
     backend = choose_backend(options, parts.applier)
     parts.applier.price = backend.plan_of

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rematd.client.blocks.compress import CompressConfig
+from rematd.client.blocks.offload import OffloadConfig
 from rematd.client.service.stream_config import StreamConfig
 from rematd.planner import Mode
 
@@ -35,6 +36,8 @@ class AttachOptions:
     """Whether the ranks that share the parameters run one plan (None: where the set-up needs it)."""
     compress: CompressConfig | None = None
     """How the compress mode keeps activations, when given."""
+    offload: OffloadConfig | None = None
+    """How the offload mode moves activations, when given."""
     planner_thread: bool = True
     """In-process planning on a thread of its own (else on the training thread, at each step's end)."""
 
@@ -46,3 +49,5 @@ class AttachOptions:
             )
         if self.compress is not None and Mode.COMPRESS not in self.modes:
             raise ValueError("compress= configures the 'compress' mode, which modes= does not enable: add 'compress'")
+        if self.offload is not None and Mode.OFFLOAD not in self.modes:
+            raise ValueError("offload= configures the 'offload' mode, which modes= does not enable: add 'offload'")

@@ -54,6 +54,8 @@ BAD: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"modes": "recompute"}, TypeError, r"^modes must be a list of modes"),
     ({"server": "localhost:50051", "tls": "yes"}, TypeError, r"^tls must be True or False"),
     ({"server": "localhost:50051", "fallback_after_s": -1}, ValueError, r"^fallback_after_s"),
+    ({"offload": client.OffloadConfig()}, ValueError, r"^offload= configures the 'offload' mode.*add 'offload'"),
+    ({"modes": ["offload"], "offload": 2}, TypeError, r"^offload must be an OffloadConfig or None, got 2"),
 ]
 
 

@@ -26,9 +26,13 @@ def test_the_quick_run_measures_every_strategy_and_writes_its_tables(tmp_path: P
     assert report["device"] == "cpu" and report["quick"]
     (model,) = report["models"]
     statics = {s["strategy"]: s for s in model["static"]}
-    assert list(statics) == ["none", "hf-full", "every-2nd", "every-3rd", "rematd-recompute"]
+    assert list(statics) == [
+        *("none", "hf-full", "every-2nd", "every-3rd"),
+        *("rematd-recompute", "rematd-offload", "rematd-offload-fresh"),
+    ]
     assert all(s["step_ms"] > 0 for s in model["static"])
     assert statics["hf-full"]["thread_ms"] is None and statics["rematd-recompute"]["thread_ms"] > 0
+    assert statics["rematd-offload"]["modes"] == statics["rematd-offload-fresh"]["modes"] == "OOOO"
     assert [r["budget"] for r in model["rows"]] == ["30%", "90%"]
     for row in model["rows"]:
         assert len(row["modes"]) == 4 and "O" not in row["modes"] and "C" not in row["modes"], "offload is opt-in"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -188,3 +189,67 @@ def test_a_model_that_fits_only_checkpointed_trains_in_a_plain_loop_from_its_fir
             h.close()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _offloading(config: client.OffloadConfig, seed: int = 3) -> tuple[TinyGPT, TinyGPT, client.Handle]:
+    ref = gpt(dropout=0.1, seed=seed)
+    model = gpt(dropout=0.1, seed=seed)
+    h = client.attach(model, budget_bytes=2**40, modes=ALL, offload=config)
+    lm_loss(model, data(128)).backward()  # the profiling step
+    h.step()
+    model.zero_grad()
+    h.pin_modes(Mode.OFFLOAD)
+    return ref, model, h
+
+
+def _same_step(ref: TinyGPT, model: TinyGPT, h: client.Handle, seed: int, before_backward: Any = None) -> None:
+    torch.manual_seed(seed)
+    ref_loss = lm_loss(ref, data(128, seed=seed))
+    ref_loss.backward()
+    torch.manual_seed(seed)
+    loss = lm_loss(model, data(128, seed=seed))
+    if before_backward is not None:
+        before_backward()
+    loss.backward()
+    torch.cuda.synchronize()  # the step's timing events complete before its end: its statistics hold them
+    h.step()
+    assert torch.equal(loss, ref_loss)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), name
+    ref.zero_grad()
+    model.zero_grad()
+
+
+def test_offload_copies_into_pinned_buffers_reused_step_after_step() -> None:
+    ref, model, h = _offloading(client.OffloadConfig(prefetch_blocks=2))
+    pool = introspect.offloader(h).pool
+    assert pool is not None
+    fresh = []
+    for seed in (1, 2, 3, 4):
+        _same_step(ref, model, h, seed)
+        fresh.append(pool.fresh)
+    assert fresh[0] > 0 and fresh[-1] == fresh[0], f"the first offloading step allocates, the rest reuse: {fresh}"
+    assert pool.reused >= 3 * fresh[0]
+    assert all(b.is_pinned() for free in pool._free.values() for b, _ in free), "pinned: asynchronous copies"
+    off = introspect.offloader(h)
+    assert off.late == 0 and off.prefetched > 0
+    h.close()
+
+
+def test_a_step_whose_copies_back_come_late_waits_for_them_and_computes_the_same() -> None:
+    """The side stream held up behind a long kernel: backward's unpack waits on each copy's event (timed as
+    offload's cost) instead of reading a buffer still being written."""
+    ref, model, h = _offloading(client.OffloadConfig(prefetch_blocks=0))
+    off = introspect.offloader(h)
+    _same_step(ref, model, h, 1)
+
+    def hold_up_the_copies() -> None:
+        for stream in off._streams.values():
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(200_000_000)  # some 0.1 s of a spinning kernel ahead of every copy back
+
+    _same_step(ref, model, h, 2, hold_up_the_copies)
+    assert h.last_stats is not None
+    (timed,) = [m for m in h.last_stats.mode_seconds if m.mode == Mode.OFFLOAD]
+    assert timed.seconds > 0.01, f"the wait for the late copies is offload's cost: {timed}"
+    h.close()

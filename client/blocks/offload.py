@@ -3,12 +3,15 @@ backward needs them.
 
 Copies out start as each tensor is saved and run on a side stream, so the
 block's forward goes on while they do; the device memory is handed back to
-the allocator once the copy is done (``record_stream``). Coming back, each
-block's tensors are fetched when the gradient reaches the block's output,
-and the previous block's with them, so the copy of the next block back
-overlaps this block's backward. The compute stream waits for a tensor only
-when backward unpacks it; that wait is timed (CUDA events on the compute
-stream), the part of offload's cost that falls in backward.
+the allocator once the copy is done (``record_stream``). The host buffers
+come from a pool reused step after step (:mod:`rematd.client.blocks.host_pool`),
+pinned on a device, so that a step pays no allocation of page-locked memory.
+Coming back, each block's tensors are fetched when the gradient reaches the
+block's output, and those of the ``prefetch_blocks`` offloaded blocks before
+it with them, so the copies back overlap this block's backward. The compute
+stream waits for a tensor only when backward unpacks it; that wait is timed
+(CUDA events on the compute stream), the part of offload's cost that falls
+in backward.
 
 Without CUDA the same bookkeeping runs with plain copies (nothing to
 overlap): the path is not offered there, but its logic is testable.
@@ -25,20 +28,52 @@ from typing import Any
 import torch
 from torch import nn
 
+from rematd.client.blocks.host_pool import HostPool, Lease
 from rematd.client.blocks.mode_timing import RecomputeTimer
 from rematd.client.memory.accounting import tensors_in
 from rematd.planner import Mode
 
-# Tensors smaller than this stay on the device: a copy's fixed cost outweighs what it frees.
-MIN_BYTES = 64 * 1024
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OffloadConfig:
+    """How blocks in the ``offload`` mode move their saved tensors (``attach(..., offload=...)``)."""
+
+    prefetch_blocks: int = 1
+    """Offloaded blocks fetched back ahead of the one whose backward starts: when the gradient reaches a block's
+    output, its own tensors and those of this many offloaded blocks before it start coming back. More hides
+    slower copies behind more backward, and holds that many blocks' activations on the device at once."""
+    min_bytes: int = 64 * 1024
+    """Tensors smaller than this stay on the device: a copy's fixed cost outweighs what it frees."""
+    pool: bool = True
+    """Copy into host buffers reused from step to step (pinned on a device). False: a fresh host tensor per
+    saved tensor, every step (on a device, a fresh pinned allocation each time: several times slower)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prefetch_blocks", "min_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"offload.{name} must be an integer >= 0; got {value!r}")
+        if not isinstance(self.pool, bool):
+            raise ValueError(f"offload.pool must be True or False; got {self.pool!r}")
+
+
+def check_offload(value: object) -> OffloadConfig:
+    """``attach``'s ``offload``: an :class:`OffloadConfig`, or None (the defaults)."""
+    if value is None:
+        return OffloadConfig()
+    if isinstance(value, OffloadConfig):
+        return value
+    raise TypeError(f"offload must be an OffloadConfig or None, got {value!r}")
 
 
 @dataclass(slots=True, eq=False)
 class _Saved:
     """One saved tensor, on the host or on its way back."""
 
-    host: torch.Tensor
+    host: torch.Tensor | None
+    """The host copy (None once it has come back: its buffer is the pool's again)."""
     device: torch.device
+    lease: Lease | None = None
     offloaded: torch.cuda.Event | None = None
     back: torch.Tensor | None = None
     fetched: torch.cuda.Event | None = None
@@ -55,8 +90,10 @@ class _Group:
 class Offloader:
     """Saved-tensor hooks that keep blocks' activations in (pinned) host memory between forward and backward."""
 
-    def __init__(self, timer: RecomputeTimer | None = None) -> None:
+    def __init__(self, timer: RecomputeTimer | None = None, config: OffloadConfig | None = None) -> None:
         self.timer = timer
+        self.config = config = config or OffloadConfig()
+        self.pool = HostPool() if config.pool else None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._groups: list[_Group] = []
         self.prefetched = 0
@@ -74,13 +111,16 @@ class Offloader:
     def block(self) -> Iterator[_Group]:
         """Around one block's forward: what it saves goes to the host. Call :meth:`on_output` with its output."""
         group = _Group()
-        previous = self._groups[-1] if self._groups else None
+        ahead = self.config.prefetch_blocks
+        earlier = self._groups[max(0, len(self._groups) - ahead) :] if ahead else []
         self._groups.append(group)
         if len(self._groups) > 4096:
             del self._groups[:2048]  # groups whose backward never ran (evaluation with gradients on)
+        min_bytes = self.config.min_bytes
 
         def pack(t: torch.Tensor) -> Any:
-            if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < MIN_BYTES or t.is_sparse:
+            nbytes = t.numel() * t.element_size()
+            if isinstance(t, nn.Parameter) or nbytes < min_bytes or nbytes == 0 or t.is_sparse:
                 return t
             if not t.is_contiguous() or t._base is not None:
                 return t  # a view: copying it out would not free the memory it shares
@@ -96,22 +136,24 @@ class Offloader:
                 # Not prefetched (the gradient skipped the block's output): fetch now.
                 self.late += 1
                 self._fetch(group)
-                if previous is not None:
-                    self._fetch(previous)
+                for g in reversed(earlier):
+                    self._fetch(g)
             return self._wait(x)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield group
 
-    def on_output(self, group: _Group, output: Any, previous_too: bool = True) -> None:
-        """Hook the block's outputs: when their gradient arrives, fetch this block's tensors back, and the
-        block's before it (whose backward comes next)."""
+    def on_output(self, group: _Group, output: Any) -> None:
+        """Hook the block's outputs: when their gradient arrives, fetch this block's tensors back, and those of
+        the ``prefetch_blocks`` blocks before it (whose backward comes next)."""
+        ahead = self.config.prefetch_blocks
         index = self._groups.index(group) if group in self._groups else -1
-        earlier = self._groups[index - 1] if previous_too and index > 0 else None
+        # Nearest first: the block whose backward comes next is the first the copies bring back.
+        earlier = self._groups[max(0, index - ahead) : index][::-1] if ahead and index > 0 else []
 
         def fetch(grad: torch.Tensor) -> None:
-            for g in (group, earlier):
-                if g is not None and not g.fetched:
+            for g in (group, *earlier):
+                if not g.fetched:
                     self.prefetched += 1
                     self._fetch(g)
 
@@ -120,33 +162,43 @@ class Offloader:
             outs[0].register_hook(fetch)
 
     def _offload(self, t: torch.Tensor) -> _Saved:
+        pool = self.pool
         if not t.is_cuda:
-            host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
+            lease = pool.take(t.numel() * t.element_size(), pinned=False) if pool is not None else None
+            host = lease.view(t) if lease is not None else torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
             host.copy_(t)
-            return _Saved(host=host, device=t.device)
+            return _Saved(host=host, device=t.device, lease=lease)
         stream = self._stream(t.device)
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
-            host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
+            if pool is not None:
+                lease = pool.take(t.numel() * t.element_size(), pinned=True)
+                host = lease.view(t)
+            else:
+                lease = None
+                host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
             host.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
+        if lease is not None:
+            lease.last = done
         # The allocator may reuse t's memory only once the side stream has copied it.
         t.record_stream(stream)
-        return _Saved(host=host, device=t.device, offloaded=done)
+        return _Saved(host=host, device=t.device, lease=lease, offloaded=done)
 
     def _fetch(self, group: _Group) -> None:
         if group.fetched:
             return
         group.fetched = True
         for s in group.saved:
-            if s.back is not None:
+            if s.back is not None or s.host is None:
                 continue
             if s.device.type != "cuda":
                 began = time.perf_counter()
                 s.back = s.host.to(s.device, copy=True)
                 if self.timer is not None:
                     self.timer.add_seconds(Mode.OFFLOAD, time.perf_counter() - began)
+                self._give_back(s, None)
                 continue
             stream = self._stream(s.device)
             current = torch.cuda.current_stream(s.device)
@@ -160,8 +212,16 @@ class Offloader:
             # Used on the compute stream: not reusable until that stream is done with it.
             back.record_stream(current)
             s.back = back
+            self._give_back(s, s.fetched)
         if group in self._groups:
             self._groups.remove(group)
+
+    def _give_back(self, s: _Saved, after: torch.cuda.Event | None) -> None:
+        """The host copy has served: its buffer is the pool's again once the copy back (``after``) is done."""
+        s.host = None
+        if s.lease is not None and self.pool is not None:
+            self.pool.give_back(s.lease, after)
+            s.lease = None
 
     def _wait(self, s: _Saved) -> torch.Tensor:
         back = s.back
@@ -182,8 +242,11 @@ class Offloader:
     def end_step(self) -> None:
         """At a step's end: let go of the groups still listed. Those of a forward whose backward never ran
         (evaluation with gradients on) hold host copies nothing will read; a backward still pending keeps
-        its groups through its own graph (the saved-tensor hooks hold them), so it still finds them."""
+        its groups through its own graph (the saved-tensor hooks hold them), so it still finds them. The
+        pool lets go of buffers no recent step took."""
         self._groups.clear()
+        if self.pool is not None:
+            self.pool.end_step()
 
     def forget(self) -> None:
         """Drop the groups of a step that failed."""

@@ -17,7 +17,7 @@ from rematd.client.blocks.checkpoint_counting import count_checkpoint
 from rematd.client.blocks.compress import Compressor, CompressProbe, constant_storages
 from rematd.client.blocks.experts import rows_of
 from rematd.client.blocks.parts import SwitchablePart
-from rematd.client.blocks.profiling import BlockMeasure, Profiler
+from rematd.client.blocks.profiling import BlockMeasure, HostLink, Profiler
 from rematd.client.blocks.selective import Decide, TitanPolicy, megatron_policy
 from rematd.client.memory.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.parallel.base import SetUp
@@ -37,7 +37,7 @@ class Profiled(Protocol):
     parts: dict[Mode, SwitchablePart]
     measure: BlockMeasure | None
     bank: nn.Module | None
-    host_bandwidth: float | None
+    host_link: HostLink | None
     titan: TitanPolicy
     _accounting: SavedTensorAccounting | None
     _original: Callable[..., Any]
@@ -95,7 +95,7 @@ def profiled(block: Profiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             bank.remove()
     if cuda:
         torch.cuda.synchronize()
-    block.measure = profiler.result(inputs, time.perf_counter() - start, block.offer, block.host_bandwidth)
+    block.measure = profiler.result(inputs, time.perf_counter() - start, block.offer, block.host_link)
     profiler.timer.clear()
     block.profiling = False
     if lean:

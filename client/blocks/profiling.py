@@ -243,7 +243,7 @@ class Profiler:
         }
 
     def result(
-        self, inputs: list[torch.Tensor], seconds: float, offer: frozenset[Mode], host_bandwidth: float | None
+        self, inputs: list[torch.Tensor], seconds: float, offer: frozenset[Mode], host_link: HostLink | None
     ) -> BlockMeasure:
         inp = self._entries(inputs)
         store = _size(self.saved)
@@ -261,17 +261,19 @@ class Profiler:
             self._note_routed(Mode.RECOMPUTE, inp, self.saved)
         if self.probe is not None and Mode.COMPRESS in offer:
             modes.append(self._compress_cost())
-        if Mode.OFFLOAD in offer and host_bandwidth:
+        if Mode.OFFLOAD in offer and host_link is not None and host_link.bandwidth > 0:
+            # While its backward runs, the blocks fetched ahead come back too (their copies overlap it).
+            held = 1 + host_link.ahead
             modes.append(
                 ModeCost(
                     mode=Mode.OFFLOAD,
                     kept=Size(),
-                    # While its backward runs, the block before it is fetched back too (the copy overlaps).
-                    transient=Size(tuple(Term(2 * t.bytes, t.batch_exp, t.seq_exp) for t in store.terms)),
-                    extra_seconds=2 * store.bytes / host_bandwidth,
+                    transient=Size(tuple(Term(held * t.bytes, t.batch_exp, t.seq_exp) for t in store.terms)),
+                    # Out and back, none of it overlapped: the steps that run it measure what hid.
+                    extra_seconds=2 * store.bytes / host_link.bandwidth,
                 )
             )
-            self._note_routed(Mode.OFFLOAD, (), [*self.saved, *self.saved])
+            self._note_routed(Mode.OFFLOAD, (), [*self.saved] * held)
         return BlockMeasure(
             saved_bytes=store.bytes,
             input_bytes=inp_size.bytes,
@@ -340,8 +342,20 @@ class Profiler:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class HostLink:
+    """The link offload copies over: its measured bandwidth, and how many blocks come back ahead of their
+    backward (each of them held on the device while the one before them runs its backward)."""
+
+    bandwidth: float
+    """Bytes per second of a device-to-host copy into a reused pinned buffer."""
+    ahead: int = 1
+    """Offloaded blocks fetched back with the one whose backward starts (``OffloadConfig.prefetch_blocks``)."""
+
+
 def host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float | None:
-    """Bytes per second of a device-to-host copy into pinned memory; None off CUDA."""
+    """Bytes per second of a device-to-host copy into pinned memory allocated once (as offload's pool reuses
+    its buffers); None off CUDA."""
     if device.type != "cuda":
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -26,7 +26,7 @@ from rematd.client.blocks.mode_timing import RecomputeTimer
 from rematd.client.blocks.offload import Offloader
 from rematd.client.blocks.parts import PART_MODES, SwitchablePart, SwitchedForward, find_parts, router_shapes
 from rematd.client.blocks.profiled_forward import profiled
-from rematd.client.blocks.profiling import BlockMeasure
+from rematd.client.blocks.profiling import BlockMeasure, HostLink
 from rematd.client.blocks.selective import TitanPolicy, megatron_policy, selective_context
 from rematd.client.memory.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.parallel.base import PLAIN, SetUp
@@ -92,7 +92,8 @@ class SwitchableBlock:
         self.profiling = False
         self.profile_shape = Shape()
         self.offer: frozenset[Mode] = frozenset({Mode.STORE, Mode.SELECTIVE, Mode.RECOMPUTE})
-        self.host_bandwidth: float | None = None
+        self.host_link: HostLink | None = None
+        """Offload's link to the host, where offload is offered."""
         self.measure: BlockMeasure | None = None
         self.step_shape = Shape()
         """The shape of the step being run, set by the handle at each step's start."""

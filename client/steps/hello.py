@@ -14,7 +14,7 @@ from torch import nn
 from rematd import __version__
 from rematd.client.blocks.compiled import COMPILED_MODES
 from rematd.client.blocks.parts import PART_MODES
-from rematd.client.blocks.profiling import host_bandwidth
+from rematd.client.blocks.profiling import HostLink, host_bandwidth
 from rematd.client.blocks.switchable import SwitchableBlock
 from rematd.client.memory.accounting import SavedTensorAccounting, local_part, tensors_in
 from rematd.client.memory.sources import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
@@ -50,16 +50,22 @@ def memory_source(
     return SavedTensorMemory(accounting)
 
 
+def link_bandwidth(memory: Memory) -> float | None:
+    """Bytes per second of the link offload copies over: measured on CUDA; None elsewhere, or where measuring
+    failed (without it offload cannot be priced; the other modes still can)."""
+    if not isinstance(memory, CudaMemory):
+        return None
+    try:
+        return host_bandwidth(memory.device)
+    except Exception as err:
+        log.warning("rematd: measuring the host link failed (%s); offload is not offered", err)
+        return None
+
+
 def offer_modes(blocks: Sequence[SwitchableBlock], memory: Memory, modes: Collection[Mode]) -> None:
     """Offload needs a host link worth using: offered on CUDA only, with its measured bandwidth."""
     offer = set(modes)
-    bandwidth = None
-    if isinstance(memory, CudaMemory) and Mode.OFFLOAD in offer:
-        try:
-            bandwidth = host_bandwidth(memory.device)
-        except Exception as err:
-            # Without a measured link offload cannot be priced; the other modes still can.
-            log.warning("rematd: measuring the host link failed (%s); offload is not offered", err)
+    bandwidth = link_bandwidth(memory) if Mode.OFFLOAD in offer else None
     if not bandwidth:
         offer.discard(Mode.OFFLOAD)
     for b in blocks:
@@ -68,7 +74,8 @@ def offer_modes(blocks: Sequence[SwitchableBlock], memory: Memory, modes: Collec
             # A mode without a compiled variant would run its block eagerly among compiled ones.
             own &= {*COMPILED_MODES, Mode.OFFLOAD, Mode.COMPRESS}
         b.offer = frozenset(own)
-        b.host_bandwidth = bandwidth
+        ahead = b.offloader.config.prefetch_blocks if b.offloader is not None else 1
+        b.host_link = HostLink(bandwidth, ahead) if bandwidth else None
 
 
 def fresh_grad_bytes(model: nn.Module) -> int:
