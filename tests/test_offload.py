@@ -203,6 +203,30 @@ def test_offload_is_priced_from_the_links_bandwidth_and_holds_the_blocks_fetched
     h.close()
 
 
+def test_a_tensor_no_host_memory_can_be_had_for_stays_on_the_device_and_the_step_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    off = offload.Offloader(config=EVERY)
+    assert off.pool is not None
+
+    def no_memory(nbytes: int, *, pinned: bool) -> None:
+        raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+
+    off.pool.take = no_memory  # type: ignore[assignment,method-assign]
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    with off.block() as group:
+        y = (x @ w).sin().sum()
+    y.backward()
+    assert group.saved == [] and off.kept == 2, "both saved tensors kept where they were"
+    expected = torch.autograd.grad((x @ w).sin().sum(), [x, w])
+    assert torch.equal(x.grad, expected[0]) and torch.equal(w.grad, expected[1])  # type: ignore[arg-type]
+    assert [r.getMessage() for r in caplog.records].count(
+        "rematd: offload could not get host memory (CUDA error: out of memory (pinned host allocation)); tensors "
+        "stay on the device"
+    ) == 1, "said once"
+
+
 def test_size_classes_round_up_by_at_most_an_eighth_or_a_page() -> None:
     for n in [1, 4095, 4096, 4097, 65_536, 65_537, 1_000_000, 3 * 2**20 + 1, 2**31 + 5]:
         c = size_class(n)

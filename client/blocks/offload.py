@@ -19,6 +19,7 @@ overlap): the path is not offered there, but its logic is testable.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,8 @@ from rematd.client.blocks.host_pool import HostPool, Lease
 from rematd.client.blocks.mode_timing import RecomputeTimer
 from rematd.client.memory.accounting import tensors_in
 from rematd.planner import Mode
+
+log = logging.getLogger("rematd.client")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +103,9 @@ class Offloader:
         """Blocks fetched back ahead of their backward (when the gradient reached their output)."""
         self.late = 0
         """Blocks fetched only when backward unpacked their first tensor (nothing to overlap with)."""
+        self.kept = 0
+        """Tensors left on the device because no host memory could be had for them (pinned memory runs out
+        before device memory does on some hosts): the step goes on, holding them as storing would."""
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         s = self._streams.get(device)
@@ -124,7 +130,13 @@ class Offloader:
                 return t
             if not t.is_contiguous() or t._base is not None:
                 return t  # a view: copying it out would not free the memory it shares
-            saved = self._offload(t)
+            try:
+                saved = self._offload(t)
+            except RuntimeError as err:
+                if not self.kept:
+                    log.warning("rematd: offload could not get host memory (%s); tensors stay on the device", err)
+                self.kept += 1
+                return t
             group.saved.append(saved)
             return saved
 
