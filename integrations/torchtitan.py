@@ -77,6 +77,7 @@ from rematd.client.arguments import (  # noqa: E402
     pin_sequence,
 )
 from rematd.client.blocks.compress import check_compress  # noqa: E402
+from rematd.client.blocks.offload import OffloadConfig  # noqa: E402
 from rematd.integrations.torchtitan_parts import (  # noqa: E402
     FLAG,
     Attached,
@@ -142,6 +143,10 @@ class RematdCheckpointing(ActivationCheckpointing):  # type: ignore[misc]
         compress: str | None = None
         """The compress mode's format (int8, fp8 or bf16); only with compress in modes."""
 
+        offload_prefetch: int | None = None
+        """Offloaded blocks fetched back ahead of the one whose backward starts (default 1); only with offload in
+        modes."""
+
         compile: bool = False
         """Compile each block with Inductor, one graph per mode with the checkpoint inside it (in place of
         torchtitan's --compile.enable for the model)."""
@@ -155,6 +160,9 @@ class RematdCheckpointing(ActivationCheckpointing):  # type: ignore[misc]
                 "server": lambda: check_server(self.server),
                 "job": lambda: check_job(self.job),
                 "compress": lambda: self.compress is not None and check_compress(self.compress),
+                "offload-prefetch": lambda: (
+                    self.offload_prefetch is not None and OffloadConfig(prefetch_blocks=self.offload_prefetch)
+                ),
             }
             for flag, check in checks.items():
                 try:
@@ -164,6 +172,8 @@ class RematdCheckpointing(ActivationCheckpointing):  # type: ignore[misc]
             offered = parse_modes(self.modes)
             if self.compress is not None and Mode.COMPRESS not in offered:
                 raise ValueError(f"{FLAG}.compress configures the compress mode: add compress to {FLAG}.modes")
+            if self.offload_prefetch is not None and Mode.OFFLOAD not in offered:
+                raise ValueError(f"{FLAG}.offload-prefetch configures the offload mode: add offload to {FLAG}.modes")
             if Mode.COMPRESS in pin_sequence(self.pin, len(self.pin)) and Mode.COMPRESS not in offered:
                 raise ValueError(f"{FLAG}.pin: compress is lossy and opt-in: add compress to {FLAG}.modes")
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from rematd.client import Handle
+from rematd.client import Handle, OffloadConfig
 from rematd.client.arguments import check_job
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ def attach_options(c: RematdCheckpointing.Config) -> dict[str, Any]:
         "server": c.server,
         "job": c.job or run_job(),
         "compress": c.compress,
+        "offload": None if c.offload_prefetch is None else OffloadConfig(prefetch_blocks=c.offload_prefetch),
         "compile": c.compile,
         # In-process, the planner runs on the training thread here: under tensor parallel a plan arriving a
         # step late on one rank measured over the budget (steps before the first plan), not yet understood.

@@ -225,12 +225,13 @@ def test_command_line_shows_and_refuses(tmp_path: Path) -> None:
     out = json.loads(result.read_text())
     assert "activation-checkpoint:rematd" in out["help"]["out"] and out["help"]["exit"] == "0"
     rematd_help = out["rematd_help"]["out"]
-    for flag in ("budget-bytes", "margin", "modes", "pin", "server", "job", "compress", "compile"):
+    for flag in ("budget-bytes", "margin", "modes", "pin", "server", "job", "compress", "offload-prefetch", "compile"):
         assert f"--activation-checkpoint.{flag}" in rematd_help, flag
     assert "preserve-rng-state" not in rematd_help, "torchtitan's wrapper settings are no rematd flags"
     assert json.loads(out["parsed"]["out"].splitlines()[-1]) == {
         "budget_bytes": 80000000, "margin": 0.05, "modes": ["store", "recompute", "compress"],
-        "pin": ["recompute", "store"], "server": None, "job": "titan-1", "compress": "fp8", "compile": False,
+        "pin": ["recompute", "store"], "server": None, "job": "titan-1", "compress": "fp8", "offload_prefetch": None,
+        "compile": False,
         "preserve_rng_state": True, "determinism_check": "default", "debug": False,
     }  # fmt: skip
     assert out["selective_default"]["out"].splitlines()[-1] == "SelectiveAC.Config", "torchtitan's default is unchanged"
@@ -241,6 +242,8 @@ def test_command_line_shows_and_refuses(tmp_path: Path) -> None:
         "margin": "--activation-checkpoint.margin",
         "modes": "--activation-checkpoint.modes",
         "compress_off": "--activation-checkpoint.compress",
+        "offload_off": "--activation-checkpoint.offload-prefetch configures the offload mode",
+        "offload_prefetch": "--activation-checkpoint.offload-prefetch: offload.prefetch_blocks must be",
         "pin_compress": "--activation-checkpoint.pin",
         "job": "--activation-checkpoint.job",
         "server": "--activation-checkpoint.server",
@@ -266,3 +269,17 @@ def test_the_launchers_expert_count_is_refused_unless_two_fitting_integers(spec:
 
     with pytest.raises(SystemExit, match=f"{QWEN3_EXPERTS}={spec!r}"):
         _qwen3_experts(spec)
+
+
+def test_the_flags_become_attachs_arguments() -> None:
+    """What rematd's flags hand ``attach`` (torchtitan itself not imported: the flags as parsed)."""
+    from types import SimpleNamespace
+
+    from rematd.client import OffloadConfig
+    from rematd.integrations.torchtitan_parts import attach_options
+
+    flags = dict(budget_bytes=2**30, margin=0.2, modes=["store", "offload"], server=None, job="j", compile=False)
+    got = attach_options(SimpleNamespace(**flags, compress=None, offload_prefetch=3))  # type: ignore[arg-type]
+    assert got["offload"] == OffloadConfig(prefetch_blocks=3) and got["modes"] == ["store", "offload"]
+    assert (got["budget_bytes"], got["margin_ratio"], got["job"]) == (2**30, 0.2, "j")
+    assert attach_options(SimpleNamespace(**flags, compress=None, offload_prefetch=None))["offload"] is None  # type: ignore[arg-type]
