@@ -1,10 +1,11 @@
 """Host buffers for offloaded activations, reused from step to step.
 
-Allocating pinned host memory is slow (the driver maps every page of it, with the device synchronised), and a
-fresh pinned tensor per saved activation makes that cost every step's: torchtitan's trainer measured copies into
-fresh pinned tensors at about a fifth of the bandwidth of copies into a reused pool. A step of a job saves the same
-tensors as the step before it, so the pool's buffers, sized in classes of at most 1/8 (or a 4 KiB page) over the
-bytes asked for, are taken again each step and allocated only for a length the job has not run recently.
+Allocating pinned host memory is slow (the driver locks every page of it; freeing it synchronises the device), and
+a fresh pinned tensor per saved activation puts that cost, or torch's cache of pinned blocks with each block rounded
+up to a power of two, on every step: torchtitan's trainer measured copies into fresh pinned tensors at about a fifth
+of the bandwidth of copies into a reused pool. A step of a job saves the same tensors as the step before it, so the
+pool's buffers, sized in classes of at most 1/8 (or a 4 KiB page) over the bytes asked for, are taken again each
+step and allocated only for a length the job has not run recently.
 
 A buffer lent out comes back with the copy that last uses it (a CUDA event): it is lent again only once that copy
 has finished. Buffers no step took for :data:`IDLE_STEPS` step ends are let go, so that a length the job left does
