@@ -121,6 +121,8 @@ class HostPool:
 
     def end_step(self) -> None:
         """A step ended: buffers no step has taken for :data:`IDLE_STEPS` step ends are let go."""
+        if not self.owned_bytes:
+            return  # nothing held (a job that offloads nothing pays no more than this look)
         with self._lock:
             self._ends += 1
             self._reclaim()
