@@ -107,15 +107,19 @@ class HostPool:
                 return
             lease.returned = True
             if after is None or after.query():
-                self._free.setdefault(lease.key, []).append((lease.buffer, self._ends))
+                self._ready(lease)
             else:
                 self._pending.append((lease, after))
+
+    def _ready(self, lease: Lease) -> None:
+        """``lease``'s buffer ready to lend, stamped with this step end (under the lock)."""
+        self._free.setdefault(lease.key, []).append((lease.buffer, self._ends))
 
     def _reclaim(self) -> None:
         pending, self._pending = self._pending, []
         for lease, done in pending:
             if done.query():
-                self._free.setdefault(lease.key, []).append((lease.buffer, self._ends))
+                self._ready(lease)
             else:
                 self._pending.append((lease, done))
 

@@ -131,7 +131,7 @@ class Offloader:
             if not t.is_contiguous() or t._base is not None:
                 return t  # a view: copying it out would not free the memory it shares
             try:
-                saved = self._offload(t)
+                saved = self._offload(t, nbytes)
             except RuntimeError as err:
                 if not self.kept:
                     log.warning("rematd: offload could not get host memory (%s); tensors stay on the device", err)
@@ -173,22 +173,15 @@ class Offloader:
         if outs:
             outs[0].register_hook(fetch)
 
-    def _offload(self, t: torch.Tensor) -> _Saved:
-        pool = self.pool
+    def _offload(self, t: torch.Tensor, nbytes: int) -> _Saved:
         if not t.is_cuda:
-            lease = pool.take(t.numel() * t.element_size(), pinned=False) if pool is not None else None
-            host = lease.view(t) if lease is not None else torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+            host, lease = self._host_for(t, nbytes, pinned=False)
             host.copy_(t)
             return _Saved(host=host, device=t.device, lease=lease)
         stream = self._stream(t.device)
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
-            if pool is not None:
-                lease = pool.take(t.numel() * t.element_size(), pinned=True)
-                host = lease.view(t)
-            else:
-                lease = None
-                host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
+            host, lease = self._host_for(t, nbytes, pinned=True)
             host.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
@@ -197,6 +190,13 @@ class Offloader:
         # The allocator may reuse t's memory only once the side stream has copied it.
         t.record_stream(stream)
         return _Saved(host=host, device=t.device, lease=lease, offloaded=done)
+
+    def _host_for(self, t: torch.Tensor, nbytes: int, *, pinned: bool) -> tuple[torch.Tensor, Lease | None]:
+        """Host memory shaped as ``t`` (``nbytes``): a buffer of the pool, or without one a fresh tensor."""
+        if self.pool is None:
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=pinned), None
+        lease = self.pool.take(nbytes, pinned=pinned)
+        return lease.view(t), lease
 
     def _fetch(self, group: _Group) -> None:
         if group.fetched:
