@@ -19,7 +19,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = TinyMoE(layers=config["layers"])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    h = client.attach(model, optimizer=opt, budget_bytes=config["budgets"][rank], same_plan=True)
+    h = client.attach(
+        model, optimizer=opt, budget_bytes=config["budgets"][rank], same_plan=True, modes=config.get("modes")
+    )
     data = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
     steps = []
     for step in range(config["steps"]):
