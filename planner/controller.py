@@ -157,7 +157,7 @@ class Controller:
         ran = entry_for(self.table, obs.shape) if bucket else None
         entry_seq = ran.max_seq_len if ran else 0
         mode_trial = self._explorer.note(obs, bucket, entry_seq, measured_modes)
-        self.trial_step = self.plan_trials.note(entry_seq, measured_modes) or mode_trial
+        self.trial_step = self.plan_trials.note(entry_seq, measured_modes, self._fit_seconds(obs)) or mode_trial
         moves = self._moves(target, obs.static_bytes)
         # While a plan is on trial its steps move the fit after every pair: a looser or re-balanced plan
         # waits for the trial's verdict, which looks once, at its end (tightening never waits).
@@ -170,9 +170,16 @@ class Controller:
         if change is not None:
             # A new table (made from the table in force, without the trial) overtakes a trial in force.
             self._explorer.stop()
-            self.plan_trials.stop()
+            self.trial_search.end()
             return change
         return self._explore(obs, bucket, ran, target)
+
+    def _fit_seconds(self, obs: StepObservation) -> float:
+        """The step's time as the step-level fit takes it (scaled to its bucket's top length); 0 untimed."""
+        seq = obs.shape.seq_len
+        if obs.step_seconds <= 0 or not seq:
+            return 0.0
+        return obs.step_seconds / self.pricing.step_prices.from_top(seq)
 
     def _explore(self, obs: StepObservation, bucket: int, entry: ShapePlan | None, target: int) -> Decision | None:
         """End a trial that has run its steps, or start one on ``entry`` (the one the step ran with: a

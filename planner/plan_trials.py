@@ -8,7 +8,9 @@ step, then the plan in force for a step, ``plan_trial_steps`` times over, so tha
 falls on both alike and each switch is measured in both directions. A trial stops early once the fit
 finds the plan tried surely slower or knows their difference within ``TIGHT`` of a step, never on looking
 surely faster (a look after each pair would take noise for a gain too often); the plan tried is kept
-only where the fit, at the end, finds it faster, surely (``SURE`` standard deviations).
+only where the fit, at the end, finds it faster, surely (``SURE`` standard deviations). A trial whose own
+steps varied far more than the steps before it (another job came onto the machine) teaches nothing: its
+pairs are taken back out of the fit and the plan in force stays (:data:`VOID_NOISE`).
 
 What trials cost is bounded: at each table entry, steps running a plan on trial stay within
 ``allowance(steps) + plan_trial_steps`` (:func:`allowance`; a new length has new prices to learn, then a
@@ -23,11 +25,13 @@ Trials end where nothing could be faster by ``MIN_GAIN`` of a step, or every can
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 from rematd.planner.config import ControllerConfig
 from rematd.planner.plan import ShapePlan
+from rematd.planner.stepfit import StepFit, Sums
 from rematd.planner.units import Mode, letters
 
 SURE = 2.0
@@ -39,6 +43,12 @@ MIN_GAIN = 0.005
 MAX_LOSS = 0.05
 """A plan the fit expects to be more than this fraction of a step slower than the one in force is never
 tried, however unsure it is: what one step of a trial may be expected to cost."""
+VOID_NOISE = 4.0
+"""A trial whose steps of one plan differ from each other (the same plan's steps, one apart in its turns) by
+more than this many times the variance the fit measured before it is void: on steps that noisy, four pairs
+are as likely to show a gain that is not there as one that is, and a fit that took them would keep the
+error for many steps. Were the noise the same as before, the trial's six such differences would cross
+this once in several hundred trials."""
 GIVE_UP_FACTOR = 4
 """A trial whose length does not come back for this many times its steps is abandoned."""
 FREE_TRIALS = 2
@@ -105,10 +115,15 @@ class PlanTrials:
         """Per table entry (its longest length): [steps observed under it, steps that ran a plan on trial]."""
         self._tried_plans: dict[tuple[int, tuple[Mode, ...]], int] = {}
         """Trials run per (table entry, plan tried)."""
+        self._seconds: list[tuple[bool, float]] = []
+        """The trial's steps in order: whether each ran the plan tried, and its time (as the fit takes it)."""
+        self.sums: tuple[StepFit, Sums] | None = None
+        """The fit of the trial's length and its sums when the trial started: where to go back to when the
+        trial is void."""
 
-    def note(self, entry: int, ran: tuple[Mode, ...] | None) -> bool:
-        """One step under the table entry up to length ``entry`` that ran ``ran``; True when it ran the plan
-        on trial."""
+    def note(self, entry: int, ran: tuple[Mode, ...] | None, seconds: float = 0.0) -> bool:
+        """One step under the table entry up to length ``entry`` that ran ``ran`` in ``seconds`` (scaled as
+        the step-level fit takes them; 0: not timed); True when it ran the plan on trial."""
         self.steps += 1
         counts = self._per_entry.setdefault(entry, [0, 0])
         counts[0] += 1
@@ -123,10 +138,24 @@ class PlanTrials:
             counts[1] += 1
             self._tried += 1
             self._last_tried = True
+            if seconds > 0:
+                self._seconds.append((True, seconds))
             return True
         if ran == trial.home.modes:
             self._last_tried = False
+            if seconds > 0 and self._tried:
+                self._seconds.append((False, seconds))
         return False
+
+    def own_noise(self) -> tuple[float, int]:
+        """The variance of a difference between two steps of one plan as the trial's own steps show it (each
+        plan's steps, one after the other in its turns; seconds squared), and how many differences it rests
+        on (0: none yet)."""
+        squares: list[float] = []
+        for tried in (True, False):
+            times = [t for was, t in self._seconds if was is tried]
+            squares.extend((b - a) ** 2 for a, b in itertools.pairwise(times))
+        return (sum(squares) / len(squares), len(squares)) if squares else (0.0, 0)
 
     @property
     def turn(self) -> ShapePlan | None:
@@ -163,8 +192,9 @@ class PlanTrials:
         steps, tried = self._per_entry.get(entry, (0, 0))
         return steps >= SETTLE_STEPS and tried <= allowance(steps, cfg)
 
-    def start(self, trial: PlanTrial) -> None:
+    def start(self, trial: PlanTrial, sums: tuple[StepFit, Sums] | None = None) -> None:
         self.trial, self._tried, self._last_tried = trial, 0, False
+        self._seconds, self.sums = [], sums
         self.trials += 1
         key = (trial.seq, trial.modes)
         self._tried_plans[key] = self._tried_plans.get(key, 0) + 1
@@ -179,6 +209,7 @@ class PlanTrials:
         """End the trial in force; the trial, if any."""
         trial, self.trial = self.trial, None
         self._tried, self._last_tried = 0, False
+        self._seconds, self.sums = [], None
         return trial
 
 
@@ -187,6 +218,14 @@ def trial_reason(trial: PlanTrial, peak_text: str) -> str:
         f"trial of a plan: {letters(trial.modes)} in turn with {letters(trial.home.modes)} at lengths up to "
         f"{trial.seq}, to measure by step times whether it is faster (the fit expects "
         f"{_signed(trial.saving)} ± {trial.sd:.1%} of a step); {peak_text}"
+    )
+
+
+def void_reason(trial: PlanTrial, ratio: float) -> str:
+    return (
+        f"trial of a plan over at lengths up to {trial.seq}: too noisy to tell, {letters(trial.home.modes)} "
+        f"stays: a plan's steps in the trial differed {math.sqrt(ratio):.1f}x as much as steps had before it "
+        "(another load on the machine?), so its steps are taken back out of the step-level prices"
     )
 
 

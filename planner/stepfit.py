@@ -135,6 +135,15 @@ class Posterior:
         return mean, math.sqrt(max(0.0, var))
 
 
+@dataclass(frozen=True, slots=True)
+class Sums:
+    """A fit's sums over pairs of differing plans at one moment."""
+
+    sxx: list[list[float]]
+    sxy: list[float]
+    pairs: float
+
+
 @dataclass(slots=True)
 class _Last:
     step: int
@@ -226,6 +235,15 @@ class StepFit:
         cov = _inverse(a)
         mean = tuple(sum(cov[i][j] * b[j] for j in range(n)) for i in range(n))
         return Posterior(mean, tuple(tuple(r) for r in cov))
+
+    def sums(self) -> Sums:
+        """What the pairs of differing plans have taught so far, to go back to (:meth:`forget_since`)."""
+        return Sums([list(r) for r in self.sxx], list(self.sxy), self.pairs)
+
+    def forget_since(self, sums: Sums) -> None:
+        """Forget the pairs of differing plans seen since ``sums`` were taken (steps too noisy to teach)."""
+        self.sxx, self.sxy, self.pairs = [list(r) for r in sums.sxx], list(sums.sxy), sums.pairs
+        self.version = next(_VERSIONS)
 
     # -- across restarts ------------------------------------------------------
 

@@ -12,10 +12,12 @@ from rematd.planner.plan_trials import (
     MIN_GAIN,
     SURE,
     TIGHT,
+    VOID_NOISE,
     PlanTrial,
     PlanTrials,
     trial_over_reason,
     trial_reason,
+    void_reason,
 )
 from rematd.planner.pricing import Pricing, as_corrected
 from rematd.planner.reasons import human_bytes
@@ -102,7 +104,8 @@ class TrialSearch:
             return None
         tried = pricing.replaced(entry, found.modes, obs.static_bytes)
         trial = PlanTrial(home=entry, tried=tried, started=plans.steps, saving=found.saving, sd=found.sd)
-        plans.start(trial)
+        fit = pricing.learned.steps.fit(pricing.bucket_of(seq))
+        plans.start(trial, (fit, fit.sums()) if fit is not None else None)
         here = pricing.target_at(target, seq)
         # As the candidate was weighed: its prediction as the measured peaks correct it.
         shown, as_measured = as_corrected(tried.predicted_peak_bytes, obs.static_bytes, pricing.learned.correction(seq))
@@ -122,7 +125,9 @@ class TrialSearch:
             # a look after every pair would find noise surely faster more often than the 2 standard
             # deviations say, and a plan kept stays.
             if plans.ran_out or sd < TIGHT * level or saving < -SURE * sd:
-                plans.stop()
+                void = self.end()
+                if void:
+                    return Handed(table, list(table), void_reason(trial, void))
                 shape = pricing.shape(trial.seq)
                 kept = saving > SURE * sd and pricing.fits(trial.modes, shape, target, obs.static_bytes)
                 if kept:
@@ -132,6 +137,23 @@ class TrialSearch:
         turn = plans.turn
         handed = [turn if e is trial.home and turn is not None else e for e in table]
         return Handed(table, handed, trial_reason(trial, "in turn"))
+
+    def end(self) -> float:
+        """End the plan trial in force (at its verdict, or overtaken by a new table). Where its own steps of
+        one plan differed by more than ``VOID_NOISE`` times the variance the fit measured before it, the
+        pairs it taught the fit are taken back out: that ratio (0 where the trial stands, or none ran)."""
+        plans = self.plans
+        noise, differences = plans.own_noise()
+        sums = plans.sums
+        plans.stop()
+        if sums is None or differences < 2:
+            return 0.0
+        fit, before = sums
+        ratio = noise / fit.noise_var()
+        if ratio <= VOID_NOISE:
+            return 0.0
+        fit.forget_since(before)
+        return ratio
 
     def fit_ready(self, seq: int) -> bool:
         """Whether the fit at ``seq``'s bucket has seen enough steps to weigh a plan trial there."""
