@@ -157,7 +157,10 @@ class Controller:
         ran = entry_for(self.table, obs.shape) if bucket else None
         entry_seq = ran.max_seq_len if ran else 0
         mode_trial = self._explorer.note(obs, bucket, entry_seq, measured_modes)
-        self.trial_step = self.plan_trials.note(entry_seq, measured_modes, self._fit_seconds(obs)) or mode_trial
+        seconds = self._fit_seconds(obs)
+        self.trial_step = self.plan_trials.note(entry_seq, measured_modes, seconds, obs.step) or mode_trial
+        # A trial too noisy to teach is void before anything is planned from the fit it moved.
+        voided = self.trial_search.void()
         moves = self._moves(target, obs.static_bytes)
         # While a plan is on trial its steps move the fit after every pair: a looser or re-balanced plan
         # waits for the trial's verdict, which looks once, at its end (tightening never waits).
@@ -172,6 +175,8 @@ class Controller:
             self._explorer.stop()
             self.trial_search.end()
             return change
+        if voided is not None:
+            return self._decision(list(self.table), obs.shape, target, obs.static_bytes, voided)
         return self._explore(obs, bucket, ran, target)
 
     def _fit_seconds(self, obs: StepObservation) -> float:
@@ -349,7 +354,7 @@ class Controller:
         cfg = self.config
         learned = self.learned
         self._explorer.stop()
-        self.plan_trials.stop()
+        self.trial_search.end()
         seq = shape.seq_len or self.profile.shape.seq_len
         bucket = learned.bucket(seq)
         learned.headroom_steps = 0

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from rematd.planner.config import ControllerConfig
 from rematd.planner.plan import ShapePlan
-from rematd.planner.stepfit import StepFit, Sums
+from rematd.planner.stepfit import MAX_GAP, StepFit, Sums
 from rematd.planner.units import Mode, letters
 
 SURE = 2.0
@@ -44,11 +44,13 @@ MAX_LOSS = 0.05
 """A plan the fit expects to be more than this fraction of a step slower than the one in force is never
 tried, however unsure it is: what one step of a trial may be expected to cost."""
 VOID_NOISE = 4.0
-"""A trial whose steps of one plan differ from each other (the same plan's steps, one apart in its turns) by
-more than this many times the variance the fit measured before it is void: on steps that noisy, four pairs
-are as likely to show a gain that is not there as one that is, and a fit that took them would keep the
-error for many steps. Were the noise the same as before, the trial's six such differences would cross
-this once in several hundred trials."""
+"""A trial is void where the differences between each plan's successive steps in it (its own noise) have a
+mean square over this many times the variance the fit had measured when it started: another load came onto
+the machine for its steps, whose pairs would show the fit gains or losses that are not there, kept for many
+steps. Each square is clipped as the fit clips a pair of equal plans (``CLIP`` standard deviations), so one
+stall voids nothing. With the noise as the fit measured it (Gaussian, independent steps), a full trial of
+four pairs (six such differences) crosses this about once in 400 trials; the fit's floor and prior on the
+noise make that rarer still."""
 GIVE_UP_FACTOR = 4
 """A trial whose length does not come back for this many times its steps is abandoned."""
 FREE_TRIALS = 2
@@ -115,14 +117,15 @@ class PlanTrials:
         """Per table entry (its longest length): [steps observed under it, steps that ran a plan on trial]."""
         self._tried_plans: dict[tuple[int, tuple[Mode, ...]], int] = {}
         """Trials run per (table entry, plan tried)."""
-        self._seconds: list[tuple[bool, float]] = []
-        """The trial's steps in order: whether each ran the plan tried, and its time (as the fit takes it)."""
-        self.sums: tuple[StepFit, Sums] | None = None
-        """The fit of the trial's length and its sums when the trial started: where to go back to when the
-        trial is void."""
+        self._seconds: list[tuple[bool, int, float]] = []
+        """The trial's timed steps in order: whether each ran the plan tried, its step number and its time (as
+        the fit takes it)."""
+        self.rollback: tuple[int, StepFit, Sums] | None = None
+        """The bucket of the trial's length, its fit and that fit's sums when the trial started: what a void
+        trial goes back to."""
 
-    def note(self, entry: int, ran: tuple[Mode, ...] | None, seconds: float = 0.0) -> bool:
-        """One step under the table entry up to length ``entry`` that ran ``ran`` in ``seconds`` (scaled as
+    def note(self, entry: int, ran: tuple[Mode, ...] | None, seconds: float = 0.0, step: int = 0) -> bool:
+        """Step ``step``, under the table entry up to length ``entry``, ran ``ran`` in ``seconds`` (scaled as
         the step-level fit takes them; 0: not timed); True when it ran the plan on trial."""
         self.steps += 1
         counts = self._per_entry.setdefault(entry, [0, 0])
@@ -139,23 +142,27 @@ class PlanTrials:
             self._tried += 1
             self._last_tried = True
             if seconds > 0:
-                self._seconds.append((True, seconds))
+                self._seconds.append((True, step, seconds))
             return True
         if ran == trial.home.modes:
             self._last_tried = False
             if seconds > 0 and self._tried:
-                self._seconds.append((False, seconds))
+                self._seconds.append((False, step, seconds))
         return False
 
-    def own_noise(self) -> tuple[float, int]:
-        """The variance of a difference between two steps of one plan as the trial's own steps show it (each
-        plan's steps, one after the other in its turns; seconds squared), and how many differences it rests
-        on (0: none yet)."""
+    def own_noise(self, clip: float) -> tuple[float, int]:
+        """The mean square of the differences between each plan's successive steps in the trial (those at most
+        ``MAX_GAP`` steps apart, as the fit pairs steps), each clipped at ``clip``, and how many there were."""
         squares: list[float] = []
         for tried in (True, False):
-            times = [t for was, t in self._seconds if was is tried]
-            squares.extend((b - a) ** 2 for a, b in itertools.pairwise(times))
+            times = [(step, t) for was, step, t in self._seconds if was is tried]
+            squares.extend(min(clip, (b - a) ** 2) for (i, a), (j, b) in itertools.pairwise(times) if j - i <= MAX_GAP)
         return (sum(squares) / len(squares), len(squares)) if squares else (0.0, 0)
+
+    @property
+    def full_differences(self) -> int:
+        """How many differences :meth:`own_noise` rests on in a trial that ran all its steps."""
+        return 2 * (self.config.plan_trial_steps - 1)
 
     @property
     def turn(self) -> ShapePlan | None:
@@ -192,9 +199,9 @@ class PlanTrials:
         steps, tried = self._per_entry.get(entry, (0, 0))
         return steps >= SETTLE_STEPS and tried <= allowance(steps, cfg)
 
-    def start(self, trial: PlanTrial, sums: tuple[StepFit, Sums] | None = None) -> None:
+    def start(self, trial: PlanTrial, rollback: tuple[int, StepFit, Sums] | None = None) -> None:
         self.trial, self._tried, self._last_tried = trial, 0, False
-        self._seconds, self.sums = [], sums
+        self._seconds, self.rollback = [], rollback
         self.trials += 1
         key = (trial.seq, trial.modes)
         self._tried_plans[key] = self._tried_plans.get(key, 0) + 1
@@ -209,7 +216,7 @@ class PlanTrials:
         """End the trial in force; the trial, if any."""
         trial, self.trial = self.trial, None
         self._tried, self._last_tried = 0, False
-        self._seconds, self.sums = [], None
+        self._seconds, self.rollback = [], None
         return trial
 
 

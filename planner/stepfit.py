@@ -137,11 +137,16 @@ class Posterior:
 
 @dataclass(frozen=True, slots=True)
 class Sums:
-    """A fit's sums over pairs of differing plans at one moment."""
+    """A fit's sums over pairs of differing plans at one moment, and its noise then."""
 
     sxx: list[list[float]]
+    """:attr:`StepFit.sxx` then."""
     sxy: list[float]
+    """:attr:`StepFit.sxy` then."""
     pairs: float
+    """:attr:`StepFit.pairs` then."""
+    noise_var: float
+    """:meth:`StepFit.noise_var` then: what later steps' noise is weighed against."""
 
 
 @dataclass(slots=True)
@@ -238,10 +243,11 @@ class StepFit:
 
     def sums(self) -> Sums:
         """What the pairs of differing plans have taught so far, to go back to (:meth:`forget_since`)."""
-        return Sums([list(r) for r in self.sxx], list(self.sxy), self.pairs)
+        return Sums([list(r) for r in self.sxx], list(self.sxy), self.pairs, self.noise_var())
 
     def forget_since(self, sums: Sums) -> None:
-        """Forget the pairs of differing plans seen since ``sums`` were taken (steps too noisy to teach)."""
+        """Forget the pairs of differing plans seen since ``sums`` were taken (steps too noisy to teach), of
+        whatever length in the bucket; the noise measured since, the level and the last step stay."""
         self.sxx, self.sxy, self.pairs = [list(r) for r in sums.sxx], list(sums.sxy), sums.pairs
         self.version = next(_VERSIONS)
 

@@ -23,7 +23,7 @@ from rematd.planner.pricing import Pricing, as_corrected
 from rematd.planner.reasons import human_bytes
 from rematd.planner.solvers import front_loaded
 from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanner
-from rematd.planner.stepfit import INFLATION, Posterior, group_of
+from rematd.planner.stepfit import CLIP, INFLATION, Posterior, group_of
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape
 
@@ -104,8 +104,9 @@ class TrialSearch:
             return None
         tried = pricing.replaced(entry, found.modes, obs.static_bytes)
         trial = PlanTrial(home=entry, tried=tried, started=plans.steps, saving=found.saving, sd=found.sd)
-        fit = pricing.learned.steps.fit(pricing.bucket_of(seq))
-        plans.start(trial, (fit, fit.sums()) if fit is not None else None)
+        top = pricing.bucket_of(seq)
+        fit = pricing.learned.steps.fit(top)
+        plans.start(trial, (top, fit, fit.sums()) if fit is not None else None)
         here = pricing.target_at(target, seq)
         # As the candidate was weighed: its prediction as the measured peaks correct it.
         shown, as_measured = as_corrected(tried.predicted_peak_bytes, obs.static_bytes, pricing.learned.correction(seq))
@@ -125,9 +126,7 @@ class TrialSearch:
             # a look after every pair would find noise surely faster more often than the 2 standard
             # deviations say, and a plan kept stays.
             if plans.ran_out or sd < TIGHT * level or saving < -SURE * sd:
-                void = self.end()
-                if void:
-                    return Handed(table, list(table), void_reason(trial, void))
+                plans.stop()
                 shape = pricing.shape(trial.seq)
                 kept = saving > SURE * sd and pricing.fits(trial.modes, shape, target, obs.static_bytes)
                 if kept:
@@ -138,22 +137,30 @@ class TrialSearch:
         handed = [turn if e is trial.home and turn is not None else e for e in table]
         return Handed(table, handed, trial_reason(trial, "in turn"))
 
-    def end(self) -> float:
-        """End the plan trial in force (at its verdict, or overtaken by a new table). Where its own steps of
-        one plan differed by more than ``VOID_NOISE`` times the variance the fit measured before it, the
-        pairs it taught the fit are taken back out: that ratio (0 where the trial stands, or none ran)."""
+    def void(self) -> str | None:
+        """Where the plan trial in force has run all its steps and its own steps of one plan differed by more
+        than ``VOID_NOISE`` times the variance the fit had measured when it started: end it, take the pairs
+        it taught the fit back out, and say why; None otherwise (the trial, if any, goes on)."""
         plans = self.plans
-        noise, differences = plans.own_noise()
-        sums = plans.sums
+        trial, rollback = plans.trial, plans.rollback
+        if trial is None or rollback is None:
+            return None
+        top, fit, before = rollback
+        noise, differences = plans.own_noise(CLIP * CLIP * before.noise_var)
+        if differences < plans.full_differences or noise <= VOID_NOISE * before.noise_var:
+            return None
         plans.stop()
-        if sums is None or differences < 2:
-            return 0.0
-        fit, before = sums
-        ratio = noise / fit.noise_var()
-        if ratio <= VOID_NOISE:
-            return 0.0
-        fit.forget_since(before)
-        return ratio
+        # The fit the trial started with, unless the bucket's fit was dropped (or restored) meanwhile.
+        if self._pricing.learned.steps.fit(top) is fit:
+            fit.forget_since(before)
+        return void_reason(trial, noise / before.noise_var)
+
+    def end(self) -> str | None:
+        """End the plan trial in force, if any (a new table overtakes it, an out-of-memory error): void where
+        :meth:`void` finds it so."""
+        voided = self.void()
+        self.plans.stop()
+        return voided
 
     def fit_ready(self, seq: int) -> bool:
         """Whether the fit at ``seq``'s bucket has seen enough steps to weigh a plan trial there."""
