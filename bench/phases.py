@@ -173,8 +173,8 @@ class Ours:
     runner: Runner
     budget: int
     over: int = 0
-    trials_before: tuple[int, int] = (0, 0)
-    """Steps the session had spent on trials of modes and of plans when the phase began."""
+    trials_before: tuple[int, int, int] = (0, 0, 0)
+    """Steps the session had spent on trials of modes and of plans, and plan trials void, when the phase began."""
 
     @property
     def session(self) -> Any:
@@ -317,6 +317,8 @@ def phase_row(
         "steps_over_budget": ours.over,
         "mode_trial_steps": controller.explorer.trial_steps - ours.trials_before[0],
         "plan_trial_steps": controller.plan_trials.trial_steps - ours.trials_before[1],
+        # Trials whose own steps were too noisy to teach the step-level fit anything (taken back out).
+        "plan_trials_voided": controller.plan_trials.voided - ours.trials_before[2],
         "best_static": best[0] if best else "none fits",
         "best_static_modes": best[1].modes if best else "",
         "best_static_ratio": best[1].ratio if best else None,
@@ -416,7 +418,8 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
         for o in ours.values():
             plans.update(families(n, profile, shape, o.budget))
             controller = o.session.controller
-            o.over, o.trials_before = 0, (controller.explorer.trial_steps, controller.plan_trials.trial_steps)
+            trials = controller.plan_trials
+            o.over, o.trials_before = 0, (controller.explorer.trial_steps, trials.trial_steps, trials.voided)
         pin_statics(statics, plans, setup, seq)
         for c in compiled.values():
             c.times, c.peaks = [], []
@@ -534,6 +537,7 @@ def main() -> None:
         ("predicted_error", "predicted / peak - 1", "+.1%"),
         ("steps_over_budget", "over", "d"),
         ("trial_steps", "trials", "d"),
+        ("plan_trials_voided", "void", "d"),
         ("best_static", "fastest static that fits", ""),
         ("best_static_modes", "", ""),
         ("best_static_ratio", "its ratio", ".3f"),

@@ -111,6 +111,8 @@ class PlanTrials:
         """Steps that ran a plan on trial."""
         self.trials = 0
         """Plan trials started."""
+        self.voided = 0
+        """Plan trials void: their own steps too noisy to teach anything (:data:`VOID_NOISE`)."""
         self._tried = 0
         self._last_tried = False
         self._per_entry: dict[int, list[int]] = {}

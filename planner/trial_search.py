@@ -150,6 +150,7 @@ class TrialSearch:
         if differences < plans.full_differences or noise <= VOID_NOISE * before.noise_var:
             return None
         plans.stop()
+        plans.voided += 1
         # The fit the trial started with, unless the bucket's fit was dropped (or restored) meanwhile.
         if self._pricing.learned.steps.fit(top) is fit:
             fit.forget_since(before)

@@ -63,6 +63,7 @@ def test_a_trial_through_a_burst_of_load_keeps_nothing_and_teaches_nothing(seed:
     assert [(trial, restored) for trial, _reason, restored in voids] == [(1, True)], voids
     assert "too noisy to tell" in voids[0][1]
     assert job.session.controller.plan_trials.trials >= 2
+    assert job.session.controller.plan_trials.voided == 1
     assert not any(" kept: measured" in r or "step times overrule" in r for r in job.reasons), job.reasons
     modes, _ = job.in_force_since(STORING_SLOW)
     assert modes.count(R) == 3  # the per-block prices' plan
