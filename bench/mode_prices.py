@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import torch
 
-from bench.common import table, write_json
+from bench.common import gpt, table, timed_step, tokens, write_json
 from rematd import client
-from rematd.client.demo.tiny_gpt import GPTConfig, TinyGPT, lm_loss
 from rematd.client.introspect import blocks
 from rematd.planner import Mode
 
@@ -51,19 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=4, max_seq_len=args.seq))
+    model = gpt(args.layers, args.d_model, 4, max_seq_len=args.seq)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    data = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    data = tokens(args.batch, args.seq, 0)
 
     with client.attach(model, optimizer=opt, budget_bytes=2**40) as h:
 
         def step() -> float:
-            start = time.perf_counter()
-            lm_loss(model, data).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
+            return timed_step(model, opt, data)
 
         step()  # profiles every block
         measured = blocks(h)[0].measure

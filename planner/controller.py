@@ -157,7 +157,7 @@ class Controller:
         ran = entry_for(self.table, obs.shape) if bucket else None
         entry_seq = ran.max_seq_len if ran else 0
         mode_trial = self._explorer.note(obs, bucket, entry_seq, measured_modes)
-        seconds = self._fit_seconds(obs)
+        seconds = self.planner.fit_seconds(obs)  # scaled as the fit took it: noise alike
         self.trial_step = self.plan_trials.note(entry_seq, measured_modes, seconds, obs.step) or mode_trial
         # A trial too noisy to teach is void before anything is planned from the fit it moved.
         voided = self.trial_search.void()
@@ -178,13 +178,6 @@ class Controller:
         if voided is not None:
             return self._decision(list(self.table), obs.shape, target, obs.static_bytes, voided)
         return self._explore(obs, bucket, ran, target)
-
-    def _fit_seconds(self, obs: StepObservation) -> float:
-        """The step's time as the step-level fit takes it (scaled to its bucket's top length); 0 untimed."""
-        seq = obs.shape.seq_len
-        if obs.step_seconds <= 0 or not seq:
-            return 0.0
-        return obs.step_seconds / self.pricing.step_prices.from_top(seq)
 
     def _explore(self, obs: StepObservation, bucket: int, entry: ShapePlan | None, target: int) -> Decision | None:
         """End a trial that has run its steps, or start one on ``entry`` (the one the step ran with: a

@@ -32,15 +32,22 @@ class StepPlanner:
         """Per length bucket, the plans (as the fit sees them: modes per position group) whose steps were
         timed there since this planner started, each with the last plan of them that ran."""
 
+    def fit_seconds(self, obs: StepObservation) -> float:
+        """The step's time as the step-level fit takes it, scaled to its bucket's top length (0: not timed)."""
+        seq = obs.shape.seq_len
+        if obs.step_seconds <= 0 or not seq:
+            return 0.0
+        return obs.step_seconds / self._pricing.step_prices.from_top(seq)
+
     def learn(self, obs: StepObservation, modes: tuple[Mode, ...] | None) -> None:
         """The step's time, scaled to its bucket's top length, into that bucket's fit; only where the plan
         that ran is known and a plan of the planner's was in force (not the profiling step)."""
-        seq = obs.shape.seq_len
-        if modes is None or obs.step_seconds <= 0 or not seq or not obs.plan_version:
+        seconds = self.fit_seconds(obs)
+        if modes is None or not seconds or not obs.plan_version:
             return
         prices, steps = self._pricing.step_prices, self._pricing.learned.steps
-        top = self._pricing.bucket_of(seq)
-        steps.observe(top, obs.step, obs.step_seconds / prices.from_top(seq), modes, prices.prior(top))
+        top = self._pricing.bucket_of(obs.shape.seq_len)
+        steps.observe(top, obs.step, seconds, modes, prices.prior(top))
         ran = self._ran.setdefault(top, {})
         features = steps.features(modes)
         if features in ran or len(ran) < MAX_RAN:
