@@ -2,8 +2,9 @@
 length bucket.
 
 A mode's cost is what it adds to a whole step: what its blocks' forward takes
-beyond a stored block's forward (checkpoint bookkeeping, the selective
-policy's dispatch, offload's copies) plus the rematerialisation in backward.
+beyond a stored block's forward (the selective policy's dispatch, offload's
+copies; a checkpoint's bookkeeping is too small to tell from the noise) plus
+the rematerialisation in backward.
 The client times both on the device, every step. The ratio of those
 measurements to what the profile priced for the same blocks at the same
 shape, per mode, scales every option's seconds. Scales move in steps of
@@ -47,6 +48,10 @@ DECAY = 0.9
 """Weight of the past in the running sums, per observation."""
 LIMITS = (0.1, 10.0)
 """A scale stays within these: a measurement far outside them is more likely wrong than the profile."""
+OUTLIER = 2.0
+"""A step's timing of a mode (its rematerialisation, its forward, a plain forward) counts within this factor of
+what the running ratio expects of it: a stall, a collection or another job's burst in one step would otherwise
+set a mode's price for the next ten."""
 MAX_BUCKETS = 16
 """Length buckets whose timings are kept; the least recently timed is dropped first."""
 PRICED: tuple[Mode, ...] = (
@@ -76,6 +81,15 @@ def forward_baseline(measured: Iterable[ModeSeconds]) -> tuple[float, int] | Non
     if rec is not None and rec.seconds > 0:
         return rec.seconds, rec.blocks
     return None
+
+
+def within(seconds: float, measured: float, profiled: float, expected: float) -> float:
+    """``seconds`` measured where the profile expected ``expected``, within ``OUTLIER`` times of what the running
+    sums (``measured`` over ``profiled``) make of that; as measured while the sums hold nothing."""
+    if measured <= 0 or profiled <= 0 or expected <= 0:
+        return seconds
+    typical = measured / profiled * expected
+    return min(typical * OUTLIER, max(typical / OUTLIER, seconds))
 
 
 def scales_of(ratios: dict[Mode, float], levels: dict[Mode, int] | None = None) -> Scales:
@@ -112,7 +126,8 @@ class TimeScales:
     A mode's forward is kept apart from its rematerialisation, with the profile's forward time of the same
     blocks: what the forward added is known only against a stored block's forward, which a step where every
     block ran selective does not show. Until some step has shown it, a mode whose forward was timed counts
-    as not yet measured.
+    as not yet measured (a mode of :data:`FORWARD_LIKE` is priced by its rematerialisation alone). Each
+    step's timing counts within ``OUTLIER`` times of what the running sums expect of it.
     """
 
     def __init__(self) -> None:
@@ -185,8 +200,9 @@ class TimeScales:
         measured = tuple(measured)
         base = forward_baseline(measured)
         if base is not None and forward_per_block > 0:
-            self._base[0] = self._base[0] * DECAY + base[0]
-            self._base[1] = self._base[1] * DECAY + base[1] * forward_per_block
+            profiled = base[1] * forward_per_block
+            self._base[0] = self._base[0] * DECAY + within(base[0], self._base[0], self._base[1], profiled)
+            self._base[1] = self._base[1] * DECAY + profiled
         for m in measured:
             expected = predicted_per_block.get(m.mode, 0.0) * m.blocks
             if m.mode == Mode.STORE or m.blocks <= 0 or expected <= 0:
@@ -195,12 +211,13 @@ class TimeScales:
                 continue
             timed_forward = m.forward_seconds > 0 and forward_per_block > 0
             k = m.mode
-            self._remat[k] = self._remat.get(k, 0.0) * DECAY + m.seconds
-            self._forward[k] = self._forward.get(k, 0.0) * DECAY + (m.forward_seconds if timed_forward else 0.0)
-            self._forward_profiled[k] = self._forward_profiled.get(k, 0.0) * DECAY + (
-                m.blocks * forward_per_block if timed_forward else 0.0
-            )
-            self._predicted[k] = self._predicted.get(k, 0.0) * DECAY + expected
+            remat, predicted = self._remat.get(k, 0.0), self._predicted.get(k, 0.0)
+            self._remat[k] = remat * DECAY + within(m.seconds, remat, predicted, expected)
+            forward, profiled = self._forward.get(k, 0.0), self._forward_profiled.get(k, 0.0)
+            plain = m.blocks * forward_per_block if timed_forward else 0.0
+            self._forward[k] = forward * DECAY + (within(m.forward_seconds, forward, profiled, plain) if plain else 0.0)
+            self._forward_profiled[k] = profiled * DECAY + plain
+            self._predicted[k] = predicted * DECAY + expected
             self._blocks[k] = self._blocks.get(k, 0) + m.blocks
             if step is not None:
                 self._last[k] = step
@@ -223,9 +240,12 @@ class TimeScales:
 
     def _whole(self, mode: Mode) -> float | None:
         """The mode's decayed seconds, its forward beyond a plain forward included; None while no plain
-        forward has been measured to compare its timed forward with."""
+        forward has been measured to compare its timed forward with. A mode of :data:`FORWARD_LIKE` runs
+        the plain forward under a checkpoint, which adds next to nothing: its rematerialisation alone is its
+        price, since the difference of two noisy forwards would swamp a part's small one (an MLP's
+        rematerialisation is a tenth of its block's forward)."""
         profiled = self._forward_profiled.get(mode, 0.0)
-        if profiled <= 0:
+        if profiled <= 0 or mode in FORWARD_LIKE:
             return self._remat[mode]
         if self._base[1] <= 0:
             return None

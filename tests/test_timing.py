@@ -261,3 +261,44 @@ def test_restored_scales_are_the_plain_rounding_of_the_restored_sums() -> None:
     again.restore_state(json.loads(json.dumps(t.export_state())))
     assert again.ratios == pytest.approx(t.ratios)
     assert again.scales == scales_of(t.ratios)
+
+
+def test_a_stall_in_one_step_moves_a_price_little_and_a_lasting_change_is_followed() -> None:
+    t = TimeScales()
+    for _ in range(20):  # half the profile's price
+        t.observe([ModeSeconds(Mode.SELECTIVE, 4, 0.02)], {Mode.SELECTIVE: 0.01})
+    # One step stalled (a collection, another job's burst): 25 times what the mode takes.
+    t.observe([ModeSeconds(Mode.SELECTIVE, 4, 0.5)], {Mode.SELECTIVE: 0.01})
+    assert t.ratios[Mode.SELECTIVE] < 0.6, "counted at twice what the running ratio expects, not 25 times"
+    for _ in range(40):  # the mode now costs what the profile says, step after step
+        t.observe([ModeSeconds(Mode.SELECTIVE, 4, 0.04)], {Mode.SELECTIVE: 0.01})
+    assert t.ratios[Mode.SELECTIVE] == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_stall_in_the_stored_blocks_forward_leaves_the_other_prices_alone() -> None:
+    t = TimeScales()
+
+    def step(store_forward: float) -> None:
+        t.observe(
+            [
+                # Stored blocks' forward: 10 ms each. Selective's: 14 ms each, and 4 ms to rematerialise; an MLP
+                # part's forward as a stored block's, and 2 ms to rematerialise.
+                ModeSeconds(Mode.STORE, 4, 0.0, store_forward),
+                ModeSeconds(Mode.SELECTIVE, 4, 0.016, 0.056),
+                ModeSeconds(Mode.MLP, 4, 0.008, 0.041),
+            ],
+            {Mode.SELECTIVE: 0.008, Mode.MLP: 0.004},
+            forward_per_block=0.01,
+        )
+
+    for _ in range(20):
+        step(0.040)
+    before = dict(t.ratios)
+    assert before[Mode.SELECTIVE] == pytest.approx(1.0, rel=0.02), "(4 + 4) ms a block, against 8"
+    assert before[Mode.MLP] == pytest.approx(0.5, rel=0.02), "its rematerialisation alone: 2 ms, against 4"
+    step(0.400)  # one stored forward stalled 10 times over
+    after = dict(t.ratios)
+    # Counted as 20 ms a block, it makes the plain forward 11 ms for a while: selective's forward excess
+    # shrinks by that, and the MLP part, priced by its own rematerialisation, does not move.
+    assert after[Mode.SELECTIVE] > 0.8 * before[Mode.SELECTIVE]
+    assert after[Mode.MLP] == pytest.approx(before[Mode.MLP], rel=0.01)
