@@ -173,8 +173,9 @@ class Ours:
     runner: Runner
     budget: int
     over: int = 0
-    trials_before: tuple[int, int, int] = (0, 0, 0)
-    """Steps the session had spent on trials of modes and of plans, and plan trials void, when the phase began."""
+    trials_before: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """Steps the session had spent on trials of modes and of plans, and plan trials void and disputed, when the
+    phase began."""
 
     @property
     def session(self) -> Any:
@@ -319,6 +320,8 @@ def phase_row(
         "plan_trial_steps": controller.plan_trials.trial_steps - ours.trials_before[1],
         # Trials whose own steps were too noisy to teach the step-level fit anything (taken back out).
         "plan_trials_voided": controller.plan_trials.voided - ours.trials_before[2],
+        # Trials whose gain by the fit's mean the median of their own pairs of steps did not bear out.
+        "plan_trials_disputed": controller.plan_trials.disputed - ours.trials_before[3],
         "best_static": best[0] if best else "none fits",
         "best_static_modes": best[1].modes if best else "",
         "best_static_ratio": best[1].ratio if best else None,
@@ -419,7 +422,8 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
             plans.update(families(n, profile, shape, o.budget))
             controller = o.session.controller
             trials = controller.plan_trials
-            o.over, o.trials_before = 0, (controller.explorer.trial_steps, trials.trial_steps, trials.voided)
+            o.over = 0
+            o.trials_before = (controller.explorer.trial_steps, trials.trial_steps, trials.voided, trials.disputed)
         pin_statics(statics, plans, setup, seq)
         for c in compiled.values():
             c.times, c.peaks = [], []
@@ -538,6 +542,7 @@ def main() -> None:
         ("steps_over_budget", "over", "d"),
         ("trial_steps", "trials", "d"),
         ("plan_trials_voided", "void", "d"),
+        ("plan_trials_disputed", "disputed", "d"),
         ("best_static", "fastest static that fits", ""),
         ("best_static_modes", "", ""),
         ("best_static_ratio", "its ratio", ".3f"),

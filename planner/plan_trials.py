@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from dataclasses import dataclass
 
 from rematd.planner.config import ControllerConfig
@@ -113,6 +114,9 @@ class PlanTrials:
         """Plan trials started."""
         self.voided = 0
         """Plan trials void: their own steps too noisy to teach anything (:data:`VOID_NOISE`)."""
+        self.disputed = 0
+        """Plan trials taken back because the fit found the plan tried surely faster on average where the median
+        of the trial's own pairs of steps found it faster by far less (:meth:`own_gain`)."""
         self._tried = 0
         self._last_tried = False
         self._per_entry: dict[int, list[int]] = {}
@@ -160,6 +164,18 @@ class PlanTrials:
             times = [(step, t) for was, step, t in self._seconds if was is tried]
             squares.extend(min(clip, (b - a) ** 2) for (i, a), (j, b) in itertools.pairwise(times) if j - i <= MAX_GAP)
         return (sum(squares) / len(squares), len(squares)) if squares else (0.0, 0)
+
+    def own_gain(self) -> float | None:
+        """The median, over the trial's successive steps that ran its two plans (at most ``MAX_GAP`` apart),
+        of the plan in force's step less the plan tried's: above 0 where the plan tried was the faster in most
+        of them; None with no such pair (the fit's seconds, as :meth:`note` took them). Heavy-tailed noise (a
+        stall in a step or two) moves a mean, and so the fit, far more than it moves this."""
+        gains = [
+            (a - b) if tried_b else (b - a)
+            for (tried_a, i, a), (tried_b, j, b) in itertools.pairwise(self._seconds)
+            if tried_a != tried_b and j - i <= MAX_GAP
+        ]
+        return statistics.median(gains) if gains else None
 
     @property
     def full_differences(self) -> int:
@@ -235,6 +251,15 @@ def void_reason(trial: PlanTrial, ratio: float) -> str:
         f"trial of a plan over at lengths up to {trial.seq}: too noisy to tell, {letters(trial.home.modes)} "
         f"stays: a plan's steps in the trial differed {math.sqrt(ratio):.1f}x as much as steps had before it "
         "(another load on the machine?), so its steps are taken back out of the step-level prices"
+    )
+
+
+def disputed_reason(trial: PlanTrial, saving: float, sd: float, own: float) -> str:
+    return (
+        f"trial of a plan over at lengths up to {trial.seq}: {letters(trial.home.modes)} stays: "
+        f"{letters(trial.modes)} measured {_signed(saving)} ± {sd:.1%} of a step against it on average, but "
+        f"{_signed(own)} by the median of its own pairs of steps (a few outlying steps made the average), "
+        "so its steps are taken back out of the step-level prices"
     )
 
 

@@ -15,6 +15,7 @@ from rematd.planner.plan_trials import (
     VOID_NOISE,
     PlanTrial,
     PlanTrials,
+    disputed_reason,
     trial_over_reason,
     trial_reason,
     void_reason,
@@ -126,9 +127,14 @@ class TrialSearch:
             # a look after every pair would find noise surely faster more often than the 2 standard
             # deviations say, and a plan kept stays.
             if plans.ran_out or sd < TIGHT * level or saving < -SURE * sd:
+                disputed = self._disputed(trial)
                 plans.stop()
                 shape = pricing.shape(trial.seq)
-                kept = saving > SURE * sd and pricing.fits(trial.modes, shape, target, obs.static_bytes)
+                kept = (
+                    saving > SURE * sd
+                    and disputed is None
+                    and pricing.fits(trial.modes, shape, target, obs.static_bytes)
+                )
                 if kept:
                     table = tuple(trial.tried if e is trial.home else e for e in table)
                 reason = trial_over_reason(trial, saving / level, sd / level, kept)
@@ -139,22 +145,51 @@ class TrialSearch:
 
     def void(self) -> str | None:
         """Where the plan trial in force has run all its steps and its own steps of one plan differed by more
-        than ``VOID_NOISE`` times the variance the fit had measured when it started: end it, take the pairs
-        it taught the fit back out, and say why; None otherwise (the trial, if any, goes on)."""
+        than ``VOID_NOISE`` times the variance the fit had measured when it started, or the fit finds the
+        plan tried surely faster where most of the trial's own pairs of steps found it slower
+        (:meth:`PlanTrials.own_gain`): end it, take the pairs it taught the fit back out, and say why; None
+        otherwise (the trial, if any, goes on)."""
         plans = self.plans
         trial, rollback = plans.trial, plans.rollback
         if trial is None or rollback is None:
             return None
-        top, fit, before = rollback
+        before = rollback[2]
         noise, differences = plans.own_noise(CLIP * CLIP * before.noise_var)
-        if differences < plans.full_differences or noise <= VOID_NOISE * before.noise_var:
+        if differences >= plans.full_differences and noise > VOID_NOISE * before.noise_var:
+            plans.voided += 1
+            self._take_back()
+            return void_reason(trial, noise / before.noise_var)
+        disputed = self._disputed(trial) if plans.ran_out else None
+        if disputed is None:
             return None
-        plans.stop()
-        plans.voided += 1
-        # The fit the trial started with, unless the bucket's fit was dropped (or restored) meanwhile.
-        if self._pricing.learned.steps.fit(top) is fit:
-            fit.forget_since(before)
-        return void_reason(trial, noise / before.noise_var)
+        plans.disputed += 1
+        self._take_back()
+        level = self._pricing.step_prices.level(trial.seq) or 1.0
+        saving, sd, own = disputed
+        return disputed_reason(trial, saving / level, sd / level, own / level)
+
+    def _disputed(self, trial: PlanTrial) -> tuple[float, float, float] | None:
+        """Where the fit finds the plan on trial surely faster, but the median of the trial's own pairs of
+        steps (:meth:`PlanTrials.own_gain`) finds it faster by less than the fit's lower bound (``SURE``
+        standard deviations below its mean): a few outlying steps made the fit's mean. Then the fit's saving,
+        its standard deviation and the pairs' median (seconds); None otherwise."""
+        prices = self._pricing.step_prices
+        saving, sd = prices.contrast(trial.home.modes, trial.modes, trial.seq)
+        own = self.plans.own_gain()
+        if own is None or saving <= SURE * sd:
+            return None
+        own *= prices.from_top(trial.seq)
+        return (saving, sd, own) if own < saving - SURE * sd else None
+
+    def _take_back(self) -> None:
+        """End the plan trial in force, its pairs taken back out of the fit it started with (unless the
+        bucket's fit was dropped, or restored, meanwhile)."""
+        rollback = self.plans.rollback
+        self.plans.stop()
+        if rollback is not None:
+            top, fit, before = rollback
+            if self._pricing.learned.steps.fit(top) is fit:
+                fit.forget_since(before)
 
     def end(self) -> str | None:
         """End the plan trial in force, if any (a new table overtakes it, an out-of-memory error): void where
