@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rematd.planner import MODES_BY_LABEL, Mode
+from rematd.planner import MODE_LETTERS, MODES_BY_LABEL, MODES_BY_LETTER, Mode
 from rematd.planner.messages import JOB_ID_RE
 
 ACCEPTED_MODES = ", ".join(repr(n) for n in MODES_BY_LABEL)
@@ -124,7 +124,10 @@ def mode_of(name: str, value: Any) -> Mode:
         return value
     if isinstance(value, str) and value.lower() in MODES_BY_LABEL:
         return MODES_BY_LABEL[value.lower()]
-    raise ValueError(f"{name}: unknown mode {value!r}; accepted: {ACCEPTED_MODES} or rematd.planner.Mode values")
+    raise ValueError(
+        f"{name}: unknown mode {value!r}; accepted: {ACCEPTED_MODES} or rematd.planner.Mode values"
+        + (f", or one letter a block of {''.join(MODE_LETTERS.values())!r}" if name == "pin_modes" else "")
+    )
 
 
 def mode_sequence(name: str, values: object) -> list[Mode]:
@@ -137,7 +140,12 @@ def mode_sequence(name: str, values: object) -> list[Mode]:
 
 
 def pin_sequence(values: object, blocks: int) -> list[Mode]:
-    """``pin_modes``' argument: one mode for every block (a name or a :class:`Mode`), or one per block."""
+    """``pin_modes``' argument: one mode for every block (a name or a :class:`Mode`), one per block, or a plan
+    as plans are printed, one letter a block (``"RRR.aa"``)."""
+    if isinstance(values, str) and values.lower() not in MODES_BY_LABEL and set(values) <= set(MODES_BY_LETTER):
+        if len(values) != blocks:
+            raise ValueError(f"pin_modes: {values!r} has {len(values)} letters, one per block; the model has {blocks}")
+        return [MODES_BY_LETTER[c] for c in values]
     if isinstance(values, (str, Mode)):
         return [mode_of("pin_modes", values)] * blocks
     if isinstance(values, bytes) or not isinstance(values, Sequence):

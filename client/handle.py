@@ -228,9 +228,12 @@ class Handle:
     def pin_modes(self, modes: str | Mode | Sequence[str | Mode] | None) -> None:
         """Fix every block's mode from the next step on, whatever the planner says (None: follow it again).
 
-        ``modes`` is one mode for every block (``h.pin_modes("recompute")``) or a list with one
-        entry per block; a mode is its name (``"store"``, ``"selective"``, ``"recompute"``,
-        ``"offload"``, ``"compress"``) or a :class:`rematd.planner.Mode`. Given before the first step, the
+        ``modes`` is one mode for every block (``h.pin_modes("recompute")``), a list with one
+        entry per block, or a plan as ``h.plan`` and the reasons print it, one letter a block
+        (``h.pin_modes("RRR.aa")``: ``.`` store, ``s`` selective, ``t`` titan, ``a`` attention, ``m`` mlp,
+        ``R`` recompute, ``O`` offload, ``C`` compress); a mode is its name (``"store"``, ``"selective"``,
+        ``"titan"``, ``"attention"``, ``"mlp"``, ``"recompute"``, ``"offload"``, ``"compress"``) or a
+        :class:`rematd.planner.Mode`. Given before the first step, the
         pin applies from the first step after profiling. Compress, being lossy, may be pinned only when
         ``attach(modes=...)`` enabled it (ValueError otherwise).
         """

@@ -36,6 +36,9 @@ def test_one_mode_pins_every_block_and_a_list_pins_each() -> None:
     h.pin_modes(["store", "recompute", Mode.STORE, "Recompute"])
     train_step(model, opt, 32, seed=3)
     assert h.modes == (Mode.STORE, Mode.RECOMPUTE, Mode.STORE, Mode.RECOMPUTE)
+    h.pin_modes("R.a.")  # as plans are printed
+    train_step(model, opt, 32, seed=4)
+    assert h.modes == (Mode.RECOMPUTE, Mode.STORE, Mode.ATTENTION, Mode.STORE)
     h.pin_modes(None)
     train_step(model, opt, 32, seed=4)
     assert h.modes == h.plan.modes_for(h.last_shape, 4), "unpinned, the plan's modes again"
@@ -54,6 +57,10 @@ def test_a_bad_pin_names_what_was_wrong_and_changes_nothing() -> None:
         h.pin_modes(b"recompute")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^pin_modes needs 4 modes, one per block, got 2"):
         h.pin_modes(["store", "store"])
+    with pytest.raises(ValueError, match=r"^pin_modes: 'RR\.' has 3 letters, one per block; the model has 4"):
+        h.pin_modes("RR.")
+    with pytest.raises(ValueError, match=r"^pin_modes: unknown mode 'RRxR'.*one letter a block of '\.sROCtam'"):
+        h.pin_modes("RRxR")
     train_step(model, opt, 32, seed=1)
     assert h.modes == (Mode.RECOMPUTE,) * 4, "the pin in force before the bad ones stays"
     h.close()
