@@ -4,7 +4,8 @@
     python -m bench.mode_prices --quick         # 2 blocks, d_model 32, 2 x 16 tokens (a smoke run)
 
 The demo GPT is attached with an ample budget; its first step profiles every block, and the profile's price of
-each mode on the first block (the seconds it adds to a step over storing) is read. Then every block is pinned to
+each mode (the seconds it adds to a step over storing), as the planner has it, is read: the blocks are alike, so
+it is the median over them. Then every block is pinned to
 one mode at a time, in ``--rounds`` rounds each in the same order, two steps to settle and ``--steps`` timed:
 what a mode adds per block is its median step less storing's, over the blocks. Both are also given as a share
 of recomputing's, which is what the planner weighs modes by: a mode priced far below its measured share is one
@@ -21,7 +22,7 @@ import torch
 
 from bench.common import gpt, table, timed_step, tokens, write_json
 from rematd import client
-from rematd.client.introspect import blocks
+from rematd.client.introspect import hello
 from rematd.planner import Mode
 
 MODES = (Mode.STORE, Mode.SELECTIVE, Mode.TITAN, Mode.ATTENTION, Mode.MLP, Mode.RECOMPUTE)
@@ -59,8 +60,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             return timed_step(model, opt, data)
 
         step()  # profiles every block
-        measured = blocks(h)[0].measure
-        assert measured is not None, "the first step profiled the blocks"
+        # As the planner has them: the blocks are alike, each mode priced at its median over them.
+        measured = hello(h).blocks[0]
         priced = {c.mode: c.extra_seconds for c in measured.modes}
         modes = [m for m in MODES if m in priced]
         times: dict[Mode, list[float]] = {m: [] for m in modes}
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     report = measure(args)
     print(
         f"{args.layers} blocks, d_model {args.d_model}, {args.batch} x {args.seq} tokens, {args.threads} thread(s); "
-        f"the profiling step timed a block's forward at {report['profiled_forward_ms_per_block']:.3f} ms"
+        f"the profile prices a block's forward at {report['profiled_forward_ms_per_block']:.3f} ms"
     )
     columns = [
         ("mode", "mode", ""),

@@ -8,8 +8,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rematd import client
 from rematd.client import introspect
+from rematd.client.blocks.profiling import BlockMeasure, alike_seconds
 from rematd.client.demo.tiny_gpt import lm_loss
-from rematd.planner import Mode, Shape
+from rematd.planner import Mode, ModeCost, Shape, Size
 from rematd.planner.cost import choose, peak_of
 
 from .helpers import batch, tiny_model
@@ -181,3 +182,45 @@ def test_profile_offers_modes_with_shape_terms() -> None:
     h.close()
     with pytest.raises(ValueError, match="modes: unknown mode"):
         client.attach(tiny_model(), modes=["teleport"])
+
+
+def test_blocks_alike_are_priced_alike_by_their_median() -> None:
+    def measure(seconds: float, saved: int = 1000) -> BlockMeasure:
+        kept = Size.linear(saved)
+        return BlockMeasure(
+            saved_bytes=saved,
+            input_bytes=100,
+            forward_seconds=seconds,
+            modes=(
+                ModeCost(mode=Mode.STORE, kept=kept),
+                ModeCost(mode=Mode.RECOMPUTE, kept=Size.linear(100), transient=kept, extra_seconds=seconds),
+                ModeCost(mode=Mode.MLP, kept=Size.linear(600), transient=Size.linear(400), extra_seconds=seconds / 5),
+            ),
+        )
+
+    # A cold first block, one preempted, two as they run warm; a block of another layer; one never profiled.
+    raw = [measure(0.020), measure(0.100), measure(0.010), measure(0.012), measure(0.050, saved=3000), None]
+    priced = alike_seconds(raw)
+    median = 0.016  # of 0.010, 0.012, 0.020 and 0.100
+    for m in priced[:4]:
+        assert m is not None
+        assert m.forward_seconds == pytest.approx(median)
+        assert [c.extra_seconds for c in m.modes] == pytest.approx([0.0, median, median / 5])
+        assert m.modes[2].kept == Size.linear(600), "only the seconds move"
+    assert priced[4] is raw[4] and priced[5] is None, "a block unlike the others keeps its own"
+
+
+def test_a_profile_prices_alike_blocks_alike_and_no_part_above_its_block() -> None:
+    model = tiny_model(n_layer=3, d_model=48)
+    h = client.attach(model, budget_bytes=10**12)
+    step(model, h, 40, 0)
+    hello = introspect.hello(h)
+    blocks = hello.blocks
+    prices = [{m.mode: m.extra_seconds for m in b.modes} for b in blocks]
+    assert all(p == prices[0] for p in prices), "the blocks are alike: one price for each mode"
+    recompute = prices[0][Mode.RECOMPUTE]
+    assert recompute == blocks[0].forward_seconds > 0
+    # A part's ops are some of the block's, timed alike: no part costs more than the whole block.
+    assert 0 < prices[0][Mode.ATTENTION] < recompute and 0 < prices[0][Mode.MLP] < recompute
+    assert prices[0][Mode.ATTENTION] + prices[0][Mode.MLP] <= recompute
+    h.close()

@@ -9,7 +9,9 @@ predicts every input shape.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -69,13 +71,18 @@ class _Timed(TorchDispatchMode):
     as :mod:`rematd.client.blocks.selective` defines them) the outputs it would keep and the time spent outside
     them: what that mode keeps, and what its recomputation runs again."""
 
-    def __init__(self, cuda: bool, policies: dict[Mode, Decide]) -> None:
+    def __init__(self, cuda: bool, policies: dict[Mode, Decide], parts: list[Mode] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.cuda = cuda
         self.policies = policies
         self.kept: dict[Mode, list[torch.Tensor]] = {m: [] for m in policies}
         self.other_seconds: dict[Mode, float] = dict.fromkeys(policies, 0.0)
         self.total_seconds = 0.0
+        """The forward's ops' own time: what recomputing the block runs again."""
+        self.parts = parts if parts is not None else []
+        """The block's parts running now (the profiler's list, innermost last)."""
+        self.part_seconds: dict[Mode, float] = {}
+        """Per part, its ops' own time: what recomputing the part runs again."""
         self.ops = 0
         """Ops the forward ran: what a policy's dispatch pays for, in its forward and in its recomputation."""
 
@@ -88,6 +95,8 @@ class _Timed(TorchDispatchMode):
         spent = time.perf_counter() - start
         self.total_seconds += spent
         self.ops += 1
+        for part in self.parts:
+            self.part_seconds[part] = self.part_seconds.get(part, 0.0) + spent
         for mode, decide in self.policies.items():
             if decide(func, args, kwargs):
                 self.kept[mode].extend(outputs_of(out))
@@ -147,6 +156,32 @@ class BlockMeasure:
     the experts received: what grows with the rows the router sends this rank's experts."""
 
 
+def alike_seconds(measures: list[BlockMeasure | None]) -> list[BlockMeasure | None]:
+    """``measures`` with the seconds of blocks alike (the same bytes saved and kept in every mode: the same
+    layer, as a transformer repeats it) made their median, mode by mode. The profiling step times each block
+    once, cold: the first block of a CPU run measured 1.5-2x its twins, and a block preempted by another
+    process ten times; a per-block price that far off would decide which blocks recompute. The steps then
+    scale the median as they scale any price."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, m in enumerate(measures):
+        if m is not None:
+            shape = tuple((c.mode, c.kept, c.transient, c.released) for c in m.modes)
+            groups.setdefault((m.saved_bytes, m.input_bytes, shape), []).append(i)
+    out = list(measures)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        alike = [m for i in members if (m := measures[i]) is not None]
+        # Alike, they list the same modes in the same order.
+        columns = zip(*(m.modes for m in alike), strict=True)
+        seconds = [statistics.median(c.extra_seconds for c in column) for column in columns]
+        forward = statistics.median(m.forward_seconds for m in alike)
+        for i, m in zip(members, alike, strict=True):
+            modes = tuple(dataclasses.replace(c, extra_seconds=t) for c, t in zip(m.modes, seconds, strict=True))
+            out[i] = dataclasses.replace(m, forward_seconds=forward, modes=modes)
+    return out
+
+
 class Profiler:
     """Measures one block forward; ``record`` sees each tensor it saves for backward."""
 
@@ -167,9 +202,9 @@ class Profiler:
         """Storages of the parameters as the block runs (those a sharded set-up gathered): weights, not activations."""
         self.cuda = cuda
         self.saved: dict[Key, tuple[int, int, int]] = {}
-        self.timer = _Timed(cuda, policies or {})
         self._parts: list[Mode] = []
         """The parts running now, innermost last."""
+        self.timer = _Timed(cuda, policies or {}, self._parts)
         self._where: dict[Key, set[Mode | None]] = {}
         """Per storage saved, the parts it was saved in (None: outside any part)."""
         self._part_inputs: dict[Mode, dict[Key, tuple[int, int, int]]] = {}
@@ -245,6 +280,12 @@ class Profiler:
     def result(
         self, inputs: list[torch.Tensor], seconds: float, offer: frozenset[Mode], host_link: HostLink | None
     ) -> BlockMeasure:
+        """The block's profile; ``seconds``: its forward's wall time, the price of recomputing it where the
+        ops were not timed one by one. Where they were, their own time is: the wall time also holds this
+        profile's bookkeeping (a Python call per op and per tensor saved), a third of it or more on a CPU,
+        which no mode pays, and which the op policies' and parts' prices (their ops' time) do not hold."""
+        if self.timer.ops:
+            seconds = self.timer.total_seconds
         inp = self._entries(inputs)
         store = _size(self.saved)
         inp_size = _size(inp)
@@ -317,7 +358,8 @@ class Profiler:
             mode=mode,
             kept=_size(kept),
             transient=_size({k: self.saved[k] for k in inside}),
-            extra_seconds=self._part_seconds[mode],
+            # Its ops' own time, as the block's price is; its wall time where no op of it was timed.
+            extra_seconds=self.timer.part_seconds.get(mode) or self._part_seconds[mode],
             released=_size(released),
         )
 

@@ -14,7 +14,7 @@ from torch import nn
 from rematd import __version__
 from rematd.client.blocks.compiled import COMPILED_MODES
 from rematd.client.blocks.parts import PART_MODES
-from rematd.client.blocks.profiling import HostLink, host_bandwidth
+from rematd.client.blocks.profiling import HostLink, alike_seconds, host_bandwidth
 from rematd.client.blocks.switchable import SwitchableBlock
 from rematd.client.memory.accounting import SavedTensorAccounting, local_part, tensors_in
 from rematd.client.memory.sources import CudaMemory, MemorySample, SavedTensorMemory, outside_blocks
@@ -222,10 +222,10 @@ def _per_microbatch(other: Size, in_flight: int) -> Size:
 
 
 def block_records(blocks: Sequence[SwitchableBlock]) -> tuple[BlockProfile, ...]:
-    """Each block's profile as measured (zeros for a block without one)."""
+    """Each block's profile as measured (zeros for a block without one), blocks alike priced alike
+    (:func:`alike_seconds`)."""
     records = []
-    for b in blocks:
-        m = b.measure
+    for b, m in zip(blocks, alike_seconds([b.measure for b in blocks]), strict=True):
         records.append(
             BlockProfile(
                 index=b.index,
