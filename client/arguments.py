@@ -124,10 +124,7 @@ def mode_of(name: str, value: Any) -> Mode:
         return value
     if isinstance(value, str) and value.lower() in MODES_BY_LABEL:
         return MODES_BY_LABEL[value.lower()]
-    raise ValueError(
-        f"{name}: unknown mode {value!r}; accepted: {ACCEPTED_MODES} or rematd.planner.Mode values"
-        + (f", or one letter a block of {''.join(MODE_LETTERS.values())!r}" if name == "pin_modes" else "")
-    )
+    raise ValueError(f"{name}: unknown mode {value!r}; accepted: {ACCEPTED_MODES} or rematd.planner.Mode values")
 
 
 def mode_sequence(name: str, values: object) -> list[Mode]:
@@ -142,7 +139,12 @@ def mode_sequence(name: str, values: object) -> list[Mode]:
 def pin_sequence(values: object, blocks: int) -> list[Mode]:
     """``pin_modes``' argument: one mode for every block (a name or a :class:`Mode`), one per block, or a plan
     as plans are printed, one letter a block (``"RRR.aa"``)."""
-    if isinstance(values, str) and values.lower() not in MODES_BY_LABEL and set(values) <= set(MODES_BY_LETTER):
+    if isinstance(values, str) and values.lower() not in MODES_BY_LABEL:
+        if not set(values) <= set(MODES_BY_LETTER):
+            raise ValueError(
+                f"pin_modes: unknown mode {values!r}; accepted: {ACCEPTED_MODES} or rematd.planner.Mode values, "
+                f"or one letter a block of {''.join(MODE_LETTERS.values())!r}"
+            )
         if len(values) != blocks:
             raise ValueError(f"pin_modes: {values!r} has {len(values)} letters, one per block; the model has {blocks}")
         return [MODES_BY_LETTER[c] for c in values]

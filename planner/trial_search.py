@@ -127,7 +127,7 @@ class TrialSearch:
             # a look after every pair would find noise surely faster more often than the 2 standard
             # deviations say, and a plan kept stays.
             if plans.ran_out or sd < TIGHT * level or saving < -SURE * sd:
-                disputed = self._disputed(trial)
+                disputed = self._disputed(trial, saving, sd)
                 plans.stop()
                 shape = pricing.shape(trial.seq)
                 kept = (
@@ -146,9 +146,9 @@ class TrialSearch:
     def void(self) -> str | None:
         """Where the plan trial in force has run all its steps and its own steps of one plan differed by more
         than ``VOID_NOISE`` times the variance the fit had measured when it started, or the fit finds the
-        plan tried surely faster where most of the trial's own pairs of steps found it slower
-        (:meth:`PlanTrials.own_gain`): end it, take the pairs it taught the fit back out, and say why; None
-        otherwise (the trial, if any, goes on)."""
+        plan tried surely faster where the median of the trial's own pairs of steps does not bear that out
+        (:meth:`_disputed`): end it, take the pairs it taught the fit back out, and say why; None otherwise
+        (the trial, if any, goes on)."""
         plans = self.plans
         trial, rollback = plans.trial, plans.rollback
         if trial is None or rollback is None:
@@ -159,27 +159,28 @@ class TrialSearch:
             plans.voided += 1
             self._take_back()
             return void_reason(trial, noise / before.noise_var)
-        disputed = self._disputed(trial) if plans.ran_out else None
-        if disputed is None:
+        if not plans.ran_out:
+            return None
+        prices = self._pricing.step_prices
+        saving, sd = prices.contrast(trial.home.modes, trial.modes, trial.seq)
+        own = self._disputed(trial, saving, sd)
+        if own is None:
             return None
         plans.disputed += 1
         self._take_back()
-        level = self._pricing.step_prices.level(trial.seq) or 1.0
-        saving, sd, own = disputed
+        level = prices.level(trial.seq) or 1.0
         return disputed_reason(trial, saving / level, sd / level, own / level)
 
-    def _disputed(self, trial: PlanTrial) -> tuple[float, float, float] | None:
-        """Where the fit finds the plan on trial surely faster, but the median of the trial's own pairs of
-        steps (:meth:`PlanTrials.own_gain`) finds it faster by less than the fit's lower bound (``SURE``
-        standard deviations below its mean): a few outlying steps made the fit's mean. Then the fit's saving,
-        its standard deviation and the pairs' median (seconds); None otherwise."""
-        prices = self._pricing.step_prices
-        saving, sd = prices.contrast(trial.home.modes, trial.modes, trial.seq)
+    def _disputed(self, trial: PlanTrial, saving: float, sd: float) -> float | None:
+        """Where the fit finds the plan on trial surely faster (``saving`` a step, ``sd`` its standard
+        deviation, seconds), but the median of the trial's own pairs of steps (:meth:`PlanTrials.own_gain`)
+        finds it faster by less than the fit's lower bound (``SURE`` standard deviations below its mean): a
+        few outlying steps made the fit's mean. Then that median (seconds); None otherwise."""
         own = self.plans.own_gain()
         if own is None or saving <= SURE * sd:
             return None
-        own *= prices.from_top(trial.seq)
-        return (saving, sd, own) if own < saving - SURE * sd else None
+        own *= self._pricing.step_prices.from_top(trial.seq)
+        return own if own < saving - SURE * sd else None
 
     def _take_back(self) -> None:
         """End the plan trial in force, its pairs taken back out of the fit it started with (unless the

@@ -71,7 +71,7 @@ class _Timed(TorchDispatchMode):
     as :mod:`rematd.client.blocks.selective` defines them) the outputs it would keep and the time spent outside
     them: what that mode keeps, and what its recomputation runs again."""
 
-    def __init__(self, cuda: bool, policies: dict[Mode, Decide], parts: list[Mode] | None = None) -> None:
+    def __init__(self, cuda: bool, policies: dict[Mode, Decide], parts: list[Mode]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.cuda = cuda
         self.policies = policies
@@ -79,7 +79,7 @@ class _Timed(TorchDispatchMode):
         self.other_seconds: dict[Mode, float] = dict.fromkeys(policies, 0.0)
         self.total_seconds = 0.0
         """The forward's ops' own time: what recomputing the block runs again."""
-        self.parts = parts if parts is not None else []
+        self.parts = parts
         """The block's parts running now (the profiler's list, innermost last)."""
         self.part_seconds: dict[Mode, float] = {}
         """Per part, its ops' own time: what recomputing the part runs again."""
