@@ -11,6 +11,7 @@ measures them (:mod:`rematd.planner.explore`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from rematd.planner.config import ControllerConfig
@@ -135,16 +136,19 @@ class Controller:
         choice = pricing.solve(ref, target, static_bytes)
         return self._decision(list(self.table), ref, target, static_bytes, initial_reason(choice, target))
 
-    def _decision(self, table: list[ShapePlan], shape: Shape, target: int, static: int, reason: str) -> Decision:
-        """``table`` handed out (:meth:`Pricing.decision`), as what the steps run from now."""
+    def _decision(
+        self, table: list[ShapePlan], shape: Shape, target: int, static: int, reason: str, *, verdict: bool = False
+    ) -> Decision:
+        """``table`` handed out (:meth:`Pricing.decision`), as what the steps run from now; ``verdict``: a
+        trial's (:attr:`Decision.verdict`)."""
         decision = self.pricing.decision(table, shape, target, static, reason)
         self.handed_out = tuple(table)
-        return decision
+        return dataclasses.replace(decision, verdict=True) if verdict else decision
 
     def _handed(self, handed: Handed, obs: StepObservation, target: int) -> Decision:
         """What a step of plan trials hands out, as a decision, its table in force."""
         self.table = handed.table
-        return self._decision(handed.handed, obs.shape, target, obs.static_bytes, handed.reason)
+        return self._decision(handed.handed, obs.shape, target, obs.static_bytes, handed.reason, verdict=handed.over)
 
     # -- one step -------------------------------------------------------------
 
@@ -173,10 +177,10 @@ class Controller:
         if change is not None:
             # A new table (made from the table in force, without the trial) overtakes a trial in force.
             self._explorer.stop()
-            self.trial_search.end()
-            return change
+            ended = voided or self.trial_search.end()
+            return dataclasses.replace(change, reason=f"{change.reason}; {ended}") if ended else change
         if voided is not None:
-            return self._decision(list(self.table), obs.shape, target, obs.static_bytes, voided)
+            return self._decision(list(self.table), obs.shape, target, obs.static_bytes, voided, verdict=True)
         return self._explore(obs, bucket, ran, target)
 
     def _explore(self, obs: StepObservation, bucket: int, entry: ShapePlan | None, target: int) -> Decision | None:
@@ -190,7 +194,8 @@ class Controller:
                 return None
             over = explorer.stop()
             assert over is not None
-            return self._decision(list(self.table), obs.shape, target, obs.static_bytes, trial_over_reason(over))
+            reason = trial_over_reason(over)
+            return self._decision(list(self.table), obs.shape, target, obs.static_bytes, reason, verdict=True)
         if self.plan_trials.trial is not None:
             return self._handed(self.trial_search.step(obs, target, self.table), obs, target)
         measured = self.learned.buckets.get(bucket)
@@ -347,7 +352,7 @@ class Controller:
         cfg = self.config
         learned = self.learned
         self._explorer.stop()
-        self.trial_search.end()
+        ended = self.trial_search.end()
         seq = shape.seq_len or self.profile.shape.seq_len
         bucket = learned.bucket(seq)
         learned.headroom_steps = 0
@@ -379,6 +384,7 @@ class Controller:
         self.table = tuple(table)
         where = f"at length {shape.seq_len}" if shape.seq_len else "(its length not reported)"
         reason = f"tighten: out-of-memory reported {where}; {what_changed(was, self.table)}"
+        reason = f"{reason}; {ended}" if ended else reason
         return self._decision(table, shape, target, static_bytes, reason)
 
     # -- what it learned, across restarts of the service ----------------------

@@ -21,6 +21,9 @@ class Decision:
     predicted_overhead_ratio: float
     target_bytes: int
     reason: str
+    verdict: bool = False
+    """A trial's verdict: made a plan, its reason said, even where the modes and table stay as they were (what
+    the steps ran and why, in the plans' history, agrees with them)."""
 
 
 @dataclass(slots=True)

@@ -61,6 +61,11 @@ SETTLE_STEPS = 16
 SHARE_HORIZON = 64
 """Steps of a table entry over which trials may take ``plan_explore_share`` of them; beyond, the share's
 steps grow as the square root of the entry's steps."""
+OUTCOMES = ("kept", "stays", "void", "disputed", "overtaken")
+"""How a plan trial ends: the plan tried kept (the steps found it surely faster); the plan in force stays (they
+did not); void (too noisy to tell, :data:`VOID_NOISE`) or disputed (a few outlying steps made the fit's verdict,
+:meth:`PlanTrials.own_gain`), each with its steps taken back out of the fit; overtaken by a new table (a change
+of length, budget or memory, an out-of-memory error)."""
 
 
 def allowance(steps: int, config: ControllerConfig) -> float:
@@ -112,11 +117,8 @@ class PlanTrials:
         """Steps that ran a plan on trial."""
         self.trials = 0
         """Plan trials started."""
-        self.voided = 0
-        """Plan trials void: their own steps too noisy to teach anything (:data:`VOID_NOISE`)."""
-        self.disputed = 0
-        """Plan trials taken back because the fit found the plan tried surely faster on average where the median
-        of the trial's own pairs of steps found it faster by far less (:meth:`own_gain`)."""
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        """Plan trials ended so far, by how (:data:`OUTCOMES`)."""
         self._tried = 0
         self._last_tried = False
         self._per_entry: dict[int, list[int]] = {}
@@ -230,8 +232,25 @@ class PlanTrials:
         """How many trials ``modes`` has had at the table entry up to length ``entry``."""
         return self._tried_plans.get((entry, modes), 0)
 
+    @property
+    def voided(self) -> int:
+        """Plan trials void: their own steps too noisy to teach anything (:data:`VOID_NOISE`)."""
+        return self.outcomes["void"]
+
+    @property
+    def disputed(self) -> int:
+        """Plan trials taken back because the fit found the plan tried surely faster on average where the median
+        of the trial's own pairs of steps found it faster by far less (:meth:`own_gain`)."""
+        return self.outcomes["disputed"]
+
+    def over(self, outcome: str) -> PlanTrial | None:
+        """End the trial in force, counted as ``outcome`` (one of :data:`OUTCOMES`); the trial, if any."""
+        if self.trial is not None:
+            self.outcomes[outcome] += 1
+        return self.stop()
+
     def stop(self) -> PlanTrial | None:
-        """End the trial in force; the trial, if any."""
+        """End the trial in force, uncounted; the trial, if any."""
         trial, self.trial = self.trial, None
         self._tried, self._last_tried = 0, False
         self._seconds, self.rollback = [], None
@@ -260,6 +279,13 @@ def disputed_reason(trial: PlanTrial, saving: float, sd: float, own: float) -> s
         f"{letters(trial.modes)} measured {_signed(saving)} ± {sd:.1%} of a step against it on average, but "
         f"{_signed(own)} by the median of its own pairs of steps (a few outlying steps made the average), "
         "so its steps are taken back out of the step-level prices"
+    )
+
+
+def overtaken_reason(trial: PlanTrial) -> str:
+    return (
+        f"the trial of {letters(trial.modes)} in turn with {letters(trial.home.modes)} at lengths up to "
+        f"{trial.seq} ends unweighed"
     )
 
 

@@ -187,6 +187,11 @@ class PlannerSession:
         return self.controller.trial_step
 
     @property
+    def trial_outcomes(self) -> dict[str, int]:
+        """Plan trials ended so far, by outcome (:data:`~rematd.planner.plan_trials.OUTCOMES`)."""
+        return dict(self.controller.plan_trials.outcomes)
+
+    @property
     def steady(self) -> bool:
         """Whether the next steps, if like the last, would change nothing: no loosening under way."""
         return not self.controller.loosening_pending and not self.controller.exploring
@@ -194,7 +199,7 @@ class PlannerSession:
     def _adopt(self, decision: Decision | None) -> Plan | None:
         if decision is None:
             return None
-        if decision.modes == self._plan.modes and decision.table == self._plan.shape_plans:
+        if not decision.verdict and decision.modes == self._plan.modes and decision.table == self._plan.shape_plans:
             return None
         self._plan = self._make(decision, self._plan.version + 1)
         return self._plan
@@ -224,18 +229,22 @@ class PlannerSession:
                 return False
         return True
 
-    def observe(self, obs: StepObservation) -> Plan | None:
-        """Feed one step's measurements; returns the new plan when it changes."""
+    def observe(self, obs: StepObservation, ran: tuple[Mode, ...] | None = None) -> Plan | None:
+        """Feed one step's measurements; returns the new plan when it changes. ``ran``: the modes its plan
+        gave the step, where the caller versions the plans it sends itself (a service; ``()``: not known);
+        None: the plan of ``obs.plan_version`` among this session's own."""
         self.budget_bytes = obs.budget_bytes
         self.capacity_bytes = usable_bytes(obs)
         self.static_bytes = obs.static_bytes
         n = self.profile.num_blocks
-        ran = self._recent.get(obs.plan_version)
+        if ran is None:
+            own = self._recent.get(obs.plan_version)
+            ran = own.modes_for(obs.shape, n) if own is not None else ()
         measured_modes: tuple[Mode, ...] | None = None
         if len(obs.modes) == n and self._priced(obs.modes):
             measured_modes = obs.modes
-        elif ran is not None:
-            measured_modes = ran.modes_for(obs.shape, n)
+        elif len(ran) == n and self._priced(ran):
+            measured_modes = ran
         # Unknown (None): priced as storing every block, and no step time taken.
         plan = self._adopt(self.controller.observe(obs, measured_modes))
         if plan is None:

@@ -16,6 +16,7 @@ from rematd.planner.plan_trials import (
     PlanTrial,
     PlanTrials,
     disputed_reason,
+    overtaken_reason,
     trial_over_reason,
     trial_reason,
     void_reason,
@@ -66,6 +67,8 @@ class Handed(NamedTuple):
     table: tuple[ShapePlan, ...]
     handed: list[ShapePlan]
     reason: str
+    over: bool = False
+    """Whether a trial ended: its verdict is a plan's reason even where the modes stay as they were."""
 
 
 class TrialSearch:
@@ -127,18 +130,16 @@ class TrialSearch:
             # a look after every pair would find noise surely faster more often than the 2 standard
             # deviations say, and a plan kept stays.
             if plans.ran_out or sd < TIGHT * level or saving < -SURE * sd:
-                disputed = self._disputed(trial, saving, sd)
-                plans.stop()
+                own = self._disputed(trial, saving, sd)
+                if own is not None:
+                    return Handed(table, list(table), self._dispute(trial, saving, sd, own), over=True)
                 shape = pricing.shape(trial.seq)
-                kept = (
-                    saving > SURE * sd
-                    and disputed is None
-                    and pricing.fits(trial.modes, shape, target, obs.static_bytes)
-                )
+                kept = saving > SURE * sd and pricing.fits(trial.modes, shape, target, obs.static_bytes)
+                plans.over("kept" if kept else "stays")
                 if kept:
                     table = tuple(trial.tried if e is trial.home else e for e in table)
                 reason = trial_over_reason(trial, saving / level, sd / level, kept)
-                return Handed(table, list(table), reason)
+                return Handed(table, list(table), reason, over=True)
         turn = plans.turn
         handed = [turn if e is trial.home and turn is not None else e for e in table]
         return Handed(table, handed, trial_reason(trial, "in turn"))
@@ -156,20 +157,13 @@ class TrialSearch:
         before = rollback[2]
         noise, differences = plans.own_noise(CLIP * CLIP * before.noise_var)
         if differences >= plans.full_differences and noise > VOID_NOISE * before.noise_var:
-            plans.voided += 1
-            self._take_back()
+            self._take_back("void")
             return void_reason(trial, noise / before.noise_var)
         if not plans.ran_out:
             return None
-        prices = self._pricing.step_prices
-        saving, sd = prices.contrast(trial.home.modes, trial.modes, trial.seq)
+        saving, sd = self._pricing.step_prices.contrast(trial.home.modes, trial.modes, trial.seq)
         own = self._disputed(trial, saving, sd)
-        if own is None:
-            return None
-        plans.disputed += 1
-        self._take_back()
-        level = prices.level(trial.seq) or 1.0
-        return disputed_reason(trial, saving / level, sd / level, own / level)
+        return None if own is None else self._dispute(trial, saving, sd, own)
 
     def _disputed(self, trial: PlanTrial, saving: float, sd: float) -> float | None:
         """Where the fit finds the plan on trial surely faster (``saving`` a step, ``sd`` its standard
@@ -182,11 +176,17 @@ class TrialSearch:
         own *= self._pricing.step_prices.from_top(trial.seq)
         return own if own < saving - SURE * sd else None
 
-    def _take_back(self) -> None:
-        """End the plan trial in force, its pairs taken back out of the fit it started with (unless the
-        bucket's fit was dropped, or restored, meanwhile)."""
+    def _dispute(self, trial: PlanTrial, saving: float, sd: float, own: float) -> str:
+        """End the plan trial in force as disputed (:meth:`_disputed` found ``own``), its pairs taken back; why."""
+        self._take_back("disputed")
+        level = self._pricing.step_prices.level(trial.seq) or 1.0
+        return disputed_reason(trial, saving / level, sd / level, own / level)
+
+    def _take_back(self, outcome: str) -> None:
+        """End the plan trial in force as ``outcome``, its pairs taken back out of the fit it started with
+        (unless the bucket's fit was dropped, or restored, meanwhile)."""
         rollback = self.plans.rollback
-        self.plans.stop()
+        self.plans.over(outcome)
         if rollback is not None:
             top, fit, before = rollback
             if self._pricing.learned.steps.fit(top) is fit:
@@ -194,10 +194,13 @@ class TrialSearch:
 
     def end(self) -> str | None:
         """End the plan trial in force, if any (a new table overtakes it, an out-of-memory error): void where
-        :meth:`void` finds it so."""
+        :meth:`void` finds it so, else overtaken; why, None without a trial."""
+        trial = self.plans.trial
         voided = self.void()
-        self.plans.stop()
-        return voided
+        if voided is not None or trial is None:
+            return voided
+        self.plans.over("overtaken")
+        return overtaken_reason(trial)
 
     def fit_ready(self, seq: int) -> bool:
         """Whether the fit at ``seq``'s bucket has seen enough steps to weigh a plan trial there."""

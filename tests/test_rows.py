@@ -111,6 +111,6 @@ def test_metric_labels_are_bounded_and_name_row_fields() -> None:
     series = [m for m in vars(metrics).values() if isinstance(m, Counter | Gauge | Histogram)]
     assert len(series) >= 10, "every counter, gauge and histogram is an attribute"
     labels = {label for metric in series for label in metric._labelnames}
-    assert labels <= {"job", "kind", "transport"}
+    assert labels <= {"job", "kind", "outcome", "transport"}
     assert {"job", "rank"} <= set(keys(rows.RankRow)), "per-job and per-rank series are labelled by row fields"
     assert set(JOB_GAUGES) >= {"rematd_headroom_ratio", "rematd_oom_risk_ratio", "rematd_peak_bytes"}

@@ -66,8 +66,8 @@ def test_alerted_names_and_latency_histograms(tmp_path: Path) -> None:
     assert ("rematd_message_duration_seconds_bucket", (("kind", "stats"), ("le", "+Inf"))) in s
     assert s[("rematd_job_connected_ranks", (("job", "m"),))] == 2
     assert not any(n.startswith("rematd_rank_") for n in got), "per-rank series are opt-in"
-    # Every label is bounded: job, rank when asked for, kind, transport, and the histogram's le.
-    assert {k for _, labels in s for k, _ in labels} <= {"job", "kind", "le", "transport", "rank"}
+    # Every label is bounded: job, rank when asked for, kind, outcome, transport, and the histogram's le.
+    assert {k for _, labels in s for k, _ in labels} <= {"job", "kind", "le", "outcome", "transport", "rank"}
     for sess in list(core.sessions.by_job["m"].values()):
         core.close_session(sess, ended=True)
     assert not any(dict(labels).get("job") == "m" for _, labels in samples(m)), "an ended job's series go"

@@ -19,7 +19,7 @@ from rematd import wire
 from rematd.planner import ControllerConfig, Mode, ModeSeconds, Shape, letters
 from rematd.planner.cost import choose, peak_of
 from rematd.planner.messages import Hello, StepStats
-from rematd.planner.plan_trials import allowance
+from rematd.planner.plan_trials import OUTCOMES, allowance
 from rematd.v1 import advisor_pb2 as pb
 from rematd.v1 import advisor_pb2_grpc as pb_grpc
 
@@ -119,6 +119,17 @@ def test_a_served_rank_learns_from_step_times_and_says_where_they_overrule(tmp_p
     )
     config = ControllerConfig()
     assert 1 <= counted <= allowance(STEPS, config) + config.plan_trial_steps, counted
+    # Each trial ended is counted by outcome, and each verdict is a plan in the history, sent to the rank
+    # whether or not it changed the modes.
+    outcomes = {
+        s.labels["outcome"]: s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "rematd_plan_trials_total" and s.labels.get("job") == "steps"
+    }
+    assert set(outcomes) == set(OUTCOMES) and outcomes["kept"] >= 1, outcomes
+    verdicts = [r for r in reasons if "trial of a plan over" in r or "ends unweighed" in r]
+    assert len(verdicts) == sum(outcomes.values()), (outcomes, verdicts)
     assert any("RRRRRRRR kept: measured" in r or "step times overrule the per-block prices" in r for r in reasons)
     recompute = next(p for p in prices if p["mode"] == "recompute")
     (bucket,) = recompute["buckets"]

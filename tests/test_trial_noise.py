@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rematd.planner import ControllerConfig, Mode, Shape
+from rematd.planner import ControllerConfig, Mode, Shape, letters
 from rematd.planner.plan import ShapePlan
 from rematd.planner.plan_trials import VOID_NOISE, PlanTrial, PlanTrials, disputed_reason, void_reason
 from rematd.planner.stepfit import Prior, StepFit
@@ -65,9 +65,23 @@ def test_a_trial_through_a_burst_of_load_keeps_nothing_and_teaches_nothing(seed:
     assert "too noisy to tell" in voids[0][1]
     assert job.session.controller.plan_trials.trials >= 2
     assert job.session.controller.plan_trials.voided == 1
+    verdict_is_a_plan(job, voids[0][1])
     assert not any(" kept: measured" in r or "step times overrule" in r for r in job.reasons), job.reasons
     modes, _ = job.in_force_since(STORING_SLOW)
     assert modes.count(R) == 3  # the per-block prices' plan
+
+
+def verdict_is_a_plan(job: Job, reason: str) -> None:
+    """A trial taken back changes no modes, yet its verdict is a plan of its own, made as it ended, whose reason
+    is the verdict: the plans' history says why the steps went back to the plan in force, and every trial ended
+    is counted by how."""
+    trials = job.session.controller.plan_trials
+    assert reason in job.reasons, job.reasons
+    ended = sum(trials.outcomes.values())
+    assert ended == trials.trials - (trials.trial is not None), trials.outcomes
+    # Every trial ended is in some plan's reason: its own verdict's, or that of the new table that overtook it.
+    verdicts = [r for r in job.reasons if "trial of a plan over" in r or "ends unweighed" in r]
+    assert len(verdicts) == ended, (trials.outcomes, verdicts)
 
 
 def test_steps_as_noisy_as_before_void_no_trial() -> None:
@@ -201,6 +215,7 @@ def test_a_gain_one_stalled_step_made_is_taken_back(seed: int) -> None:
     trials = job.session.controller.plan_trials
     assert (trials.voided, trials.disputed) == (0, 1)
     assert len(taken_back) == 1 and "by the median of its own pairs of steps" in taken_back[0], taken_back
+    verdict_is_a_plan(job, taken_back[0])
     assert not any(" kept: measured" in r or "step times overrule" in r for r in job.reasons), job.reasons
     modes, _ = job.in_force_since(STORING_SLOW)
     assert modes.count(R) == 3  # the per-block prices' plan
@@ -211,3 +226,21 @@ def test_a_disputed_verdict_says_why() -> None:
     reason = disputed_reason(trial, 0.034, 0.011, -0.001)
     assert reason.startswith("trial of a plan over at lengths up to 128: .. stays: R. measured 3.4% faster ± 1.1%")
     assert "0.1% slower by the median of its own pairs of steps" in reason
+
+
+def test_a_trial_a_new_table_overtakes_ends_in_that_tables_reason() -> None:
+    job = new_job(seed=0, noise=0.005)
+    job.storing = lambda block, seq: 0.0
+    trials = job.session.controller.plan_trials
+    for _ in range(300):
+        if trials.trial is not None:
+            break
+        job.run(1, STORING_SLOW)
+    trial = trials.trial
+    assert trial is not None, "a plan trial started"
+    plan = job.session.report_oom(Shape(batch=2, seq_len=STORING_SLOW, tokens=2 * STORING_SLOW))
+    assert plan is not None and plan.reason.startswith("tighten: out-of-memory reported"), plan
+    tried, home = letters(trial.modes), letters(trial.home.modes)
+    ends = f"; the trial of {tried} in turn with {home} at lengths up to {trial.seq} ends unweighed"
+    assert plan.reason.endswith(ends), plan.reason
+    assert trials.trial is None and trials.outcomes["overtaken"] == 1, trials.outcomes

@@ -15,6 +15,7 @@ import time
 
 from rematd.planner import Plan, PlannerSession
 from rematd.planner.messages import MAX_INT, Hello, InvalidMessage, open_planner
+from rematd.planner.plan_trials import OUTCOMES
 from rematd.server.config import CoreConfig
 from rematd.server.core import plan_policy as policy
 from rematd.server.core.controls import OperatorControls, tune_planner
@@ -167,6 +168,8 @@ class HelloSide:
         self.metrics.oom_events.labels(job)
         self.metrics.steps.labels(job)
         self.metrics.exploration_steps.labels(job)
+        for outcome in OUTCOMES:
+            self.metrics.plan_trials.labels(job, outcome)
 
     def _past(self, hello: Hello) -> _Past:
         """The store's reads for a new session, done with no lock of the core held."""

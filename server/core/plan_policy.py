@@ -168,14 +168,15 @@ def pinned_plan(
     return planner.plan_of(modes, version=version, reason=reason)
 
 
-def next_plan(want: Plan, sent: Plan, num_blocks: int) -> Plan | None:
-    """``want`` versioned after ``sent`` when the rank must hear of it, else None.
+def next_plan(want: Plan, sent: Plan, num_blocks: int, *, always: bool = False) -> Plan | None:
+    """``want`` versioned after ``sent`` when the rank must hear of it (``always``: whatever it changes), else
+    None.
 
     Modes and the table, not just which blocks checkpoint: selective to recompute, or an entry for
     another length, is a change the rank must hear of.
     """
     n = num_blocks
-    if (want.block_modes(n), want.shape_plans) == (sent.block_modes(n), sent.shape_plans):
+    if not always and (want.block_modes(n), want.shape_plans) == (sent.block_modes(n), sent.shape_plans):
         return None
     return dataclasses.replace(want, version=sent.version + 1)
 

@@ -67,6 +67,8 @@ class RankSession:
     recompiles: int = 0
     """Graphs compiled for the rank's block variants so far (``attach(..., compile=True)``), kept in the
     store with its last statistics so that the count outlives the stream and the service."""
+    trials_counted: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    """The planner's plan trials ended, by outcome, as the metrics have counted them so far."""
     opened_at: float = field(default_factory=time.time)
     unwritten: int = 0
     """The store writer's ticket of the rank's latest plan or OOM event: its answer waits for it."""

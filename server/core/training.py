@@ -43,10 +43,13 @@ class TrainingSide(HelloSide):
 
     # -- steps and OOMs ---------------------------------------------------------
 
-    def outgoing(self, session: RankSession, cause: str) -> Plan | None:
-        """Under the registry's lock: the plan to send when it differs from what the rank has, versioned after it."""
-        want = self.pinned_or(session, session.base)
-        plan = policy.next_plan(want, session.sent, len(session.hello.blocks))
+    def outgoing(self, session: RankSession, cause: str, *, new: bool = False) -> Plan | None:
+        """Under the registry's lock: the plan to send when it differs from what the rank has, versioned after it;
+        ``new``: the planner's base plan is new, sent even with its modes unchanged (a trial's verdict, a plan
+        priced again: the rank's plan and the plans' history say why it runs what it runs)."""
+        base = session.base
+        want = self.pinned_or(session, base)
+        plan = policy.next_plan(want, session.sent, len(session.hello.blocks), always=new and want is base)
         if plan is None:
             return None
         self.check_fits(plan, cause)
@@ -111,7 +114,10 @@ class TrainingSide(HelloSide):
             session.last_step = stats.step
             session.last_peak = obs.peak_bytes
             started = time.perf_counter()
-            changed = session.planner.observe(obs)
+            # By the plan this service sent (a pin's included), not by version: the planner's versions and the
+            # rank's part where a pin or an unsent plan came between.
+            modes = ran.modes_for(obs.shape, len(session.hello.blocks)) if ran is not None else ()
+            changed = session.planner.observe(obs, modes)
             self.metrics.plan_duration.observe(time.perf_counter() - started)
         return ran, changed
 
@@ -179,6 +185,12 @@ class TrainingSide(HelloSide):
             self.metrics.training_thread.observe(stats.thread_seconds / stats.steps)
         if plan is not None:
             self.metrics.plans_issued.labels(job).inc()
+        counted = session.trials_counted
+        for outcome, ended in session.planner.trial_outcomes.items():
+            if ended != counted.get(outcome, 0):
+                # Fewer than counted: the rank's planner was made anew (its counts start again).
+                self.metrics.plan_trials.labels(job, outcome).inc(max(0, ended - counted.get(outcome, 0)))
+                counted[outcome] = ended
 
     def on_oom(self, session: RankSession, oom: OomReport) -> Plan | None:
         try:
@@ -216,7 +228,7 @@ class TrainingSide(HelloSide):
         if changed is not None:
             self.check_fits(session.planner.plan, cause)
             session.base = session.planner.plan
-        plan = self.outgoing(session, cause)
+        plan = self.outgoing(session, cause, new=changed is not None)
         if plan is not None:
             session.send(plan)
         return plan

@@ -18,6 +18,7 @@ from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from rematd.planner.plan_trials import OUTCOMES
 from rematd.server.metrics.live import LiveGauges, RankSample
 from rematd.server.metrics.peers import MULTIPROC_ENV
 from rematd.server.metrics.scrape import DEFAULT_SECONDS, Scrape
@@ -93,6 +94,12 @@ class Metrics:
         )  # fmt: skip
         self.recompiles = self._counter(
             "rematd_recompiles", "Graphs compiled for the blocks' variants (attach(..., compile=True)).", per_job
+        )
+        self.plan_trials = self._counter(
+            "rematd_plan_trials",
+            "Plan trials ended, by outcome: kept (the plan tried was surely faster), stays (it was not), void (too "
+            "noisy to tell), disputed (a few outlying steps made its gain), overtaken (by a new table).",
+            ["job", "outcome"],
         )
         self._per_job = (self.plans_issued, self.oom_events, self.steps, self.exploration_steps, self.recompiles)
         self.active_streams = Gauge(
@@ -178,6 +185,9 @@ class Metrics:
         for metric in self._per_job:
             with contextlib.suppress(KeyError):
                 metric.remove(job)
+        for outcome in OUTCOMES:
+            with contextlib.suppress(KeyError):
+                self.plan_trials.remove(job, outcome)
 
 
 class _LiveJobsOnly(Collector):
