@@ -16,9 +16,10 @@ _last: list[Shape] = [Shape()]
 def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape:
     """The shape signature of a model call: batch and sequence length of its first tensor."""
     first = args[0] if args else None
-    if isinstance(first, torch.Tensor) and first.dim() >= 2:
-        # Once per step, on the training thread: the first argument is the batch in nearly every loop.
-        size = first.shape
+    size = first.shape if isinstance(first, torch.Tensor) else ()
+    if len(size) >= 2:
+        # Once per step, on the training thread: the first argument is the batch in nearly every loop (one
+        # call into torch, its size; each costs microseconds there, its caches cold after a backward).
         last = _last[0]
         if last.batch == size[0] and last.seq_len == size[1]:
             return last

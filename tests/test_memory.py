@@ -39,10 +39,12 @@ def test_cuda_source_reads_and_resets_the_allocator(monkeypatch: pytest.MonkeyPa
     for name in ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "mem_get_info"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 123)
+    flattened = []
+    # What the step's start reads comes from the nested statistics, as the sample's: never torch's flattening.
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: flattened.append(device) or {})
     source = CudaMemory(torch.device("cuda", 0))
     assert source.kind == MEMORY_CUDA and source.name == "Fake GPU" and source.total_bytes == 4000
-    assert source.static_bytes() == 123
+    assert source.static_bytes() == 300 and not flattened
     fake.peak = 700
     sample = source.sample()
     assert sample.peak_allocated_bytes == 700 and sample.peak_reserved_bytes == 900
@@ -89,7 +91,6 @@ def test_a_cuda_model_reports_allocator_figures_every_step_and_recovers_from_cud
     for name in ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "mem_get_info"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 123)
     emptied = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))

@@ -125,6 +125,34 @@ def test_steps_reuse_the_pools_host_buffers_and_a_length_left_behind_lets_them_g
     h.close()
 
 
+def test_a_steps_end_calls_the_offloader_only_while_it_has_something_to_let_go_of() -> None:
+    model = tiny_model(seed=2)
+    h = client.attach(model, budget_bytes=10**12, modes=["store", "recompute", "offload"], offload=EVERY)
+    off = introspect.offloader(h)
+    pool = off.pool
+    assert pool is not None
+    ends = []
+    end_step = off.end_step
+    off.end_step = lambda: ends.append(1) or end_step()  # type: ignore[method-assign]
+
+    def step() -> bool:
+        lm_loss(model, batch(32)).backward()
+        h.step()
+        return off.used
+
+    step()  # the profiling step
+    h.pin_modes([Mode.STORE] * 4)
+    assert not step() and ends == [], "nothing offloaded: the step's end does not call the offloader"
+    h.pin_modes([Mode.OFFLOAD] * 4)
+    assert step() and pool.owned_bytes > 0 and ends == [1], "the pool holds its buffers for the next steps"
+    h.pin_modes([Mode.STORE] * 4)
+    # Buffers no step took go after IDLE_STEPS step ends, each of which calls the offloader; then none does.
+    used = [step() for _ in range(IDLE_STEPS + 2)]
+    assert used[-2:] == [False, False] and pool.owned_bytes == 0, used
+    assert len(ends) == 1 + used.index(False) + 1 <= 1 + IDLE_STEPS + 1, ends
+    h.close()
+
+
 def test_the_pool_lends_a_buffer_again_only_once_its_last_copy_is_done() -> None:
     class Copy:
         def __init__(self) -> None:

@@ -99,6 +99,9 @@ class Offloader:
         self.pool = HostPool() if config.pool else None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._groups: list[_Group] = []
+        self.used = False
+        """Whether some block offloaded since the last step's end, or the pool still owns buffers: whether a
+        step's end has anything to let go of (read there at every step, without a call)."""
         self.prefetched = 0
         """Blocks fetched back ahead of their backward (when the gradient reached their output)."""
         self.late = 0
@@ -120,6 +123,7 @@ class Offloader:
         ahead = self.config.prefetch_blocks
         earlier = self._groups[max(0, len(self._groups) - ahead) :] if ahead else []
         self._groups.append(group)
+        self.used = True
         if len(self._groups) > 4096:
             del self._groups[:2048]  # groups whose backward never ran (evaluation with gradients on)
         min_bytes = self.config.min_bytes
@@ -257,8 +261,10 @@ class Offloader:
         its groups through its own graph (the saved-tensor hooks hold them), so it still finds them. The
         pool lets go of buffers no recent step took."""
         self._groups.clear()
-        if self.pool is not None:
-            self.pool.end_step()
+        pool = self.pool
+        if pool is not None:
+            pool.end_step()
+        self.used = pool is not None and pool.owned_bytes > 0
 
     def forget(self) -> None:
         """Drop the groups of a step that failed."""

@@ -64,7 +64,10 @@ class CudaMemory:
         torch.cuda.reset_peak_memory_stats(device)
 
     def static_bytes(self) -> int:
-        return int(torch.cuda.memory_allocated(self.device))
+        """Allocated now (at a step's start), from the allocator's nested statistics: ``memory_allocated``
+        reads ``memory_stats``, which flattens every entry in Python, on the training thread, every step."""
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+        return int(_all(stats, "allocated_bytes").get("current", 0))
 
     def sample(self) -> MemorySample:
         """The step's figures; peaks start again."""

@@ -87,4 +87,17 @@ class SetUp:
 
 
 PLAIN = SetUp()
+
+
+def idle(setup: SetUp) -> bool:
+    """Whether ``setup`` does nothing at a step's start: no hook there, no static memory, no gathered
+    weights (a single process's set-up), so that a step's start need not call it."""
+    kind = type(setup)
+    return (
+        kind.step_begins is SetUp.step_begins
+        and kind.static_bytes is SetUp.static_bytes
+        and kind.weight_storages is SetUp.weight_storages
+    )
+
+
 """The set-up of a block before the first step has picked one."""

@@ -19,7 +19,7 @@ from rematd.client.blocks.profiled_forward import lean_profiling
 from rematd.client.call_shape import shape_of
 from rematd.client.memory.sources import CudaMemory, MemorySample, SavedFigures, saved_sample
 from rematd.client.parallel.agreement import CODES, MODES
-from rematd.client.parallel.base import PLAIN, SetUp
+from rematd.client.parallel.base import PLAIN, SetUp, idle
 from rematd.client.parallel.pick import Schedule, pick
 from rematd.client.plans.sources import Backend
 from rematd.client.service.step_record import StepRecord
@@ -49,6 +49,9 @@ log = logging.getLogger("rematd.client")
 
 class StepCycle:
     """The training thread's side of a handle, from one step boundary to the next."""
+
+    _setup_idle = True
+    """Whether :attr:`setup` does nothing at a step's start (:func:`idle`): its calls there are skipped."""
 
     def __init__(
         self,
@@ -132,12 +135,7 @@ class StepCycle:
         self.applier.ran_why = ""
         self.applier.group_version = None  # set again by this step's agreement (a retry runs alone)
         if self.memory is None:
-            self._first_step()
-            self.memory = memory_source(self.model, self.accounting, args, kwargs)
-            self._cuda = isinstance(self.memory, CudaMemory)
-            # A sharded set-up may have gathered the root's parameters already: known by storage, not by address.
-            self.accounting.exclude_module_state(self.model, self.setup.weight_storages())
-            offer_modes(self.blocks, self.memory, self.modes)
+            self._first_step(args, kwargs)
         self._shape_seen = shape is None
         self.shape = shape_of(args, kwargs) if shape is None else shape
         if runs_in is Phase.PROFILING:
@@ -170,7 +168,8 @@ class StepCycle:
         run = self.run
         run.begin(self.blocks, self.applier.plan, self.shape, profiling=runs_in is Phase.PROFILING)
         run.run_bare(self.blocks, step=self.step, counting=self.counting())
-        self.setup.step_begins(run.rerun)
+        if not self._setup_idle:
+            self.setup.step_begins(run.rerun)
         self._step_shape()
         self._follow_router(runs_in)
         self.static = self._static_now()
@@ -178,7 +177,8 @@ class StepCycle:
             # On the CPU, what the accounting still holds from before the step is there throughout it; the
             # weights the set-up gathers are no activations.
             self.carried = self.accounting.live_bytes
-            self.accounting.gathered = self.setup.weight_storages()
+            if not self._setup_idle:
+                self.accounting.gathered = self.setup.weight_storages()
         self.started = time.perf_counter()
 
     def _follow_router(self, runs_in: Phase) -> None:
@@ -216,7 +216,7 @@ class StepCycle:
         there (shards, gathered parameters), standing in for a device."""
         assert self.memory is not None
         static = self.memory.static_bytes()
-        if not self._on_cuda():
+        if not self._on_cuda() and not self._setup_idle:
             static += self.setup.static_bytes(self.optimizer, self.engine)
         return static
 
@@ -249,15 +249,22 @@ class StepCycle:
     def _on_cuda(self) -> bool:
         return self._cuda is True
 
-    def _first_step(self) -> None:
-        """What can only be seen at the first step: the parallel set-up (a model may be sharded after attach)."""
+    def _first_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """What can only be seen at the first step (``args`` and ``kwargs``: its first forward's): the parallel
+        set-up (a model may be sharded after attach), and where the memory figures come from."""
         found = [(b.name, b.module) for b in self.blocks]
         same_plan, group = self._agreeing
         self.setup = pick(self.model, found, same_plan=same_plan, schedule=self.schedule, group=group)
+        self._setup_idle = idle(self.setup)
         self.accounting.is_weight = self.setup.is_weight
         for b in self.blocks:
             b.setup = self.setup
         log.info("rematd: %s", self.setup.describe())
+        self.memory = memory_source(self.model, self.accounting, args, kwargs)
+        self._cuda = isinstance(self.memory, CudaMemory)
+        # A sharded set-up may have gathered the root's parameters already: known by storage, not by address.
+        self.accounting.exclude_module_state(self.model, self.setup.weight_storages())
+        offer_modes(self.blocks, self.memory, self.modes)
 
     def _agree(self) -> None:
         """Run the modes the ranks of the set-up's group agree on (per block the leanest any put forward)."""
@@ -299,7 +306,8 @@ class StepCycle:
             self.budget_bytes = max(1, int(total or memory.total_bytes or 2**40))
         elapsed = time.perf_counter() - self.started if self.started else 0.0
         recompiles, compile_seconds = self.compiled.take() if self.compiled is not None else (0, 0.0)
-        self.offloader.end_step()
+        if self.offloader.used:
+            self.offloader.end_step()
         if not self.life.has_profile or recompiles:
             # The forwards that compiled were timed with their compile: seconds, not what the mode costs. The
             # profiling step's are cold (first allocations, caches filled): the profile holds its prices.
