@@ -87,6 +87,7 @@ class SetUp:
 
 
 PLAIN = SetUp()
+"""The set-up of a block before the first step has picked one."""
 
 
 def idle(setup: SetUp) -> bool:
@@ -98,6 +99,3 @@ def idle(setup: SetUp) -> bool:
         and kind.static_bytes is SetUp.static_bytes
         and kind.weight_storages is SetUp.weight_storages
     )
-
-
-"""The set-up of a block before the first step has picked one."""
