@@ -11,7 +11,10 @@ function: tensor parallel, then checkpointing, then compile, then FSDP), so rema
 blocks at that point. Under pipeline parallel each stage's blocks are taken there too, and attached once the
 trainer has built its schedule, one handle following the schedule for all the rank's stages (the client plans
 each stage for the microbatches the schedule keeps alive on it). Each handle ends its steps after the step of
-the optimizer that owns its parts' parameters, and closes with the trainer.
+the optimizer that owns its parts' parameters, and closes with the trainer. Without ``--activation-checkpoint.server``
+each rank plans in its own process on the planner's thread (``attach``'s default): the training thread hands
+over a step's figures and never waits for a plan, which runs from the first step it is ready for (until the
+first, every block recomputes, as profiling did; ranks that agree on plans run the leanest any of them has).
 
 Refused at start, naming the flag to change: a torchtitan release other than :data:`SUPPORTED`; torchtitan
 compiling the blocks itself (``--compile.enable`` with ``model`` in ``--compile.components``): rematd

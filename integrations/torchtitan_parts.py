@@ -45,9 +45,6 @@ def attach_options(c: RematdCheckpointing.Config) -> dict[str, Any]:
         "compress": c.compress,
         "offload": None if c.offload_prefetch is None else OffloadConfig(prefetch_blocks=c.offload_prefetch),
         "compile": c.compile,
-        # In-process, the planner runs on the training thread here: under tensor parallel a plan arriving a
-        # step late on one rank measured over the budget (steps before the first plan), not yet understood.
-        **({} if c.server else {"planner_thread": False}),
     }
 
 
