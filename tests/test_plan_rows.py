@@ -13,6 +13,7 @@ from sqlalchemy import text
 from rematd.planner import MODES_BY_LABEL, Mode, ModeCost, Shape, Size
 from rematd.planner.messages import BlockProfile, Hello, StepStats
 from rematd.server.core.advisor import AdvisorCore, RankSession, mode_names
+from rematd.server.core.sessions import SENT_KEPT
 from rematd.server.metrics.registry import Metrics
 from rematd.server.store.store import Store
 from rematd.server.transport.rest import create_app
@@ -251,3 +252,19 @@ def test_plan_rows_keep_their_length_and_versions_go_on_when_a_job_name_is_used_
     core.close_session(second, ended=True)
     versions = [(r["rank"], r["version"]) for r in core.job_plans("again")]
     assert len(versions) == len(set(versions)) and versions == sorted(versions), versions
+
+
+def test_a_step_on_a_plan_several_sends_old_is_told_its_plan(core: AdvisorCore) -> None:
+    """Plans may follow each other inside one of a rank's steps: a step that reports one sent several plans
+    ago is still attributed to that plan's modes, and one older than the kept history to none."""
+    s, _ = core.open_session(modes_hello("history"))
+    first = s.sent
+    sent = [dataclasses.replace(first, version=first.version + k, modes=()) for k in range(1, SENT_KEPT + 2)]
+    for plan in sent:
+        s.send(plan)
+    s.send(sent[-1])  # sent again (a pin, a re-sent plan): not a plan of its own
+    assert s.plan_of(sent[-1].version) is sent[-1]
+    assert s.plan_of(sent[-3].version) is sent[-3], "a plan three sends old"
+    assert s.plan_of(sent[0].version) is sent[0], f"the oldest of the {SENT_KEPT} kept"
+    assert s.plan_of(first.version) is None, "older than the kept history"
+    assert s.plan_of(sent[-1].version + 1) is None, "never sent"

@@ -35,6 +35,8 @@ MAX_INTERNED_BYTES = 64 << 20
 _BYTES_PER_BLOCK = 600
 """A block's entry in a hello, or its costs in a profile, with its modes (measured, rounded up)."""
 _TRANSITION_STRIPES = 64
+SENT_KEPT = 8
+"""Plans sent to a rank before its newest, kept to tell which one a step ran."""
 
 
 def _interned_bytes(value: object) -> int:
@@ -51,8 +53,11 @@ class RankSession:
     sent: Plan
     base: Plan
     """What the rank gets without a pin: the planner's plan, or the warm start until the planner changes it."""
-    sent_before: Plan | None = None
-    """The plan sent before ``sent``: the rank runs it until ``sent`` arrives, so a step may report it."""
+    sent_before: collections.deque[Plan] = field(
+        default_factory=lambda: collections.deque(maxlen=SENT_KEPT), repr=False, compare=False
+    )
+    """The plans sent before ``sent``, the newest last: the rank runs each until the next arrives, so a step may
+    report one of them (several, where plans follow each other inside one step)."""
     ran: Plan | None = None
     """The plan the rank's last step ran, as it ran at that step's length (its modes and prediction); None
     before its first step."""
@@ -91,7 +96,7 @@ class RankSession:
     def send(self, plan: Plan) -> None:
         """``plan`` goes out to the rank; the one before it stays known while steps may still report it."""
         if plan.version != self.sent.version:
-            self.sent_before = self.sent
+            self.sent_before.append(self.sent)
         self.sent = plan
 
     @property
@@ -100,8 +105,10 @@ class RankSession:
         return self.ran or self.sent
 
     def plan_of(self, version: int) -> Plan | None:
-        """The plan of ``version`` the rank was sent, when it is the newest or the one before."""
-        return next((p for p in (self.sent, self.sent_before) if p is not None and p.version == version), None)
+        """The plan of ``version`` the rank was sent, when it is among the last :data:`SENT_KEPT` + 1."""
+        if self.sent.version == version:
+            return self.sent
+        return next((p for p in reversed(self.sent_before) if p.version == version), None)
 
 
 class Sessions:
