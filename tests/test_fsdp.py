@@ -6,6 +6,7 @@ and without rematd side by side and reports per step what it saw.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from rematd.client.parallel.fsdp import refuse_fsdp1
 
 from .distributed import run_ranks
 from .helpers import live_server
+from .workers.switch_matrix import EXACT
 
 SHARDING = [
     pytest.param([{"model": "llama", "order": "before"}, {"model": "gpt2", "order": "after"}], id="both-orders"),
@@ -92,6 +94,22 @@ def test_tensor_parallel_and_fsdp2_on_a_2d_mesh_train_bitwise_as_without_rematd(
                 assert ours.get("all_reduce", 0) > plain.get("all_reduce", 0), (where, step)
             else:
                 assert ours.get("all_reduce") == plain.get("all_reduce"), (where, step)
+    for k in range(len(results[0]["steps"])):
+        assert len({tuple(r["steps"][k]["modes"]) for r in results}) == 1, f"step {k}: the ranks ran different modes"
+
+
+def test_every_switch_under_tensor_parallel_and_fsdp2_trains_bitwise(tmp_path: Path) -> None:
+    """The switch matrix on a 2 x 2 mesh: each block through every ordered pair of the exact modes."""
+    results = run_ranks("fsdp_tp", tmp_path, world=4, config={"circuit": True}, timeout=400)
+    switches: set[tuple[str, str]] = set()
+    for rank, result in enumerate(results):
+        steps = result["steps"]
+        for k, step in enumerate(steps):
+            assert step["loss_equal"] and step["grads_equal"] and step["params_equal"], (f"rank {rank} step {k}", step)
+        for before, after in itertools.pairwise(steps[1:]):
+            switches |= {(a, b) for a, b in zip(before["modes"], after["modes"], strict=True) if a != b}
+    exact = {m.name for m in EXACT}
+    assert switches == {(a, b) for a in exact for b in exact if a != b}, sorted(switches)
     for k in range(len(results[0]["steps"])):
         assert len({tuple(r["steps"][k]["modes"]) for r in results}) == 1, f"step {k}: the ranks ran different modes"
 

@@ -2,9 +2,10 @@
 order (parallelize, attach, shard), trained beside the same model without rematd.
 
 ``REMATD_CONFIG`` says what the ranks do: ``"pinned"`` pins every rank through store, selective, recompute and
-a mix; ``"budgets"`` gives each rank its own budget (so that their own planners disagree) and lets rank 1
-report an out-of-memory error at step 3. Written per step: this rank's modes and own plan, bitwise equality
-with the run without rematd, and the collectives each issued.
+a mix, then the finer modes; ``"circuit"`` pins the blocks through every switch between two exact modes (the
+switch matrix's circuit); ``"budgets"`` gives each rank its own budget (so that their own planners disagree)
+and lets rank 1 report an out-of-memory error at step 3. Written per step: this rank's modes and own plan,
+bitwise equality with the run without rematd, and the collectives each issued.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from rematd.client import introspect
 from rematd.planner import Mode
 from tests.workers.fsdp_exact import VOCAB, all_equal, build, schedule
 from tests.workers.rank import finish, settings, start
+from tests.workers.switch_matrix import EXACT
+from tests.workers.switch_matrix import pins as switch_pins
 
 TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(),
@@ -64,7 +67,12 @@ def main() -> None:
     n = len(h.blocks)
     # The finer modes too: torchtitan's op policy, a block's attention alone, its MLP alone.
     finer: list[list[Mode] | None] = [[Mode.TITAN] * n, [Mode.ATTENTION] * n, [Mode.MLP] * n]
-    pins = [*schedule(n), *finer] if config.get("pinned") else [None] * config.get("steps", 8)
+    if config.get("circuit"):
+        pins = switch_pins(EXACT, n, 1)  # every switch between two exact modes, every block
+    elif config.get("pinned"):
+        pins = [*schedule(n), *finer]
+    else:
+        pins = [None] * config.get("steps", 8)
     steps: list[dict[str, Any]] = []
     for step, pinned in enumerate(pins):
         if pinned is not None:
