@@ -7,7 +7,9 @@ Models are built from configs with random weights (nothing downloaded):
 ``GPT2LMHeadModel`` (SDPA attention) and ``LlamaForCausalLM``. Every
 strategy runs in its own process (a fresh allocator and fresh caches):
 no checkpointing, Hugging Face's own checkpointing of every block,
-every 2nd and 3rd block checkpointed, and rematd at budgets of static
+every 2nd and 3rd block checkpointed, torchtitan's per-op selective
+checkpointing around every block (``titan-selective``, where torchtitan is
+installed), and rematd at budgets of static
 memory plus 10-90% of the activations (what a step adds over static memory
 without checkpointing). More strategies (compiled ones) plug in through
 :func:`register` from a module named with ``--plugin``.

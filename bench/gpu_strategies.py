@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +73,25 @@ def _every3(ctx: Context) -> None:
     _hf_checkpointing(ctx.model, 3)
 
 
+def _titan_selective(ctx: Context) -> None:
+    """torchtitan's own per-op selective checkpointing (``SelectiveAC``, what its ``selective`` mode applies:
+    the outputs of its save list kept, but every second matmul's) wrapped around each block as torchtitan wraps
+    its own: the static choice of a torchtitan user, on a Hugging Face model."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    policy = SelectiveAC(SelectiveAC.Config())
+    inner = getattr(ctx.model, "transformer", None) or getattr(ctx.model, "model", None)
+    blocks = getattr(inner, "h", None) or getattr(inner, "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"titan-selective: no block list in {type(ctx.model).__name__}")
+    for i, block in enumerate(blocks):
+        blocks[i] = policy._wrap_block(block)
+
+
+if importlib.util.find_spec("torchtitan") is not None:  # a GPU host may lack it: the strategy is left out there
+    register("titan-selective")(_titan_selective)
+
+
 @register("rematd")
 def _rematd(ctx: Context, **options: Any) -> None:
     """rematd planning at the job's budget; ``options``: more of ``attach``'s arguments (the job's modes by
@@ -114,4 +134,4 @@ def _rematd_offload_fresh(ctx: Context) -> None:
     _rematd_offload(ctx, pool=False)
 
 
-STATIC_STRATEGIES = ("none", "hf-full", "every-2nd", "every-3rd")
+STATIC_STRATEGIES = ("none", "hf-full", "every-2nd", "every-3rd", "titan-selective")

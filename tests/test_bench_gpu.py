@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.gpu import QUICK_MODELS, STRATEGIES, Context, ModelSpec, build, layers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -27,7 +29,7 @@ def test_the_quick_run_measures_every_strategy_and_writes_its_tables(tmp_path: P
     (model,) = report["models"]
     statics = {s["strategy"]: s for s in model["static"]}
     assert list(statics) == [
-        *("none", "hf-full", "every-2nd", "every-3rd"),
+        *("none", "hf-full", "every-2nd", "every-3rd", "titan-selective"),
         *("rematd-recompute", "rematd-offload", "rematd-offload-fresh"),
     ]
     assert all(s["step_ms"] > 0 for s in model["static"])
@@ -63,3 +65,30 @@ def test_on_cuda_a_run_reads_the_allocator_and_rematd_keeps_to_its_budget() -> N
     ours = run_job(Job(model=spec, strategy="rematd", steps=3, warmup=6, budget_bytes=budget, margin=0.05), device)
     assert ours["steps_over_budget"] == 0 and ours["predicted_peak"] > ours["static_bytes"]
     assert set(ours["modes"]) != {"."}, f"the budget is under storing every block: {ours['modes']}"
+
+
+@pytest.mark.parametrize("spec", QUICK_MODELS, ids=lambda s: s.name)
+def test_titan_selective_checkpoints_each_block_as_torchtitan_does_and_trains_alike(spec: ModelSpec) -> None:
+    pytest.importorskip("torchtitan")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    def step(model: torch.nn.Module) -> tuple[int, list[torch.Tensor]]:
+        saved = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[0] += t.numel() * t.element_size()
+            return t
+
+        ids = torch.randint(0, spec.vocab, (spec.batch, spec.seq), generator=torch.Generator().manual_seed(1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return saved[0], [p.grad for p in model.parameters()]
+
+    plain, wrapped = build(spec, torch.device("cpu")), build(spec, torch.device("cpu"))
+    STRATEGIES["titan-selective"](Context(model=wrapped, opt=torch.optim.SGD(wrapped.parameters()), job=None))  # type: ignore[arg-type]
+    assert all(isinstance(b, CheckpointWrapper) for b in layers(wrapped)), "every block wrapped, re-registered in place"
+    kept, grads = step(wrapped)
+    stored, reference = step(plain)
+    assert kept < stored, "the policy recomputes some of what storing keeps"
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True)), "the same gradients"
