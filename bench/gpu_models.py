@@ -106,12 +106,18 @@ def build(spec: ModelSpec, device: torch.device, seed: int = 0) -> nn.Module:
     return model.to(device).train()  # type: ignore[no-any-return]
 
 
-def layers(model: nn.Module) -> list[nn.Module]:
+def block_list(model: nn.Module) -> nn.ModuleList:
+    """The model's own list of blocks (GPT-2's ``transformer.h``, Llama's ``model.layers``): a block set in
+    it replaces the one the model runs."""
     inner = getattr(model, "transformer", None) or getattr(model, "model", None)
     found = getattr(inner, "h", None) or getattr(inner, "layers", None)
-    if found is None:
+    if not isinstance(found, nn.ModuleList):
         raise ValueError(f"no block list in {type(model).__name__}")
-    return list(found)
+    return found
+
+
+def layers(model: nn.Module) -> list[nn.Module]:
+    return list(block_list(model))
 
 
 @dataclass(slots=True, kw_only=True)

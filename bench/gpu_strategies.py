@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.gpu_models import Job, layers
+from bench.gpu_models import Job, block_list, layers
 from rematd import client
 
 
@@ -80,10 +80,7 @@ def _titan_selective(ctx: Context) -> None:
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     policy = SelectiveAC(SelectiveAC.Config())
-    inner = getattr(ctx.model, "transformer", None) or getattr(ctx.model, "model", None)
-    blocks = getattr(inner, "h", None) or getattr(inner, "layers", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"titan-selective: no block list in {type(ctx.model).__name__}")
+    blocks = block_list(ctx.model)
     for i, block in enumerate(blocks):
         blocks[i] = policy._wrap_block(block)
 

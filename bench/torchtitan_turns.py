@@ -26,14 +26,12 @@ from __future__ import annotations
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from bench.common import profiled_peak
-from bench.torchtitan_cpu import _stats, install
+from bench.torchtitan_cpu import _stats, _whole, install, timed_step
 
 TITAN, REMATD = "torchtitan.train", "rematd.integrations.torchtitan"
 T = TypeVar("T")
@@ -54,7 +52,7 @@ class Contender:
 
         def recorded(**kwargs: Any) -> torch.Tensor:
             loss = forward_backward(**kwargs)
-            self.losses.append(loss.detach().clone())
+            self.losses.append(_whole(loss))  # a distributed tensor under tensor parallel's loss parallelism
             return loss  # type: ignore[no-any-return]
 
         trainer.forward_backward_step = recorded
@@ -65,18 +63,7 @@ class Contender:
         t = self.trainer
         t.step += 1
         t.gc_handler.run(t.step)
-        started = time.perf_counter()
-        if profiled:
-            try:
-                self.peaks.append(profiled_peak(lambda: t.train_step(self.data)))
-            except AssertionError as e:
-                # The profiler reads its trace after the step has run: under FSDP on gloo ranks its data-flow
-                # analysis can fail on the collectives' buffers ("version mismatch"). The step stands; its peak
-                # is unknown.
-                print(f"{self.name}: torch's memory profiler could not read the step: {str(e)[:120]}", file=sys.stderr)
-        else:
-            t.train_step(self.data)
-        self.seconds.append(time.perf_counter() - started)
+        timed_step(lambda: t.train_step(self.data), profiled=profiled, seconds=self.seconds, peaks=self.peaks)
         self.steps.append([_stats(a.handle) for a in getattr(t, "rematd", [])])
 
     def record(self) -> dict[str, Any]:
