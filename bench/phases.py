@@ -173,9 +173,9 @@ class Ours:
     runner: Runner
     budget: int
     over: int = 0
-    trials_before: tuple[int, int, int, int] = (0, 0, 0, 0)
-    """Steps the session had spent on trials of modes and of plans, and plan trials void and disputed, when the
-    phase began."""
+    trials_before: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+    """Steps the session had spent on trials of modes and of plans, and plan trials void, disputed and reverted
+    (a plan kept whose gain did not hold on fresh steps), when the phase began."""
 
     @property
     def session(self) -> Any:
@@ -322,6 +322,8 @@ def phase_row(
         "plan_trials_voided": controller.plan_trials.voided - ours.trials_before[2],
         # Trials whose gain by the fit's mean the median of their own pairs of steps did not bear out.
         "plan_trials_disputed": controller.plan_trials.disputed - ours.trials_before[3],
+        # Plans kept whose gain did not hold when checked once more on fresh steps: the plan replaced came back.
+        "plan_trials_reverted": controller.plan_trials.outcomes["reverted"] - ours.trials_before[4],
         "best_static": best[0] if best else "none fits",
         "best_static_modes": best[1].modes if best else "",
         "best_static_ratio": best[1].ratio if best else None,
@@ -423,7 +425,14 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
             controller = o.session.controller
             trials = controller.plan_trials
             o.over = 0
-            o.trials_before = (controller.explorer.trial_steps, trials.trial_steps, trials.voided, trials.disputed)
+            reverted = trials.outcomes["reverted"]
+            o.trials_before = (
+                controller.explorer.trial_steps,
+                trials.trial_steps,
+                trials.voided,
+                trials.disputed,
+                reverted,
+            )
         pin_statics(statics, plans, setup, seq)
         for c in compiled.values():
             c.times, c.peaks = [], []
@@ -543,6 +552,7 @@ def main() -> None:
         ("trial_steps", "trials", "d"),
         ("plan_trials_voided", "void", "d"),
         ("plan_trials_disputed", "disputed", "d"),
+        ("plan_trials_reverted", "reverted", "d"),
         ("best_static", "fastest static that fits", ""),
         ("best_static_modes", "", ""),
         ("best_static_ratio", "its ratio", ".3f"),

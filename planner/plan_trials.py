@@ -21,6 +21,14 @@ once the entry has run ``SETTLE_STEPS`` steps (its peaks measured, the noise of 
 with a plan whose predicted peak under the worst recent correction fits the target with the loosening slack.
 Trials end where nothing could be faster by ``MIN_GAIN`` of a step, or every candidate is known within
 ``TIGHT``.
+
+A plan kept rests on a few pairs of steps, and on a loaded machine a burst that fell on one plan's steps more
+than the other's can pass for a gain that the standard deviation of so few pairs does not question. So a plan
+kept is checked once more, on fresh steps: once it has run ``RECHECK_AFTER`` steps at its entry, the plan it
+replaced is tried against it for a trial's steps, weighed by that trial's own pairs alone (the fit has taken
+the first trial's). Where the gain measured then falls short of the one that kept the plan by more than
+``SURE`` standard deviations of the two together, the plan replaced comes back and the first trial's pairs are
+taken back out of the fit; otherwise the plan kept stays, for good.
 """
 
 from __future__ import annotations
@@ -61,11 +69,15 @@ SETTLE_STEPS = 16
 SHARE_HORIZON = 64
 """Steps of a table entry over which trials may take ``plan_explore_share`` of them; beyond, the share's
 steps grow as the square root of the entry's steps."""
-OUTCOMES = ("kept", "stays", "void", "disputed", "overtaken")
+RECHECK_AFTER = 16
+"""Steps a plan kept by a trial runs at its entry before the plan it replaced is tried against it once more."""
+OUTCOMES = ("kept", "stays", "void", "disputed", "overtaken", "held", "reverted")
 """How a plan trial ends: the plan tried kept (the steps found it surely faster); the plan in force stays (they
 did not); void (too noisy to tell, :data:`VOID_NOISE`) or disputed (a few outlying steps made the fit's verdict,
 :meth:`PlanTrials.own_gain`), each with its steps taken back out of the fit; overtaken by a new table (a change
-of length, budget or memory, an out-of-memory error)."""
+of length, budget or memory, an out-of-memory error). A recheck of a plan kept (:class:`Kept`) ends held (its
+gain held on fresh steps) or reverted (it did not: the plan it replaced back, the first trial's pairs taken
+back out of the fit), or void or overtaken as any trial."""
 
 
 def allowance(steps: int, config: ControllerConfig) -> float:
@@ -77,6 +89,27 @@ def allowance(steps: int, config: ControllerConfig) -> float:
         return 0.0
     counted = steps if steps <= SHARE_HORIZON else math.sqrt(SHARE_HORIZON * steps)
     return FREE_TRIALS * config.plan_trial_steps + share * counted
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Kept:
+    """A plan kept by a trial's step times, to be checked once more against the plan it replaced."""
+
+    replaced: tuple[Mode, ...]
+    """The plan in force before the trial."""
+    kept: tuple[Mode, ...]
+    """The plan the trial kept."""
+    saving: float
+    """What the trial measured the plan kept to save a step over the plan replaced (seconds, as the fit
+    prices them)."""
+    sd: float
+    """That saving's standard deviation (seconds)."""
+    level: float
+    """A step's time then (seconds, as the fit prices them): what the saving was a fraction of."""
+    since: int
+    """Steps its entry had run when the trial ended."""
+    rollback: tuple[int, StepFit, Sums] | None
+    """The fit as it was when the trial started: what a recheck that finds the gain did not hold goes back to."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +126,8 @@ class PlanTrial:
     """What the fit expected it to save a step at the start, as a fraction of the step."""
     sd: float
     """That expectation's standard deviation, as a fraction of the step."""
+    recheck: Kept | None = None
+    """Where the plan tried is the one a trial replaced, back against the plan it kept (``home``): that trial."""
 
     @property
     def seq(self) -> int:
@@ -131,6 +166,8 @@ class PlanTrials:
         self.rollback: tuple[int, StepFit, Sums] | None = None
         """The bucket of the trial's length, its fit and that fit's sums when the trial started: what a void
         trial goes back to."""
+        self.kept: dict[int, Kept] = {}
+        """Per table entry (its longest length), the plan a trial kept there, until it is checked once more."""
 
     def note(self, entry: int, ran: tuple[Mode, ...] | None, seconds: float = 0.0, step: int = 0) -> bool:
         """Step ``step``, under the table entry up to length ``entry``, ran ``ran`` in ``seconds`` (scaled as
@@ -167,17 +204,31 @@ class PlanTrials:
             squares.extend(min(clip, (b - a) ** 2) for (i, a), (j, b) in itertools.pairwise(times) if j - i <= MAX_GAP)
         return (sum(squares) / len(squares), len(squares)) if squares else (0.0, 0)
 
-    def own_gain(self) -> float | None:
-        """The median, over the trial's successive steps that ran its two plans (at most ``MAX_GAP`` apart),
-        of the plan in force's step less the plan tried's: above 0 where the plan tried was the faster in most
-        of them; None with no such pair (the fit's seconds, as :meth:`note` took them). Heavy-tailed noise (a
-        stall in a step or two) moves a mean, and so the fit, far more than it moves this."""
-        gains = [
+    def own_gains(self) -> list[float]:
+        """Over the trial's successive steps that ran its two plans (at most ``MAX_GAP`` apart), the plan in
+        force's step less the plan tried's (the fit's seconds, as :meth:`note` took them)."""
+        return [
             (a - b) if tried_b else (b - a)
             for (tried_a, i, a), (tried_b, j, b) in itertools.pairwise(self._seconds)
             if tried_a != tried_b and j - i <= MAX_GAP
         ]
+
+    def own_gain(self) -> float | None:
+        """The median of :meth:`own_gains`: above 0 where the plan tried was the faster in most of its pairs of
+        steps; None with no such pair. Heavy-tailed noise (a stall in a step or two) moves a mean, and so the
+        fit, far more than it moves this."""
+        gains = self.own_gains()
         return statistics.median(gains) if gains else None
+
+    def entry_steps(self, entry: int) -> int:
+        """Steps observed under the table entry up to length ``entry`` (its newest entries')."""
+        return self._per_entry.get(entry, (0, 0))[0]
+
+    def note_kept(self, kept: Kept, entry: int) -> None:
+        """A trial at the table entry up to length ``entry`` kept ``kept.kept``: check it once more later."""
+        self.kept[entry] = kept
+        if len(self.kept) > self.config.max_entries:
+            del self.kept[next(iter(self.kept))]
 
     @property
     def full_differences(self) -> int:
@@ -302,3 +353,27 @@ def trial_over_reason(trial: PlanTrial, saving: float, sd: float, kept: bool) ->
 def _signed(saving: float) -> str:
     """A saving as people read it: "2.0% faster" or "1.5% slower"."""
     return f"{abs(saving):.1%} {'faster' if saving >= 0 else 'slower'}"
+
+
+def recheck_reason(trial: PlanTrial, peak_text: str) -> str:
+    return (
+        f"trial of a plan: {letters(trial.modes)} in turn with {letters(trial.home.modes)} at lengths up to "
+        f"{trial.seq} once more, to check on fresh steps that the plan kept is {-trial.saving:.1%} "
+        f"± {trial.sd:.1%} of a step faster, as its trial measured; {peak_text}"
+    )
+
+
+def recheck_over_reason(trial: PlanTrial, claimed: float, gained: float, sd: float, held: bool) -> str:
+    """What the trial that kept the plan measured it to save (``claimed``), what its recheck measured
+    (``gained``), and the two measures' joint standard deviation (``sd``), as fractions of a step."""
+    measured = f"{_signed(gained)} on fresh steps against its trial's {claimed:.1%} faster"
+    if held:
+        return (
+            f"trial of a plan over at lengths up to {trial.seq}: {letters(trial.home.modes)} stays, its gain "
+            f"held: {measured}, within {SURE:g} x {sd:.1%}"
+        )
+    return (
+        f"trial of a plan over at lengths up to {trial.seq}: {letters(trial.modes)} back, the gain that kept "
+        f"{letters(trial.home.modes)} did not hold: {measured}, short by more than {SURE:g} x {sd:.1%}; its "
+        "trial's steps are taken back out of the step-level prices"
+    )

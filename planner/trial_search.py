@@ -3,20 +3,26 @@ each step of the trial in force, to its verdict (:mod:`rematd.planner.plan_trial
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 from typing import NamedTuple
 
 from rematd.planner.plan import ShapePlan
 from rematd.planner.plan_trials import (
     MAX_LOSS,
     MIN_GAIN,
+    RECHECK_AFTER,
     SURE,
     TIGHT,
     VOID_NOISE,
+    Kept,
     PlanTrial,
     PlanTrials,
     disputed_reason,
     overtaken_reason,
+    recheck_over_reason,
+    recheck_reason,
     trial_over_reason,
     trial_reason,
     void_reason,
@@ -25,7 +31,7 @@ from rematd.planner.pricing import Pricing, as_corrected
 from rematd.planner.reasons import human_bytes
 from rematd.planner.solvers import front_loaded
 from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanner
-from rematd.planner.stepfit import CLIP, INFLATION, Posterior, group_of
+from rematd.planner.stepfit import CLIP, INFLATION, Posterior, StepFit, Sums, group_of
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape
 
@@ -95,8 +101,9 @@ class TrialSearch:
         seq = entry.max_seq_len if entry is not None else 0
         if entry is None or not peaks_measured or pricing.learned.headroom_steps or not plans.may_start(seq):
             return None
-        if not self.fit_ready(seq):
-            return None
+        recheck = self._recheck(obs, entry, target, table)
+        if recheck is not None or not self.fit_ready(seq):
+            return recheck
         last, modes, idle = self._looked.get(seq, Look(-RECHECK_STEPS, entry.modes, 0))
         if modes != entry.modes:
             idle = 0
@@ -108,14 +115,43 @@ class TrialSearch:
             return None
         tried = pricing.replaced(entry, found.modes, obs.static_bytes)
         trial = PlanTrial(home=entry, tried=tried, started=plans.steps, saving=found.saving, sd=found.sd)
-        top = pricing.bucket_of(seq)
-        fit = pricing.learned.steps.fit(top)
-        plans.start(trial, (top, fit, fit.sums()) if fit is not None else None)
-        here = pricing.target_at(target, seq)
-        # As the candidate was weighed: its prediction as the measured peaks correct it.
-        shown, as_measured = as_corrected(tried.predicted_peak_bytes, obs.static_bytes, pricing.learned.correction(seq))
-        peak = f"predicted {human_bytes(shown)}{as_measured} of the {human_bytes(here)} target"
+        self._start(trial)
+        peak = self._peak_text(tried, obs.static_bytes, target)
         return Handed(table, [tried if e is entry else e for e in table], trial_reason(trial, peak))
+
+    def _start(self, trial: PlanTrial) -> None:
+        """Put ``trial`` in force, with the fit of its length as it is now to go back to."""
+        pricing = self._pricing
+        top = pricing.bucket_of(trial.seq)
+        fit = pricing.learned.steps.fit(top)
+        self.plans.start(trial, (top, fit, fit.sums()) if fit is not None else None)
+
+    def _peak_text(self, tried: ShapePlan, static: int, target: int) -> str:
+        """The plan tried's predicted peak, as the measured peaks correct it, against the target at its length."""
+        pricing, seq = self._pricing, tried.max_seq_len
+        shown, as_measured = as_corrected(tried.predicted_peak_bytes, static, pricing.learned.correction(seq))
+        here = human_bytes(pricing.target_at(target, seq))
+        return f"predicted {human_bytes(shown)}{as_measured} of the {here} target"
+
+    def _recheck(
+        self, obs: StepObservation, entry: ShapePlan, target: int, table: tuple[ShapePlan, ...]
+    ) -> Handed | None:
+        """Where a trial kept the plan in force at ``entry`` and it has run ``RECHECK_AFTER`` steps there since,
+        a trial of the plan it replaced against it once more (:class:`Kept`); None otherwise. A plan in force
+        there other than the one kept, or a plan replaced that no longer fits, leaves nothing to check."""
+        pricing, plans, seq = self._pricing, self.plans, entry.max_seq_len
+        kept = plans.kept.get(seq)
+        if kept is None or (plans.entry_steps(seq) - kept.since < RECHECK_AFTER and kept.kept == entry.modes):
+            return None
+        del plans.kept[seq]
+        if kept.kept != entry.modes or not pricing.fits(kept.replaced, pricing.shape(seq), target, obs.static_bytes):
+            return None
+        tried = pricing.replaced(entry, kept.replaced, obs.static_bytes)
+        saving, sd = -kept.saving / kept.level, kept.sd / kept.level
+        trial = PlanTrial(home=entry, tried=tried, started=plans.steps, saving=saving, sd=sd, recheck=kept)
+        self._start(trial)
+        reason = recheck_reason(trial, self._peak_text(tried, obs.static_bytes, target))
+        return Handed(table, [tried if e is entry else e for e in table], reason)
 
     def step(self, obs: StepObservation, target: int, table: tuple[ShapePlan, ...]) -> Handed:
         """The plan trial in force, a step on: its next turn, or its end (the plan tried kept in ``table``
@@ -123,7 +159,9 @@ class TrialSearch:
         pricing, plans = self._pricing, self.plans
         trial = plans.trial
         assert trial is not None
-        if plans.between or plans.ran_out:
+        if trial.recheck is not None and plans.ran_out:
+            return self._rechecked(trial, trial.recheck, table)
+        if trial.recheck is None and (plans.between or plans.ran_out):
             saving, sd = pricing.step_prices.contrast(trial.home.modes, trial.modes, trial.seq)
             level = pricing.step_prices.level(trial.seq) or 1.0
             # A trial ends early where the plan tried is surely slower, never where it looks surely faster:
@@ -135,14 +173,30 @@ class TrialSearch:
                     return Handed(table, list(table), self._dispute(trial, saving, sd, own), over=True)
                 shape = pricing.shape(trial.seq)
                 kept = saving > SURE * sd and pricing.fits(trial.modes, shape, target, obs.static_bytes)
-                plans.over("kept" if kept else "stays")
                 if kept:
                     table = tuple(trial.tried if e is trial.home else e for e in table)
+                    self._check_later(trial, saving, sd, level)
+                plans.over("kept" if kept else "stays")
                 reason = trial_over_reason(trial, saving / level, sd / level, kept)
                 return Handed(table, list(table), reason, over=True)
         turn = plans.turn
         handed = [turn if e is trial.home and turn is not None else e for e in table]
         return Handed(table, handed, trial_reason(trial, "in turn"))
+
+    def _check_later(self, trial: PlanTrial, saving: float, sd: float, level: float) -> None:
+        """The trial in force keeps its plan, measured ``saving`` ± ``sd`` (seconds) faster on steps of
+        ``level`` seconds: check it once more later (:class:`Kept`)."""
+        plans, seq = self.plans, trial.seq
+        record = Kept(
+            replaced=trial.home.modes,
+            kept=trial.modes,
+            saving=saving,
+            sd=sd,
+            level=level,
+            since=plans.entry_steps(seq),
+            rollback=plans.rollback,
+        )
+        plans.note_kept(record, seq)
 
     def void(self) -> str | None:
         """Where the plan trial in force has run all its steps and its own steps of one plan differed by more
@@ -159,7 +213,7 @@ class TrialSearch:
         if differences >= plans.full_differences and noise > VOID_NOISE * before.noise_var:
             self._take_back("void")
             return void_reason(trial, noise / before.noise_var)
-        if not plans.ran_out:
+        if not plans.ran_out or trial.recheck is not None:
             return None
         saving, sd = self._pricing.step_prices.contrast(trial.home.modes, trial.modes, trial.seq)
         own = self._disputed(trial, saving, sd)
@@ -186,11 +240,56 @@ class TrialSearch:
         """End the plan trial in force as ``outcome``, its pairs taken back out of the fit it started with
         (unless the bucket's fit was dropped, or restored, meanwhile)."""
         rollback = self.plans.rollback
+        self._check_again_later()
         self.plans.over(outcome)
+        self._forget(rollback)
+
+    def _forget(self, rollback: tuple[int, StepFit, Sums] | None) -> None:
+        """The pairs the fit of ``rollback`` has taken since its sums there, taken back out of it (unless the
+        bucket's fit was dropped, or restored, meanwhile)."""
         if rollback is not None:
             top, fit, before = rollback
             if self._pricing.learned.steps.fit(top) is fit:
                 fit.forget_since(before)
+
+    def _check_again_later(self) -> None:
+        """Where the trial in force is a recheck ending unweighed (void, overtaken), check the plan kept once
+        more later: the steps that would have told are the ones a recheck is for."""
+        plans, trial = self.plans, self.plans.trial
+        if trial is not None and trial.recheck is not None:
+            plans.note_kept(dataclasses.replace(trial.recheck, since=plans.entry_steps(trial.seq)), trial.seq)
+
+    def _rechecked(self, trial: PlanTrial, kept: Kept, table: tuple[ShapePlan, ...]) -> Handed:
+        """The verdict of a recheck that has run its steps: weighed by its own pairs of steps alone (the fit has
+        taken the pairs of the trial that kept the plan), the gain measured then against the one that kept it,
+        within ``SURE`` standard deviations of the two together. Held: the plan kept stays. Not: the plan it
+        replaced comes back, and that trial's pairs are taken back out of the fit."""
+        pricing, plans = self._pricing, self.plans
+        gains = plans.own_gains()
+        if not gains:  # its length stopped coming
+            return self._unweighed(trial, table)
+        scale = pricing.step_prices.from_top(trial.seq)
+        level = kept.level
+        rollback = plans.rollback
+        before = rollback[2].noise_var if rollback is not None else 0.0
+        noise, _ = plans.own_noise(CLIP * CLIP * before if before > 0 else math.inf)
+        # Each pair's difference shares a step with the next, as the fit's do: inflated as it inflates them.
+        se = scale * math.sqrt(INFLATION * max(noise, before) / len(gains))
+        # The plan tried is the one replaced: the plan kept gained what the plan tried lost.
+        gained = -statistics.median(gains) * scale
+        sd = math.hypot(kept.sd, se)
+        held = gained >= kept.saving - SURE * sd
+        plans.over("held" if held else "reverted")
+        if not held:
+            table = tuple(trial.tried if e is trial.home else e for e in table)
+            self._forget(kept.rollback)
+        reason = recheck_over_reason(trial, kept.saving / level, gained / level, sd / level, held)
+        return Handed(table, list(table), reason, over=True)
+
+    def _unweighed(self, trial: PlanTrial, table: tuple[ShapePlan, ...]) -> Handed:
+        self._check_again_later()
+        self.plans.over("overtaken")
+        return Handed(table, list(table), overtaken_reason(trial), over=True)
 
     def end(self) -> str | None:
         """End the plan trial in force, if any (a new table overtakes it, an out-of-memory error): void where
@@ -199,6 +298,7 @@ class TrialSearch:
         voided = self.void()
         if voided is not None or trial is None:
             return voided
+        self._check_again_later()
         self.plans.over("overtaken")
         return overtaken_reason(trial)
 

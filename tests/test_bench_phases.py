@@ -71,7 +71,7 @@ def test_the_quick_run_races_finalists_and_keeps_the_plans_that_stopped(tmp_path
         if row["chosen_static"] != "no checkpointing":
             assert row["chosen_static"] in raced, "the warm-up's pick is always a finalist"
         assert row["steps_over_budget"] == 0
-        assert row["plan_trials_voided"] >= 0 and row["plan_trials_disputed"] >= 0
+        assert row["plan_trials_voided"] >= 0 and row["plan_trials_disputed"] >= 0 and row["plan_trials_reverted"] >= 0
         if row["vs_chosen_interval"] is not None:
             low, high = row["vs_chosen_interval"]
             assert low <= row["vs_chosen_static"] <= high

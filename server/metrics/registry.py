@@ -98,7 +98,9 @@ class Metrics:
         self.plan_trials = self._counter(
             "rematd_plan_trials",
             "Plan trials ended, by outcome: kept (the plan tried was surely faster), stays (it was not), void (too "
-            "noisy to tell), disputed (a few outlying steps made its gain), overtaken (by a new table).",
+            "noisy to tell), disputed (a few outlying steps made its gain), overtaken (by a new table), held or "
+            "reverted (a plan kept, checked once more on fresh steps: its gain held, or did not and the plan it "
+            "replaced came back).",
             ["job", "outcome"],
         )
         self._per_job = (self.plans_issued, self.oom_events, self.steps, self.exploration_steps, self.recompiles)
