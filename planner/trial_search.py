@@ -263,7 +263,8 @@ class TrialSearch:
         """The verdict of a recheck that has run its steps: weighed by its own pairs of steps alone (the fit has
         taken the pairs of the trial that kept the plan), the gain measured then against the one that kept it,
         within ``SURE`` standard deviations of the two together. Held: the plan kept stays. Not: the plan it
-        replaced comes back, and that trial's pairs are taken back out of the fit."""
+        replaced comes back, and the fit goes back to its sums before that trial (the pairs of differing plans
+        since, the recheck's among them, forgotten with the trial's: which of them the burst made is unknown)."""
         pricing, plans = self._pricing, self.plans
         gains = plans.own_gains()
         if not gains:  # its length stopped coming
