@@ -129,6 +129,3 @@ def _rematd_offload_pool(ctx: Context) -> None:
 def _rematd_offload_fresh(ctx: Context) -> None:
     """As ``rematd-offload``, with a fresh pinned host tensor per copy: what the pool saves a step."""
     _rematd_offload(ctx, pool=False)
-
-
-STATIC_STRATEGIES = ("none", "hf-full", "every-2nd", "every-3rd", "titan-selective")

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,12 +76,23 @@ def launch(
 
 @contextmanager
 def served(db: Path | str, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Iterator[Served]:
-    """:func:`launch` on ports it picks itself, stopped on the way out."""
+    """:func:`launch` on ports it picks itself, stopped on the way out, a SIGTERM to this process included (a
+    benchmark stopped with ``kill`` leaves no service behind)."""
     srv = launch(db, *args, timeout=timeout, env=env)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         yield srv
     finally:
         stop(srv.proc)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    # Python's default for SIGTERM ends the process without running ``finally`` blocks: the server would outlive it.
+    raise SystemExit(128 + signum)
 
 
 def stop(proc: subprocess.Popen[Any], grace: float = 15) -> None:

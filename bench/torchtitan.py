@@ -65,6 +65,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=0, help="runs of every contender (default 1 in turns, 2 separate)")
     p.add_argument("--memory-budget", type=float, default=0.0, help="run torchtitan's memory-budget mode at this")
     p.add_argument("--quick", action="store_true", help="sequence 128, 6 steps")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds each launch may run before it is stopped")
     p.add_argument("--out", default="artifacts/torchtitan.json", help="where the JSON goes")
     args = p.parse_args(argv)
     if args.quick:
@@ -74,6 +75,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be at least 1")
     if args.steps < 3:
         p.error("--steps must be at least 3: the first profiles, the last is profiled for memory")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     args.profile_step = args.profile_step or args.steps
     return args
 
@@ -92,7 +95,7 @@ def titan_args(args: argparse.Namespace, assets: tuple[Path, Path], steps: int) 
 
 def launch(args: argparse.Namespace, module: str, argv: list[str], env: dict[str, str]) -> None:
     launcher = ["--standalone", "--nproc-per-node", str(args.ranks), "-m", module]
-    run_launcher("torch.distributed.run", [*launcher, *argv], timeout=3600, env={"OMP_NUM_THREADS": "1", **env})
+    run_launcher("torch.distributed.run", [*launcher, *argv], timeout=args.timeout, env={"OMP_NUM_THREADS": "1", **env})
 
 
 def run(args: argparse.Namespace, assets: tuple[Path, Path], where: Path, module: str, ac: list[str]) -> list[Any]:

@@ -22,7 +22,7 @@ def test_each_round_turns_the_order() -> None:
 
 
 def test_contenders_in_turns_train_as_they_would_alone(tmp_path: Path) -> None:
-    args = parse(["--seq", "64", "--batch", "2", "--steps", "3"])
+    args = parse(["--seq", "64", "--batch", "2", "--steps", "3", "--timeout", "300"])
     contenders = {
         "none": ("torchtitan.train", ["activation-checkpoint:none"]),
         "full": ("torchtitan.train", ["activation-checkpoint:full"]),
