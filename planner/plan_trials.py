@@ -27,8 +27,9 @@ than the other's can pass for a gain that the standard deviation of so few pairs
 kept is checked once more, on fresh steps: once it has run ``RECHECK_AFTER`` steps at its entry, the plan it
 replaced is tried against it for a trial's steps, weighed by that trial's own pairs alone (the fit has taken
 the first trial's). Where the gain measured then falls short of the one that kept the plan by more than
-``SURE`` standard deviations of the two together, the plan replaced comes back and the first trial's pairs are
-taken back out of the fit; otherwise the plan kept stays, for good.
+``SURE`` standard deviations of the two together, the plan replaced comes back and the fit goes back to its sums
+before the first trial (which of the pairs since a burst made is unknown); otherwise the plan kept stays, for
+good.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ OUTCOMES = ("kept", "stays", "void", "disputed", "overtaken", "held", "reverted"
 did not); void (too noisy to tell, :data:`VOID_NOISE`) or disputed (a few outlying steps made the fit's verdict,
 :meth:`PlanTrials.own_gain`), each with its steps taken back out of the fit; overtaken by a new table (a change
 of length, budget or memory, an out-of-memory error). A recheck of a plan kept (:class:`Kept`) ends held (its
-gain held on fresh steps) or reverted (it did not: the plan it replaced back, the first trial's pairs taken
-back out of the fit), or void or overtaken as any trial."""
+gain held on fresh steps) or reverted (it did not: the plan it replaced back, the fit as it was before the
+trial that kept the plan), or void or overtaken as any trial."""
 
 
 def allowance(steps: int, config: ControllerConfig) -> float:
@@ -374,6 +375,6 @@ def recheck_over_reason(trial: PlanTrial, claimed: float, gained: float, sd: flo
         )
     return (
         f"trial of a plan over at lengths up to {trial.seq}: {letters(trial.modes)} back, the gain that kept "
-        f"{letters(trial.home.modes)} did not hold: {measured}, short by more than {SURE:g} x {sd:.1%}; its "
-        "trial's steps are taken back out of the step-level prices"
+        f"{letters(trial.home.modes)} did not hold: {measured}, short by more than {SURE:g} x {sd:.1%}; the "
+        "step-level prices go back to where they were before its trial"
     )

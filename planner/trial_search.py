@@ -141,8 +141,10 @@ class TrialSearch:
         there other than the one kept, or a plan replaced that no longer fits, leaves nothing to check."""
         pricing, plans, seq = self._pricing, self.plans, entry.max_seq_len
         kept = plans.kept.get(seq)
-        if kept is None or (plans.entry_steps(seq) - kept.since < RECHECK_AFTER and kept.kept == entry.modes):
+        if kept is None:
             return None
+        if kept.kept == entry.modes and plans.entry_steps(seq) - kept.since < RECHECK_AFTER:
+            return None  # not yet
         del plans.kept[seq]
         if kept.kept != entry.modes or not pricing.fits(kept.replaced, pricing.shape(seq), target, obs.static_bytes):
             return None
