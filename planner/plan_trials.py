@@ -18,7 +18,8 @@ share of its first ``SHARE_HORIZON`` steps, then a share growing as the square r
 at an entry that has tried its plans' neighbours tells less than the last, and a long job should not pay a
 fixed share of every step for ever on steps too noisy to settle); a trial starts only from a settled plan,
 once the entry has run ``SETTLE_STEPS`` steps (its peaks measured, the noise of its steps known), and only
-with a plan whose predicted peak under the worst recent correction fits the target with the loosening slack.
+with a plan whose predicted peak under the worst recent correction fits the target with the loosening slack
+(:func:`rematd.planner.step_planning.loosen_limit`: none where the length's peaks have settled).
 Trials end where nothing could be faster by ``MIN_GAIN`` of a step, or every candidate is known within
 ``TIGHT``.
 

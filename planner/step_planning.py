@@ -15,12 +15,20 @@ from rematd.planner.timing import MAX_BUCKETS
 from rematd.planner.units import Mode, Shape, letters
 
 LOOSEN_SLACK = 0.97
-"""A looser plan, or one on trial, must fit this fraction of the target under the worst recent correction."""
+"""A looser plan, or one on trial, must fit this fraction of the target under the worst recent correction
+(the whole target where the length's peaks have settled: :func:`loosen_limit`)."""
 HOLD = 1.0
 """Standard deviations by which a plan the steps chose must stay faster than the per-block prices' choice
 to stay in force (it took ``SURE`` to be chosen)."""
 MAX_RAN = 256
 """Plans remembered as run per length bucket; past that, no new plan is taken as run there."""
+
+
+def loosen_limit(pricing: Pricing, target: int, seq: int) -> int:
+    """What a looser plan, or a plan on trial, must fit at ``seq`` under the worst recent correction: the
+    target where the length's peaks have settled (their spread is then the slack, and the pessimistic
+    correction holds it), else the target less ``LOOSEN_SLACK``."""
+    return target if pricing.learned.settled(seq) else int(target * LOOSEN_SLACK)
 
 
 class StepPlanner:

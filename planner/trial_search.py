@@ -30,7 +30,7 @@ from rematd.planner.plan_trials import (
 from rematd.planner.pricing import Pricing, as_corrected
 from rematd.planner.reasons import human_bytes
 from rematd.planner.solvers import front_loaded
-from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanner
+from rematd.planner.step_planning import StepPlanner, loosen_limit
 from rematd.planner.stepfit import CLIP, INFLATION, Posterior, StepFit, Sums, group_of
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape
@@ -325,7 +325,8 @@ class TrialSearch:
         if fit is None or found is None or not self.fit_ready(seq):
             return None
         shape = pricing.shape(seq)
-        slack = int(target * LOOSEN_SLACK)
+        # Where the peaks have settled, a plan on trial may use what a loosening may.
+        slack = loosen_limit(pricing, target, seq)
         ceiling = pricing.learned.ceiling(seq)
         at = pricing.at(shape)
         # The variance of one difference of steps, as the fit takes it, at this length.

@@ -7,7 +7,7 @@ from rematd.planner.decision import Moves
 from rematd.planner.plan import ShapePlan
 from rematd.planner.pricing import Pricing
 from rematd.planner.solvers import Choice
-from rematd.planner.step_planning import LOOSEN_SLACK, StepPlanner
+from rematd.planner.step_planning import StepPlanner, loosen_limit
 from rematd.planner.units import Mode, Shape
 
 REPLAN_GAIN = 0.02
@@ -30,8 +30,7 @@ def weigh(
     moves.new = [seq for seq in moves.desired if seq not in current]
     for entry, choice in desired:
         seq = entry.max_seq_len
-        # Where the peaks have settled, their spread is the slack: the pessimistic correction holds it.
-        slack = target if pricing.learned.settled(seq) else int(target * LOOSEN_SLACK)
+        slack = loosen_limit(pricing, target, seq)
         old = current.get(seq)
         if old is None or old.modes == entry.modes:
             continue
