@@ -5,6 +5,7 @@ per-block prices only where the steps say so surely, and what the plan's reason 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from rematd.planner.plan import ShapePlan
 from rematd.planner.plan_trials import SURE
@@ -20,6 +21,9 @@ LOOSEN_SLACK = 0.97
 HOLD = 1.0
 """Standard deviations by which a plan the steps chose must stay faster than the per-block prices' choice
 to stay in force (it took ``SURE`` to be chosen)."""
+REFUSAL_SHRINK = 0.8
+"""The fraction of its standard deviation at a trial's refusal to which the fit's must fall before the fit alone
+may put the plan refused in force (:meth:`StepPlanner.verdict`)."""
 MAX_RAN = 256
 """Plans remembered as run per length bucket; past that, no new plan is taken as run there."""
 
@@ -39,6 +43,10 @@ class StepPlanner:
         self._ran: dict[int, dict[tuple[int, ...], tuple[Mode, ...]]] = {}
         """Per length bucket, the plans (as the fit sees them: modes per position group) whose steps were
         timed there since this planner started, each with the last plan of them that ran."""
+        self._refused: dict[int, dict[tuple[int, ...], tuple[tuple[Mode, ...], float]]] = {}
+        """Per length bucket, the plans (as the fit sees them) whose last trial there found them not surely
+        faster, or whose recheck found their gain gone, each with the plan it was weighed against and the
+        standard deviation of the two's difference then, as a fraction of a step (:meth:`verdict`)."""
 
     def fit_seconds(self, obs: StepObservation) -> float:
         """The step's time as the step-level fit takes it, scaled to its bucket's top length (0: not timed)."""
@@ -61,12 +69,53 @@ class StepPlanner:
         if features in ran or len(ran) < MAX_RAN:
             ran[features] = modes
         while len(self._ran) > MAX_BUCKETS:
-            del self._ran[next(iter(self._ran))]
+            gone = next(iter(self._ran))
+            del self._ran[gone]
+            self._refused.pop(gone, None)
 
     def has_run(self, modes: tuple[Mode, ...], seq: int) -> bool:
         """Whether steps of ``modes`` (or of a plan the fit prices alike) were timed in the bucket of ``seq``."""
         features = self._pricing.learned.steps.features(modes)
         return features in self._ran.get(self._pricing.bucket_of(seq), ())
+
+    def verdict(self, home: tuple[Mode, ...], modes: tuple[Mode, ...], seq: int, *, kept: bool) -> None:
+        """A trial at ``seq`` kept ``modes`` over ``home``, or refused them (it ended with ``home`` staying, or
+        a recheck found their gain gone and put ``home`` back). A refused plan is put in force by the fit
+        alone only once the fit knows of the two's difference materially more than when it was refused
+        (:meth:`may_choose`): a fit one pair past a trial's verdict rests on that trial's evidence, and a look
+        at it after every step would find noise surely faster more often than ``SURE`` says."""
+        top = self._pricing.bucket_of(seq)
+        features = self._pricing.learned.steps.features(modes)
+        refused = self._refused.setdefault(top, {})
+        if kept:
+            refused.pop(features, None)
+        elif features in refused or len(refused) < MAX_RAN:
+            refused[features] = (home, self._relative_sd(home, modes, seq))
+
+    def _relative_sd(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int) -> float:
+        """The standard deviation of what ``new`` saves against ``old`` at ``seq`` by the fit, as a fraction
+        of a step (infinite where the length's steps were never timed)."""
+        prices = self._pricing.step_prices
+        level = prices.level(seq)
+        return prices.contrast(old, new, seq)[1] / level if level > 0 else math.inf
+
+    def may_choose(self, modes: tuple[Mode, ...], seq: int) -> bool:
+        """Whether the fit alone may put ``modes`` in force at ``seq``: its steps ran there (as
+        :meth:`has_run`), and a trial that refused it since (:meth:`verdict`) has been outweighed, the fit's
+        standard deviation of its difference from the plan then in force down to ``REFUSAL_SHRINK`` of what
+        it was."""
+        top = self._pricing.bucket_of(seq)
+        features = self._pricing.learned.steps.features(modes)
+        return features in self._ran.get(top, ()) and self._outweighed(top, features, modes, seq)
+
+    def _outweighed(self, top: int, features: tuple[int, ...], modes: tuple[Mode, ...], seq: int) -> bool:
+        """Whether no trial refused the plan of ``features`` at bucket ``top`` or the fit has since outweighed
+        it (as :meth:`may_choose`)."""
+        refused = self._refused.get(top, {}).get(features)
+        if refused is None:
+            return True
+        home, sd = refused
+        return self._relative_sd(home, modes, seq) <= REFUSAL_SHRINK * sd
 
     # -- overruling the per-block prices --------------------------------------
 
@@ -82,14 +131,15 @@ class StepPlanner:
             return pricing.solve(shape, target, static)
         per_block = pricing.solve(shape, target, static, per_block=True)
         # Only a plan whose own steps were timed here: the fit's prices extrapolated to a plan never run
-        # rest on its model of a step, not on the steps. Plans not yet run get there by a trial. Where no plan
+        # rest on its model of a step, not on the steps. Plans not yet run get there by a trial; so do plans
+        # a trial refused, until the fit knows much more than it did (:meth:`verdict`). Where no plan
         # that ran is surely faster than the per-block choice, the fitted one cannot be (nor need be solved:
         # the fit moves every step, and this runs every step).
         faster = self._faster_ran(per_block.modes, seq)
         if not faster:
             return per_block
         fitted = pricing.solve(shape, target, static)
-        if self.has_run(fitted.modes, seq) and self.surely_faster(per_block.modes, fitted.modes, seq):
+        if self.may_choose(fitted.modes, seq) and self.surely_faster(per_block.modes, fitted.modes, seq):
             return self.front_loaded(fitted, shape)
         # The fitted plan never ran here (a new target: a loosening, a cut), or is not surely faster: the
         # fastest of the plans that did run, rather than forget what the steps showed of them.
@@ -122,7 +172,10 @@ class StepPlanner:
         post, _ratio = found
         mine = self._pricing.learned.steps.features(modes)
         faster = []
-        for features, ran in self._ran.get(self._pricing.bucket_of(seq), {}).items():
+        top = self._pricing.bucket_of(seq)
+        for features, ran in self._ran.get(top, {}).items():
+            if not self._outweighed(top, features, ran, seq):
+                continue
             saving, sd = post.contrast([a - b for a, b in zip(mine, features, strict=True)])
             if saving > SURE * sd:
                 faster.append((saving, ran))

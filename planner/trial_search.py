@@ -178,6 +178,7 @@ class TrialSearch:
                 if kept:
                     table = tuple(trial.tried if e is trial.home else e for e in table)
                     self._check_later(trial, saving, sd, level)
+                self._planner.verdict(trial.home.modes, trial.modes, trial.seq, kept=kept)
                 plans.over("kept" if kept else "stays")
                 reason = trial_over_reason(trial, saving / level, sd / level, kept)
                 return Handed(table, list(table), reason, over=True)
@@ -286,6 +287,7 @@ class TrialSearch:
         if not held:
             table = tuple(trial.tried if e is trial.home else e for e in table)
             self._forget(kept.rollback)
+            self._planner.verdict(kept.replaced, kept.kept, trial.seq, kept=False)
         reason = recheck_over_reason(trial, kept.saving / level, gained / level, sd / level, held)
         return Handed(table, list(table), reason, over=True)
 
@@ -352,9 +354,10 @@ class TrialSearch:
                 continue
             seen.add(features)
             saving, sd = prices.contrast(entry.modes, modes, seq)
-            # A plan the fit finds surely faster but whose own steps never ran here is tried whatever
-            # else the fit knows: only its steps may put it in force.
-            confirm = saving > SURE * sd and saving >= MIN_GAIN * level and not self._planner.has_run(modes, seq)
+            # A plan the fit finds surely faster but whose own steps never ran here, or which a trial refused
+            # since they did (until outweighed), is tried whatever else the fit knows: only its steps may put
+            # it in force.
+            confirm = saving > SURE * sd and saving >= MIN_GAIN * level and not self._planner.may_choose(modes, seq)
             if not confirm:
                 if sd < TIGHT * level or saving + SURE * sd < MIN_GAIN * level or saving < -MAX_LOSS * level:
                     continue
