@@ -165,7 +165,7 @@ class StepPlanner:
     def _faster_ran(self, modes: tuple[Mode, ...], seq: int) -> list[tuple[Mode, ...]]:
         """The plans that ran at ``seq``'s bucket (the last of each the fit prices alike) which the steps
         show faster than ``modes`` by ``SURE`` standard deviations (as :meth:`surely_faster`), fastest
-        first."""
+        first; a plan a trial refused there counts only once the fit has outweighed it (:meth:`may_choose`)."""
         found = self._pricing.step_prices.posterior(seq)
         if found is None:
             return []
