@@ -251,12 +251,14 @@ class Controller:
 
     def _moves(self, target: int, static: int) -> Moves:
         """Per length, whether the plan the model now prefers is tighter or looser than the one in force."""
-        moves = weigh(self.pricing, self.planner, self.table, self.rungs.desired(target, static), target, static)
+        stands = self.trial_search.stands
+        desired = self.rungs.desired(target, static)
+        moves = weigh(self.pricing, self.planner, self.table, desired, target, static, stands=stands)
         if (moves.tighter or moves.looser) and self.rungs.repriced_later:
             # The table changes anyway: the lengths never timed take their fresh prices in the same change,
             # not in one of their own a few steps on.
             desired = self.rungs.desired(target, static, fresh=True)
-            moves = weigh(self.pricing, self.planner, self.table, desired, target, static)
+            moves = weigh(self.pricing, self.planner, self.table, desired, target, static, stands=stands)
         return moves
 
     def _tighten(self, moves: Moves, obs: StepObservation, target: int) -> Decision | None:

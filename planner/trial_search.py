@@ -30,7 +30,7 @@ from rematd.planner.plan_trials import (
 from rematd.planner.pricing import Pricing, as_corrected
 from rematd.planner.reasons import human_bytes
 from rematd.planner.solvers import front_loaded
-from rematd.planner.step_planning import StepPlanner, loosen_limit
+from rematd.planner.step_planning import REFUSAL_SHRINK, StepPlanner, loosen_limit
 from rematd.planner.stepfit import CLIP, INFLATION, Posterior, StepFit, Sums, group_of
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape
@@ -86,6 +86,9 @@ class TrialSearch:
         self.plans = PlanTrials(pricing.config)
         """The plan on trial, if any, and what plan trials have cost."""
         self._looked: dict[int, Look] = {}
+        self._standing: dict[int, Kept] = {}
+        """Per table entry (its longest length), the plan a trial last kept there while it stays in force and its
+        gain was not found gone (:meth:`stands`)."""
 
     def start(
         self,
@@ -200,6 +203,35 @@ class TrialSearch:
             rollback=plans.rollback,
         )
         plans.note_kept(record, seq)
+        self._standing[seq] = record
+        if len(self._standing) > self._pricing.config.max_entries:
+            del self._standing[next(iter(self._standing))]
+
+    def stands(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int) -> bool:
+        """Whether the plan in force ``old`` at the table entry up to ``seq`` is one a trial kept there (and no
+        recheck found its gain gone) against ``new`` chosen on prices: the plan it replaced or one that keeps
+        no more memory than the more of the two (what the trial weighed), until the fit has outweighed the
+        trial (its standard deviation of the two's difference down to ``REFUSAL_SHRINK`` of the trial's).
+
+        A plan kept then runs alone: its steps add no pair of the two plans, only noise. A noisy stretch
+        widens every deviation the fit gives for as long as the noise's decay remembers it, a burst on the
+        first steps moves its means, and the plan kept would go back on prices the trial had settled, for the
+        steps until the fit finds it again. Trials weigh it again (its recheck, on fresh steps, or a trial of
+        another plan); a plan that keeps more than both, room the trial did not weigh, may still loosen it,
+        and a tightening never waits."""
+        kept = self._standing.get(seq)
+        if kept is None:
+            return False
+        pricing, prices = self._pricing, self._pricing.step_prices
+        level = prices.level(seq)
+        outweighed = level > 0 and prices.contrast(kept.replaced, old, seq)[1] / level <= REFUSAL_SHRINK * (
+            kept.sd / kept.level if kept.level > 0 else 0.0
+        )
+        if kept.kept != old or outweighed:
+            del self._standing[seq]  # left by a tightening, or outweighed: the fit weighs it as any plan
+            return False
+        shape = pricing.shape(seq)
+        return not (pricing.keeps_less(old, new, shape) and pricing.keeps_less(kept.replaced, new, shape))
 
     def void(self) -> str | None:
         """Where the plan trial in force has run all its steps and its own steps of one plan differed by more
@@ -285,6 +317,7 @@ class TrialSearch:
         held = gained >= kept.saving - SURE * sd
         plans.over("held" if held else "reverted")
         if not held:
+            self._standing.pop(trial.seq, None)
             table = tuple(trial.tried if e is trial.home else e for e in table)
             self._forget(kept.rollback)
             self._planner.verdict(kept.replaced, kept.kept, trial.seq, kept=False)

@@ -3,6 +3,8 @@ must tighten, which may loosen (once they have had room long enough), which leng
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rematd.planner.decision import Moves
 from rematd.planner.plan import ShapePlan
 from rematd.planner.pricing import Pricing
@@ -22,9 +24,12 @@ def weigh(
     desired: list[tuple[ShapePlan, Choice]],
     target: int,
     static: int,
+    *,
+    stands: Callable[[tuple[Mode, ...], tuple[Mode, ...], int], bool] | None = None,
 ) -> Moves:
     """Per length, whether the entry ``desired`` there (with the choice behind it) is tighter or looser than
-    the one in force in ``table``, or new."""
+    the one in force in ``table``, or new. ``stands(old, new, seq)``: whether a trial's verdict keeps the plan
+    in force ``old`` at the entry up to ``seq`` against ``new`` on prices (:meth:`TrialSearch.stands`)."""
     current = {e.max_seq_len: e for e in table}
     moves = Moves(current=current, desired={e.max_seq_len: e for e, _ in desired})
     moves.new = [seq for seq in moves.desired if seq not in current]
@@ -79,6 +84,10 @@ def weigh(
         # choose for the target the entry was chosen for: else a plan chosen under the slack is
         # weighed against the per-block choice of another target, and plans go back and forth.
         if planner.held(old.modes, entry.modes, seq, goal, static):
+            continue
+        # A plan a trial kept stays against what that trial weighed until trials weigh it again: the fit's
+        # prices alone, a few noisy steps on, rest on that trial's pairs.
+        if stands is not None and stands(old.modes, entry.modes, seq):
             continue
         moves.looser.append(seq)
     return moves

@@ -137,6 +137,8 @@ class Job:
     recomputing: Callable[[int, int], float] = recompute_cost
     """What recomputing it does."""
     budget: int = BUDGET
+    bursts: dict[int, float] = field(default_factory=dict)
+    """Steps whose time a burst of load multiplies by the factor given."""
     step: int = 0
     peaks: list[int] = field(default_factory=list)
     history: list[tuple[int, int, tuple[Mode, ...]]] = field(default_factory=list)
@@ -154,7 +156,7 @@ class Job:
             seconds = true_seconds(modes, seq, self.storing, self.recomputing) * (
                 1 + self.drift * math.sin(self.step / 30)
             )
-            seconds *= 1 + rng.gauss(0.0, self.noise)
+            seconds *= (1 + rng.gauss(0.0, self.noise)) * self.bursts.get(self.step, 1.0)
             rec = modes.count(R)
             plan = self.session.observe(
                 StepObservation(
