@@ -112,9 +112,12 @@ class StepPlanner:
         """Whether no trial refused the plan of ``features`` at bucket ``top`` or the fit has since outweighed
         it (as :meth:`may_choose`)."""
         refused = self._refused.get(top, {}).get(features)
-        if refused is None:
-            return True
-        home, sd = refused
+        return refused is None or self.outweighs(*refused, modes, seq)
+
+    def outweighs(self, home: tuple[Mode, ...], sd: float, modes: tuple[Mode, ...], seq: int) -> bool:
+        """Whether the fit now knows materially more of what ``modes`` save against ``home`` at ``seq`` than a
+        trial whose verdict had ``sd`` (a fraction of a step) did: its standard deviation of the two's
+        difference down to ``REFUSAL_SHRINK`` of that."""
         return self._relative_sd(home, modes, seq) <= REFUSAL_SHRINK * sd
 
     # -- overruling the per-block prices --------------------------------------

@@ -30,7 +30,7 @@ from rematd.planner.plan_trials import (
 from rematd.planner.pricing import Pricing, as_corrected
 from rematd.planner.reasons import human_bytes
 from rematd.planner.solvers import front_loaded
-from rematd.planner.step_planning import REFUSAL_SHRINK, StepPlanner, loosen_limit
+from rematd.planner.step_planning import StepPlanner, loosen_limit
 from rematd.planner.stepfit import CLIP, INFLATION, Posterior, StepFit, Sums, group_of
 from rematd.planner.steps import StepObservation
 from rematd.planner.units import Mode, Shape
@@ -222,12 +222,8 @@ class TrialSearch:
         kept = self._standing.get(seq)
         if kept is None:
             return False
-        pricing, prices = self._pricing, self._pricing.step_prices
-        level = prices.level(seq)
-        outweighed = level > 0 and prices.contrast(kept.replaced, old, seq)[1] / level <= REFUSAL_SHRINK * (
-            kept.sd / kept.level if kept.level > 0 else 0.0
-        )
-        if kept.kept != old or outweighed:
+        pricing = self._pricing
+        if kept.kept != old or self._planner.outweighs(kept.replaced, kept.sd / kept.level, old, seq):
             del self._standing[seq]  # left by a tightening, or outweighed: the fit weighs it as any plan
             return False
         shape = pricing.shape(seq)
