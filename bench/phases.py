@@ -181,6 +181,12 @@ class Ours:
     def session(self) -> Any:
         return self.runner.handle._backend.session  # type: ignore[union-attr]
 
+    def in_force(self, shape: Shape) -> tuple[Mode, ...]:
+        """The modes of the plan in force at ``shape``: a plan on trial's turns aside (a trial hands the plan it
+        tries and the plan in force by turns; pinning or reporting whichever ran last would name the wrong one)."""
+        entry = entry_for(self.session.controller.table, shape)
+        return tuple(entry.modes) if entry is not None else tuple(self.runner.handle.modes)  # type: ignore[union-attr]
+
     def predicted(self, shape: Shape) -> int:
         """The model's peak for the entry in force at ``shape``, uncorrected by the measured peaks."""
         entry = entry_for(self.session.plan.shape_plans, shape)
@@ -224,9 +230,9 @@ def interval_text(found: Sequence[float] | None) -> str:
     return f"{found[0]:.3f}-{found[1]:.3f}" if found else ""
 
 
-def pin_same(runner: Runner, ours: Ours, data: torch.Tensor) -> tuple[Runner, tuple[Mode, ...]]:
-    """``runner`` pinned to the plan rematd has in force now, ready to step in the measured rounds."""
-    modes = tuple(ours.runner.handle.modes)  # type: ignore[union-attr]
+def pin_same(runner: Runner, ours: Ours, shape: Shape, data: torch.Tensor) -> tuple[Runner, tuple[Mode, ...]]:
+    """``runner`` pinned to the plan rematd has in force now at ``shape``, ready to step in the measured rounds."""
+    modes = ours.in_force(shape)
     runner.pin(modes, data)
     return runner, modes
 
@@ -300,7 +306,8 @@ def phase_row(
     best = min(fitting.items(), key=lambda kv: kv[1].ratio) if fitting else None
     chosen = min(fitting.items(), key=lambda kv: kv[1].warm_ratio) if fitting else None
     measured = r.peaks[-1]
-    predicted = ours.predicted(Shape(batch=setup.batch, seq_len=seq, tokens=setup.batch * seq))
+    shape = Shape(batch=setup.batch, seq_len=seq, tokens=setup.batch * seq)
+    predicted = ours.predicted(shape)
     controller = ours.session.controller
     # rematd over the fastest static plan that fits, round by round (both stepped in every round).
     vs_best = per_round(r.times, best[1].times, steps) if best else []
@@ -311,7 +318,7 @@ def phase_row(
         "seq": seq,
         "rematd_ratio": median(mine),
         "rematd_spread": spread_of(mine),
-        "rematd_modes": letters(r.handle.modes),  # type: ignore[union-attr]
+        "rematd_modes": letters(ours.in_force(shape)),
         "rematd_peak_mib": max(r.peaks[-steps:]) / MiB,
         "predicted_peak_mib": predicted / MiB,
         "predicted_error": predicted / measured - 1.0 if measured else None,
@@ -456,7 +463,7 @@ def run(setup: Setup, ratios: list[float], with_compile: bool = False) -> dict[s
                     keep = finalists(warm, peaks, budgets, setup.finalists)
                     for name in sorted(race.racing - keep):
                         race.drop(name, "not among the warm-up's fastest", warm[name])
-                same = {ratio: pin_same(same_runners[ratio], o, data) for ratio, o in ours.items()}
+                same = {ratio: pin_same(same_runners[ratio], o, shape, data) for ratio, o in ours.items()}
                 everyone += [r for r, _ in same.values()]
             # Rounds in turn, each in its own order, so that the machine's drift falls on every contender alike.
             for r in random.Random(1000 * phase + i).sample(everyone, len(everyone)):
