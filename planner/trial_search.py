@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from rematd.planner.plan import ShapePlan
 from rematd.planner.plan_trials import (
+    EXTEND,
     MAX_LOSS,
     MIN_GAIN,
     RECHECK_AFTER,
@@ -20,6 +21,7 @@ from rematd.planner.plan_trials import (
     PlanTrial,
     PlanTrials,
     disputed_reason,
+    extended_reason,
     overtaken_reason,
     recheck_over_reason,
     recheck_reason,
@@ -177,7 +179,10 @@ class TrialSearch:
                 if own is not None:
                     return Handed(table, list(table), self._dispute(trial, saving, sd, own), over=True)
                 shape = pricing.shape(trial.seq)
-                kept = saving > SURE * sd and pricing.fits(trial.modes, shape, target, obs.static_bytes)
+                fits = pricing.fits(trial.modes, shape, target, obs.static_bytes)
+                kept = saving > SURE * sd and fits
+                if not kept and fits and EXTEND * sd < saving and plans.may_extend():
+                    return self._extend(trial, saving / level, sd / level, table)
                 if kept:
                     table = tuple(trial.tried if e is trial.home else e for e in table)
                     self._check_later(trial, saving, sd, level)
@@ -188,6 +193,15 @@ class TrialSearch:
         turn = plans.turn
         handed = [turn if e is trial.home and turn is not None else e for e in table]
         return Handed(table, handed, trial_reason(trial, "in turn"))
+
+    def _extend(self, trial: PlanTrial, saving: float, sd: float, table: tuple[ShapePlan, ...]) -> Handed:
+        """The trial in force, having run its steps, found its plan ``saving`` ± ``sd`` faster (fractions of a step):
+        promising, short of sure. Its steps run once more, the plan tried first, before the verdict."""
+        plans = self.plans
+        plans.extend()
+        turn = plans.turn
+        handed = [turn if e is trial.home and turn is not None else e for e in table]
+        return Handed(table, handed, extended_reason(trial, saving, sd, plans.config.plan_trial_steps))
 
     def _check_later(self, trial: PlanTrial, saving: float, sd: float, level: float) -> None:
         """The trial in force keeps its plan, measured ``saving`` ± ``sd`` (seconds) faster on steps of
