@@ -183,6 +183,9 @@ class PlanTrials:
         trial goes back to."""
         self.kept: dict[int, Kept] = {}
         """Per table entry (its longest length), the plan a trial kept there, until it is checked once more."""
+        self.standing: dict[int, Kept] = {}
+        """Per table entry, the plan a trial last kept there, while it stays in force and no recheck found its
+        gain gone (:meth:`rematd.planner.trial_search.TrialSearch.stands`)."""
 
     def note(self, entry: int, ran: tuple[Mode, ...] | None, seconds: float = 0.0, step: int = 0) -> bool:
         """Step ``step``, under the table entry up to length ``entry``, ran ``ran`` in ``seconds`` (scaled as
@@ -239,11 +242,13 @@ class PlanTrials:
         """Steps observed under the table entry up to length ``entry`` (its newest entries')."""
         return self._per_entry.get(entry, (0, 0))[0]
 
-    def note_kept(self, kept: Kept, entry: int) -> None:
-        """A trial at the table entry up to length ``entry`` kept ``kept.kept``: check it once more later."""
-        self.kept[entry] = kept
-        if len(self.kept) > self.config.max_entries:
-            del self.kept[next(iter(self.kept))]
+    def note_kept(self, kept: Kept, entry: int, *, trial_over: bool = True) -> None:
+        """A trial at the table entry up to length ``entry`` kept ``kept.kept``: check it once more later, and
+        where that trial has just ended (not a recheck put off), hold the plan as standing there."""
+        bound = self.config.max_entries
+        _put(self.kept, entry, kept, bound)
+        if trial_over:
+            _put(self.standing, entry, kept, bound)
 
     @property
     def full_differences(self) -> int:
@@ -344,6 +349,13 @@ class PlanTrials:
         self._tried, self._last_tried = 0, False
         self._seconds, self.rollback = [], None
         return trial
+
+
+def _put(records: dict[int, Kept], entry: int, kept: Kept, bound: int) -> None:
+    """``kept`` as the record of ``entry``, the oldest entry's dropped beyond ``bound`` of them."""
+    records[entry] = kept
+    if len(records) > bound:
+        del records[next(iter(records))]
 
 
 def trial_reason(trial: PlanTrial, peak_text: str) -> str:

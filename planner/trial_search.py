@@ -88,9 +88,6 @@ class TrialSearch:
         self.plans = PlanTrials(pricing.config)
         """The plan on trial, if any, and what plan trials have cost."""
         self._looked: dict[int, Look] = {}
-        self._standing: dict[int, Kept] = {}
-        """Per table entry (its longest length), the plan a trial last kept there while it stays in force and its
-        gain was not found gone (:meth:`stands`)."""
 
     def start(
         self,
@@ -217,9 +214,6 @@ class TrialSearch:
             rollback=plans.rollback,
         )
         plans.note_kept(record, seq)
-        self._standing[seq] = record
-        if len(self._standing) > self._pricing.config.max_entries:
-            del self._standing[next(iter(self._standing))]
 
     def stands(self, old: tuple[Mode, ...], new: tuple[Mode, ...], seq: int) -> bool:
         """Whether the plan in force ``old`` at the table entry up to ``seq`` is one a trial kept there (and no
@@ -233,12 +227,12 @@ class TrialSearch:
         steps until the fit finds it again. Trials weigh it again (its recheck, on fresh steps, or a trial of
         another plan); a plan that keeps more than both, room the trial did not weigh, may still loosen it,
         and a tightening never waits."""
-        kept = self._standing.get(seq)
+        kept = self.plans.standing.get(seq)
         if kept is None:
             return False
         pricing = self._pricing
         if kept.kept != old or self._planner.outweighs(kept.replaced, kept.sd / kept.level, old, seq):
-            del self._standing[seq]  # left by a tightening, or outweighed: the fit weighs it as any plan
+            del self.plans.standing[seq]  # left by a tightening, or outweighed: the fit weighs it as any plan
             return False
         shape = pricing.shape(seq)
         return not (pricing.keeps_less(old, new, shape) and pricing.keeps_less(kept.replaced, new, shape))
@@ -302,7 +296,8 @@ class TrialSearch:
         more later: the steps that would have told are the ones a recheck is for."""
         plans, trial = self.plans, self.plans.trial
         if trial is not None and trial.recheck is not None:
-            plans.note_kept(dataclasses.replace(trial.recheck, since=plans.entry_steps(trial.seq)), trial.seq)
+            again = dataclasses.replace(trial.recheck, since=plans.entry_steps(trial.seq))
+            plans.note_kept(again, trial.seq, trial_over=False)
 
     def _rechecked(self, trial: PlanTrial, kept: Kept, table: tuple[ShapePlan, ...]) -> Handed:
         """The verdict of a recheck that has run its steps: weighed by its own pairs of steps alone (the fit has
@@ -327,7 +322,7 @@ class TrialSearch:
         held = gained >= kept.saving - SURE * sd
         plans.over("held" if held else "reverted")
         if not held:
-            self._standing.pop(trial.seq, None)
+            self.plans.standing.pop(trial.seq, None)
             table = tuple(trial.tried if e is trial.home else e for e in table)
             self._forget(kept.rollback)
             self._planner.verdict(kept.replaced, kept.kept, trial.seq, kept=False)
