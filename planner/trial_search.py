@@ -187,18 +187,19 @@ class TrialSearch:
                 plans.over("kept" if kept else "stays")
                 reason = trial_over_reason(trial, saving / level, sd / level, kept)
                 return Handed(table, list(table), reason, over=True)
-        turn = plans.turn
+        return self._in_turn(trial, table, trial_reason(trial, "in turn"))
+
+    def _in_turn(self, trial: PlanTrial, table: tuple[ShapePlan, ...], reason: str) -> Handed:
+        """``table`` with the trial's next turn handed at its entry, and ``reason``."""
+        turn = self.plans.turn
         handed = [turn if e is trial.home and turn is not None else e for e in table]
-        return Handed(table, handed, trial_reason(trial, "in turn"))
+        return Handed(table, handed, reason)
 
     def _extend(self, trial: PlanTrial, saving: float, sd: float, table: tuple[ShapePlan, ...]) -> Handed:
         """The trial in force, having run its steps, found its plan ``saving`` ± ``sd`` faster (fractions of a step):
         promising, short of sure. Its steps run once more, the plan tried first, before the verdict."""
-        plans = self.plans
-        plans.extend()
-        turn = plans.turn
-        handed = [turn if e is trial.home and turn is not None else e for e in table]
-        return Handed(table, handed, extended_reason(trial, saving, sd, plans.config.plan_trial_steps))
+        self.plans.extend()
+        return self._in_turn(trial, table, extended_reason(trial, saving, sd, self.plans.config.plan_trial_steps))
 
     def _check_later(self, trial: PlanTrial, saving: float, sd: float, level: float) -> None:
         """The trial in force keeps its plan, measured ``saving`` ± ``sd`` (seconds) faster on steps of
