@@ -188,9 +188,10 @@ class Ours:
         return tuple(entry.modes) if entry is not None else tuple(self.runner.handle.modes)  # type: ignore[union-attr]
 
     def predicted(self, shape: Shape) -> int:
-        """The model's peak for the entry in force at ``shape``, uncorrected by the measured peaks."""
-        entry = entry_for(self.session.plan.shape_plans, shape)
-        return int(entry.predicted_peak_bytes)
+        """The model's peak for the entry in force at ``shape`` (a trial's turns aside), uncorrected by the measured
+        peaks."""
+        entry = entry_for(self.session.controller.table, shape)
+        return int(entry.predicted_peak_bytes) if entry is not None else 0
 
 
 def attach(setup: Setup, budget: int) -> Runner:

@@ -54,8 +54,8 @@ EXTEND = 1.0
 """Standard deviations by which a trial that ran its steps must find the plan tried faster (short of ``SURE``) to
 run them once more before its verdict. With no gain at all, about one trial in seven gets there; the verdict
 after the second look still asks ``SURE`` of all the pairs, so a plan no faster is kept a little more often than
-with one look (3.3% of trials against 2.3%, for independent Gaussian steps and a deviation that shrinks as the
-square root of the pairs), a plan truly faster by 1.5 of the first look's deviations 1.7 times as often (53%
+with one look (3.4% of trials against 2.3%, for independent Gaussian steps and a deviation that shrinks as the
+square root of the pairs), a plan truly faster by 1.5 of the first look's deviations 1.7 times as often (52.5%
 against 31%). The fit's deviation shrinks less where earlier trials of the same two plans taught it, and the
 gain of a second look with it."""
 TIGHT = 0.0025
@@ -252,7 +252,8 @@ class PlanTrials:
 
     @property
     def full_differences(self) -> int:
-        """How many differences :meth:`own_noise` rests on in a trial that ran all its steps."""
+        """How many differences :meth:`own_noise` rests on in a trial that ran ``plan_trial_steps`` steps of each
+        plan: from there on, at each step, a trial is weighed for being void (an extended one, on more of them)."""
         return 2 * (self.config.plan_trial_steps - 1)
 
     @property

@@ -178,7 +178,8 @@ class TrialSearch:
                 shape = pricing.shape(trial.seq)
                 fits = pricing.fits(trial.modes, shape, target, obs.static_bytes)
                 kept = saving > SURE * sd and fits
-                if not kept and fits and EXTEND * sd < saving and plans.may_extend():
+                # Short of sure but promising, and not yet known within TIGHT: the steps once more.
+                if not kept and fits and EXTEND * sd < saving and sd >= TIGHT * level and plans.may_extend():
                     return self._extend(trial, saving / level, sd / level, table)
                 if kept:
                     table = tuple(trial.tried if e is trial.home else e for e in table)

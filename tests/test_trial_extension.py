@@ -54,7 +54,8 @@ def test_a_promising_trial_runs_its_steps_once_more_and_weighs_them_all() -> Non
                 continue
             extended += 1
             saving, sd = float(found[2]), float(found[3])
-            assert EXTEND * sd < saving <= SURE * sd + 0.1, reason  # promising, short of sure (as printed)
+            # Promising, short of sure: as printed, to a tenth of a percent each.
+            assert EXTEND * sd - 0.1 < saving <= SURE * sd + 0.2, reason
             tried = modes_of(found[1])
             # The verdict comes after twice the trial's steps of the plan tried, each followed by the plan in force.
             over = next(j for j in range(i + 1, len(job.reasons)) if job.reasons[j].startswith("trial of a plan over"))
