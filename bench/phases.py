@@ -181,16 +181,20 @@ class Ours:
     def session(self) -> Any:
         return self.runner.handle._backend.session  # type: ignore[union-attr]
 
+    def _entry(self, shape: Shape) -> Any:
+        """The plan table's entry in force at ``shape`` (None: the table has none there)."""
+        return entry_for(self.session.controller.table, shape)
+
     def in_force(self, shape: Shape) -> tuple[Mode, ...]:
         """The modes of the plan in force at ``shape``: a plan on trial's turns aside (a trial hands the plan it
         tries and the plan in force by turns; pinning or reporting whichever ran last would name the wrong one)."""
-        entry = entry_for(self.session.controller.table, shape)
+        entry = self._entry(shape)
         return tuple(entry.modes) if entry is not None else tuple(self.runner.handle.modes)  # type: ignore[union-attr]
 
     def predicted(self, shape: Shape) -> int:
         """The model's peak for the entry in force at ``shape`` (a trial's turns aside), uncorrected by the measured
         peaks."""
-        entry = entry_for(self.session.controller.table, shape)
+        entry = self._entry(shape)
         return int(entry.predicted_peak_bytes) if entry is not None else 0
 
 

@@ -105,7 +105,8 @@ class Learned:
             for o in opts:
                 if o.mode == mode:
                     pair = totals.setdefault(mode, [0.0, 0.0])
-                    pair[0] += o.seconds
+                    # The steps time a rematerialisation, not the checkpoint's work around it.
+                    pair[0] += o.scaled_seconds
                     pair[1] += 1
         forward = unscaled.forward_seconds / max(1, len(unscaled.options))
         self.timing.observe(

@@ -96,6 +96,9 @@ def _check_modes(name: str, modes: tuple[ModeCost, ...]) -> None:
             raise InvalidMessage(f"{where}.mode", f"{m.mode.name} listed twice")
         seen.add(m.mode)
         _seconds(f"{where}.extra_seconds", m.extra_seconds)
+        _seconds(f"{where}.fixed_seconds", m.fixed_seconds)
+        if m.fixed_seconds > m.extra_seconds:
+            raise InvalidMessage(f"{where}.fixed_seconds", f"must not exceed extra_seconds ({m.extra_seconds!r})")
         _size(f"{where}.kept", m.kept)
         _size(f"{where}.transient", m.transient)
         _size(f"{where}.released", m.released)

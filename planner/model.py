@@ -88,13 +88,24 @@ class ModeCost:
     """Extra device bytes while the block's backward runs (rematerialised activations)."""
     extra_seconds: float = 0.0
     """Step seconds the mode adds over storing, at the profile's shape."""
+    fixed_seconds: float = 0.0
+    """Of ``extra_seconds``, what the checkpoint's own work around the block's region costs (its hooks on each
+    tensor saved, its recomputation's set-up): the same at every length, and not in what the steps time of the
+    mode (its rematerialisation), so neither the shape nor the measured scales move it."""
     released: Size = field(default_factory=Size)
     """Of ``kept``, the bytes the block's backward has freed by the time it rematerialises (a part recomputed
     alone comes back after the parts that ran after it in forward let their activations go): while it
     rematerialises the block holds ``kept - released + transient``."""
 
     def __post_init__(self) -> None:
-        check_seconds(f"{self.mode.name.lower()}.extra_seconds", self.extra_seconds)
+        name = self.mode.name.lower()
+        check_seconds(f"{name}.extra_seconds", self.extra_seconds)
+        check_seconds(f"{name}.fixed_seconds", self.fixed_seconds)
+        if self.fixed_seconds > self.extra_seconds:
+            raise ValueError(
+                f"{name}.fixed_seconds ({self.fixed_seconds!r}) must not exceed {name}.extra_seconds "
+                f"({self.extra_seconds!r}): it is a share of them"
+            )
 
 
 PESSIMISTIC = (Mode.OFFLOAD,)
@@ -175,6 +186,13 @@ class Option:
     group: int = 0
     """The block's position group where step-level prices tell groups apart (0 elsewhere): the solvers
     pool seconds and place modes only among blocks alike in bytes and in group."""
+    fixed: float = 0.0
+    """Of ``seconds``, the checkpoint's own work (:attr:`ModeCost.fixed_seconds`), which measured scales leave."""
+
+    @property
+    def scaled_seconds(self) -> float:
+        """What the measured scales multiply: the seconds less the checkpoint's own work."""
+        return self.seconds - self.fixed
 
     def repriced(self, seconds: float, group: int | None = None) -> Option:
         """This option at ``seconds`` (and in ``group``, where given). The constructor, not
@@ -187,6 +205,7 @@ class Option:
             self.others,
             self.stage,
             self.group if group is None else group,
+            self.fixed,
         )
 
 
@@ -269,9 +288,10 @@ class Profile:
                     m.mode,
                     kept,
                     max(0, m.transient.scaled(sizes) - m.released.scaled(sizes)),
-                    _priced(m, floor) * scale,
+                    (_priced(m, floor) - m.fixed_seconds) * scale + m.fixed_seconds,
                     others * kept,
                     b.stage,
+                    fixed=m.fixed_seconds,
                 )
                 for m in costs
                 if allowed is None or m.mode in allowed or m.mode == Mode.STORE

@@ -291,8 +291,7 @@ class PlanTrials:
         trial = self.trial
         if trial is None or self.extended or not self.ran_all:
             return False
-        steps, tried = self._per_entry.get(trial.seq, (0, 0))
-        return tried <= allowance(steps, self.config)
+        return self._within_allowance(trial.seq)[1]
 
     def extend(self) -> None:
         """Run the trial in force's steps once more before its verdict."""
@@ -307,11 +306,16 @@ class PlanTrials:
     def may_start(self, entry: int) -> bool:
         """Whether a new trial at the table entry up to length ``entry`` keeps the steps running plans on
         trial there within ``allowance(steps) + plan_trial_steps`` of its steps there."""
-        cfg = self.config
-        if cfg.plan_explore_share <= 0 or self.trial is not None:
+        if self.config.plan_explore_share <= 0 or self.trial is not None:
             return False
+        steps, within = self._within_allowance(entry)
+        return steps >= SETTLE_STEPS and within
+
+    def _within_allowance(self, entry: int) -> tuple[int, bool]:
+        """(steps run at the table entry up to length ``entry``, whether its steps on trial are within
+        ``allowance`` of them)."""
         steps, tried = self._per_entry.get(entry, (0, 0))
-        return steps >= SETTLE_STEPS and tried <= allowance(steps, cfg)
+        return steps, tried <= allowance(steps, self.config)
 
     def start(self, trial: PlanTrial, rollback: tuple[int, StepFit, Sums] | None = None) -> None:
         self.trial, self._tried, self._last_tried = trial, 0, False

@@ -62,7 +62,9 @@ class AtShape:
                 if hit is None:
                     hit = [
                         o.repriced(
-                            o.seconds * by_mode.get(o.mode, 1.0) + (added[o.mode][g] if o.mode in added else 0),
+                            o.scaled_seconds * by_mode.get(o.mode, 1.0)
+                            + o.fixed
+                            + (added[o.mode][g] if o.mode in added else 0),
                             key[1] if tagged else None,
                         )
                         for o in opts

@@ -21,11 +21,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rematd.client.blocks.compress import CompressProbe
+from rematd.client.blocks.region_cost import region_cost
 from rematd.client.blocks.selective import Decide, outputs_of
 from rematd.client.memory.accounting import storage_bytes, storage_id, storage_key
 from rematd.planner import Mode, ModeCost, Shape, Size, Term
 
 Key = tuple[str, int]
+
+WHOLE_REGION = frozenset({Mode.RECOMPUTE, Mode.SELECTIVE, Mode.TITAN})
+"""Modes that checkpoint the whole block: its every saved tensor goes through the checkpoint's hooks."""
 
 
 def exponents(t: torch.Tensor, shape: Shape) -> tuple[int, int]:
@@ -177,7 +181,10 @@ def alike_seconds(measures: list[BlockMeasure | None]) -> list[BlockMeasure | No
         seconds = [statistics.median(c.extra_seconds for c in column) for column in columns]
         forward = statistics.median(m.forward_seconds for m in alike)
         for i, m in zip(members, alike, strict=True):
-            modes = tuple(dataclasses.replace(c, extra_seconds=t) for c, t in zip(m.modes, seconds, strict=True))
+            modes = tuple(
+                dataclasses.replace(c, extra_seconds=t, fixed_seconds=min(c.fixed_seconds, t))
+                for c, t in zip(m.modes, seconds, strict=True)
+            )
             out[i] = dataclasses.replace(m, forward_seconds=forward, modes=modes)
     return out
 
@@ -220,8 +227,13 @@ class Profiler:
         self._routed: set[Key] = set()
         """Storages with a row per token the experts received: saved in the bank, or after it with its rows."""
         self._routed_of: dict[Mode, tuple[int, int]] = {}
+        self._packs: dict[Mode | None, int] = defaultdict(int)
+        """Tensors saved for backward, in all (None) and per part: what a checkpoint of it hooks."""
 
     def record(self, t: torch.Tensor) -> None:
+        self._packs[None] += 1
+        for part in self._parts:
+            self._packs[part] += 1
         if self.gathered and storage_id(t) in self.gathered:
             return
         key = storage_key(t)
@@ -319,11 +331,26 @@ class Profiler:
             saved_bytes=store.bytes,
             input_bytes=inp_size.bytes,
             forward_seconds=seconds,
-            modes=tuple(modes),
+            modes=tuple(self._with_region(m) for m in modes),
             kept_needed=self._kept_needed(),
             routed_rows=self._rows if self._routed else 0,
             routed=dict(self._routed_of),
         )
+
+    def _with_region(self, cost: ModeCost) -> ModeCost:
+        """``cost`` with the checkpoint's own work around its region (:mod:`~rematd.client.blocks.region_cost`)
+        on the tensors the region saves, where it checkpoints one, on the CPU. On a GPU the host's work overlaps
+        the device's kernels, which the steps' timing of the whole step shows better than a host's figure."""
+        if self.cuda:
+            return cost
+        if cost.mode in WHOLE_REGION:
+            saved = self._packs[None]
+        elif cost.mode in self._part_seconds:
+            saved = self._packs[cost.mode]
+        else:
+            return cost
+        fixed = region_cost().of(saved)
+        return dataclasses.replace(cost, extra_seconds=cost.extra_seconds + fixed, fixed_seconds=fixed)
 
     def _policy_cost(self, mode: Mode, inp: dict[Key, tuple[int, int, int]]) -> ModeCost:
         """An op policy's mode: it keeps the block's input and the outputs its policy keeps; its recomputation

@@ -58,18 +58,20 @@ class SizeTerm(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., batch_exp: _Optional[int] = ..., seq_exp: _Optional[int] = ...) -> None: ...
 
 class ModeCost(_message.Message):
-    __slots__ = ("mode", "kept", "transient", "extra_seconds", "released")
+    __slots__ = ("mode", "kept", "transient", "extra_seconds", "released", "fixed_seconds")
     MODE_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     kept: _containers.RepeatedCompositeFieldContainer[SizeTerm]
     transient: _containers.RepeatedCompositeFieldContainer[SizeTerm]
     extra_seconds: float
     released: _containers.RepeatedCompositeFieldContainer[SizeTerm]
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., kept: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., transient: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., extra_seconds: _Optional[float] = ..., released: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ...) -> None: ...
+    fixed_seconds: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., kept: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., transient: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., extra_seconds: _Optional[float] = ..., released: _Optional[_Iterable[_Union[SizeTerm, _Mapping]]] = ..., fixed_seconds: _Optional[float] = ...) -> None: ...
 
 class BlockProfile(_message.Message):
     __slots__ = ("index", "name", "saved_bytes", "input_bytes", "forward_seconds", "modes", "in_flight", "stage")
