@@ -227,6 +227,11 @@ def test_compiled_steps_report_no_compile_time_and_scales_stay_sane() -> None:
     estimate = next(iter(scales.values()), 1.0)
     assert set(scales) == (set(FORWARD_LIKE) if estimate < 1 else set(PRICED) if estimate > 1 else set()), scales
     assert LIMITS[0] < estimate < LIMITS[1] / STEP, scales
+    # A compiled checkpoint's hooks are in its graph, not Python's: no share of its price is the eager
+    # checkpoint's own work; a part, which runs eager, keeps that share.
+    fixed = {m.mode: m.fixed_seconds for m in introspect.hello(h).blocks[0].modes}
+    assert fixed[Mode.RECOMPUTE] == 0 and fixed.get(Mode.SELECTIVE, 0.0) == 0, fixed
+    assert all(fixed[m] > 0 for m in (Mode.ATTENTION, Mode.MLP) if m in fixed), fixed
     h.close()
 
 

@@ -17,7 +17,7 @@ from rematd.client.blocks.checkpoint_counting import count_checkpoint
 from rematd.client.blocks.compress import Compressor, CompressProbe, constant_storages
 from rematd.client.blocks.experts import rows_of
 from rematd.client.blocks.parts import SwitchablePart
-from rematd.client.blocks.profiling import BlockMeasure, HostLink, Profiler
+from rematd.client.blocks.profiling import WHOLE_REGION, BlockMeasure, HostLink, Profiler
 from rematd.client.blocks.selective import Decide, TitanPolicy, megatron_policy
 from rematd.client.memory.accounting import SavedTensorAccounting, tensors_in
 from rematd.client.parallel.base import SetUp
@@ -45,6 +45,7 @@ class Profiled(Protocol):
     _in_forward: bool
 
     def _counting(self) -> SavedTensorAccounting | None: ...
+    def _compiled_checkpoint(self, mode: Mode) -> bool: ...
     def _keeps_for_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool: ...
     def _run(self, mode: Mode, *args: Any, **kwargs: Any) -> Any: ...
     def _transient_bytes(self, mode: Mode) -> int: ...
@@ -64,7 +65,8 @@ def profiled(block: Profiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         if block.compressor is not None and Mode.COMPRESS in block.offer
         else None
     )
-    profiler = Profiler(block.profile_shape, excluded, cuda, gathered, probe, _policies(block))
+    compiled = frozenset(m for m in WHOLE_REGION if block._compiled_checkpoint(m))
+    profiler = Profiler(block.profile_shape, excluded, cuda, gathered, probe, _policies(block), compiled)
     counting = block._counting()
     if counting is not None and gathered:
         counting.gathered |= gathered

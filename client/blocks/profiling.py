@@ -200,6 +200,7 @@ class Profiler:
         gathered: frozenset[int] = frozenset(),
         probe: CompressProbe | None = None,
         policies: dict[Mode, Decide] | None = None,
+        compiled: frozenset[Mode] = frozenset(),
     ) -> None:
         self.shape = shape
         self.probe = probe
@@ -227,6 +228,8 @@ class Profiler:
         self._routed: set[Key] = set()
         """Storages with a row per token the experts received: saved in the bank, or after it with its rows."""
         self._routed_of: dict[Mode, tuple[int, int]] = {}
+        self.compiled = compiled
+        """Modes whose checkpoint runs inside a compiled graph, whose hooks are not Python's: no region cost."""
         self._packs: dict[Mode | None, int] = defaultdict(int)
         """Tensors saved for backward, in all (None) and per part: what a checkpoint of it hooks."""
 
@@ -341,7 +344,7 @@ class Profiler:
         """``cost`` with the checkpoint's own work around its region (:mod:`~rematd.client.blocks.region_cost`)
         on the tensors the region saves, where it checkpoints one, on the CPU. On a GPU the host's work overlaps
         the device's kernels, which the steps' timing of the whole step shows better than a host's figure."""
-        if self.cuda:
+        if self.cuda or cost.mode in self.compiled:
             return cost
         if cost.mode in WHOLE_REGION:
             saved = self._packs[None]
