@@ -194,9 +194,10 @@ class Option:
         """What the measured scales multiply: the seconds less the checkpoint's own work."""
         return self.seconds - self.fixed
 
-    def repriced(self, seconds: float, group: int | None = None) -> Option:
-        """This option at ``seconds`` (and in ``group``, where given). The constructor, not
-        ``dataclasses.replace``: several times faster, and prices are rebuilt for every new set of them."""
+    def repriced(self, seconds: float, group: int | None = None, fixed: float | None = None) -> Option:
+        """This option at ``seconds`` (and in ``group``, with ``fixed`` of them the checkpoint's own work, where
+        given). The constructor, not ``dataclasses.replace``: several times faster, and prices are rebuilt for
+        every new set of them."""
         return Option(
             self.mode,
             self.kept,
@@ -205,7 +206,7 @@ class Option:
             self.others,
             self.stage,
             self.group if group is None else group,
-            self.fixed,
+            self.fixed if fixed is None else fixed,
         )
 
 

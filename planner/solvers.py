@@ -234,7 +234,11 @@ def pool_seconds(options: list[list[Option]]) -> list[list[Option]]:
         if len(idx) < 2:
             continue
         first = options[idx[0]]
-        pooled = [o.repriced(sum(options[i][j].seconds for i in idx) / len(idx)) for j, o in enumerate(first)]
+        n = len(idx)
+        pooled = [
+            o.repriced(sum(options[i][j].seconds for i in idx) / n, fixed=sum(options[i][j].fixed for i in idx) / n)
+            for j, o in enumerate(first)
+        ]
         for i in idx:
             out[i] = pooled
     return out

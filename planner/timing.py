@@ -3,11 +3,12 @@ length bucket.
 
 A mode's cost is what it adds to a whole step: what its blocks' forward takes
 beyond a stored block's forward (the selective policy's dispatch, offload's
-copies; a checkpoint's bookkeeping is too small to tell from the noise) plus
-the rematerialisation in backward.
+copies) plus the rematerialisation in backward.
 The client times both on the device, every step. The ratio of those
 measurements to what the profile priced for the same blocks at the same
-shape, per mode, scales every option's seconds. Scales move in steps of
+shape, per mode, scales every option's seconds but the share that is the
+checkpoint's own work around a region (``Option.fixed``), which no step
+times apart and the profile measured once. Scales move in steps of
 ``STEP`` (a new step re-prepares the solver, a wobble does not) and only
 after ``MIN_BLOCKS`` timed blocks.
 

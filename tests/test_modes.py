@@ -227,5 +227,6 @@ def test_a_profile_prices_alike_blocks_alike_and_no_part_above_its_block() -> No
     fixed = {m.mode: m.fixed_seconds for m in blocks[0].modes}
     assert fixed[Mode.STORE] == 0 and fixed.get(Mode.COMPRESS, 0) == 0
     assert 0 < fixed[Mode.MLP] <= fixed[Mode.RECOMPUTE] and 0 < fixed[Mode.ATTENTION] <= fixed[Mode.RECOMPUTE]
-    assert fixed[Mode.SELECTIVE] == fixed[Mode.TITAN] == fixed[Mode.RECOMPUTE]
+    # An op policy's timed forward holds its checkpoint's forward hooks: its price holds the backward's alone.
+    assert fixed[Mode.SELECTIVE] == fixed[Mode.TITAN] <= fixed[Mode.RECOMPUTE]
     h.close()

@@ -4,10 +4,12 @@ share of each checkpointing mode's price, and left out of what the measured scal
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
 
+from rematd.client.blocks import region_cost as region_cost_module
 from rematd.client.blocks.region_cost import RegionCost, region_cost
 from rematd.planner import (
     BlockCost,
@@ -50,10 +52,12 @@ def seconds(at: object, mode: Mode = Mode.RECOMPUTE) -> float:
 
 def test_the_measured_cost_is_positive_and_grows_with_the_tensors_a_region_saves() -> None:
     cost = region_cost()
-    assert cost is region_cost(), "measured once per process"
-    assert cost.region_seconds > 0, "a checkpoint on the CPU costs something whatever it saves"
-    assert cost.of(30) >= cost.of(5) >= cost.of(0) == cost.region_seconds
+    # Each part is a difference of timings (clamped at nothing), the whole of a region saving some is not.
+    assert cost.of(10) > 0, "a checkpoint on the CPU costs something"
+    assert cost.of(40) >= cost.of(10) >= cost.of(10, backward_only=True) >= 0
+    assert 0 <= cost.forward_share <= 1
     assert RegionCost(0.001, 0.0001).of(10) == pytest.approx(0.002)
+    assert RegionCost(0.001, 0.0001, forward_share=0.25).of(10, backward_only=True) == pytest.approx(0.0015)
     assert RegionCost(0.001, 0.0001).of(-3) == 0.001, "a count below nothing is nothing"
 
 
@@ -66,9 +70,19 @@ def test_measuring_it_leaves_the_training_threads_hooks_and_random_stream_alone(
 
     state = torch.get_rng_state()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        region_cost.__wrapped__()
+        measured = region_cost.__wrapped__()
+    assert measured.of(10) > 0
     assert seen == [], "its own thread: the caller's saved-tensor hooks never see its tensors"
-    assert torch.equal(torch.get_rng_state(), state), "it draws nothing from the global random stream"
+    assert torch.equal(torch.get_rng_state(), state), "it neither draws from nor restores the global random stream"
+
+
+def test_a_measurement_out_of_time_stops_and_prices_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(region_cost_module._Stopped):
+        region_cost_module._measure(stop)
+    monkeypatch.setattr(region_cost_module, "TIMEOUT", 0.0)
+    assert region_cost.__wrapped__() == RegionCost(), "no time to measure: no region cost"
 
 
 def test_the_fixed_share_moves_with_neither_the_shape_nor_the_measured_scales() -> None:

@@ -122,6 +122,7 @@ def _profiled_storing(
     is_weight = block.setup.is_weight
 
     def pack(t: torch.Tensor) -> Any:
+        profiler.count_saved()
         if is_weight is not None and is_weight(t):
             return t  # a weight the set-up gathered for this forward
         profiler.record(t)
@@ -145,6 +146,7 @@ def _profiled_lean(block: Profiled, profiler: Profiler, args: tuple[Any, ...], k
         keep, give_back = hooks
 
         def pack(t: torch.Tensor) -> Any:
+            profiler.count_saved()
             if is_weight is None or not is_weight(t):
                 profiler.record(t)
                 # Held until the block's forward ends, as its rematerialisation holds them in backward: a

@@ -177,13 +177,15 @@ def alike_seconds(measures: list[BlockMeasure | None]) -> list[BlockMeasure | No
             continue
         alike = [m for i in members if (m := measures[i]) is not None]
         # Alike, they list the same modes in the same order.
-        columns = zip(*(m.modes for m in alike), strict=True)
-        seconds = [statistics.median(c.extra_seconds for c in column) for column in columns]
+        columns = list(zip(*(m.modes for m in alike), strict=True))
+        # The timed seconds and the checkpoint's own work apart: a price is their sum, its share the second.
+        fixed = [statistics.median(c.fixed_seconds for c in column) for column in columns]
+        timed = [statistics.median(c.extra_seconds - c.fixed_seconds for c in column) for column in columns]
         forward = statistics.median(m.forward_seconds for m in alike)
         for i, m in zip(members, alike, strict=True):
             modes = tuple(
-                dataclasses.replace(c, extra_seconds=t, fixed_seconds=min(c.fixed_seconds, t))
-                for c, t in zip(m.modes, seconds, strict=True)
+                dataclasses.replace(c, extra_seconds=t + f, fixed_seconds=f)
+                for c, t, f in zip(m.modes, timed, fixed, strict=True)
             )
             out[i] = dataclasses.replace(m, forward_seconds=forward, modes=modes)
     return out
@@ -233,10 +235,14 @@ class Profiler:
         self._packs: dict[Mode | None, int] = defaultdict(int)
         """Tensors saved for backward, in all (None) and per part: what a checkpoint of it hooks."""
 
-    def record(self, t: torch.Tensor) -> None:
+    def count_saved(self) -> None:
+        """The forward saved a tensor for backward (a weight too, which :meth:`record` is not shown): one more
+        that a checkpoint of the block, and of each part running, hooks."""
         self._packs[None] += 1
         for part in self._parts:
             self._packs[part] += 1
+
+    def record(self, t: torch.Tensor) -> None:
         if self.gathered and storage_id(t) in self.gathered:
             return
         key = storage_key(t)
@@ -352,7 +358,9 @@ class Profiler:
             saved = self._packs[cost.mode]
         else:
             return cost
-        fixed = region_cost().of(saved)
+        # An op policy's forward is timed against a stored one's, its checkpoint's hooks there included: the
+        # steps see that half, and its price holds the backward's alone.
+        fixed = region_cost().of(saved, backward_only=cost.mode in self.timer.policies)
         return dataclasses.replace(cost, extra_seconds=cost.extra_seconds + fixed, fixed_seconds=fixed)
 
     def _policy_cost(self, mode: Mode, inp: dict[Key, tuple[int, int, int]]) -> ModeCost:
