@@ -84,6 +84,7 @@ class AdvisorCore:
         self.metrics.snapshot = self.rank_samples
         self.store.buffer.on_rejected = self.metrics.rejected_rows.inc
         self.store.on_write_failure = self.metrics.store_write_failures.inc
+        self.store.transactions.on_conflict = self.metrics.store_conflicts.inc
         self.metrics.store_lost.set_function(lambda: 1.0 if self.store.lost else 0.0)
         self.refresh_controls()
 

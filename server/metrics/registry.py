@@ -131,6 +131,11 @@ class Metrics:
             "rematd_store_write_failures",
             "Writes to the store that failed (a full or failing disk, a lost database); see /readyz.",
         )
+        self.store_conflicts = self._counter(
+            "rematd_store_conflicts",
+            "Store transactions the database rolled back to settle a conflict with another (a deadlock, a "
+            "serialization failure), run again.",
+        )
         self.store_lost = Gauge(
             "rematd_store_lost",
             "1 while the store's database file is deleted, replaced or truncated under the service (writes stop).",

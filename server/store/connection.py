@@ -21,6 +21,7 @@ from sqlalchemy import exc as sa_exc
 from rematd.server.config import StoreConfig
 from rematd.server.store import schema
 from rematd.server.store.columns import Params
+from rematd.server.store.conflicts import Transactions
 from rematd.server.store.database import StoreError, database_url, dialect_of, open_engine, unpooled, warm, why
 from rematd.server.store.file_watch import FileWatch, Keeper, check_journal, sqlite_file
 from rematd.server.store.holders import HOLDER_TIMEOUT_SECONDS, new_holder
@@ -67,7 +68,9 @@ class StoreConnection:
         ``sqlalchemy.event.listen(store.engine, "before_cursor_execute", slow)`` with a ``slow`` that sleeps
         makes a slow database without a mock (``slow(conn, cursor, statement, parameters, context, many)``)."""
         warm(self.engine)
-        self.buffer = WriteBehind(self.engine, self._lock, config.max_buffered)
+        self.transactions = Transactions(self.engine, self._lock)
+        """Every write's transaction, run again when the database ends it to settle a conflict."""
+        self.buffer = WriteBehind(self.transactions, config.max_buffered)
         file = sqlite_file(url)
         self.watch = FileWatch(file) if file else None
         """The SQLite file the store was opened on (None for PostgreSQL or memory)."""
@@ -205,8 +208,8 @@ class StoreConnection:
     def _probe_write(self) -> None:
         """A write of a new value (SQLite skips a write that leaves a row as it was); its success clears a
         failure."""
-        with self._writing(), self._lock, self.engine.begin() as conn:
-            conn.execute(text(_PROBE), {"t": time.time()})
+        with self._writing():
+            self.transactions.run(lambda conn: conn.execute(text(_PROBE), {"t": time.time()}))
         self.failing_since = None
 
     def _probe_server(self) -> None:
@@ -218,8 +221,8 @@ class StoreConnection:
         self.failing_since = None
 
     def _write(self, sql: str, params: Params | list[Params]) -> None:
-        with self._writing(), self._lock, self.engine.begin() as conn:
-            conn.execute(text(sql), params)
+        with self._writing():
+            self.transactions.run(lambda conn: conn.execute(text(sql), params))
 
     def _read(self, sql: str, params: Params | None = None, *, fresh: bool = True) -> list[Params]:
         """Rows of a query; ``fresh`` (for what the buffer holds) writes the buffer first."""

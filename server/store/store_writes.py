@@ -10,7 +10,7 @@ import hashlib
 import time
 from collections.abc import Collection
 
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 
 from rematd.server.store.columns import controls_params, dumps, plan_params, warm_params
 from rematd.server.store.compaction import compact
@@ -59,8 +59,9 @@ class StoreWrites(StoreConnection):
         """Down-sample old statistics and apply retention, keeping every row of the ``live`` jobs; returns rows
         deleted by kind."""
         self.flush()
-        with self._writing(), self._lock, self.engine.begin() as conn:
-            return compact(conn, self.config, time.time() if now is None else now, live, self._liveness())
+        at = time.time() if now is None else now
+        with self._writing():
+            return self.transactions.run(lambda conn: compact(conn, self.config, at, live, self._liveness()))
 
     def open_rank(
         self,
@@ -78,22 +79,27 @@ class StoreWrites(StoreConnection):
         """A rank's hello, in one transaction: its job, the rank as connected, the plan it starts on. Raises
         RankHeldElsewhere, writing nothing, while another live process of the service holds the rank on a
         stream: two processes that both took it would each number its plans on from the same version."""
-        with self._writing(), self._lock, self.engine.begin() as conn:
+        job_row: JobRow = {"job": job, "created_at": now, "updated_at": now, "ended_at": None, "world_size": world_size,
+                           "num_blocks": num_blocks, "budget_bytes": budget_bytes, "model_fingerprint": fingerprint,
+                           "device": device}  # fmt: skip
+        rank_row: RankRow = {"job": job, "rank": rank, "device": device, "state": "connected", "last_stats": None}
+
+        def hello(conn: Connection) -> str | None:
             if conn.dialect.name == "postgresql":
                 # Held to the transaction's end: a second replica's hello reads the rank once this one's is in.
                 conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _rank_lock(job, rank)})
             row = conn.execute(text(_HELD_ELSEWHERE), {"job": job, "rank": rank, **self._liveness()}).first()
-            held = str(row[0]) if row is not None and not gone_here(str(row[0])) else None
-            if held is None:
-                job_row: JobRow = {"job": job, "created_at": now, "updated_at": now, "ended_at": None,
-                                   "world_size": world_size, "num_blocks": num_blocks, "budget_bytes": budget_bytes,
-                                   "model_fingerprint": fingerprint, "device": device}  # fmt: skip
-                conn.execute(text(_UPSERT_JOB), dict(job_row))
-                rank_row: RankRow = {"job": job, "rank": rank, "device": device, "state": "connected",
-                                     "last_stats": None}  # fmt: skip
-                conn.execute(text(_UPSERT_RANK), {**rank_row, "holder": self.holder})
-                if plan is not None:
-                    conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
+            if row is not None and not gone_here(str(row[0])):
+                return str(row[0])
+            # The job's row before the rank's, as every write of the store takes them (``conflicts``).
+            conn.execute(text(_UPSERT_JOB), dict(job_row))
+            conn.execute(text(_UPSERT_RANK), {**rank_row, "holder": self.holder})
+            if plan is not None:
+                conn.execute(text(_ADD_PLAN), plan_params(job, rank, plan, now))
+            return None
+
+        with self._writing():
+            held = self.transactions.run(hello)
         if held is not None:
             # Raised outside the write's tracking: a refusal, not a store that fails.
             raise RankHeldElsewhere(held)
@@ -128,15 +134,20 @@ class StoreWrites(StoreConnection):
     def heartbeat(self, now: float | None = None) -> list[str]:
         """Say this process is alive, and forget processes that are not (not seen for the timeout, or gone
         from this host); returns those forgotten: the ranks they left connected read as lost from now."""
-        now = time.time() if now is None else now
-        with self._writing(), self._lock, self.engine.begin() as conn:
-            conn.execute(text(_HEARTBEAT), {"holder": self.holder, "now": now})
+        at = time.time() if now is None else now
+
+        def beat(conn: Connection) -> list[str]:
+            conn.execute(text(_HEARTBEAT), {"holder": self.holder, "now": at})
             others = conn.execute(
                 text("SELECT holder, seen_at FROM holders WHERE holder <> :holder"), {"holder": self.holder}
             ).all()
-            gone = [h for h, seen in others if seen < now - HOLDER_TIMEOUT_SECONDS or gone_here(h)]
+            gone = [h for h, seen in others if seen < at - HOLDER_TIMEOUT_SECONDS or gone_here(h)]
             for h in gone:
                 conn.execute(text("DELETE FROM holders WHERE holder=:h"), {"h": h})
+            return gone
+
+        with self._writing():
+            gone = self.transactions.run(beat)
         return gone
 
     def add_plan(self, *, job: str, rank: int, plan: PlanRow, now: float) -> None:
@@ -152,10 +163,14 @@ class StoreWrites(StoreConnection):
 
     def set_controls(self, job: str, controls: ControlsRow, now: float) -> int:
         """Replace a job's operator controls; returns their new revision."""
-        with self._writing(), self._lock, self.engine.begin() as conn:
+
+        def replace(conn: Connection) -> int:
             rev = int(conn.execute(text("SELECT COALESCE(MAX(revision), 0) FROM job_controls")).scalar() or 0) + 1
             conn.execute(text(_SET_CONTROLS), controls_params(job, controls, rev, now))
             return rev
+
+        with self._writing():
+            return self.transactions.run(replace)
 
     def remember_warm_plan(self, row: WarmPlanRow) -> None:
         """Keep ``row`` as the plan the next job of its model, device and size starts from."""

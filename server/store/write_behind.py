@@ -11,14 +11,16 @@ counted), so one bad row never holds up the others, nor itself forever.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 from collections.abc import Callable
 from typing import Literal, TypeAlias
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, text
 
 from rematd.server.store.columns import Params, dumps
+from rematd.server.store.conflicts import Transactions
 from rematd.server.store.database import STORE_AWAY
 from rematd.server.store.rows import LastStepRow
 from rematd.server.store.tables import STATS
@@ -38,10 +40,9 @@ _TRANSIENT = STORE_AWAY
 class WriteBehind:
     """Buffered statistics rows and the latest row per rank, flushed together."""
 
-    def __init__(self, engine: Engine, write_lock: threading.RLock, max_buffered: int) -> None:
-        self.engine = engine
+    def __init__(self, transactions: Transactions, max_buffered: int) -> None:
         self.max_buffered = max_buffered
-        self._write_lock = write_lock
+        self._transactions = transactions
         self._pending: list[Params] = []
         self._pending_last: Last = {}
         self._flush_lock = threading.Lock()
@@ -87,8 +88,7 @@ class WriteBehind:
             if not self._in_flight:
                 return
             try:
-                with self._write_lock, self.engine.begin() as conn:
-                    self._write(conn, rows, last)
+                self._transactions.run(lambda conn: self._write(conn, rows, last))
             except _TRANSIENT:
                 self._keep(rows, last)
                 raise
@@ -103,18 +103,29 @@ class WriteBehind:
             conn.execute(_INSERT, rows)
         if not last:
             return
-        conn.execute(
-            text("UPDATE ranks SET last_stats=:last_stats WHERE job=:job AND rank=:rank"),
-            [{"last_stats": dumps(r), "job": j, "rank": k} for (j, k), r in last.items()],
-        )
         newest: dict[str, LastStepRow] = {}
         for (j, _k), r in last.items():
             if j not in newest or r["time"] > newest[j]["time"]:
                 newest[j] = r
+        # Jobs' rows before ranks' rows, each in key order, as a hello takes them: two processes writing one
+        # job's rows at once wait for each other, never deadlock.
         conn.execute(
             text("UPDATE jobs SET updated_at=:updated_at, budget_bytes=:budget_bytes WHERE job=:job"),
-            [{"job": j, "updated_at": r["time"], "budget_bytes": r["budget_bytes"]} for j, r in newest.items()],
+            [
+                {"job": j, "updated_at": newest[j]["time"], "budget_bytes": newest[j]["budget_bytes"]}
+                for j in sorted(newest)
+            ],
         )
+        conn.execute(
+            text("UPDATE ranks SET last_stats=:last_stats WHERE job=:job AND rank=:rank"),
+            [{"last_stats": dumps(last[key]), "job": key[0], "rank": key[1]} for key in sorted(last)],
+        )
+
+    def _write_one(self, conn: Connection, *, item: _Item) -> None:
+        if item[0] == "stats":
+            self._write(conn, [item[1]], {})
+        else:
+            self._write(conn, [], dict([item[1]]))
 
     def _write_each(self, rows: list[Params], last: Last) -> None:
         items: list[_Item] = [("stats", r) for r in rows]
@@ -122,11 +133,7 @@ class WriteBehind:
         items += [("last", kv) for kv in sorted(last.items(), key=lambda kv: kv[1]["time"])]
         for i, item in enumerate(items):
             try:
-                with self._write_lock, self.engine.begin() as conn:
-                    if item[0] == "stats":
-                        self._write(conn, [item[1]], {})
-                    else:
-                        self._write(conn, [], dict([item[1]]))
+                self._transactions.run(functools.partial(self._write_one, item=item))
             except _TRANSIENT:
                 rest = items[i:]
                 self._keep([r[1] for r in rest if r[0] == "stats"], dict(r[1] for r in rest if r[0] == "last"))
