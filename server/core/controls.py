@@ -125,10 +125,11 @@ class OperatorControls:
         return dataclasses.replace(self.by_job.get(job) or Controls())
 
     def _set(self, job: str, controls: Controls) -> None:
-        rev = self.store.set_controls(job, controls.as_row(job), time.time())
+        # The revision polled from stays: a revision below this write's, of another process, may not have been read
+        # yet (the next poll reads this write back too, the same controls).
+        self.store.set_controls(job, controls.as_row(job), time.time())
         with self.sessions.lock:
             self.by_job[job] = controls
-            self.revision = max(self.revision, rev)
             retune = self._apply(job, controls)
         self._retune(retune)
 

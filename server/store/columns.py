@@ -146,8 +146,9 @@ def warm_params(row: WarmPlanRow) -> Params:
                               "shape_plans": pack_table(row["shape_plans"])})  # fmt: skip
 
 
-def controls_params(job: str, controls: ControlsRow, revision: int, now: float) -> Params:
-    """A job's row of ``job_controls``: every override, NULL where the controls leave it unset."""
+def controls_params(job: str, controls: ControlsRow, now: float) -> Params:
+    """A job's row of ``job_controls``: every override, NULL where the controls leave it unset; its revision is the
+    write's to number (0 here)."""
     return JOB_CONTROLS.values({**controls, "job": job, "pin_blocks": dumps(controls.get("pin_blocks")),
-                                "pin_modes": packed(controls.get("pin_modes")), "revision": revision,
+                                "pin_modes": packed(controls.get("pin_modes")), "revision": 0,
                                 "updated_at": now})  # fmt: skip

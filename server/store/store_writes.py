@@ -37,15 +37,20 @@ class RankHeldElsewhere(Exception):
         self.holder = holder
 
 
-def _rank_lock(job: str, rank: int) -> int:
-    """A PostgreSQL advisory lock's key for one (job, rank): hellos of a rank on two replicas, one at a time."""
-    digest = hashlib.blake2b(f"{job}\0{rank}".encode(), digest_size=8).digest()
+def _advisory_key(*names: object) -> int:
+    """A PostgreSQL advisory lock's key: one (job, rank)'s hellos on two replicas one at a time, or every
+    process's controls' writes (a key of one name, apart from every rank's)."""
+    digest = hashlib.blake2b("\0".join(map(str, names)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
 _ADD_PLAN = PLANS.insert()
 _ADD_OOM = OOM_EVENTS.insert()
-_SET_CONTROLS = JOB_CONTROLS.insert()
+_NEXT_REVISION = "(SELECT COALESCE(MAX(revision), 0) + 1 FROM job_controls)"
+# The revision is numbered by the write itself, under the database's own write lock (SQLite's: one writer).
+_SET_CONTROLS = JOB_CONTROLS.insert().replace(":revision", _NEXT_REVISION, 1)
+_CONTROLS_LOCK = _advisory_key("job_controls")
+"""The advisory lock controls' writes take on PostgreSQL."""
 _REMEMBER_WARM = WARM_PLANS.insert()
 
 _SAVE_LEARNED = """INSERT INTO learned_state (job, rank, state, updated_at) VALUES (:job, :rank, :state, :updated_at)
@@ -87,7 +92,7 @@ class StoreWrites(StoreConnection):
         def hello(conn: Connection) -> str | None:
             if conn.dialect.name == "postgresql":
                 # Held to the transaction's end: a second replica's hello reads the rank once this one's is in.
-                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _rank_lock(job, rank)})
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _advisory_key(job, rank)})
             row = conn.execute(text(_HELD_ELSEWHERE), {"job": job, "rank": rank, **self._liveness()}).first()
             if row is not None and not gone_here(str(row[0])):
                 return str(row[0])
@@ -165,9 +170,14 @@ class StoreWrites(StoreConnection):
         """Replace a job's operator controls; returns their new revision."""
 
         def replace(conn: Connection) -> int:
-            rev = int(conn.execute(text("SELECT COALESCE(MAX(revision), 0) FROM job_controls")).scalar() or 0) + 1
-            conn.execute(text(_SET_CONTROLS), controls_params(job, controls, rev, now))
-            return rev
+            if conn.dialect.name == "postgresql":
+                # Numbered and committed one writer at a time, every process's: otherwise two writes read the same
+                # newest revision, or a lower one commits after a poller read a higher (``controls_since``), and a
+                # replica that polled between never sees it.
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CONTROLS_LOCK})
+            conn.execute(text(_SET_CONTROLS), controls_params(job, controls, now))
+            revision = conn.execute(text("SELECT revision FROM job_controls WHERE job=:job"), {"job": job}).scalar_one()
+            return int(revision)
 
         with self._writing():
             return self.transactions.run(replace)
