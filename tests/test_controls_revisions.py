@@ -40,6 +40,21 @@ def test_a_process_that_writes_controls_still_reads_the_ones_written_before_by_a
         b.store.close()
 
 
+def test_a_change_written_on_one_process_keeps_what_another_wrote_before(tmp_path: Path) -> None:
+    """An operator pins a job through one worker and tunes it through another at once: the tune keeps the pin
+    (it changed the other worker's stale copy of the job's controls, which had none)."""
+    a, b = AdvisorCore(Store(tmp_path / "r.db"), Metrics()), AdvisorCore(Store(tmp_path / "r.db"), Metrics())
+    try:
+        a.open_session(hello(job="both"))
+        a.pin("both", pin_every=2)
+        assert b.tune("both", {"margin_ratio": 0.2})["pin_every"] == 2
+        a.refresh_controls()
+        assert (a.job_controls("both")["pin_every"], a.job_controls("both")["margin_ratio"]) == (2, 0.2)
+    finally:
+        a.store.close()
+        b.store.close()
+
+
 @pytest.fixture
 def two(postgres_url: str) -> Iterator[tuple[Store, Store]]:  # noqa: F811
     stores = Store(StoreConfig(url=database_url(postgres_url))), Store(StoreConfig(url=database_url(postgres_url)))

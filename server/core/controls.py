@@ -122,6 +122,9 @@ class OperatorControls:
             self.by_job[job] = c
 
     def _copy(self, job: str) -> Controls:
+        """The job's controls to change, as the store has them now: a pin another replica wrote since this one's
+        last poll is kept by a tune written here (an operator's requests may reach a different replica each)."""
+        self.refresh()
         return dataclasses.replace(self.by_job.get(job) or Controls())
 
     def _set(self, job: str, controls: Controls) -> None:
